@@ -1,0 +1,270 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "common/clock.h"
+
+namespace hipress {
+
+// The lock and the "something finished" signal shared by an engine and its
+// task nodes, so a handle stays waitable even after its engine is gone.
+struct EngineSync {
+  std::mutex mu;
+  std::condition_variable done_cv;
+};
+
+const char* queue_name(QueueKind q) { return q == QueueKind::kCompute ? "Q_comp" : "Q_commu"; }
+
+const char* task_state_name(TaskState s) {
+  switch (s) {
+    case TaskState::kPending: return "pending";
+    case TaskState::kQueued: return "queued";
+    case TaskState::kRunning: return "running";
+    case TaskState::kDone: return "done";
+    case TaskState::kFailed: return "failed";
+    case TaskState::kCancelled: return "cancelled";
+  }
+  return "unknown";
+}
+
+static bool is_final(TaskState s) {
+  return s == TaskState::kDone || s == TaskState::kFailed || s == TaskState::kCancelled;
+}
+
+TaskState TaskNode::state() const {
+  std::lock_guard<std::mutex> lock(sync_->mu);
+  return state_;
+}
+bool TaskNode::finished() const { return is_final(state()); }
+std::string TaskNode::error() const {
+  std::lock_guard<std::mutex> lock(sync_->mu);
+  return error_;
+}
+int64_t TaskNode::start_ns() const {
+  std::lock_guard<std::mutex> lock(sync_->mu);
+  return start_ns_;
+}
+int64_t TaskNode::end_ns() const {
+  std::lock_guard<std::mutex> lock(sync_->mu);
+  return end_ns_;
+}
+
+Engine::Engine(EngineOptions options) : sync_(std::make_shared<EngineSync>()) {
+  if (!options.timeline_path.empty()) {
+    timeline_ = std::make_unique<Timeline>(options.timeline_path, options.rank);
+    for (int q = 0; q < kNumQueues; ++q) timeline_->name_row(q, queue_name(static_cast<QueueKind>(q)));
+  }
+  for (int q = 0; q < kNumQueues; ++q) {
+    threads_[q] = std::thread([this, q] { worker_loop(static_cast<QueueKind>(q)); });
+  }
+}
+
+Engine::~Engine() { shutdown(/*drain=*/false); }
+
+TaskHandle Engine::submit(std::string name, QueueKind queue, Work work,
+                          const std::vector<TaskHandle>& deps) {
+  if (!work) throw std::invalid_argument("task '" + name + "' has no work");
+  auto t = std::make_shared<TaskNode>();
+  t->name_ = std::move(name);
+  t->queue_ = queue;
+  t->work_ = std::move(work);
+  t->sync_ = sync_;
+  std::vector<TaskHandle> finished;
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    if (stopping_) throw EngineShutdownError("cannot submit task '" + t->name_ + "': the engine is shut down");
+    int64_t now = now_ns();
+    t->id_ = next_id_++;
+    t->submit_ns_ = now;
+    counters_.submitted++;
+    live_.emplace(t->id_, t);
+    const TaskNode* failed_dep = nullptr;
+    for (const auto& d : deps) {
+      if (!d) throw std::invalid_argument("task '" + t->name_ + "' has a null dependency");
+      if (d->sync_ != sync_) throw std::invalid_argument("task '" + t->name_ + "' depends on '" + d->name_ + "' of another engine");
+      if (d->state_ == TaskState::kDone) continue;
+      if (is_final(d->state_)) { failed_dep = d.get(); break; }
+      d->dependents_.push_back(t);
+      t->pending_deps_++;
+    }
+    if (failed_dep) {
+      // Detach from the dependencies registered so far: it will never run.
+      counters_.dependency_failed++;
+      finish_locked(t, TaskState::kFailed,
+                    "dependency '" + failed_dep->name_ + "' failed: " + failed_dep->error_, &finished);
+    } else if (t->pending_deps_ == 0) {
+      enqueue_locked(t, now);
+    }
+  }
+  run_callbacks(finished);
+  return t;
+}
+
+void Engine::enqueue_locked(const TaskHandle& t, int64_t now) {
+  t->state_ = TaskState::kQueued;
+  t->ready_ns_ = now;
+  int q = static_cast<int>(t->queue_);
+  queues_[q].push_back(t);
+  queue_cv_[q].notify_one();
+}
+
+void Engine::finish_locked(const TaskHandle& t, TaskState state, const std::string& error,
+                           std::vector<TaskHandle>* finished) {
+  // Iterative, so that a long chain of failing dependents cannot overflow the stack.
+  std::vector<std::pair<TaskHandle, std::string>> todo{{t, error}};
+  TaskState first_state = state;
+  while (!todo.empty()) {
+    auto [node, err] = std::move(todo.back());
+    todo.pop_back();
+    if (is_final(node->state_)) continue;  // already failed through another dependency
+    TaskState s = (node == t) ? first_state : TaskState::kFailed;
+    node->state_ = s;
+    node->error_ = err;
+    node->end_ns_ = now_ns();
+    if (node != t && s == TaskState::kFailed) counters_.dependency_failed++;
+    if (s == TaskState::kCancelled) counters_.cancelled++;
+    live_.erase(node->id_);
+    finished->push_back(node);
+    auto dependents = std::move(node->dependents_);
+    node->dependents_.clear();
+    for (auto& dep : dependents) {
+      if (s == TaskState::kDone) {
+        if (--dep->pending_deps_ == 0 && dep->state_ == TaskState::kPending) enqueue_locked(dep, node->end_ns_);
+      } else {
+        std::string why = (s == TaskState::kCancelled) ? "dependency '" + node->name_ + "' was cancelled"
+                                                        : "dependency '" + node->name_ + "' failed: " + err;
+        todo.emplace_back(dep, why);
+      }
+    }
+  }
+  sync_->done_cv.notify_all();
+}
+
+void Engine::run_callbacks(std::vector<TaskHandle>& finished) {
+  for (auto& node : finished) {
+    std::vector<TaskNode::Callback> cbs;
+    {
+      std::lock_guard<std::mutex> lock(sync_->mu);
+      cbs = std::move(node->callbacks_);
+      node->callbacks_.clear();
+    }
+    // Work is released here, outside the lock: it may own Python objects or buffers.
+    Work release = std::move(node->work_);
+    node->work_ = nullptr;
+    release = nullptr;
+    for (auto& cb : cbs) {
+      try {
+        cb(*node);
+      } catch (...) {
+        // A callback must not take the engine thread down; callers report their own errors.
+      }
+    }
+  }
+}
+
+void Engine::worker_loop(QueueKind q) {
+  const int qi = static_cast<int>(q);
+  for (;;) {
+    TaskHandle t;
+    {
+      std::unique_lock<std::mutex> lock(sync_->mu);
+      queue_cv_[qi].wait(lock, [&] { return !queues_[qi].empty() || stopping_; });
+      if (queues_[qi].empty()) return;  // stopping, nothing left
+      t = std::move(queues_[qi].front());
+      queues_[qi].pop_front();
+      t->state_ = TaskState::kRunning;
+      t->start_ns_ = now_ns();
+      counters_.queue[qi].wait_ns += t->start_ns_ - t->ready_ns_;
+    }
+    std::string error;
+    bool ok = true;
+    try {
+      t->work_();
+    } catch (const std::exception& e) {
+      ok = false;
+      error = e.what();
+    } catch (...) {
+      ok = false;
+      error = "unknown C++ exception";
+    }
+    std::vector<TaskHandle> finished;
+    int64_t start, end;
+    {
+      std::lock_guard<std::mutex> lock(sync_->mu);
+      finish_locked(t, ok ? TaskState::kDone : TaskState::kFailed, error, &finished);
+      start = t->start_ns_;
+      end = t->end_ns_;
+      auto& c = counters_.queue[qi];
+      c.tasks_run++;
+      if (!ok) c.tasks_failed++;
+      c.busy_ns += end - start;
+    }
+    if (timeline_) timeline_->slice(qi, t->name_, start, end, ok ? "task" : "failed");
+    run_callbacks(finished);
+  }
+}
+
+bool Engine::wait(const TaskHandle& task, double timeout_s) {
+  if (!task) throw std::invalid_argument("wait on a null task handle");
+  std::unique_lock<std::mutex> lock(task->sync_->mu);
+  auto done = [&] { return is_final(task->state_); };
+  if (timeout_s < 0) {
+    task->sync_->done_cv.wait(lock, done);
+    return true;
+  }
+  return task->sync_->done_cv.wait_for(lock, std::chrono::duration<double>(timeout_s), done);
+}
+
+void Engine::add_callback(const TaskHandle& task, TaskNode::Callback cb) {
+  {
+    std::lock_guard<std::mutex> lock(task->sync_->mu);
+    if (!is_final(task->state_)) {
+      task->callbacks_.push_back(std::move(cb));
+      return;
+    }
+  }
+  cb(*task);
+}
+
+void Engine::shutdown(bool drain, double timeout_s) {
+  std::lock_guard<std::mutex> serial(shutdown_mu_);
+  if (stopped_.load()) return;
+  std::vector<TaskHandle> finished;
+  {
+    std::unique_lock<std::mutex> lock(sync_->mu);
+    if (drain) {
+      auto empty = [&] { return live_.empty(); };
+      if (timeout_s < 0) {
+        sync_->done_cv.wait(lock, empty);
+      } else {
+        sync_->done_cv.wait_for(lock, std::chrono::duration<double>(timeout_s), empty);
+      }
+    }
+    stopping_ = true;
+    // Cancel everything not yet running, in submission order so messages name the root cause.
+    std::vector<TaskHandle> pending;
+    for (auto& kv : live_) {
+      if (kv.second->state_ == TaskState::kPending || kv.second->state_ == TaskState::kQueued) pending.push_back(kv.second);
+    }
+    std::sort(pending.begin(), pending.end(), [](const TaskHandle& a, const TaskHandle& b) { return a->id_ < b->id_; });
+    for (int q = 0; q < kNumQueues; ++q) queues_[q].clear();
+    for (auto& t : pending) finish_locked(t, TaskState::kCancelled, "cancelled: the engine was shut down", &finished);
+    for (int q = 0; q < kNumQueues; ++q) queue_cv_[q].notify_all();
+  }
+  run_callbacks(finished);
+  for (auto& th : threads_) {
+    if (th.joinable()) th.join();
+  }
+  stopped_.store(true);
+  if (timeline_) timeline_->close();
+}
+
+EngineCounters Engine::counters() const {
+  std::lock_guard<std::mutex> lock(sync_->mu);
+  EngineCounters c = counters_;
+  c.live = live_.size();
+  return c;
+}
+
+}  // namespace hipress

@@ -1,0 +1,175 @@
+"""Python face of the CaSync task engine (csrc/engine/).
+
+    eng = hipress.engine.get_engine()
+    a = eng.submit("encode.fc1", encode_fn)                       # compute queue
+    b = eng.submit("send.fc1", send_fn, queue="comm", deps=[a])   # waits for a
+    b.wait(timeout=5.0); b.result()
+
+Work is a Python callable (run with the GIL, on the queue's thread) or a
+``hipress._C.NativeWork`` (runs in C++ without the GIL). A failing task fails
+every task that depends on it; the error surfaces at each handle with the
+task's name and the original message.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Any, Callable, Iterable, Optional, Union
+
+from hipress import _C
+
+QUEUES = {"compute": 0, "comm": 1}
+EngineShutdownError = _C.EngineShutdownError
+
+
+class TaskError(RuntimeError):
+    """A task, or one of its dependencies, failed. ``task`` names the task."""
+
+    def __init__(self, task: str, message: str):
+        super().__init__(f"task '{task}' failed: {message}")
+        self.task = task
+        self.reason = message
+
+
+class TaskTimeout(TimeoutError):
+    pass
+
+
+_NOT_SET = object()
+
+
+class Handle:
+    """Returned by :meth:`Engine.submit` at once; poll, wait or get a future."""
+
+    __slots__ = ("_task", "_box")
+
+    def __init__(self, task: "_C.TaskHandle", box: list):
+        self._task = task
+        self._box = box  # [return value of a Python task], filled by the task itself
+
+    @property
+    def name(self) -> str:
+        return self._task.name
+
+    @property
+    def state(self) -> str:
+        return self._task.state
+
+    def poll(self) -> bool:
+        """Whether the task finished (successfully or not)."""
+        return self._task.finished
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until finished; False if timeout (seconds) passed first."""
+        return self._task.wait(-1.0 if timeout is None else max(0.0, float(timeout)))
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[TaskError]:
+        if not self.wait(timeout):
+            raise TaskTimeout(f"task '{self.name}' did not finish within {timeout} s")
+        if self._task.state == "done":
+            return None
+        return TaskError(self.name, self._task.error)
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        """The Python task's return value (None for native tasks); raises TaskError."""
+        err = self.exception(timeout)
+        if err is not None:
+            raise err
+        return None if self._box[0] is _NOT_SET else self._box[0]
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """fn(handle) runs once the task finished (on the engine thread that finished it)."""
+        self._task.add_done_callback(lambda: fn(self))
+
+    def future(self):
+        """A ``torch.futures.Future`` completed with :meth:`result` (or its error)."""
+        import torch
+
+        fut = torch.futures.Future()
+
+        def _complete(h: "Handle") -> None:
+            err = h.exception(0)
+            if err is None:
+                fut.set_result(None if h._box[0] is _NOT_SET else h._box[0])
+            else:
+                fut.set_exception(err)
+
+        self.add_done_callback(_complete)
+        return fut
+
+    @property
+    def native(self) -> "_C.TaskHandle":
+        return self._task
+
+    def __repr__(self) -> str:
+        return f"<hipress task {self.name!r} {self.state}>"
+
+
+Work = Union[Callable[[], Any], "_C.NativeWork"]
+
+
+class Engine:
+    """Two queues (compute, comm), each drained by its own thread; a dependency graph."""
+
+    def __init__(self, timeline_path: Optional[str] = None, rank: int = 0):
+        self._engine = _C.Engine(timeline_path or "", rank)
+        self.timeline_path = timeline_path
+
+    def submit(self, name: str, work: Work, queue: str = "compute", deps: Iterable[Handle] = ()) -> Handle:
+        if queue not in QUEUES:
+            raise ValueError(f"unknown queue {queue!r}; expected one of {sorted(QUEUES)}")
+        box = [_NOT_SET]
+        if isinstance(work, _C.NativeWork):
+            body = work
+        elif callable(work):
+            def body(work=work, box=box):
+                box[0] = work()
+        else:
+            raise TypeError(f"task work must be callable or a hipress._C.NativeWork, got {type(work).__name__}")
+        native_deps = []
+        for d in deps:
+            if not isinstance(d, Handle):
+                raise TypeError(f"dependencies of task {name!r} must be Handles, got {type(d).__name__}")
+            native_deps.append(d._task)
+        return Handle(self._engine.submit(name, QUEUES[queue], body, native_deps), box)
+
+    def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+        self._engine.shutdown(drain, -1.0 if timeout is None else float(timeout))
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._engine.is_shut_down
+
+    def counters(self) -> dict:
+        return self._engine.counters()
+
+
+_lock = threading.Lock()
+_engine: Optional[Engine] = None
+
+
+def get_engine() -> Engine:
+    """The process-wide engine, created on first use; HIPRESS_TIMELINE=path enables the timeline."""
+    global _engine
+    with _lock:
+        if _engine is None or _engine.is_shut_down:
+            path = os.environ.get("HIPRESS_TIMELINE") or None
+            rank = int(os.environ.get("HIPRESS_RANK", os.environ.get("RANK", "0")) or 0)
+            if path and "{rank}" in path:
+                path = path.format(rank=rank)
+            _engine = Engine(path, rank)
+        return _engine
+
+
+def shutdown_engine(drain: bool = True, timeout: Optional[float] = 30.0) -> None:
+    """Stops the process-wide engine (drains, then cancels what is left)."""
+    global _engine
+    with _lock:
+        eng, _engine = _engine, None
+    if eng is not None:
+        eng.shutdown(drain=drain, timeout=timeout)
+
+
+# Queue threads must stop while the interpreter can still run Python tasks.
+atexit.register(shutdown_engine, True, 10.0)
