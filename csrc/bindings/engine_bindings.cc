@@ -7,6 +7,7 @@
 #include "bindings/registry.h"
 #include "common/clock.h"
 #include "engine/engine.h"
+#include "engine/engine_bench.h"
 #include "engine/native_work.h"
 
 namespace py = pybind11;
@@ -73,6 +74,15 @@ py::dict counters_dict(const EngineCounters& c) {
 HIPRESS_BINDINGS(engine, m) {
   using namespace hipress;
   m.def("now_ns", &now_ns, "Monotonic clock used by the engine counters and timeline (ns).");
+
+  m.def("bench_native_tasks",
+        [](uint64_t tasks, int queues, bool chained) {
+          auto r = bench_native_tasks(tasks, queues, chained);
+          return std::make_pair(r.seconds, r.tasks);  // converted after the GIL is retaken
+        },
+        py::arg("tasks"), py::arg("queues") = 1, py::arg("chained") = false,
+        py::call_guard<py::gil_scoped_release>(),
+        "Engine overhead measured in C++: (seconds, tasks) for no-op native tasks.");
 
   py::register_exception<EngineShutdownError>(m, "EngineShutdownError", PyExc_RuntimeError);
 

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Sets up everything hipress needs on a fresh machine (Debian/Ubuntu, Python >= 3.9)
+# and builds hipress in place (editable). Idempotent: a second run only rebuilds.
+#   bash scripts/setup.sh
+# Environment: HIPRESS_SKIP_APT=1 skips system packages; HIPRESS_WITH_CUDA / HIPRESS_WITH_MPI
+# (auto|0|1) choose the optional native parts (see setup.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# System packages: OpenMPI (mpirun + headers for the native MPI transport) and
+# iproute2 (ip netns / tc for the emulated cluster benchmark).
+if [ "${HIPRESS_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
+  need=()
+  command -v mpicxx >/dev/null || need+=(libopenmpi-dev openmpi-bin)
+  command -v ip >/dev/null || need+=(iproute2)
+  command -v tc >/dev/null || need+=(iproute2)
+  if [ ${#need[@]} -gt 0 ]; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    log "installing system packages: ${need[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  fi
+fi
+
+# Python packages. torch is pinned: a bare "torch" would pull the CUDA build (GBs).
+log "installing Python packages"
+$PY -m pip install -q "torch==2.13.0" numpy pybind11 setuptools wheel \
+  pytest pytest-timeout hypothesis
+if command -v mpicxx >/dev/null; then
+  $PY -m pip install -q mpi4py
+fi
+
+log "building hipress (editable; compiles csrc/ into hipress._C)"
+HIPRESS_BUILD_JOBS=${HIPRESS_BUILD_JOBS:-$(nproc)} $PY -m pip install -q --no-build-isolation -e .
+$PY -c "import hipress, hipress._C as C; print('[setup] hipress', hipress.__version__, '| mpi:', C.with_mpi, '| cuda:', C.with_cuda)"

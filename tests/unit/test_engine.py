@@ -1,0 +1,196 @@
+import json
+import random
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hipress import _C
+from hipress.engine import Engine, EngineShutdownError, TaskError, TaskTimeout
+
+
+@pytest.fixture
+def engine():
+    e = Engine()
+    yield e
+    e.shutdown(drain=False)
+
+
+def test_diamond_python_tasks(engine):
+    order = []
+    a = engine.submit("a", lambda: order.append("a") or 1)
+    b = engine.submit("b", lambda: order.append("b"), queue="comm", deps=[a])
+    c = engine.submit("c", lambda: order.append("c"), deps=[a])
+    d = engine.submit("d", lambda: order.append("d") or "done", queue="comm", deps=[b, c])
+    assert d.result(timeout=5) == "done"
+    assert a.result() == 1
+    assert order[0] == "a" and order[-1] == "d" and sorted(order[1:3]) == ["b", "c"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_dag_runs_in_topological_order(seed):
+    rng = random.Random(seed)
+    n = 300
+    eng = Engine()
+    lock = threading.Lock()
+    order = []
+    handles, deps = [], []
+    for i in range(n):
+        parents = rng.sample(range(i), k=min(i, rng.randint(0, 3)))
+        deps.append(parents)
+
+        def body(i=i):
+            with lock:
+                order.append(i)
+
+        # Mix native and Python work on both queues.
+        work = body if rng.random() < 0.7 else _C.native_noop()
+        handles.append(eng.submit(f"t{i}", work, queue=rng.choice(["compute", "comm"]),
+                                  deps=[handles[p] for p in parents]))
+    eng.shutdown(drain=True, timeout=30)
+    assert all(h.state == "done" for h in handles)
+    pos = {t: k for k, t in enumerate(order)}
+    for i, parents in enumerate(deps):
+        if i in pos:  # native tasks do not record
+            for p in parents:
+                if p in pos:
+                    assert pos[p] < pos[i]
+
+
+def test_compute_and_comm_overlap(engine):
+    # A native compute task busy for 60 ms and a comm task sleeping 60 ms run at once.
+    comp = engine.submit("encode", _C.native_spin(60_000))
+    comm = engine.submit("send", _C.native_sleep(60_000), queue="comm")
+    assert comp.wait(5) and comm.wait(5)
+    a, b = comp.native, comm.native
+    overlap = min(a.end_ns, b.end_ns) - max(a.start_ns, b.start_ns)
+    assert overlap > 30e6, f"queues did not overlap: {overlap / 1e6:.1f} ms"
+
+
+def test_python_task_releases_gil_between_tasks(engine):
+    # The main thread keeps running Python while the engine runs Python tasks.
+    hs = [engine.submit(f"py{i}", lambda: sum(range(1000))) for i in range(200)]
+    spins = 0
+    while not hs[-1].poll():
+        spins += 1
+    assert hs[-1].result(5) == sum(range(1000))
+
+
+def test_failure_propagates_with_name_and_message(engine):
+    def boom():
+        raise ValueError("bad gradient")
+
+    a = engine.submit("encode.fc1", boom)
+    b = engine.submit("send.fc1", lambda: None, queue="comm", deps=[a])
+    c = engine.submit("decode.fc1", lambda: None, deps=[b])
+    with pytest.raises(TaskError) as ei:
+        c.result(timeout=5)
+    msg = str(ei.value)
+    assert "decode.fc1" in msg and "send.fc1" in msg and "ValueError: bad gradient" in msg
+    with pytest.raises(TaskError, match="encode.fc1.*ValueError: bad gradient"):
+        a.result()
+    assert engine.counters()["dependency_failed"] == 2
+
+
+def test_native_failure(engine):
+    h = engine.submit("kernel", _C.native_fail("out of bounds"))
+    assert isinstance(h.exception(5), TaskError)
+    assert "out of bounds" in str(h.exception())
+
+
+def test_wait_with_timeout_returns(engine):
+    h = engine.submit("slow", _C.native_sleep(400_000), queue="comm")
+    t0 = time.perf_counter()
+    assert h.wait(timeout=0.05) is False
+    assert time.perf_counter() - t0 < 0.3
+    with pytest.raises(TaskTimeout):
+        h.result(timeout=0.01)
+    assert h.wait(timeout=5)
+
+
+def test_submit_after_shutdown_is_clear_error():
+    e = Engine()
+    e.shutdown()
+    with pytest.raises(EngineShutdownError, match="shut down"):
+        e.submit("late", lambda: None)
+    e.shutdown()  # idempotent
+
+
+def test_shutdown_cancels_pending():
+    e = Engine()
+    slow = e.submit("slow", _C.native_sleep(200_000), queue="comm")
+    queued = e.submit("queued", lambda: None, queue="comm")
+    dep = e.submit("dep", lambda: None, deps=[slow])
+    deadline = time.time() + 5
+    while slow.state != "running" and time.time() < deadline:
+        time.sleep(0.001)
+    e.shutdown(drain=False)
+    assert slow.state == "done"
+    assert queued.state == "cancelled" and dep.state == "cancelled"
+    with pytest.raises(TaskError, match="cancelled"):
+        queued.result(0)
+
+
+def test_future(engine):
+    fut = engine.submit("f", lambda: 41 + 1).future()
+    assert fut.wait() == 42
+    bad = engine.submit("g", _C.native_fail("nope")).future()
+    with pytest.raises(Exception, match="nope"):
+        bad.wait()
+
+
+def test_counters(engine):
+    hs = [engine.submit(f"c{i}", _C.native_spin(200)) for i in range(10)]
+    hs += [engine.submit(f"m{i}", _C.native_sleep(200), queue="comm") for i in range(5)]
+    for h in hs:
+        h.wait(5)
+    c = engine.counters()
+    assert c["compute"]["tasks_run"] == 10 and c["comm"]["tasks_run"] == 5
+    assert c["compute"]["busy_s"] >= 10 * 200e-6
+    assert c["comm"]["busy_s"] >= 5 * 200e-6
+    assert c["submitted"] == 15 and c["live"] == 0
+
+
+def test_timeline_is_chrome_trace(tmp_path):
+    path = tmp_path / "timeline.json"
+    e = Engine(str(path), rank=3)
+    a = e.submit("encode.w", _C.native_spin(20_000))
+    b = e.submit("send.w", _C.native_sleep(20_000), queue="comm")
+    e.submit("decode.w", lambda: None, deps=[a, b]).wait(5)
+    e.shutdown()
+    events = json.loads(path.read_text())
+    names = {ev["args"]["name"] for ev in events if ev["ph"] == "M"}
+    assert names == {"Q_comp", "Q_commu"}
+    slices = {ev["name"]: ev for ev in events if ev["ph"] == "X"}
+    assert set(slices) == {"encode.w", "send.w", "decode.w"}
+    assert slices["send.w"]["tid"] == 1 and slices["encode.w"]["tid"] == 0
+    assert all(ev["pid"] == 3 for ev in slices.values())
+    assert slices["encode.w"]["dur"] >= 20_000 * 0.9  # µs
+    enc, snd = slices["encode.w"], slices["send.w"]
+    assert min(enc["ts"] + enc["dur"], snd["ts"] + snd["dur"]) > max(enc["ts"], snd["ts"])  # overlapped
+
+
+def test_bad_arguments(engine):
+    with pytest.raises(ValueError, match="unknown queue"):
+        engine.submit("x", lambda: None, queue="gpu")
+    with pytest.raises(TypeError):
+        engine.submit("x", 42)
+    with pytest.raises(TypeError):
+        engine.submit("x", lambda: None, deps=["a"])
+
+
+def test_safe_at_interpreter_exit(tmp_path):
+    # Tasks still queued at exit: the process ends promptly and cleanly.
+    import subprocess
+    import sys
+    code = ("import hipress\n"
+            "e = hipress.get_engine()\n"
+            "from hipress import _C\n"
+            "[e.submit(f't{i}', _C.native_sleep(1000), queue='comm') for i in range(50)]\n"
+            "[e.submit(f'p{i}', lambda: None) for i in range(50)]\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
