@@ -1,0 +1,127 @@
+"""Local launcher: runs a command as N ranks on this machine (torchrun-style env).
+
+    python -m hipress.launch -np 4 python examples/train.py --epochs 3
+
+Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1
+and a free MASTER_PORT, so hipress.init() finds it. Output lines are prefixed with
+the rank. If any rank fails, the others are stopped and the launcher exits with that
+rank's code; Ctrl-C or --timeout stop every rank. Nothing is left running.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, size: int, port: int, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+    return env
+
+
+def _pump(stream, prefix: str, sink, lines: List[str]):
+    for line in iter(stream.readline, ""):
+        lines.append(line)
+        sink.write(prefix + line)
+        sink.flush()
+    stream.close()
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace: float = 3.0):
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.time() + grace
+    for p in procs:
+        while p.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def run(cmd: Sequence[str], np: int, timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
+        quiet: bool = False, cwd: Optional[str] = None):
+    """Runs cmd as np ranks; returns (exit code, [output lines per rank]).
+
+    Exit code: 0 if all ranks succeeded, else the first failing rank's code
+    (124 on timeout). Every rank is stopped before this returns.
+    """
+    if np < 1:
+        raise ValueError(f"-np must be >= 1, got {np}")
+    port = free_port()
+    procs, pumps, outputs = [], [], [[] for _ in range(np)]
+    sink = open(os.devnull, "w") if quiet else sys.stdout
+    try:
+        for r in range(np):
+            p = subprocess.Popen(list(cmd), env=rank_env(r, np, port, env), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=cwd)
+            procs.append(p)
+            t = threading.Thread(target=_pump, args=(p.stdout, f"[{r}] ", sink, outputs[r]), daemon=True)
+            t.start()
+            pumps.append(t)
+        deadline = None if timeout is None else time.time() + timeout
+        code = 0
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                code = failed[0][1]
+                if not quiet:
+                    print(f"[launch] rank {failed[0][0]} exited with {code}; stopping the others", file=sys.stderr)
+                break
+            if all(c == 0 for c in codes):
+                break
+            if deadline is not None and time.time() > deadline:
+                code = 124
+                if not quiet:
+                    print(f"[launch] timeout after {timeout} s; stopping all ranks", file=sys.stderr)
+                break
+            time.sleep(0.05)
+    finally:
+        _stop(procs)
+        for t in pumps:
+            t.join(timeout=5)
+        if quiet:
+            sink.close()
+    return code, ["".join(o) for o in outputs]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hipress.launch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-np", "--np", type=int, default=int(os.environ.get("HIPRESS_NP", "4")), help="number of ranks")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds before every rank is stopped")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
+    a = ap.parse_args(argv)
+    if not a.command:
+        ap.error("no command given (e.g. python -m hipress.launch -np 4 python train.py)")
+    try:
+        code, _ = run(a.command, a.np, a.timeout)
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Shared pieces of the CaSync strategies (paper 000 §3.1, §5).
+
+A strategy turns one gradient partition into a task graph of the five primitives
+(encode, decode, merge on the compute queue; send/recv on the comm queue). It never
+moves bytes itself: comm tasks call the transport, compute tasks call the compressor.
+
+Cross-rank order. Transports match messages in call order, and each rank has a
+single comm thread, so every rank must issue its communication in the same order or
+two ranks can wait on each other forever. Which compute task finishes first is a
+matter of timing, so ready order is not enough: :class:`CommChain` makes every comm
+task depend on the previous one submitted, so comm runs in submission order, which
+is the same on every rank because gradients are submitted in the same order (hooks
+fire in the model's backward order; the optimizer submits missing ones in parameter
+order). The global coordinator (later) replaces this chain with a planned order.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hipress.engine import Engine, Handle
+
+_LEN = struct.Struct("<q")
+
+
+def chunk_bounds(n: int, parts: int) -> List[Tuple[int, int]]:
+    """Splits range(n) into `parts` contiguous (start, end) ranges differing by at most
+    one element (the first n % parts get the extra one); some are empty when n < parts."""
+    if parts <= 0:
+        raise ValueError(f"parts must be positive, got {parts}")
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def frame(payloads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenates payloads as [int64 length][bytes] records (one uint8 tensor)."""
+    total = sum(8 + p.numel() for p in payloads)
+    out = torch.empty(total, dtype=torch.uint8)
+    off = 0
+    for p in payloads:
+        out[off:off + 8] = torch.frombuffer(bytearray(_LEN.pack(p.numel())), dtype=torch.uint8)
+        off += 8
+        out[off:off + p.numel()] = p
+        off += p.numel()
+    return out
+
+
+def unframe(buf: torch.Tensor, expected: int) -> List[torch.Tensor]:
+    """Inverse of :func:`frame`; checks the record count and bounds (views, no copies)."""
+    out, off, n = [], 0, buf.numel()
+    raw = buf.numpy()
+    for i in range(expected):
+        if off + 8 > n:
+            raise ValueError(f"framed buffer truncated: record {i} of {expected} starts past its end ({n} bytes)")
+        (length,) = _LEN.unpack_from(raw, off)
+        off += 8
+        if length < 0 or off + length > n:
+            raise ValueError(f"framed buffer corrupt: record {i} claims {length} bytes, {n - off} left")
+        out.append(buf[off:off + length])
+        off += length
+    if off != n:
+        raise ValueError(f"framed buffer has {n - off} trailing bytes after {expected} records")
+    return out
+
+
+class CommChain:
+    """Orders comm tasks by submission (see module docstring)."""
+
+    def __init__(self):
+        self.last: Optional[Handle] = None
+
+    def deps(self, extra: Sequence[Handle]) -> List[Handle]:
+        return list(extra) + ([self.last] if self.last is not None else [])
+
+    def push(self, h: Handle) -> Handle:
+        self.last = h
+        return h
+
+
+class StateStore:
+    """Per-(tensor, partition, role) compressor state, created on first use.
+
+    Keys are strings, so ``state_dict()`` is a plain dict a checkpoint can hold.
+    """
+
+    def __init__(self):
+        self._states: Dict[str, object] = {}
+        self._pending: Dict[str, dict] = {}
+
+    def get(self, key: str, compressor, numel: int):
+        st = self._states.get(key)
+        if st is None:
+            st = compressor.new_state(numel)
+            if key in self._pending:
+                st.load_state_dict(self._pending.pop(key))
+            self._states[key] = st
+        return st
+
+    def state_dict(self) -> dict:
+        out = {k: v.state_dict() for k, v in self._states.items()}
+        out.update(self._pending)  # restored but not used yet: keep it
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._states.clear()
+        self._pending = dict(sd)
+
+
+@dataclass
+class SyncContext:
+    """What a strategy needs to emit tasks for one gradient."""
+
+    engine: Engine
+    transport: object  # hipress.transport.base.Transport
+    compressor: object  # hipress.compression Compressor
+    states: StateStore
+    chain: CommChain = field(default_factory=CommChain)
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def size(self) -> int:
+        return self.transport.size
+
+    def compute(self, name: str, fn: Callable[[], object], deps: Sequence[Handle] = ()) -> Handle:
+        return self.engine.submit(name, fn, queue="compute", deps=deps)
+
+    def comm(self, name: str, fn: Callable[[], object], deps: Sequence[Handle] = ()) -> Handle:
+        return self.chain.push(self.engine.submit(name, fn, queue="comm", deps=self.chain.deps(deps)))
+
+
+class Strategy:
+    """Builds the task graph that replaces ``flat`` (fp32, 1-D, CPU) by the average over
+    ranks of the decoded aggregate. Returns the handle of the task after which ``flat``
+    holds the result. ``bounds`` are the K partitions (offsets into ``flat``: no copies).
+    """
+
+    name = "strategy"
+
+    def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
+              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
+        raise NotImplementedError

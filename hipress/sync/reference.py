@@ -1,0 +1,66 @@
+"""Sequential, single-process oracle for the CaSync strategies.
+
+Given every rank's gradient, it applies the same compressor calls with the same
+per-chunk / per-partition state keys as the real strategies, in plain loops with no
+engine and no transport, and returns what every rank must end with. Tests compare a
+real multi-process run against it ("decode-of-aggregate semantics").
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from hipress.sync.base import StateStore, chunk_bounds
+
+
+def ring(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: str,
+         bounds: Sequence[Tuple[int, int]], average: bool = True) -> List[torch.Tensor]:
+    n = len(grads)
+    out = [g.detach().float().clone().view(-1) for g in grads]
+    for i, (s, e) in enumerate(bounds):
+        if e <= s:
+            continue
+        key = f"{name}/p{i}"
+        xs = [o[s:e] for o in out]
+        ch = chunk_bounds(e - s, n)
+
+        def encode(r, c):
+            a, b = ch[c]
+            return comp.encode(xs[r][a:b], stores[r].get(f"{key}/c{c}", comp, b - a))
+
+        for step in range(n - 1):
+            # Rank r sends chunk (r - step); rank r + 1 merges it into the same chunk.
+            payloads = [encode(r, (r - step) % n) for r in range(n)]
+            for r in range(n):
+                a, b = ch[(r - step) % n]
+                comp.decode_add(payloads[r], xs[(r + 1) % n][a:b])
+        for r in range(n):
+            c = (r + 1) % n
+            a, b = ch[c]
+            p = encode(r, c)
+            for q in range(n):
+                comp.decode(p, xs[q][a:b])
+        if average:
+            for x in xs:
+                x.div_(n)
+    return out
+
+
+def ps(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: str,
+       bounds: Sequence[Tuple[int, int]], owners: Sequence[int], average: bool = True) -> List[torch.Tensor]:
+    """owners[i]: aggregator rank of partition i (as the real strategy chose it)."""
+    n = len(grads)
+    out = [g.detach().float().clone().view(-1) for g in grads]
+    live = [(i, s, e) for i, (s, e) in enumerate(bounds) if e > s]
+    for (i, s, e), a in zip(live, owners):
+        key = f"{name}/p{i}"
+        acc = torch.zeros(e - s, dtype=torch.float32)
+        for r in range(n):
+            comp.decode_add(comp.encode(out[r][s:e], stores[r].get(f"{key}/worker", comp, e - s)), acc)
+        p = comp.encode(acc, stores[a].get(f"{key}/aggregator", comp, e - s))
+        for r in range(n):
+            comp.decode(p, out[r][s:e])
+            if average:
+                out[r][s:e].div_(n)
+    return out

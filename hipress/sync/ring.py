@@ -1,0 +1,119 @@
+"""CaSync-Ring (paper 000 §3.1, Fig. 1; §5.3).
+
+For each partition x (a view into the gradient), over N ranks, with chunks
+c = 0..N-1 of x:
+
+reduce-scatter, steps s = 0..N-2 on rank r:
+  1. encode   chunk (r - s) mod N               (compute; EF state of that chunk)
+  2. sendrecv payload to r+1, from r-1          (comm)
+  3. merge    chunk (r - s - 1) mod N += decode(received)   (compute, fused decode_add)
+  after step N-2, rank r holds the sum of chunk (r + 1) mod N over all ranks.
+all-gather, steps t = 0..N-2:
+  0. encode the owned chunk once and decode it in place, so the owner ends with the
+     same values as everyone else
+  1. sendrecv: forward the payload received last (first: the own one) to r+1
+  2. decode   chunk (r - t) mod N from what was received
+finally chunks are divided by N (op=Average): decode, then aggregate, then average;
+compressed bytes are never averaged.
+
+Each rank encodes each chunk exactly once per sync (chunks (r - s) for s = 0..N-1), so
+per-chunk error-feedback state lives on that rank. Sparsifiers re-select after every
+merge because step 1 encodes the merged dense chunk. Aggregatable (low-rank)
+compressors are synchronised by :mod:`hipress.sync.lowrank` instead.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import torch
+
+from hipress.engine import Handle
+from hipress.sync.base import Strategy, SyncContext, chunk_bounds
+
+
+def exchange(transport, payload: torch.Tensor, dst: int, src: int) -> torch.Tensor:
+    """Sends payload to dst and returns the payload received from src (sizes differ)."""
+    n_out = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
+    n_in = torch.empty(8, dtype=torch.uint8)
+    transport.sendrecv(n_out, dst, n_in, src)
+    buf = torch.empty(int(n_in.view(torch.int64)[0]), dtype=torch.uint8)
+    transport.sendrecv(payload, dst, buf, src)
+    return buf
+
+
+class RingStrategy(Strategy):
+    name = "ring"
+
+    def __init__(self, average: bool = True):
+        self.average = average
+
+    def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
+              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
+        finals = [self._partition(ctx, f"{tensor_name}/p{i}", flat[s:e], deps)
+                  for i, (s, e) in enumerate(bounds) if e > s]
+        if len(finals) == 1:
+            return finals[0]
+        return ctx.compute(f"done.{tensor_name}", lambda: None, deps=finals or list(deps))
+
+    def _partition(self, ctx: SyncContext, key: str, x: torch.Tensor, deps: Sequence[Handle]) -> Handle:
+        n, r = ctx.size, ctx.rank
+        comp, tr = ctx.compressor, ctx.transport
+        chunks = chunk_bounds(x.numel(), n)
+
+        def view(c):
+            s, e = chunks[c]
+            return x[s:e]
+
+        def state(c):
+            return ctx.states.get(f"{key}/c{c}", comp, chunks[c][1] - chunks[c][0])
+
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        slot = {}
+        last_compute = list(deps)
+
+        # Reduce-scatter.
+        for s in range(n - 1):
+            cs, cr = (r - s) % n, (r - s - 1) % n
+
+            def encode(s=s, cs=cs):
+                slot[("out", s)] = comp.encode(view(cs), state(cs))
+
+            def sendrecv(s=s):
+                slot[("in", s)] = exchange(tr, slot.pop(("out", s)), nxt, prv)
+
+            def merge(s=s, cr=cr):
+                comp.decode_add(slot.pop(("in", s)), view(cr))
+
+            enc = ctx.compute(f"encode.{key}.rs{s}", encode, last_compute)
+            sr = ctx.comm(f"sendrecv.{key}.rs{s}", sendrecv, [enc])
+            last_compute = [ctx.compute(f"merge.{key}.rs{s}", merge, [sr])]
+
+        # All-gather of the encoded owned chunks.
+        owned = (r + 1) % n
+
+        def encode_owned():
+            p = comp.encode(view(owned), state(owned))
+            comp.decode(p, view(owned))
+            slot[("fwd", 0)] = p
+
+        prev = ctx.compute(f"encode.{key}.ag", encode_owned, last_compute)
+        finals = [prev]
+        for t in range(n - 1):
+            c_in = (r - t) % n
+
+            def forward(t=t):
+                payload = slot.pop(("fwd", t))
+                slot[("fwd", t + 1)] = slot[("dec", t)] = exchange(tr, payload, nxt, prv)
+
+            def decode(t=t, c=c_in):
+                comp.decode(slot.pop(("dec", t)), view(c))
+
+            prev = ctx.comm(f"sendrecv.{key}.ag{t}", forward, [prev])
+            finals.append(ctx.compute(f"decode.{key}.ag{t}", decode, [prev]))
+
+        def finish():
+            slot.clear()
+            if self.average:
+                x.div_(n)
+
+        return ctx.compute(f"average.{key}", finish, finals)

@@ -1,0 +1,253 @@
+"""``hipress.DistributedOptimizer``: Horovod-style wrapper around any torch optimizer.
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression="tbq", strategy="ring")
+    loss.backward(); opt.step()
+
+How it works:
+  1. The optimizer's class is swapped for a dynamic subclass of it (its state, param
+     groups and defaults stay as they are), adding the methods below.
+  2. Each parameter gets a post-accumulate-grad hook. When a gradient is final for
+     this step (after ``backward_passes_per_step`` passes), the hook hands it to the
+     chosen CaSync strategy, which submits encode/send/recv/decode/merge tasks to the
+     engine and returns at once: synchronization overlaps the rest of backward.
+  3. ``step()`` (through ``synchronize()``) submits the parameters whose hook did not
+     fire (unused this step: zero gradient, so every rank runs the same collectives),
+     waits for all tasks (bounded by ``HIPRESS_TIMEOUT_S``), then runs the wrapped
+     optimizer's step.
+Semantics: every rank ends with decode(aggregate of decoded gradients) / N; bytes of
+compressed gradients are never averaged.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import zlib
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from hipress import compression as _compression
+from hipress import runtime
+from hipress.engine import Handle, TaskError, get_engine
+from hipress.sync import StateStore, SyncContext, get_strategy
+
+Average = "average"
+Sum = "sum"
+
+
+def _timeout_s() -> float:
+    return float(os.environ.get("HIPRESS_TIMEOUT_S", "60"))
+
+
+def _resolve_named_parameters(optimizer, named_parameters) -> List[Tuple[str, torch.nn.Parameter]]:
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if named_parameters is None:
+        return [(f"param.{i}", p) for i, p in enumerate(params)]
+    named = list(named_parameters)
+    if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
+        raise ValueError("named_parameters must be an iterable of (name, parameter) tuples, "
+                         "e.g. model.named_parameters()")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"named_parameters has duplicate names: {dups}")
+    by_id = {id(p): n for n, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if missing:
+        raise ValueError(f"named_parameters does not name {len(missing)} parameter(s) of the optimizer "
+                         f"(indices {missing[:10]} in param_groups order)")
+    # Keep the optimizer's parameter order: it is the order every rank submits in.
+    return [(by_id[id(p)], p) for p in params]
+
+
+class _HipressOptimizer:
+    """Methods mixed into the dynamic subclass (see module docstring)."""
+
+    def _hipress_setup(self, named, compression, strategy, backward_passes_per_step, op, partition_bytes,
+                       compression_kwargs):
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if op not in (Average, Sum):
+            raise ValueError(f"op must be hipress.Average or hipress.Sum, got {op!r}")
+        runtime.init()
+        self._hp_transport = runtime.transport()
+        self._hp_compressor = _compression.get(compression, **compression_kwargs) if isinstance(compression, str) \
+            else compression
+        if strategy == "auto":
+            # Paper §5.3: equal for quantization and low-rank; PS avoids the ring's
+            # repeated re-sparsification of partial sums.
+            strategy = "ps" if getattr(self._hp_compressor, "category", "") == "sparsification" else "ring"
+        self._hp_strategy = get_strategy(strategy, average=(op == Average))
+        self._hp_states = StateStore()
+        self._hp_ctx = SyncContext(get_engine(), self._hp_transport, self._hp_compressor, self._hp_states)
+        self._hp_named = named
+        self._hp_names = {id(p): n for n, p in named}
+        self._hp_passes = backward_passes_per_step
+        self._hp_partition_bytes = partition_bytes
+        self._hp_counts: Dict[int, int] = {}
+        self._hp_handles: Dict[int, Handle] = {}
+        self._hp_copy_back: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hp_skip = False
+        self._hp_synchronized = False
+        self._hp_check_same_parameters()
+        self._hp_hooks = [p.register_post_accumulate_grad_hook(self._hp_on_grad)
+                          for _, p in named if p.requires_grad]
+
+    # ------------------------------------------------------------------ checks
+    def _hp_check_same_parameters(self):
+        tr = self._hp_transport
+        if tr.size == 1:
+            return
+        sig = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self._hp_named).encode()
+        mine = torch.tensor([len(self._hp_named), zlib.crc32(sig)], dtype=torch.int64).view(torch.uint8)
+        everyone = torch.empty(16 * tr.size, dtype=torch.uint8)
+        tr.allgather(mine, everyone)
+        table = everyone.view(torch.int64).view(tr.size, 2).tolist()
+        bad = [r for r, row in enumerate(table) if row != table[0]]
+        if bad:
+            raise ValueError(
+                f"hipress.DistributedOptimizer: parameters differ across ranks (names, shapes or dtypes): "
+                f"rank(s) {bad} differ from rank 0 ({table[0][0]} parameters); every rank must wrap the same model")
+
+    # ------------------------------------------------------------------ submission
+    def _hp_partitions(self, numel: int) -> List[Tuple[int, int]]:
+        k = max(1, math.ceil(4 * numel / self._hp_partition_bytes)) if self._hp_partition_bytes else 1
+        k = min(k, max(1, numel))
+        base, extra = divmod(numel, k)
+        out, s = [], 0
+        for i in range(k):
+            e = s + base + (1 if i < extra else 0)
+            out.append((s, e))
+            s = e
+        return out
+
+    def _hp_on_grad(self, p: torch.nn.Parameter):
+        if self._hp_skip:
+            return
+        key = id(p)
+        if key in self._hp_handles:
+            raise RuntimeError(
+                f"gradient of '{self._hp_names[key]}' was computed again before step(): "
+                f"call step() (or synchronize()) after every {self._hp_passes} backward pass(es), "
+                f"or raise backward_passes_per_step")
+        self._hp_counts[key] = self._hp_counts.get(key, 0) + 1
+        if self._hp_counts[key] == self._hp_passes:
+            self._hp_submit(p)
+
+    def _hp_submit(self, p: torch.nn.Parameter):
+        key = id(p)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grad = p.grad
+        if self._hp_transport.size == 1:
+            self._hp_handles[key] = None
+            return
+        if grad.dtype == torch.float32 and grad.is_contiguous() and grad.device.type == "cpu":
+            flat = grad.view(-1)  # synchronised in place, no copy
+        else:
+            flat = grad.detach().to(device="cpu", dtype=torch.float32).reshape(-1).clone()
+            self._hp_copy_back[key] = (flat, grad)
+        name = self._hp_names[key]
+        self._hp_handles[key] = self._hp_strategy.build(self._hp_ctx, name, flat, self._hp_partitions(flat.numel()))
+
+    # ------------------------------------------------------------------ public API
+    def synchronize(self):
+        """Waits until every gradient is synchronized (submitting unused ones first)."""
+        if not self._hp_handles and not self._hp_counts:
+            raise RuntimeError("step()/synchronize() called without a backward pass since the last step")
+        incomplete = {self._hp_names[k]: c for k, c in self._hp_counts.items() if c < self._hp_passes}
+        if incomplete and len(incomplete) == len(self._hp_counts):
+            n = next(iter(incomplete.values()))
+            raise RuntimeError(f"step() after {n} of backward_passes_per_step={self._hp_passes} backward passes")
+        for _, p in self._hp_named:  # parameter order: the same on every rank
+            if p.requires_grad and id(p) not in self._hp_handles:
+                self._hp_submit(p)
+        deadline = _timeout_s()
+        errors = []
+        for key, h in self._hp_handles.items():
+            if h is None:
+                continue
+            if not h.wait(deadline):
+                errors.append(f"'{self._hp_names[key]}' not synchronized within {deadline:g} s "
+                              f"(HIPRESS_TIMEOUT_S); a peer may have died or stalled")
+                continue
+            err = h.exception(0)
+            if err is not None:
+                errors.append(str(err))
+        for key, (flat, grad) in self._hp_copy_back.items():
+            grad.copy_(flat.view_as(grad))
+        self._hp_handles.clear()
+        self._hp_counts.clear()
+        self._hp_copy_back.clear()
+        if errors:
+            raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(errors))
+        self._hp_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside: step() does not synchronize (call synchronize() yourself first)."""
+        self._hp_skip = True
+        try:
+            yield
+        finally:
+            self._hp_skip = False
+
+    def step(self, closure=None):
+        if self._hp_skip:
+            if not self._hp_synchronized:
+                raise RuntimeError("step() inside skip_synchronize() needs an explicit synchronize() first")
+        else:
+            self.synchronize()
+        self._hp_synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._hp_handles:
+            raise RuntimeError("zero_grad() called while gradients are being synchronized; call step() "
+                               "or synchronize() first")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        sd = super(self.__class__, self).state_dict()
+        sd["hipress"] = {"compressor_state": self._hp_states.state_dict()}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        hp = state_dict.pop("hipress", None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if hp is not None:
+            self._hp_states.load_state_dict(hp["compressor_state"])
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none",
+                         strategy: str = "ring", backward_passes_per_step: int = 1, op: str = Average,
+                         partition_bytes: Optional[int] = 64 << 20, **compression_kwargs):
+    """Wraps ``optimizer`` so that step() uses gradients averaged over all ranks.
+
+    compression: an algorithm name of ``hipress.compression`` ("none", "onebit", "tbq",
+    "terngrad", "dgc", "graddrop", "powersgd", or a registered user one) or a
+    Compressor instance; extra keyword arguments configure it.
+    strategy: "ring", "ps" or "auto". partition_bytes: gradients larger than this are
+    split into partitions that pipeline independently (None: never).
+    Returns the same optimizer object, whose class is now a subclass of its old class.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if hasattr(optimizer, "_hipress_setup"):
+        raise ValueError("this optimizer is already wrapped by hipress.DistributedOptimizer")
+    named = _resolve_named_parameters(optimizer, named_parameters)
+    base = optimizer.__class__
+    cls = type(base.__name__, (base,), {k: v for k, v in _HipressOptimizer.__dict__.items()
+                                        if not k.startswith("__")} | {"__module__": base.__module__})
+    optimizer.__class__ = cls
+    try:
+        optimizer._hipress_setup(named, compression, strategy, backward_passes_per_step, op, partition_bytes,
+                                 compression_kwargs)
+    except Exception:
+        optimizer.__class__ = base
+        raise
+    return optimizer
