@@ -144,6 +144,18 @@ class Engine:
     def counters(self) -> dict:
         return self._engine.counters()
 
+    @property
+    def timeline_enabled(self) -> bool:
+        return self._engine.timeline_enabled
+
+    def timeline_row(self, row: int, name: str) -> None:
+        """Names an extra timeline row (rows 0 and 1 are the queues)."""
+        self._engine.timeline_row(row, name)
+
+    def timeline_slice(self, row: int, name: str, start_ns: int, end_ns: int) -> None:
+        """Adds an event from outside the engine (times from ``hipress._C.now_ns()``)."""
+        self._engine.timeline_slice(row, name, start_ns, end_ns)
+
 
 _lock = threading.Lock()
 _engine: Optional[Engine] = None

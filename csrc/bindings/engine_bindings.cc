@@ -150,5 +150,18 @@ HIPRESS_BINDINGS(engine, m) {
       .def("shutdown", &Engine::shutdown, py::arg("drain") = true, py::arg("timeout_s") = -1.0,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("is_shut_down", &Engine::is_shut_down)
-      .def("counters", [](const Engine& e) { return counters_dict(e.counters()); });
+      .def("counters", [](const Engine& e) { return counters_dict(e.counters()); })
+      .def_property_readonly("timeline_enabled", [](Engine& e) { return e.timeline() != nullptr; })
+      .def("timeline_row",
+           [](Engine& e, int row, std::string name) {
+             if (row < kNumQueues) throw py::value_error("rows 0 and 1 belong to the engine queues");
+             if (e.timeline()) e.timeline()->name_row(row, name);
+           },
+           py::arg("row"), py::arg("name"), "Names an extra timeline row (>= 2) for events outside the engine.")
+      .def("timeline_slice",
+           [](Engine& e, int row, std::string name, int64_t start_ns, int64_t end_ns) {
+             if (e.timeline()) e.timeline()->slice(row, name, start_ns, end_ns, "event");
+           },
+           py::arg("row"), py::arg("name"), py::arg("start_ns"), py::arg("end_ns"),
+           "Adds a slice (steady-clock ns, see now_ns) to the timeline; no-op when disabled.");
 }

@@ -29,6 +29,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from hipress import _C
 from hipress import compression as _compression
 from hipress import runtime
 from hipress.engine import Handle, TaskError, get_engine
@@ -92,6 +93,10 @@ class _HipressOptimizer:
         self._hp_copy_back: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._hp_skip = False
         self._hp_synchronized = False
+        # Timeline row 2 shows when each gradient became ready, next to the queues.
+        self._hp_mark_ns = _C.now_ns()
+        if self._hp_ctx.engine.timeline_enabled:
+            self._hp_ctx.engine.timeline_row(2, "backward (gradient ready)")
         self._hp_check_same_parameters()
         self._hp_hooks = [p.register_post_accumulate_grad_hook(self._hp_on_grad)
                           for _, p in named if p.requires_grad]
@@ -128,6 +133,10 @@ class _HipressOptimizer:
         if self._hp_skip:
             return
         key = id(p)
+        now = _C.now_ns()
+        if self._hp_ctx.engine.timeline_enabled:
+            self._hp_ctx.engine.timeline_slice(2, f"grad.{self._hp_names[key]}", self._hp_mark_ns, now)
+        self._hp_mark_ns = now
         if key in self._hp_handles:
             raise RuntimeError(
                 f"gradient of '{self._hp_names[key]}' was computed again before step(): "
@@ -202,7 +211,9 @@ class _HipressOptimizer:
         else:
             self.synchronize()
         self._hp_synchronized = False
-        return super(self.__class__, self).step(closure)
+        out = super(self.__class__, self).step(closure)
+        self._hp_mark_ns = _C.now_ns()
+        return out
 
     def zero_grad(self, set_to_none: bool = True):
         if self._hp_handles:

@@ -1,0 +1,103 @@
+"""DistributedOptimizer with real ranks (local processes over gloo; MPI where present)."""
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from hipress import compression
+from hipress.launch import run
+from hipress.sync import StateStore, reference
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ALGORITHMS = {
+    "onebit": {},
+    "tbq": {"threshold": 0.01},
+    "terngrad": {"bitwidth": 2},
+    "dgc": {},
+    "graddrop": {},
+}
+
+
+def launch(tmp_path, np, configs, timeout=240, launcher="local"):
+    out = tmp_path / f"out{np}"
+    out.mkdir()
+    cmd = [sys.executable, os.path.join(HERE, "optim_worker.py"), str(out), json.dumps(configs)]
+    if launcher == "local":
+        code, logs = run(cmd, np, timeout=timeout, quiet=True)
+    else:  # mpirun
+        import subprocess
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        p = subprocess.run(["mpirun", "--oversubscribe", "-np", str(np), *cmd], capture_output=True, text=True,
+                           timeout=timeout, env=env)
+        code, logs = p.returncode, [p.stdout + p.stderr]
+    assert code == 0, "\n".join(logs)[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(np)]
+
+
+def check_exact_average(results, np):
+    for c, cfg_res in enumerate(results[0]):
+        for step in range(len(cfg_res["steps"])):
+            names = cfg_res["steps"][step]["local"].keys()
+            for name in names:
+                local = [results[r][c]["steps"][step]["local"][name] for r in range(np)]
+                exact = torch.stack(local).double().mean(0).float()
+                for r in range(np):
+                    got = results[r][c]["steps"][step]["synced"][name]
+                    torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-6,
+                                               msg=lambda m: f"{cfg_res['config']} rank {r} {name}: {m}")
+
+
+def check_against_reference(results, np):
+    for c, cfg_res in enumerate(results[0]):
+        cfg = cfg_res["config"]
+        comp = compression.get(cfg["compression"], **cfg.get("kwargs", {}))
+        stores = [StateStore() for _ in range(np)]
+        for step in range(len(cfg_res["steps"])):
+            for name, bounds in cfg_res["bounds"].items():
+                local = [results[r][c]["steps"][step]["local"][name].reshape(-1) for r in range(np)]
+                if cfg["strategy"] == "ring":
+                    want = reference.ring(local, comp, stores, name, bounds)
+                else:
+                    owners = [cfg_res["owners"][f"{name}/p{i}"] for i, (s, e) in enumerate(bounds) if e > s]
+                    want = reference.ps(local, comp, stores, name, bounds, owners)
+                for r in range(np):
+                    got = results[r][c]["steps"][step]["synced"][name].reshape(-1)
+                    torch.testing.assert_close(got, want[r], rtol=1e-5, atol=1e-6,
+                                               msg=lambda m: f"{cfg} step {step} rank {r} {name}: {m}")
+
+
+@pytest.mark.parametrize("np", [2, 3, 4])
+def test_uncompressed_equals_exact_average(tmp_path, np):
+    configs = [{"compression": "none", "strategy": s, "passes": p, "steps": 2, "partition_bytes": pb}
+               for s in ("ring", "ps") for p, pb in ((1, 64 << 20), (2, 1024))]
+    check_exact_average(launch(tmp_path, np, configs), np)
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_algorithms_match_reference(tmp_path, np):
+    configs = [{"compression": a, "strategy": s, "kwargs": kw, "steps": 2, "partition_bytes": 2048}
+               for a, kw in ALGORITHMS.items() for s in ("ring", "ps")]
+    check_against_reference(launch(tmp_path, np, configs), np)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+def test_mpirun_uncompressed_and_compressed(tmp_path):
+    configs = [{"compression": "none", "strategy": s, "steps": 1} for s in ("ring", "ps")]
+    check_exact_average(launch(tmp_path, 3, configs, launcher="mpi"), 3)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ps"])
+def test_training_matches_ddp(tmp_path, strategy):
+    np = 3
+    cmd = [sys.executable, os.path.join(HERE, "ddp_worker.py"), str(tmp_path), strategy, "50"]
+    code, logs = run(cmd, np, timeout=240, quiet=True)
+    assert code == 0, "\n".join(logs)[-4000:]
+    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(np)]
+    for r in range(np):
+        for k, v in states[r]["ddp"].items():
+            torch.testing.assert_close(states[r]["hipress"][k], v, rtol=1e-4, atol=1e-5)
+            assert torch.equal(states[r]["hipress"][k], states[0]["hipress"][k])  # ranks agree exactly
