@@ -1,0 +1,224 @@
+"""Per-gradient plans: compress or not, and K partitions, from the cost model.
+
+    model = CostModel(send, enc, dec, n=16, strategy="ps_colocated", category="quantization", rate=1/16)
+    plan = make_plan([("fc.weight", 411041792), ("fc.bias", 16384)], model,
+                     Overrides(min_compress_bytes=1 << 20, force={"fc.bias": False}))
+    plan["fc.weight"].compress, plan["fc.weight"].k
+    plan.bounds("fc.weight", numel)          # [(start, end), ...] K contiguous ranges
+
+:meth:`Plan.bounds` also answers for names not in the plan (it plans them on the
+fly from numel), so an optimizer can call it for every gradient it submits.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from hipress.planner.cost_model import CostModel, Decision
+
+Bounds = List[Tuple[int, int]]
+
+
+@dataclass
+class Overrides:
+    """User pins applied on top of the model's choice.
+
+    min_compress_bytes: never compress gradients smaller than this.
+    max_compress_bytes: never compress gradients larger than this (None: no limit).
+    max_partitions: upper bound on K (default: N, the paper's range; may exceed N,
+        then partitions run in ceil(K/N) rounds).
+    min_partition_bytes: never make partitions smaller than this (caps K at m / this).
+    force: per-name decision: True/False forces compress on/off (K still chosen by
+        the model), an int forces K (compression still chosen), a (bool, int) pair
+        forces both.
+    """
+
+    min_compress_bytes: int = 0
+    max_compress_bytes: Optional[int] = None
+    max_partitions: Optional[int] = None
+    min_partition_bytes: int = 0
+    force: Dict[str, Union[bool, int, Tuple[bool, int]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One gradient's plan. Times are the model's predictions in seconds.
+
+    t_orig, t_cpr: best predicted time without / with compression over the allowed K
+    (both are always computed, also when a pin rules one out); k_orig, k_cpr: the K
+    achieving them.
+    compress, k: the decision. reason: 'model', or which pin decided.
+    """
+
+    name: str
+    nbytes: int
+    compress: bool
+    k: int
+    t_orig: float
+    k_orig: int
+    t_cpr: float
+    k_cpr: int
+    reason: str = "model"
+
+    @property
+    def t_pred(self) -> float:
+        return self.t_cpr if self.compress else self.t_orig
+
+    def bounds(self, numel: int) -> Bounds:
+        return partition_bounds(numel, self.k)
+
+
+def partition_bounds(numel: int, k: int) -> Bounds:
+    """K contiguous (start, end) element ranges covering [0, numel); sizes differ by at most 1.
+
+    K is capped at numel (no empty partitions) and floored at 1.
+    """
+    numel, k = int(numel), int(k)
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    k = max(1, min(k, numel)) if numel else 1
+    base, extra = divmod(numel, k)
+    out, s = [], 0
+    for i in range(k):
+        e = s + base + (1 if i < extra else 0)
+        out.append((s, e))
+        s = e
+    return out
+
+
+def plan_one(name: str, nbytes: int, model: CostModel, overrides: Optional[Overrides] = None) -> PlanEntry:
+    ov = overrides or Overrides()
+    nbytes = int(nbytes)
+    if nbytes < 0:
+        raise ValueError(f"{name}: negative size {nbytes}")
+    k_max = ov.max_partitions if ov.max_partitions is not None else model.n
+    if ov.min_partition_bytes > 0:
+        k_max = min(k_max, max(1, nbytes // ov.min_partition_bytes))
+    k_max = max(1, min(k_max, max(1, nbytes // 4)))  # at least one fp32 element per partition
+    allow, reason = True, "model"
+    if nbytes < ov.min_compress_bytes:
+        allow, reason = False, "min_compress_bytes"
+    if ov.max_compress_bytes is not None and nbytes > ov.max_compress_bytes:
+        allow, reason = False, "max_compress_bytes"
+    forced_c, forced_k = None, None
+    if name in ov.force:
+        f = ov.force[name]
+        if isinstance(f, bool):
+            forced_c = f
+        elif isinstance(f, int):
+            forced_k = f
+        elif isinstance(f, (tuple, list)) and len(f) == 2 and isinstance(f[0], bool) and isinstance(f[1], int):
+            forced_c, forced_k = f
+        else:
+            raise ValueError(f"force[{name!r}] must be a bool, an int K, or (bool, K); got {f!r}")
+        if forced_k is not None and forced_k < 1:
+            raise ValueError(f"force[{name!r}]: K must be >= 1, got {forced_k}")
+        reason = "force"
+    lo, hi = (forced_k, forced_k) if forced_k is not None else (1, k_max)
+    if forced_c is not None:
+        allow = forced_c
+    d: Decision = model.decide(nbytes, k_max=hi, k_min=lo, allow_compress=True)  # both branches, for display
+    if forced_c is True:
+        compress = True
+    elif not allow:
+        compress = False
+    else:
+        compress = d.compress
+    k = d.k_cpr if compress else d.k_orig
+    return PlanEntry(name, nbytes, compress, k, d.t_orig, d.k_orig, d.t_cpr, d.k_cpr, reason)
+
+
+class Plan:
+    """Ordered per-gradient plan entries with lookup by name."""
+
+    def __init__(self, entries: Iterable[PlanEntry], model: CostModel, overrides: Optional[Overrides] = None):
+        self.entries: List[PlanEntry] = list(entries)
+        self.model = model
+        self.overrides = overrides or Overrides()
+        self._by_name = {e.name: e for e in self.entries}
+
+    def __getitem__(self, name: str) -> PlanEntry:
+        return self._by_name[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __len__(self):
+        return len(self.entries)
+
+    def entry(self, name: str, numel: int) -> PlanEntry:
+        """The plan for ``name``; planned from ``numel`` fp32 elements if not in the plan.
+
+        A planned entry whose size disagrees with numel is re-planned (a stale plan).
+        """
+        e = self._by_name.get(name)
+        if e is None or e.nbytes != 4 * int(numel):
+            e = plan_one(name, 4 * int(numel), self.model, self.overrides)
+            self._by_name[name] = e
+        return e
+
+    def compress(self, name: str, numel: int) -> bool:
+        return self.entry(name, numel).compress
+
+    def bounds(self, name: str, numel: int) -> Bounds:
+        """Partition bounds for a gradient of ``numel`` fp32 elements (what CaSync strategies take)."""
+        return self.entry(name, numel).bounds(numel)
+
+    def predicted_time(self) -> Tuple[float, float, float]:
+        """(all uncompressed at best K, all compressed at best K, as planned), summed over entries."""
+        return (sum(e.t_orig for e in self.entries), sum(e.t_cpr for e in self.entries),
+                sum(e.t_pred for e in self.entries))
+
+    def to_dicts(self) -> List[dict]:
+        return [asdict(e) for e in self.entries]
+
+    def table(self) -> str:
+        return format_table(self.entries, self.model)
+
+
+def make_plan(gradients: Union[Mapping[str, int], Sequence[Tuple[str, int]]], model: CostModel,
+              overrides: Optional[Overrides] = None) -> Plan:
+    """Plan every (name, bytes) gradient with ``model`` and ``overrides``."""
+    items = list(gradients.items()) if isinstance(gradients, Mapping) else list(gradients)
+    names = [n for n, _ in items]
+    if len(set(names)) != len(names):
+        raise ValueError("gradient names must be unique")
+    return Plan((plan_one(n, b, model, overrides) for n, b in items), model, overrides)
+
+
+# ---------------------------------------------------------------------------- printing
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.3g}{unit}"
+    return f"{int(n)}B"
+
+
+def _ms(t: float) -> str:
+    return "-" if math.isinf(t) else f"{t * 1e3:.3f}"
+
+
+def format_table(entries: Sequence[PlanEntry], model: CostModel) -> str:
+    head = (f"# N={model.n} strategy={model.strategy} category={model.category} rate={model.rate:g}\n"
+            f"# times are model predictions in ms; orig@K / cpr@K: best time without / with compression "
+            f"and the K achieving it\n")
+    cols = ("gradient", "size", "compress", "K", "orig ms", "@K", "cpr ms", "@K", "speedup", "by")
+    rows = []
+    for e in entries:
+        sp = e.t_orig / e.t_pred if e.t_pred > 0 else 1.0
+        rows.append((e.name, fmt_bytes(e.nbytes), "yes" if e.compress else "no", str(e.k), _ms(e.t_orig),
+                     str(e.k_orig), _ms(e.t_cpr), str(e.k_cpr) if not math.isinf(e.t_cpr) else "-",
+                     f"{sp:.2f}x", e.reason))
+    w = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    line = lambda r: "  ".join(x.ljust(w[i]) if i == 0 else x.rjust(w[i]) for i, x in enumerate(r))
+    out = [line(cols), line(tuple("-" * x for x in w))] + [line(r) for r in rows]
+    if entries:
+        o = sum(e.t_orig for e in entries)
+        p = sum(e.t_pred for e in entries)
+        out.append(f"# total: never compress {o * 1e3:.3f} ms, as planned {p * 1e3:.3f} ms")
+    return head + "\n".join(out)

@@ -1,0 +1,283 @@
+"""Profiling T_enc, T_dec and T_send on a ladder of sizes, fitting curves, caching as JSON.
+
+* :func:`measure_codec` times a compressor's ``encode``/``decode`` on fp32 tensors
+  of each ladder size (median of ``repeats`` runs after ``warmup``). T_enc is keyed
+  by the original bytes, T_dec by the *payload* (compressed) bytes, matching
+  equation 2's T_dec(r m / K).
+* :func:`measure_send` takes a callable ``send_once(nbytes) -> seconds`` (one
+  point-to-point transfer between real peers, or a fake in tests) and records the
+  median per size.
+* :class:`Profile` holds the samples and the fitted curves, keyed by cluster shape
+  (N, strategy), device and algorithm; :func:`save_profile` / :func:`load_profile`
+  write and validate the JSON; :func:`load_or_profile` reuses a cached profile from
+  ``$HIPRESS_PROFILE_DIR`` (default ``~/.cache/hipress/profiles``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from hipress.planner.cost_model import (
+    CATEGORIES, STRATEGIES, AffineCurve, CostModel, PiecewiseAffineCurve, curve_from_dict,
+)
+
+FORMAT = "hipress-planner-profile"
+VERSION = 1
+KB, MB = 1 << 10, 1 << 20
+#: 4 KB, 16 KB, ..., 64 MB (x4 steps)
+DEFAULT_LADDER: Tuple[int, ...] = tuple(4 * KB * 4 ** i for i in range(8))
+FITS = ("piecewise", "affine")
+
+Samples = List[Tuple[float, float]]
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, corrupt, or for another cluster shape/device/algorithm."""
+
+
+# --------------------------------------------------------------------------- measuring
+def _median_time(fn: Callable[[], float], repeats: int, warmup: int) -> float:
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def measure_send(send_once: Callable[[int], float], sizes: Sequence[int] = DEFAULT_LADDER,
+                 repeats: int = 5, warmup: int = 1) -> Samples:
+    """[(nbytes, median seconds)] of ``send_once(nbytes)`` for each size."""
+    out = []
+    for s in sizes:
+        t = _median_time(lambda: float(send_once(int(s))), repeats, warmup)
+        if not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"send_once({s}) returned {t!r}, expected seconds >= 0")
+        out.append((float(s), t))
+    return out
+
+
+def measure_codec(compressor, sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5, warmup: int = 1,
+                  device: str = "cpu", seed: int = 0) -> Tuple[Samples, Samples]:
+    """Time ``compressor.encode`` and ``compressor.decode`` on random fp32 gradients.
+
+    Returns (enc, dec): enc = [(original bytes, median s)], dec = [(payload bytes,
+    median s)]. sizes are bytes (rounded down to whole fp32 elements). Each timed
+    call is bracketed by ``torch.cuda.synchronize`` on a CUDA device so
+    asynchronous kernels are fully counted.
+    """
+    import torch
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    enc, dec = [], []
+    for s in sizes:
+        numel = max(1, int(s) // 4)
+        grad = torch.randn(numel, generator=gen).to(dev)
+        state = compressor.new_state(numel) if hasattr(compressor, "new_state") else None
+        out = torch.empty_like(grad)
+        box = {}
+
+        def run_enc():
+            sync()
+            t0 = time.perf_counter()
+            box["p"] = compressor.encode(grad, state)
+            sync()
+            return time.perf_counter() - t0
+
+        def run_dec():
+            sync()
+            t0 = time.perf_counter()
+            compressor.decode(box["p"], out)
+            sync()
+            return time.perf_counter() - t0
+
+        enc.append((float(4 * numel), _median_time(run_enc, repeats, warmup)))
+        payload_bytes = float(box["p"].numel() * box["p"].element_size())
+        dec.append((payload_bytes, _median_time(run_dec, repeats, warmup)))
+    return enc, dec
+
+
+def fit_curve(samples: Samples, kind: str = "piecewise"):
+    """Fit a curve of bytes -> seconds: 'piecewise' (through the medians) or 'affine'."""
+    if kind not in FITS:
+        raise ValueError(f"unknown fit {kind!r}; expected one of {FITS}")
+    xs, ys = [s for s, _ in samples], [t for _, t in samples]
+    if kind == "affine":
+        return AffineCurve.fit(xs, ys)
+    return PiecewiseAffineCurve.fit(xs, ys)
+
+
+# ----------------------------------------------------------------------------- profile
+@dataclass
+class Profile:
+    """Measured samples and fitted curves for one (N, strategy, device, algorithm)."""
+
+    n: int
+    strategy: str
+    device: str
+    algorithm: str
+    category: str
+    rate: float
+    send: object
+    enc: object
+    dec: object
+    samples: Dict[str, Samples] = field(default_factory=dict)
+    created: str = ""
+    meta: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def key(self) -> Dict[str, object]:
+        return {"n": self.n, "strategy": self.strategy, "device": self.device, "algorithm": self.algorithm}
+
+    def cost_model(self, strategy: Optional[str] = None) -> CostModel:
+        return CostModel(self.send, self.enc, self.dec, self.n, strategy or self.strategy, self.category, self.rate)
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT, "version": VERSION, "key": self.key, "category": self.category, "rate": self.rate,
+            "curves": {"send": self.send.to_dict(), "enc": self.enc.to_dict(), "dec": self.dec.to_dict()},
+            "samples": {k: [list(p) for p in v] for k, v in self.samples.items()},
+            "created": self.created, "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "<dict>") -> "Profile":
+        def bad(msg):
+            return ProfileError(f"{source}: invalid hipress planner profile: {msg}")
+
+        if not isinstance(d, dict):
+            raise bad(f"top level is {type(d).__name__}, expected an object")
+        if d.get("format") != FORMAT:
+            raise bad(f"format is {d.get('format')!r}, expected {FORMAT!r}")
+        if d.get("version") != VERSION:
+            raise bad(f"version is {d.get('version')!r}, this hipress reads version {VERSION}")
+        for k in ("key", "category", "rate", "curves"):
+            if k not in d:
+                raise bad(f"missing field {k!r}")
+        key = d["key"]
+        if not isinstance(key, dict) or set(key) != {"n", "strategy", "device", "algorithm"}:
+            raise bad(f"key must have exactly n, strategy, device, algorithm; got {key!r}")
+        if not isinstance(key["n"], int) or isinstance(key["n"], bool) or key["n"] < 1:
+            raise bad(f"key.n must be an integer >= 1, got {key['n']!r}")
+        if key["strategy"] not in STRATEGIES:
+            raise bad(f"key.strategy {key['strategy']!r} not in {STRATEGIES}")
+        for k in ("device", "algorithm"):
+            if not isinstance(key[k], str) or not key[k]:
+                raise bad(f"key.{k} must be a non-empty string, got {key[k]!r}")
+        if d["category"] not in CATEGORIES:
+            raise bad(f"category {d['category']!r} not in {CATEGORIES}")
+        rate = d["rate"]
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
+            raise bad(f"rate must be a number > 0, got {rate!r}")
+        curves = d["curves"]
+        if not isinstance(curves, dict) or set(curves) != {"send", "enc", "dec"}:
+            raise bad(f"curves must have exactly send, enc, dec; got {curves!r}")
+        try:
+            built = {k: curve_from_dict(v) for k, v in curves.items()}
+        except (ValueError, KeyError, TypeError) as e:
+            raise bad(f"bad curve: {e}") from None
+        samples = d.get("samples", {})
+        try:
+            samples = {str(k): [(float(a), float(b)) for a, b in v] for k, v in samples.items()}
+        except (ValueError, TypeError, AttributeError) as e:
+            raise bad(f"bad samples: {e}") from None
+        return cls(key["n"], key["strategy"], key["device"], key["algorithm"], d["category"], float(rate),
+                   built["send"], built["enc"], built["dec"], samples, str(d.get("created", "")),
+                   dict(d.get("meta", {}) or {}))
+
+
+def build_profile(*, n: int, strategy: str, device: str, algorithm: str, category: str, rate: float,
+                  send_samples: Samples, enc_samples: Samples, dec_samples: Samples,
+                  fit: str = "piecewise", meta: Optional[dict] = None) -> Profile:
+    """Fit curves to already-measured samples and wrap them in a :class:`Profile`."""
+    return Profile(int(n), strategy, device, algorithm, category, float(rate),
+                   fit_curve(send_samples, fit), fit_curve(enc_samples, fit), fit_curve(dec_samples, fit),
+                   {"send": list(send_samples), "enc": list(enc_samples), "dec": list(dec_samples)},
+                   time.strftime("%Y-%m-%dT%H:%M:%S"), {"fit": fit, **(meta or {})})
+
+
+def profile_compressor(compressor, send_once: Callable[[int], float], *, n: int, strategy: str,
+                       device: str = "cpu", algorithm: Optional[str] = None,
+                       sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5, fit: str = "piecewise") -> Profile:
+    """Measure the codec on ``device`` and ``send_once`` on the ladder and fit a profile."""
+    enc, dec = measure_codec(compressor, sizes, repeats, device=device)
+    send = measure_send(send_once, sizes, repeats)
+    measured_rate = statistics.median(d / e for (e, _), (d, _) in zip(enc, dec) if e > 0)
+    rate = float(getattr(compressor, "rate", measured_rate) or measured_rate)
+    return build_profile(n=n, strategy=strategy, device=device, algorithm=algorithm or compressor.name,
+                         category=compressor.category, rate=rate, send_samples=send, enc_samples=enc,
+                         dec_samples=dec, fit=fit,
+                         meta={"repeats": repeats, "measured_rate": measured_rate})
+
+
+# ------------------------------------------------------------------------------ caching
+def default_profile_dir() -> Path:
+    return Path(os.environ.get("HIPRESS_PROFILE_DIR") or Path.home() / ".cache" / "hipress" / "profiles")
+
+
+def _safe(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(s)) or "_"
+
+
+def profile_path(n: int, strategy: str, device: str, algorithm: str, cache_dir=None) -> Path:
+    d = Path(cache_dir) if cache_dir is not None else default_profile_dir()
+    return d / f"{_safe(algorithm)}__{_safe(device)}__n{int(n)}__{_safe(strategy)}.json"
+
+
+def save_profile(profile: Profile, path=None, cache_dir=None) -> Path:
+    """Write ``profile`` as JSON (atomically); default path from :func:`profile_path`."""
+    p = Path(path) if path is not None else profile_path(profile.n, profile.strategy, profile.device,
+                                                         profile.algorithm, cache_dir)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=1, sort_keys=True))
+    os.replace(tmp, p)
+    return p
+
+
+def load_profile(path, *, n: Optional[int] = None, strategy: Optional[str] = None,
+                 device: Optional[str] = None, algorithm: Optional[str] = None) -> Profile:
+    """Read and validate a profile; every key given must match the file's key."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ProfileError(f"{p}: cannot read profile: {e}") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{p}: corrupt profile (not valid JSON: {e}); delete it to re-profile") from None
+    prof = Profile.from_dict(d, str(p))
+    want = {"n": n, "strategy": strategy, "device": device, "algorithm": algorithm}
+    diff = {k: (v, prof.key[k]) for k, v in want.items() if v is not None and prof.key[k] != v}
+    if diff:
+        what = ", ".join(f"{k}: wanted {a!r}, file has {b!r}" for k, (a, b) in diff.items())
+        raise ProfileError(f"{p}: profile is for another configuration ({what})")
+    return prof
+
+
+def load_or_profile(compressor, send_once: Callable[[int], float], *, n: int, strategy: str,
+                    device: str = "cpu", algorithm: Optional[str] = None, cache_dir=None,
+                    refresh: bool = False, **kw) -> Profile:
+    """Reuse the cached profile for this (N, strategy, device, algorithm), else measure and save it.
+
+    A corrupt or mismatched cached file raises :class:`ProfileError` rather than being
+    silently overwritten (pass ``refresh=True`` to re-measure).
+    """
+    algorithm = algorithm or compressor.name
+    p = profile_path(n, strategy, device, algorithm, cache_dir)
+    if p.exists() and not refresh:
+        return load_profile(p, n=n, strategy=strategy, device=device, algorithm=algorithm)
+    prof = profile_compressor(compressor, send_once, n=n, strategy=strategy, device=device,
+                              algorithm=algorithm, **kw)
+    save_profile(prof, p)
+    return prof
