@@ -8,3 +8,6 @@ from hipress.planner.cost_model import (  # noqa: F401
     CATEGORIES, STRATEGIES, AffineCurve, CostModel, Decision, PiecewiseAffineCurve, SyncParams,
     curve_from_dict, rounds, sync_params,
 )
+from hipress.planner.plan import (  # noqa: F401
+    Overrides, Plan, PlanEntry, make_plan, partition_bounds, plan_one,
+)

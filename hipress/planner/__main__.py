@@ -34,12 +34,12 @@ def parse_size(s: str) -> int:
 def parse_rate(s: str) -> float:
     """Bandwidth/throughput in bytes/s: '10gbit', '56Gbps', '7GB/s', '7e9' (bytes/s)."""
     t = s.strip().lower().replace("/s", "ps").replace(" ", "")
-    m = re.fullmatch(_NUM + r"([kmgt]?)(bit|bps|b|bps|byteps|bytes|)(ps)?", t)
+    m = re.fullmatch(_NUM + r"([kmgt]?)(bit|bps|b|bytes|)(ps)?", t)
     if not m:
         raise argparse.ArgumentTypeError(f"bad bandwidth {s!r} (e.g. 10gbit, 56Gbps, 7GB/s)")
     v = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-    unit = m.group(3)
-    bits = unit in ("bit", "bps") and not s.strip().endswith(("B/s", "Bps", "B"))
+    # bits: 'bit', 'bit/s', lower-case 'bps' (56Gbps); bytes: 'B', 'B/s', 'Bps', 'bytes', no unit
+    bits = m.group(3) in ("bit", "bps") and not s.strip().endswith(("B/s", "Bps", "B"))
     return v / 8 if bits else v
 
 
@@ -130,12 +130,19 @@ def main(argv=None) -> int:
     ov = Overrides(min_compress_bytes=args.min_compress_bytes, max_compress_bytes=args.max_compress_bytes,
                    max_partitions=args.k_max, min_partition_bytes=args.min_partition_bytes)
     plan = make_plan(grads, model, ov)
+    try:
+        _emit(args, source, plan)
+    except BrokenPipeError:  # e.g. piped into head
+        sys.stderr.close()
+    return 0
+
+
+def _emit(args, source, plan) -> None:
     if args.json:
         print(json.dumps({"source": source, "entries": plan.to_dicts()}, indent=1, default=str))
     else:
         print(f"# {source}")
         print(plan.table())
-    return 0
 
 
 if __name__ == "__main__":

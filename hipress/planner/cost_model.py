@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 STRATEGIES = ("ring", "ps", "ps_colocated")
 CATEGORIES = ("quantization", "sparsification", "lowrank")

@@ -1,11 +1,10 @@
 """Selective compression and partitioning planner (paper section 3.3): formulas, optimum,
 Fig. 14 reproduction, profiling/caching, plans and the CLI. No C++ core or GPU needed."""
 import json
-import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hipress.planner import (
