@@ -101,3 +101,39 @@ def test_training_matches_ddp(tmp_path, strategy):
         for k, v in states[r]["ddp"].items():
             torch.testing.assert_close(states[r]["hipress"][k], v, rtol=1e-4, atol=1e-5)
             assert torch.equal(states[r]["hipress"][k], states[0]["hipress"][k])  # ranks agree exactly
+
+
+def test_timeline_shows_overlap(tmp_path):
+    """Encodes of later layers run while earlier layers are still in backward, and
+    communication overlaps compression (read from rank 0's Chrome trace)."""
+    path = tmp_path / "tl.{rank}.json"
+    env = dict(os.environ, HIPRESS_TIMELINE=str(path))
+    cmd = [sys.executable, os.path.join(HERE, "timeline_worker.py"), "tbq"]
+    code, logs = run(cmd, 2, timeout=180, quiet=True, env=env)
+    assert code == 0, "\n".join(logs)[-4000:]
+    events = json.loads((tmp_path / "tl.0.json").read_text())
+    sl = [e for e in events if e["ph"] == "X"]
+    grads = sorted((e for e in sl if e["tid"] == 2), key=lambda e: e["ts"])
+    assert grads, "no gradient-ready events in the timeline"
+    # Per step, backward ends at the last gradient-ready event of that step.
+    encodes = [e for e in sl if e["tid"] == 0 and e["name"].startswith("encode.")]
+    comms = [e for e in sl if e["tid"] == 1]
+    n_params = len({e["name"] for e in grads})
+    ends_of_backward = [grads[i + n_params - 1]["ts"] + grads[i + n_params - 1]["dur"]
+                        for i in range(0, len(grads) - n_params + 1, n_params)]
+    first_grad = [grads[i]["ts"] for i in range(0, len(grads) - n_params + 1, n_params)]
+    early = [e for e in encodes for a, b in zip(first_grad, ends_of_backward) if a <= e["ts"] < b]
+    assert early, "no encode task started while backward was still running"
+
+    def overlaps(a, b):
+        return min(a["ts"] + a["dur"], b["ts"] + b["dur"]) > max(a["ts"], b["ts"])
+
+    compute = [e for e in sl if e["tid"] == 0 and e["name"].split(".")[0] in ("encode", "merge", "decode")]
+    assert any(overlaps(c, m) for c in compute for m in comms), "communication never overlapped compression"
+
+
+def test_parameters_differing_across_ranks_are_rejected():
+    code, logs = run([sys.executable, os.path.join(HERE, "mismatch_worker.py")], 3, timeout=120, quiet=True)
+    assert code == 3, "\n".join(logs)[-3000:]
+    text = "\n".join(logs)
+    assert "MISMATCH" in text and "rank(s) [1] differ from rank 0" in text

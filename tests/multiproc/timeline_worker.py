@@ -1,0 +1,30 @@
+"""One rank: a few training steps of a deep MLP with HIPRESS_TIMELINE set (by the test)."""
+import sys
+
+import torch
+import torch.nn as nn
+
+import hipress
+
+
+def main():
+    compression = sys.argv[1]
+    hipress.init()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(256, 256), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(256, 10))
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(), compression=compression)
+    for step in range(3):
+        x = torch.randn(512, 256)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    hipress.shutdown()
+
+
+if __name__ == "__main__":
+    main()

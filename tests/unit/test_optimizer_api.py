@@ -1,0 +1,101 @@
+"""DistributedOptimizer behaviour that needs no peers (a single-rank job)."""
+import pytest
+import torch
+import torch.nn as nn
+
+import hipress
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
+
+
+def wrap(model, **kw):
+    return hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), **kw)
+
+
+def backward(model):
+    model(torch.randn(5, 4)).sum().backward()
+
+
+def test_single_rank_step_is_plain_sgd(model):
+    ref = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
+    ref.load_state_dict(model.state_dict())
+    opt = wrap(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        o.zero_grad()
+        m(x).sum().backward()
+        o.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    assert isinstance(opt, torch.optim.SGD)
+
+
+def test_duplicate_names(model):
+    params = list(model.named_parameters())
+    with pytest.raises(ValueError, match="duplicate"):
+        hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=[("w", p) for _, p in params])
+
+
+def test_missing_names(model):
+    params = list(model.named_parameters())
+    with pytest.raises(ValueError, match="does not name 1 parameter"):
+        hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=params[:-1])
+
+
+def test_not_tuples(model):
+    with pytest.raises(ValueError, match="tuples"):
+        hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=list(model.parameters()))
+
+
+def test_unknown_algorithm_and_strategy(model):
+    with pytest.raises(ValueError, match="nosuch"):
+        wrap(model, compression="nosuch")
+    with pytest.raises(ValueError, match="unknown strategy 'star'"):
+        wrap(model, strategy="star")
+
+
+def test_step_without_backward(model):
+    opt = wrap(model)
+    with pytest.raises(RuntimeError, match="without a backward"):
+        opt.step()
+
+
+def test_step_before_all_accumulation_passes(model):
+    opt = wrap(model, backward_passes_per_step=2)
+    backward(model)
+    with pytest.raises(RuntimeError, match="1 of backward_passes_per_step=2"):
+        opt.step()
+
+
+def test_wrap_twice(model):
+    opt = wrap(model)
+    with pytest.raises(ValueError, match="already wrapped"):
+        hipress.DistributedOptimizer(opt)
+
+
+def test_bad_arguments(model):
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        wrap(model, backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="op must be"):
+        wrap(model, op="max")
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        hipress.DistributedOptimizer(model)
+
+
+def test_state_dict_carries_compressor_state(model):
+    opt = wrap(model, compression="none")
+    backward(model)
+    opt.step()
+    sd = opt.state_dict()
+    assert "hipress" in sd and "compressor_state" in sd["hipress"]
+    opt2 = wrap(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1)), compression="none")
+    opt2.load_state_dict(sd)
+    assert opt2.state_dict()["hipress"] == sd["hipress"]
