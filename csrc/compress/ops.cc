@@ -12,6 +12,8 @@
 #include <vector>
 
 #if defined(__AVX2__)
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on _mm512_undefined_*().
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #endif
 
@@ -54,6 +56,31 @@ void rng_segments(uint64_t counter, size_t n, F fn) {
   }
 }
 
+
+// u[j] = uniform for counter words (lo + j, hi) with k1 = hi ^ key.k1.
+inline void fill_uniform(uint32_t lo, uint32_t k0, uint32_t k1, float* u, size_t len) {
+  size_t j = 0;
+#if defined(__AVX512F__)
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i vk0 = _mm512_set1_epi32(static_cast<int>(k0)), vk1 = _mm512_set1_epi32(static_cast<int>(k1));
+  const __m512i m1 = _mm512_set1_epi32(0x7feb352d), m2 = _mm512_set1_epi32(static_cast<int>(0x846ca68bu));
+  const __m512 unit = _mm512_set1_ps(1.0f / 16777216.0f);
+  auto mix = [&](__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, m1);
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, m2);
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  };
+  for (; j + 16 <= len; j += 16) {
+    __m512i c = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(lo + static_cast<uint32_t>(j))), iota);
+    __m512i h = mix(_mm512_xor_si512(mix(_mm512_xor_si512(c, vk0)), vk1));
+    _mm512_storeu_ps(u + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), unit));
+  }
+#endif
+  for (; j < len; ++j) u[j] = u32_to_unit(mix32(mix32((lo + static_cast<uint32_t>(j)) ^ k0) ^ k1));
+}
+
 }  // namespace
 
 // ---- map -------------------------------------------------------------------
@@ -90,6 +117,20 @@ MinMax reduce_minmax(const float* in, size_t n) {
       mx[l] = -std::numeric_limits<float>::infinity();
     }
     size_t b = c * kGrain, e = chunk_end(c, n), i = b;
+#if defined(__AVX512F__)
+    {
+      __m512 a0 = _mm512_loadu_ps(mn), a1 = a0, x0 = _mm512_loadu_ps(mx), x1 = x0;
+      for (; i + 32 <= e; i += 32) {
+        __m512 v0 = _mm512_loadu_ps(in + i), v1 = _mm512_loadu_ps(in + i + 16);
+        a0 = _mm512_min_ps(v0, a0);  // NaN in v keeps the accumulator
+        a1 = _mm512_min_ps(v1, a1);
+        x0 = _mm512_max_ps(v0, x0);
+        x1 = _mm512_max_ps(v1, x1);
+      }
+      _mm512_storeu_ps(mn, _mm512_min_ps(a0, a1));
+      _mm512_storeu_ps(mx, _mm512_max_ps(x0, x1));
+    }
+#endif
     for (; i + L <= e; i += L)
       for (int l = 0; l < L; ++l) {
         float v = in[i + l];
@@ -130,6 +171,30 @@ SignSums reduce_sign_sums(const float* in, size_t n) {
     double ps[L] = {}, ns[L] = {};
     uint32_t nn[L] = {};
     size_t b = c * kGrain, e = chunk_end(c, n), i = b;
+    uint64_t negc = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    {
+      // Exact double accumulation, 16 lanes (two 8-double halves) per sign.
+      __m512d p0 = _mm512_setzero_pd(), p1 = p0, n0 = p0, n1 = p0;
+      for (; i + 16 <= e; i += 16) {
+        __m512 v = _mm512_loadu_ps(in + i);
+        __mmask16 m = _mm512_movepi32_mask(_mm512_castps_si512(v));
+        __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+        __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        __mmask8 mlo = static_cast<__mmask8>(m), mhi = static_cast<__mmask8>(m >> 8);
+        n0 = _mm512_mask_add_pd(n0, mlo, n0, lo);
+        n1 = _mm512_mask_add_pd(n1, mhi, n1, hi);
+        p0 = _mm512_mask_add_pd(p0, static_cast<__mmask8>(~mlo), p0, lo);
+        p1 = _mm512_mask_add_pd(p1, static_cast<__mmask8>(~mhi), p1, hi);
+        negc += static_cast<uint64_t>(__builtin_popcount(m));
+      }
+      alignas(64) double t[8];
+      _mm512_store_pd(t, _mm512_add_pd(p0, p1));
+      for (int l = 0; l < 8; ++l) ps[l] += t[l];
+      _mm512_store_pd(t, _mm512_add_pd(n0, n1));
+      for (int l = 0; l < 8; ++l) ns[l] += t[l];
+    }
+#endif
     for (; i + L <= e; i += L)
       for (int l = 0; l < L; ++l) {
         float v = in[i + l];
@@ -140,7 +205,6 @@ SignSums reduce_sign_sums(const float* in, size_t n) {
         nn[l] += neg;
       }
     SignSums s;
-    uint64_t negc = 0;
     for (int l = 0; l < L; ++l) {
       s.pos_sum += ps[l];
       s.neg_sum += ns[l];
@@ -195,9 +259,7 @@ double reduce_sum_sq(const float* in, size_t n) {
 void random_uniform(RngKey key, uint64_t counter, float* out, size_t n) {
   parallel_range(n, kGrain, [&](size_t b, size_t e) {
     rng_segments(counter + b, e - b, [&](uint32_t lo, uint32_t hi, size_t len, size_t off) {
-      float* o = out + b + off;
-      uint32_t k1 = hi ^ key.k1;
-      for (size_t j = 0; j < len; ++j) o[j] = u32_to_unit(mix32(mix32((lo + static_cast<uint32_t>(j)) ^ key.k0) ^ k1));
+      fill_uniform(lo, key.k0, hi ^ key.k1, out + b + off, len);
     });
   });
 }
@@ -337,6 +399,54 @@ void threshold_ternary_codes(const float* in, size_t n, float tau, uint8_t* out)
   });
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Stochastic rounding of len (multiple of 64) elements straight into packed
+// 2/4/8-bit codes: the RNG, the map and the packing never leave registers.
+void quantize_tile_avx512(const float* x, size_t len, float lo, float inv_gap, float maxq, int bits, uint32_t k0,
+                          uint32_t k1, uint32_t clo, uint8_t* out) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i vk0 = _mm512_set1_epi32(static_cast<int>(k0)), vk1 = _mm512_set1_epi32(static_cast<int>(k1));
+  const __m512i m1 = _mm512_set1_epi32(0x7feb352d), m2 = _mm512_set1_epi32(static_cast<int>(0x846ca68bu));
+  const __m512 unit = _mm512_set1_ps(1.0f / 16777216.0f);
+  const __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv_gap), vmax = _mm512_set1_ps(maxq);
+  const __m512 zero = _mm512_setzero_ps();
+  auto mix = [&](__m512i v) {
+    v = _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
+    v = _mm512_mullo_epi32(v, m1);
+    v = _mm512_xor_si512(v, _mm512_srli_epi32(v, 15));
+    v = _mm512_mullo_epi32(v, m2);
+    return _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
+  };
+  auto codes16 = [&](size_t j) {  // 16 codes as bytes
+    __m512i c = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(clo + static_cast<uint32_t>(j))), iota);
+    __m512i h = mix(_mm512_xor_si512(mix(_mm512_xor_si512(c, vk0)), vk1));
+    __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), unit);
+    __m512 r = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vlo), vinv);
+    r = _mm512_add_ps(r, u);
+    __m512 f = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    f = _mm512_min_ps(_mm512_max_ps(f, zero), vmax);
+    return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(f));
+  };
+  for (size_t j = 0; j < len; j += 64) {
+    __m512i b = _mm512_castsi128_si512(codes16(j));
+    b = _mm512_inserti32x4(b, codes16(j + 16), 1);
+    b = _mm512_inserti32x4(b, codes16(j + 32), 2);
+    b = _mm512_inserti32x4(b, codes16(j + 48), 3);
+    if (bits == 8) {
+      _mm512_storeu_si512(out + j, b);
+    } else if (bits == 4) {
+      __m512i w = _mm512_or_si512(b, _mm512_srli_epi16(b, 4));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j / 2), _mm512_cvtepi16_epi8(w));
+    } else {
+      __m512i w = _mm512_or_si512(_mm512_or_si512(b, _mm512_srli_epi32(b, 6)),
+                                  _mm512_or_si512(_mm512_srli_epi32(b, 12), _mm512_srli_epi32(b, 18)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j / 4), _mm512_cvtepi32_epi8(w));
+    }
+  }
+}
+#endif
+
 void quantize_stochastic(const float* in, size_t n, float lo, float inv_gap, int bits, RngKey key, uint64_t counter,
                          uint8_t* out) {
   if (bits != 1 && bits != 2 && bits != 4 && bits != 8) throw std::invalid_argument("quantize_stochastic: bad bits");
@@ -347,13 +457,41 @@ void quantize_stochastic(const float* in, size_t n, float lo, float inv_gap, int
     alignas(64) uint8_t codes[T];
     for (size_t t = b; t < e; t += T) {
       size_t len = std::min(T, e - t);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      {
+        uint64_t c0 = counter + t;
+        // Fast path: whole tile of 64-element groups inside one 2^32 counter segment.
+        if (len % 64 == 0 && bits >= 2 && (c0 >> 32) == ((c0 + len - 1) >> 32)) {
+          quantize_tile_avx512(in + t, len, lo, inv_gap, maxq, bits, key.k0,
+                               static_cast<uint32_t>(c0 >> 32) ^ key.k1, static_cast<uint32_t>(c0),
+                               out + t * bits / 8);
+          continue;
+        }
+      }
+#endif
       rng_segments(counter + t, len, [&](uint32_t clo, uint32_t chi, size_t slen, size_t off) {
         uint32_t k1 = chi ^ key.k1;
-        for (size_t j = 0; j < slen; ++j)
-          u[off + j] = u32_to_unit(mix32(mix32((clo + static_cast<uint32_t>(j)) ^ key.k0) ^ k1));
+        fill_uniform(clo, key.k0, k1, u + off, slen);
       });
       const float* x = in + t;
-      for (size_t j = 0; j < len; ++j) {
+      size_t j0 = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      {
+        const __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv_gap), vmax = _mm512_set1_ps(maxq);
+        const __m512 zero = _mm512_setzero_ps(), unit = _mm512_set1_ps(1.0f / 16777216.0f);
+        for (; j0 + 16 <= len; j0 += 16) {
+          __m512 u16 = _mm512_loadu_ps(u + j0);
+          __m512 r = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j0), vlo), vinv);
+          r = _mm512_add_ps(r, u16);
+          __m512 f = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+          f = _mm512_max_ps(f, zero);  // NaN -> 0 (max returns the second operand)
+          f = _mm512_min_ps(f, vmax);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j0), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(f)));
+        }
+        (void)unit;
+      }
+#endif
+      for (size_t j = j0; j < len; ++j) {
         float r = (x[j] - lo) * inv_gap;
         r = r + u[j];
         float f = std::floor(r);
@@ -365,6 +503,46 @@ void quantize_stochastic(const float* in, size_t n, float lo, float inv_gap, int
     }
   });
 }
+
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// out[0, cnt) (+)= tab[code] for cnt (multiple of 16) BITS-wide codes at p.
+template <int BITS, bool ADD>
+void dequant16(const uint8_t* p, size_t cnt, const float* tab, float* out) {
+  alignas(64) float tab16[16] = {};
+  for (int c = 0; c < (BITS < 8 ? (1 << BITS) : 0); ++c) tab16[c] = tab[c];
+  const __m512 tv = _mm512_load_ps(tab16);
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i sh = _mm512_mullo_epi32(iota, _mm512_set1_epi32(BITS));
+  const __m512i msk = _mm512_set1_epi32((1 << BITS) - 1);
+  for (size_t i = 0; i < cnt; i += 16, p += 2 * BITS) {
+    __m512i idx;
+    if constexpr (BITS == 1) {
+      uint16_t w;
+      std::memcpy(&w, p, 2);
+      idx = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(w), sh), msk);
+    } else if constexpr (BITS == 2) {
+      uint32_t w;
+      std::memcpy(&w, p, 4);
+      idx = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(w)), sh), msk);
+    } else if constexpr (BITS == 4) {
+      __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+      __m128i lo4 = _mm_and_si128(b8, _mm_set1_epi8(0x0f));
+      __m128i hi4 = _mm_and_si128(_mm_srli_epi16(b8, 4), _mm_set1_epi8(0x0f));
+      idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo4, hi4));
+    } else {
+      idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+    __m512 v;
+    if constexpr (BITS == 8)
+      v = _mm512_i32gather_ps(idx, tab, 4);
+    else
+      v = _mm512_permutexvar_ps(idx, tv);
+    if constexpr (ADD) v = _mm512_add_ps(_mm512_loadu_ps(out + i), v);
+    _mm512_storeu_ps(out + i, v);
+  }
+}
+#endif
 
 void dequantize_table(const uint8_t* packed, size_t n, int bits, const float* table, float alpha, bool add, float* out) {
   if (bits != 1 && bits != 2 && bits != 4 && bits != 8) throw std::invalid_argument("dequantize_table: bad bits");
@@ -381,7 +559,24 @@ void dequantize_table(const uint8_t* packed, size_t n, int bits, const float* ta
   }
   parallel_range(n, kGrain, [&](size_t b, size_t e) {
     size_t i = b;
-    if (!lut.empty()) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    {
+      const uint8_t* p = packed + b * bits / 8;  // b is a multiple of 64 elements
+      size_t cnt = (e - b) / 16 * 16;
+      switch (bits * 2 + (add ? 1 : 0)) {
+        case 2: dequant16<1, false>(p, cnt, tab.data(), out + b); break;
+        case 3: dequant16<1, true>(p, cnt, tab.data(), out + b); break;
+        case 4: dequant16<2, false>(p, cnt, tab.data(), out + b); break;
+        case 5: dequant16<2, true>(p, cnt, tab.data(), out + b); break;
+        case 8: dequant16<4, false>(p, cnt, tab.data(), out + b); break;
+        case 9: dequant16<4, true>(p, cnt, tab.data(), out + b); break;
+        case 16: dequant16<8, false>(p, cnt, tab.data(), out + b); break;
+        case 17: dequant16<8, true>(p, cnt, tab.data(), out + b); break;
+      }
+      i = b + cnt;
+    }
+#endif
+    if (!lut.empty() && i == b) {
       const uint8_t* p = packed + b * bits / 8;
       float* o = out + b;
       size_t nbytes = (e - b) / per;
@@ -394,7 +589,7 @@ void dequantize_table(const uint8_t* packed, size_t n, int bits, const float* ta
         for (size_t j = 0; j < nbytes; ++j) std::memcpy(o + j * per, &lut[p[j] * per], per * sizeof(float));
       }
       i = b + nbytes * per;
-    } else if (bits == 8) {
+    } else if (bits == 8 && i == b) {
       if (add)
         for (; i < e; ++i) out[i] += tab[packed[i]];
       else
