@@ -30,7 +30,8 @@ def try_decode(c, payload, n=N):
         assert torch.count_nonzero(acc) == 0  # a rejected payload leaves the accumulator untouched
         return False
     c.decode_add(payload, acc)
-    assert torch.equal(acc, out)
+    # a damaged body may hold NaN/inf floats (PowerSGD, sparse values): compare NaN-aware
+    torch.testing.assert_close(acc, out, rtol=0, atol=0, equal_nan=True)
     return True
 
 
