@@ -1,0 +1,127 @@
+// CompLL common operators (paper 000, Table 4) on raw host buffers.
+//
+// These are the building blocks the algorithms in algo_*.cc are written with,
+// and the calls a DSL code generator emits. Conventions:
+//   * inputs are `const T*` + element count, outputs are caller-owned buffers
+//     of the documented size; nothing here allocates except where stated;
+//   * every operator gives the same result for any thread count
+//     (set_num_threads) and matches the numpy reference bit for bit, unless its
+//     comment says otherwise (float reductions that sum, matmul);
+//   * element counts of sparse operators are < 2^32 (uint32 indices).
+//
+//   operator        functions here
+//   sort(G, udf)    topk_abs_exact, kth_largest_abs
+//   filter(G, udf)  filter_abs_ge
+//   map(G, udf)     map (template), quantize_stochastic, threshold_ternary_codes
+//   reduce(G, udf)  reduce_minmax, reduce_max_abs, reduce_sign_sums, reduce_sum_sq
+//   random(a, b)    random_uniform, random_index (rng.h: counter-based, seedable)
+//   concat/extract  format.h (self-describing header + body), pack_bits/unpack_bits
+//   decomp(G, o)    orthogonalize (Gram-Schmidt, PowerSGD)
+//   matmul(G0, G1)  matmul_nn, matmul_tn, matmul_nt
+//   (merge helpers) axpby, add, scatter_add, gather
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "compress/rng.h"
+#include "compress/thread_pool.h"
+
+namespace hipress::compress::ops {
+
+// Chunk size (elements) used by all parallel kernels; a multiple of 64 so that
+// chunk boundaries always fall on whole bytes of packed 1/2/4-bit codes.
+constexpr size_t kGrain = 1 << 16;
+
+// ---- map -------------------------------------------------------------------
+// out[i] = f(in[i]), chunked over the thread pool. out may alias in.
+template <class F>
+void map(const float* in, size_t n, float* out, F f) {
+  parallel_range(n, kGrain, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) out[i] = f(in[i]);
+  });
+}
+
+// y[i] = beta * y[i] + gamma * x[i]  (error-feedback compensation, GRACE eq. 4).
+// beta == 1 and gamma == 1 use y += x (exact same rounding as numpy y + x).
+void axpby(float* y, float beta, const float* x, float gamma, size_t n);
+// y[i] += x[i]
+void add(float* y, const float* x, size_t n);
+
+// ---- reduce ----------------------------------------------------------------
+struct MinMax {
+  float min, max;
+};
+// Min and max over in[0, n); n == 0 gives {0, 0}. NaNs are ignored.
+MinMax reduce_minmax(const float* in, size_t n);
+float reduce_max_abs(const float* in, size_t n);
+// Sums (in double, per-chunk partials combined in order) and counts of the
+// elements with the sign bit clear (>= +0) and set (< 0 or -0).
+struct SignSums {
+  double pos_sum = 0, neg_sum = 0;
+  uint64_t pos_count = 0, neg_count = 0;
+};
+SignSums reduce_sign_sums(const float* in, size_t n);
+double reduce_sum_sq(const float* in, size_t n);
+
+// ---- random ----------------------------------------------------------------
+// out[i] = uniform in [0, 1) for counter (counter + i)   (see rng.h)
+void random_uniform(RngKey key, uint64_t counter, float* out, size_t n);
+// out[i] = index in [0, range) for counter (counter + i); range < 2^32
+void random_index(RngKey key, uint64_t counter, uint32_t range, uint32_t* out, size_t n);
+
+// ---- bit packing (uint1 / uint2 / uint4 / uint8 arrays) ---------------------
+// Element i of a `bits`-wide array lives in byte i*bits/8 at bit (i*bits)%8,
+// least significant bits first (numpy packbits(bitorder="little") for bits=1).
+// Codes must be < 2^bits. Trailing bits of the last byte are zero.
+inline size_t packed_bytes(size_t n, int bits) { return (n * static_cast<size_t>(bits) + 7) / 8; }
+void pack_bits(const uint8_t* codes, size_t n, int bits, uint8_t* out);
+void unpack_bits(const uint8_t* in, size_t n, int bits, uint8_t* codes);
+// uint1 array of sign bits: bit i = signbit(in[i]) (1 for negative and -0).
+void pack_signbits(const float* in, size_t n, uint8_t* out);
+// uint2 codes of a threshold ternarisation: 1 if in[i] > tau, 2 if in[i] < -tau, else 0.
+void threshold_ternary_codes(const float* in, size_t n, float tau, uint8_t* out_packed);
+// Stochastic rounding onto a `bits`-wide grid (TernGrad, paper 000 Fig. 5):
+//   q[i] = clamp(floor((in[i] - lo) * inv_gap + u(counter + i)), 0, 2^bits - 1)
+// written packed. bits in {1, 2, 4, 8}.
+void quantize_stochastic(const float* in, size_t n, float lo, float inv_gap, int bits, RngKey key,
+                         uint64_t counter, uint8_t* out_packed);
+// out[i] (+)= alpha * table[code_i] for a packed `bits`-wide array (decode of all
+// quantisers: the table maps each code to its float value). add=false overwrites.
+void dequantize_table(const uint8_t* packed, size_t n, int bits, const float* table, float alpha, bool add,
+                      float* out);
+
+// ---- sort / filter (sparsification) -----------------------------------------
+// The k-th largest |in[i]| (1-based k, 1 <= k <= n), by sampling-free selection
+// (std::nth_element on a copy of |in|; O(n)).
+float kth_largest_abs(const float* in, size_t n, size_t k);
+// Copies the indices (ascending) and values of every element with |in[i]| >= thr
+// and |in[i]| > 0 into idx/val, at most cap of them. Returns the number that
+// passed (which may exceed cap: then only the first cap were written).
+size_t filter_abs_ge(const float* in, size_t n, float thr, uint32_t* idx, float* val, size_t cap);
+// Exact top-k by magnitude with deterministic ties: all i with |in[i]| > t plus
+// the lowest-index i with |in[i]| == t, where t is the k-th largest |in|.
+// Writes exactly k = min(k, n) pairs, indices ascending. `sample_hint` > 0
+// lets it first try a threshold estimated from `sample_hint` random elements
+// (counter-based RNG at `counter`), so only the few candidates above it are
+// sorted; the result is the same either way.
+size_t topk_abs_exact(const float* in, size_t n, size_t k, uint32_t* idx, float* val, size_t sample_hint = 0,
+                      RngKey key = {}, uint64_t counter = 0);
+// Estimated threshold of GradDrop (Aji & Heafield 2017): the ceil(keep*s)-th
+// largest |in[j]| over s = sample random positions j (with replacement).
+float sampled_threshold(const float* in, size_t n, double keep, size_t sample, RngKey key, uint64_t counter);
+// out[idx[i]] (+)= alpha * val[i]; indices must be < n (checked by the caller).
+void scatter(const uint32_t* idx, const float* val, size_t k, float alpha, bool add, float* out);
+
+// ---- decomp / matmul (low rank) --------------------------------------------
+// Row-major matrices. C (m x n) = A (m x k) * B (k x n)
+void matmul_nn(const float* A, const float* B, float* C, size_t m, size_t k, size_t n);
+// C (k x n) = A^T * B with A (m x k), B (m x n)
+void matmul_tn(const float* A, const float* B, float* C, size_t m, size_t k, size_t n);
+// C (m x n) (+)= alpha * A (m x r) * B^T with B (n x r)
+void matmul_nt(const float* A, const float* B, float* C, size_t m, size_t r, size_t n, float alpha, bool add);
+// In-place Gram-Schmidt orthonormalisation of the r columns of P (rows x r,
+// row-major): col_j -= sum_{l<j} (col_l . col_j) col_l ; col_j /= (|col_j| + eps).
+void orthogonalize(float* P, size_t rows, size_t r, float eps = 1e-8f);
+
+}  // namespace hipress::compress::ops

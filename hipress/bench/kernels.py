@@ -1,0 +1,166 @@
+"""CompLL kernel benchmark: encode / decode throughput of every algorithm.
+
+    python -m hipress.bench.kernels [--sizes 1,16,256] [--quick] [--threads 1,all]
+                                    [--out results/kernels.json] [--reference-max-mb 16]
+
+Throughput is GB/s of fp32 gradient (input bytes / time, best of a few runs).
+The same run measures the machine's single-thread memcpy bandwidth (numpy
+copyto of the same buffer) and the pure numpy reference
+(hipress/compression/reference.py), so the ratios are from one machine state.
+Writes JSON to --out and a markdown table to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from typing import Callable, Dict, List
+
+import numpy as np
+import torch
+
+from hipress import compression as C
+from hipress.compression import reference as ref
+
+MB = 1 << 20
+
+
+def best_time(fn: Callable[[], object], repeat: int, min_time: float = 0.2) -> float:
+    fn()  # warm-up (page faults, lazy pools)
+    best = math.inf
+    total, runs = 0.0, 0
+    while runs < repeat or (total < min_time and runs < 50):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best = min(best, dt)
+        total += dt
+        runs += 1
+    return best
+
+
+def configs():
+    """(label, compressor factory, reference encode(x) -> bytes, reference decode(payload, n))."""
+    return [
+        ("onebit", lambda: C.OneBit(), ref.onebit_encode, ref.onebit_decode),
+        ("tbq", lambda: C.TBQ(0.01), lambda x: ref.tbq_encode(x, 0.01), ref.tbq_decode),
+        ("terngrad-2bit", lambda: C.TernGrad(2), lambda x: ref.terngrad_encode(x, 2), ref.terngrad_decode),
+        ("terngrad-8bit", lambda: C.TernGrad(8), lambda x: ref.terngrad_encode(x, 8), ref.terngrad_decode),
+        ("dgc-0.1%", lambda: C.DGC(ratio=0.001), None, ref.sparse_decode),
+        ("dgc-1%", lambda: C.DGC(ratio=0.01), None, ref.sparse_decode),
+        ("graddrop-1%", lambda: C.GradDrop(ratio=0.01), lambda x: ref.graddrop_encode(x, 0.01), ref.sparse_decode),
+        ("graddrop-0.1%", lambda: C.GradDrop(ratio=0.001), lambda x: ref.graddrop_encode(x, 0.001),
+         ref.sparse_decode),
+        ("powersgd-r4", lambda: C.PowerSGD(rank=4), None, None),
+    ]
+
+
+def matrix_shape(n: int):
+    rows = 1 << int(math.log2(max(1, n)) // 2)
+    return (rows, n // rows)
+
+
+def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int) -> Dict:
+    n = nbytes // 4
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal(n).astype(np.float32) * 0.01)
+    xn = x.numpy()
+    shape = matrix_shape(n)
+    dst = np.empty_like(xn)
+    copy_s = best_time(lambda: np.copyto(dst, xn), repeat)
+    res = {"bytes": nbytes, "numel": n, "memcpy_gbs": nbytes / copy_s / 1e9, "algorithms": {}}
+    for label, make, ref_enc, ref_dec in configs():
+        c = make()
+        row = {}
+        for t in threads:
+            C.set_num_threads(t)
+            st = c.new_state(n, shape)
+            buf = torch.empty(c.max_encoded_bytes(n, shape), dtype=torch.uint8)
+            out = torch.empty(n)
+            payload = c.encode(x.view(shape), st, out=buf).clone()
+            enc_s = best_time(lambda: c.encode(x.view(shape), st, out=buf), repeat)
+            dec_s = best_time(lambda: c.decode(payload, out), repeat)
+            add_s = best_time(lambda: c.decode_add(payload, out), repeat)
+            row[f"threads={t}"] = {"encode_gbs": nbytes / enc_s / 1e9, "decode_gbs": nbytes / dec_s / 1e9,
+                                   "decode_add_gbs": nbytes / add_s / 1e9, "payload_bytes": int(payload.numel())}
+        C.set_num_threads(1)
+        if nbytes <= ref_max:
+            rref = {}
+            if label.startswith("dgc"):
+                ratio = 0.001 if label == "dgc-0.1%" else 0.01
+                r = ref.DGCReference(n, ratio=ratio)
+                ref_enc = r.encode
+            if label.startswith("powersgd"):
+                r = ref.PowerSGDReference(shape[0], shape[1], 4)
+                e = best_time(lambda: r.round1(r.round0(xn)), 1, 0)
+                d = best_time(lambda: r.P @ r.Q.T, 1, 0)
+            else:
+                pb = ref_enc(xn)
+                e = best_time(lambda: ref_enc(xn), 1, 0)
+                d = best_time(lambda: ref_dec(pb, n), 1, 0)
+            rref = {"encode_gbs": nbytes / e / 1e9, "decode_gbs": nbytes / d / 1e9}
+            row["reference"] = rref
+        res["algorithms"][label] = row
+    return res
+
+
+def markdown(results: Dict) -> str:
+    lines = []
+    for size in results["sizes"]:
+        mb = size["bytes"] / MB
+        cp = size["memcpy_gbs"]
+        lines.append(f"\n### {mb:g} MB fp32 gradient ({size['numel']} elements), memcpy 1 thread: {cp:.2f} GB/s\n")
+        tkeys = [k for k in next(iter(size["algorithms"].values())) if k.startswith("threads=")]
+        hdr = "| algorithm | payload B |"
+        for k in tkeys:
+            hdr += f" enc {k} GB/s | dec {k} GB/s | dec+add {k} GB/s |"
+        hdr += " enc %copy (1t) | dec %copy (1t) | ref enc GB/s | ref dec GB/s | enc x ref | dec x ref |"
+        lines.append(hdr)
+        lines.append("|" + "---|" * (hdr.count("|") - 1))
+        for label, row in size["algorithms"].items():
+            t1 = row[tkeys[0]]
+            s = f"| {label} | {t1['payload_bytes']} |"
+            for k in tkeys:
+                s += f" {row[k]['encode_gbs']:.2f} | {row[k]['decode_gbs']:.2f} | {row[k]['decode_add_gbs']:.2f} |"
+            s += f" {100 * t1['encode_gbs'] / cp:.0f}% | {100 * t1['decode_gbs'] / cp:.0f}% |"
+            r = row.get("reference")
+            if r:
+                s += (f" {r['encode_gbs']:.3f} | {r['decode_gbs']:.3f} | {t1['encode_gbs'] / r['encode_gbs']:.0f}x |"
+                      f" {t1['decode_gbs'] / r['decode_gbs']:.0f}x |")
+            else:
+                s += " - | - | - | - |"
+            lines.append(s)
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,16,256", help="gradient sizes in MB (comma separated)")
+    ap.add_argument("--quick", action="store_true", help="skip sizes above 16 MB")
+    ap.add_argument("--threads", default="1,all", help="thread counts, 'all' = every core")
+    ap.add_argument("--out", default="results/kernels.json")
+    ap.add_argument("--reference-max-mb", type=float, default=16, help="run the numpy reference up to this size")
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args(argv)
+    sizes = [float(s) for s in a.sizes.split(",") if s]
+    if a.quick:
+        sizes = [s for s in sizes if s <= 16]
+    ncpu = os.cpu_count() or 1
+    threads = sorted({ncpu if t.strip() == "all" else int(t) for t in a.threads.split(",")})
+    results = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": ncpu,
+                           "torch": torch.__version__}, "threads": threads, "sizes": []}
+    for s in sizes:
+        results["sizes"].append(bench_size(int(s * MB), threads, int(a.reference_max_mb * MB), a.repeat))
+    C.set_num_threads(1)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print(markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

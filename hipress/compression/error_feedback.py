@@ -1,0 +1,73 @@
+"""Error feedback as a decorator around any single-round compressor (GRACE eq. 4).
+
+    residual <- beta * residual + gamma * grad          (compensate)
+    payload   = inner.encode(residual)
+    residual <- residual - inner.decode(payload)        (update)
+
+For native compressors the three steps run fused in C++ (csrc/compress/
+compressor.h ErrorFeedback); for user compressors written in Python they run
+with torch ops. The residual is the state buffer "residual" (added after the
+inner compressor's own buffers). Invariant (up to fp32 rounding of one
+subtraction): beta*old_residual + gamma*grad == decode(payload) + new_residual.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hipress import _C
+from hipress.compression.base import Compressor, CompressorState, flat_f32
+from hipress.compression.native import NativeCompressor
+
+
+class ErrorFeedback(Compressor):
+    def __init__(self, inner: Compressor, beta: float = 1.0, gamma: float = 1.0):
+        if not isinstance(inner, Compressor):
+            raise TypeError("ErrorFeedback wraps a hipress.compression.Compressor")
+        if inner.rounds != 1:
+            raise ValueError(f"{inner.name} is multi-round and keeps its own error feedback")
+        self.inner = inner
+        self.beta, self.gamma = float(beta), float(gamma)
+        self.name = inner.name
+        self.category, self.rate = inner.category, inner.rate
+        self.aggregatable, self.rounds = inner.aggregatable, inner.rounds
+        self._native = (_C.compress_error_feedback(inner._c, self.beta, self.gamma)
+                        if isinstance(inner, NativeCompressor) else None)
+
+    def max_encoded_bytes(self, numel: int, shape=None) -> int:
+        return self.inner.max_encoded_bytes(numel, shape)
+
+    def new_state(self, numel: int, shape=None) -> CompressorState:
+        st = self.inner.new_state(numel, shape)
+        st.add_buffer("residual", numel)
+        st.algorithm = f"ef({st.algorithm})"
+        return st
+
+    def encode(self, grad, state: Optional[CompressorState] = None, out=None):
+        if state is None:
+            return self.inner.encode(grad, None, out)
+        if "residual" not in state.buffers:
+            raise ValueError("state has no residual: make it with this ErrorFeedback's new_state")
+        if self._native is not None:
+            return self.inner._encode_with(self._native, grad, state, out)
+        g = flat_f32(grad)
+        res = state.buffers["residual"]
+        if g.numel() != res.numel():
+            raise ValueError(f"state was made for {res.numel()} elements, the gradient has {g.numel()}")
+        if self.beta == 1.0 and self.gamma == 1.0:
+            res.add_(g)
+        else:
+            res.mul_(self.beta).add_(g * self.gamma)
+        payload = self.inner.encode(res, state, out)
+        self.inner.decode_add(payload, res, alpha=-1.0)
+        return payload
+
+    def decode(self, payload, out):
+        return self.inner.decode(payload, out)
+
+    def decode_add(self, payload, acc, alpha: float = 1.0):
+        return self.inner.decode_add(payload, acc, alpha)
+
+    def __repr__(self):
+        return f"ErrorFeedback({self.inner!r}, beta={self.beta:g}, gamma={self.gamma:g})"

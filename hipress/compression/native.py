@@ -1,0 +1,194 @@
+"""The built-in compressors, backed by the C++ kernels of csrc/compress/ (hipress._C).
+
+Each class is a thin shell: it converts tensors into (pointer, size) pairs,
+owns the output buffer when the caller gives none, and checks shapes; all
+arithmetic runs in C++ with the GIL released.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from hipress import _C
+from hipress.compression.base import (CompressorState, Compressor, check_payload, flat_f32, out_buffer)
+
+PayloadError = _C.PayloadError
+
+
+def _is_f32_flat(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+class NativeCompressor(Compressor):
+    """A compressor from the C++ registry (``hipress._C.compress_names()``)."""
+
+    def __init__(self, algorithm: str, **params):
+        self.params = {k: float(v) for k, v in params.items()}
+        self._c = _C.compress_create(algorithm, self.params)
+        self.name = algorithm
+        self.category = self._c.category
+        self.rate = self._c.rate
+        self.aggregatable = self._c.aggregatable
+        self.rounds = self._c.rounds
+
+    # Matrix view of a tensor (only low-rank compressors use it).
+    def _matrix(self, numel: int, shape) -> Tuple[int, int]:
+        return (0, 0)
+
+    def max_encoded_bytes(self, numel: int, shape=None) -> int:
+        m = self._matrix(numel, shape) if shape is not None else (0, 0)
+        return self._c.max_encoded_bytes(int(numel), *m)
+
+    def new_state(self, numel: int, shape=None) -> CompressorState:
+        m = self._matrix(numel, shape)
+        bufs = dict(self._c.state_buffers(int(numel), *m))
+        return CompressorState(self.name, numel, shape, bufs, m)
+
+    def _state_arg(self, state: Optional[CompressorState], n: int):
+        if state is None:
+            return None
+        if not isinstance(state, CompressorState):
+            raise TypeError("state must be a CompressorState (from new_state)")
+        if state.numel != n:
+            raise ValueError(f"state was made for {state.numel} elements, the gradient has {n}")
+        return state.native()
+
+    def _encode_with(self, native, grad, state, out):
+        g = flat_f32(grad)
+        n = g.numel()
+        st = self._state_arg(state, n)
+        m = state.matrix if state is not None else (0, 0)
+        buf = out_buffer(out, native.max_encoded_bytes(n, *m))
+        nb = native.encode(g.data_ptr(), n, buf.data_ptr(), buf.numel(), st)
+        return buf[:nb]
+
+    def encode(self, grad, state=None, out=None):
+        return self._encode_with(self._c, grad, state, out)
+
+    def decode(self, payload, out):
+        p = check_payload(payload)
+        if _is_f32_flat(out):
+            self._c.decode(p.data_ptr(), p.numel(), out.data_ptr(), out.numel(), 1.0, False)
+        else:
+            tmp = torch.empty(out.numel(), dtype=torch.float32)
+            self._c.decode(p.data_ptr(), p.numel(), tmp.data_ptr(), tmp.numel(), 1.0, False)
+            out.copy_(tmp.view(out.shape))
+        return out
+
+    def decode_add(self, payload, acc, alpha: float = 1.0):
+        p = check_payload(payload)
+        if _is_f32_flat(acc):
+            self._c.decode(p.data_ptr(), p.numel(), acc.data_ptr(), acc.numel(), float(alpha), True)
+        else:
+            tmp = torch.empty(acc.numel(), dtype=torch.float32)
+            self._c.decode(p.data_ptr(), p.numel(), tmp.data_ptr(), tmp.numel(), 1.0, False)
+            acc.add_(tmp.view(acc.shape).to(acc.dtype), alpha=alpha)
+        return acc
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v:g}" for k, v in self.params.items())
+        return f"{type(self).__name__}({args})"
+
+
+class OneBit(NativeCompressor):
+    """1-bit SGD (Seide 2014): sign bits + means of the non-negative and negative parts."""
+
+    def __init__(self):
+        super().__init__("onebit")
+
+
+class TBQ(NativeCompressor):
+    """Threshold binary quantisation (Strom 2015): {0, +tau, -tau} in 2 bits."""
+
+    def __init__(self, threshold: float = 0.01):
+        super().__init__("tbq", threshold=threshold)
+
+
+class TernGrad(NativeCompressor):
+    """TernGrad as in HiPress Fig. 5: min/max scaling, stochastic rounding to 2/4/8 bits."""
+
+    def __init__(self, bitwidth: int = 2, seed: int = 0):
+        super().__init__("terngrad", bitwidth=bitwidth, seed=seed)
+
+
+class DGC(NativeCompressor):
+    """Deep gradient compression (Lin 2018): momentum correction, local accumulation,
+    sampled-threshold exact top-k, momentum factor masking, warm-up density schedule."""
+
+    def __init__(self, ratio: float = 0.001, momentum: float = 0.9, sample_ratio: float = 0.01,
+                 warmup_steps: int = 0, seed: int = 0):
+        super().__init__("dgc", ratio=ratio, momentum=momentum, sample_ratio=sample_ratio,
+                         warmup_steps=warmup_steps, seed=seed)
+
+
+class GradDrop(NativeCompressor):
+    """Gradient dropping (Aji & Heafield 2017): keep |g| above a sampled threshold (ratio kept)."""
+
+    def __init__(self, ratio: float = 0.01, sample_ratio: float = 0.01, seed: int = 0):
+        super().__init__("graddrop", ratio=ratio, sample_ratio=sample_ratio, seed=seed)
+
+
+class PowerSGD(NativeCompressor):
+    """PowerSGD (Vogels 2019): rank-r power iteration, warm-started Q, error feedback,
+    two aggregatable rounds (P then Q, summed across ranks). See base.py for the protocol.
+
+    The matrix view of a tensor of shape (d0, d1, ...) is d0 x (d1 * ...); 1-D tensors
+    are n x 1 (not compressible: the payload is as large as the input)."""
+
+    def __init__(self, rank: int = 4, seed: int = 0, error_feedback: bool = True):
+        super().__init__("powersgd", rank=rank, seed=seed, error_feedback=1.0 if error_feedback else 0.0)
+
+    def _matrix(self, numel, shape):
+        numel = int(numel)
+        if shape is None or len(shape) < 2 or numel == 0:
+            return (numel, 1 if numel else 0)
+        rows = int(shape[0])
+        return (rows, numel // rows)
+
+    def _state_for(self, grad, state):
+        if state is None:  # a fresh state each call: random Q, no residual
+            return self.new_state(grad.numel(), tuple(grad.shape))
+        return state
+
+    def encode(self, grad, state=None, out=None):
+        return self._encode_with(self._c, grad, self._state_for(grad, state), out)
+
+    def encode_round(self, round, inp, state, out=None):
+        if state is None:
+            raise ValueError("powersgd encode_round needs a state (new_state(numel, shape))")
+        n = state.numel
+        rows, cols = state.matrix
+        r = min(int(self.params["rank"]), rows, cols)
+        need = 48 + 4 * r * (rows if round == 0 else cols)
+        buf = out_buffer(out, need)
+        if round == 0:
+            g = flat_f32(inp)
+            if g.numel() != n:
+                raise ValueError(f"state was made for {n} elements, the gradient has {g.numel()}")
+            nb = self._c.encode_round(0, g.data_ptr(), n, 0, 0, buf.data_ptr(), buf.numel(), state.native())
+        else:
+            p = check_payload(inp)
+            nb = self._c.encode_round(int(round), 0, n, p.data_ptr(), p.numel(), buf.data_ptr(), buf.numel(),
+                                      state.native())
+        return buf[:nb]
+
+    def combine(self, a, b, out=None):
+        a, b = check_payload(a), check_payload(b)
+        buf = out_buffer(out, a.numel())
+        nb = self._c.combine(a.data_ptr(), a.numel(), b.data_ptr(), b.numel(), buf.data_ptr(), buf.numel())
+        return buf[:nb]
+
+    def finish(self, payload, state, out, add=False):
+        p = check_payload(payload)
+        target = out if _is_f32_flat(out) else torch.zeros(out.numel(), dtype=torch.float32)
+        if not _is_f32_flat(out) and add:
+            target.copy_(out.reshape(-1))
+        self._c.finish(p.data_ptr(), p.numel(), target.data_ptr(), target.numel(), state.native(), bool(add))
+        if target is not out:
+            out.copy_(target.view(out.shape))
+        return out
+
+
+BUILTIN_IDS = {1: OneBit, 2: TBQ, 3: TernGrad, 4: DGC, 5: GradDrop, 6: PowerSGD}

@@ -1,0 +1,366 @@
+"""Pure numpy reference of every CompLL algorithm: the test oracle.
+
+Written from the papers and the format description in csrc/compress/format.h,
+independently of the C++ code, and deliberately simple (no chunking, no
+sampling shortcuts where the result does not depend on them). It produces the
+same payload bytes as the native kernels for the deterministic parts
+(headers, bit codes, selected indices and values, random streams); the only
+floating-point differences allowed are in sums over many elements (onebit's
+means, PowerSGD's matmuls), which the tests compare with a tolerance.
+
+It is also the "pure reference" of the kernel benchmark.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+MAGIC = 0x5A435048
+VERSION = 1
+HEADER_BYTES = 48
+ALGO_IDS = {"onebit": 1, "tbq": 2, "terngrad": 3, "dgc": 4, "graddrop": 5, "powersgd": 6}
+_HDR = struct.Struct("<IBBBBIIQQ4I")
+_M64 = (1 << 64) - 1
+
+# ---------------------------------------------------------------- random (rng.h)
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def rng_key(seed: int) -> Tuple[int, int]:
+    s = splitmix64(int(seed) & _M64)
+    return s & 0xFFFFFFFF, s >> 32
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def rng_u32(seed: int, counter: int, n: int) -> np.ndarray:
+    """32-bit random words for counters counter .. counter + n - 1."""
+    k0, k1 = rng_key(seed)
+    c = np.uint64(counter) + np.arange(n, dtype=np.uint64)
+    lo = (c & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    hi = (c >> np.uint64(32)).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        return _mix32(_mix32(lo ^ np.uint32(k0)) ^ hi ^ np.uint32(k1))
+
+
+def random_uniform(seed: int, counter: int, n: int) -> np.ndarray:
+    return (rng_u32(seed, counter, n) >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+
+
+def random_index(seed: int, counter: int, upper: int, n: int) -> np.ndarray:
+    h = rng_u32(seed, counter, n).astype(np.uint64)
+    return ((h * np.uint64(upper)) >> np.uint64(32)).astype(np.uint32)
+
+
+# ---------------------------------------------------------------- format (format.h)
+
+
+def fnv1a(data: bytes) -> int:
+    h = 2166136261
+    for b in data:
+        h = ((h ^ b) * 16777619) & 0xFFFFFFFF
+    return h
+
+
+def f32_word(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", float(np.float32(v))))[0]
+
+
+def word_f32(w: int) -> np.float32:
+    return np.float32(struct.unpack("<f", struct.pack("<I", w))[0])
+
+
+def make_header(algo: str, numel: int, body_bytes: int, bits: int = 0, kind: int = 0, count: int = 0,
+                words=(0, 0, 0, 0)) -> bytes:
+    w = [int(x) & 0xFFFFFFFF for x in words] + [0] * (4 - len(words))
+    raw = _HDR.pack(MAGIC, ALGO_IDS[algo], VERSION, bits, kind, 0, count, numel, body_bytes, *w)
+    return _HDR.pack(MAGIC, ALGO_IDS[algo], VERSION, bits, kind, fnv1a(raw), count, numel, body_bytes, *w)
+
+
+def parse_header(payload: bytes) -> Dict[str, object]:
+    if len(payload) < HEADER_BYTES:
+        raise ValueError("payload truncated")
+    magic, algo, ver, bits, kind, check, count, numel, body, *words = _HDR.unpack(bytes(payload[:HEADER_BYTES]))
+    if magic != MAGIC or ver != VERSION:
+        raise ValueError("not a hipress payload")
+    raw = _HDR.pack(magic, algo, ver, bits, kind, 0, count, numel, body, *words)
+    if fnv1a(raw) != check:
+        raise ValueError("corrupt header")
+    if body > len(payload) - HEADER_BYTES:
+        raise ValueError("payload truncated")
+    return dict(algo=algo, bits=bits, kind=kind, count=count, numel=numel, body_bytes=body, words=words)
+
+
+# ---------------------------------------------------------------- bit packing
+
+
+def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Element i at byte i*bits//8, bit (i*bits)%8, LSB first."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    per = 8 // bits
+    n = codes.size
+    padded = np.zeros(((n + per - 1) // per) * per, dtype=np.uint8)
+    padded[:n] = codes
+    grid = padded.reshape(-1, per).astype(np.uint16)
+    shifts = (np.arange(per, dtype=np.uint16) * bits)
+    return (grid << shifts).sum(axis=1).astype(np.uint8)
+
+
+def unpack_bits(packed: np.ndarray, n: int, bits: int) -> np.ndarray:
+    per = 8 // bits
+    packed = np.asarray(packed, dtype=np.uint8)
+    shifts = np.arange(per, dtype=np.uint8) * bits
+    codes = (packed[:, None] >> shifts) & np.uint8((1 << bits) - 1)
+    return codes.reshape(-1)[:n].astype(np.uint8)
+
+
+def _body(payload) -> np.ndarray:
+    return np.frombuffer(bytes(payload), dtype=np.uint8)[HEADER_BYTES:]
+
+
+# ---------------------------------------------------------------- onebit
+
+
+def onebit_encode(g: np.ndarray) -> bytes:
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    neg = np.signbit(g)
+    pos_n, neg_n = int((~neg).sum()), int(neg.sum())
+    pos = np.float32(g[~neg].astype(np.float64).sum() / pos_n) if pos_n else np.float32(0)
+    negm = np.float32(g[neg].astype(np.float64).sum() / neg_n) if neg_n else np.float32(0)
+    body = np.packbits(neg.astype(np.uint8), bitorder="little")
+    return make_header("onebit", g.size, body.size, bits=1, words=(f32_word(pos), f32_word(negm))) + body.tobytes()
+
+
+def onebit_decode(payload, n: int) -> np.ndarray:
+    h = parse_header(payload)
+    table = np.array([word_f32(h["words"][0]), word_f32(h["words"][1])], dtype=np.float32)
+    return table[unpack_bits(_body(payload), n, 1)]
+
+
+# ---------------------------------------------------------------- TBQ
+
+
+def tbq_encode(g: np.ndarray, threshold: float) -> bytes:
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    tau = np.float32(threshold)
+    codes = np.where(g > tau, 1, np.where(g < -tau, 2, 0)).astype(np.uint8)
+    body = pack_bits(codes, 2)
+    return make_header("tbq", g.size, body.size, bits=2, words=(f32_word(tau),)) + body.tobytes()
+
+
+def tbq_decode(payload, n: int) -> np.ndarray:
+    h = parse_header(payload)
+    tau = word_f32(h["words"][0])
+    table = np.array([0, tau, -tau, 0], dtype=np.float32)
+    return table[unpack_bits(_body(payload), n, 2)]
+
+
+# ---------------------------------------------------------------- TernGrad
+
+
+def terngrad_encode(g: np.ndarray, bitwidth: int = 2, seed: int = 0, counter: int = 0) -> bytes:
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    n = g.size
+    mn = np.float32(g.min()) if n else np.float32(0)
+    mx = np.float32(g.max()) if n else np.float32(0)
+    levels = np.float32((1 << bitwidth) - 1)
+    gap = np.float32((mx - mn) / levels)
+    inv_gap = np.float32(np.float32(1) / gap) if gap > 0 else np.float32(0)
+    u = random_uniform(seed, counter, n)
+    r = (g - mn) * inv_gap
+    r = r + u
+    f = np.floor(r)
+    f = np.where(f > 0, f, np.float32(0))
+    f = np.where(f < levels, f, levels)
+    body = pack_bits(f.astype(np.uint8), bitwidth)
+    words = (f32_word(mn), f32_word(mx), f32_word(gap))
+    return make_header("terngrad", n, body.size, bits=bitwidth, words=words) + body.tobytes()
+
+
+def terngrad_decode(payload, n: int) -> np.ndarray:
+    h = parse_header(payload)
+    mn, gap = word_f32(h["words"][0]), word_f32(h["words"][2])
+    codes = np.arange(1 << h["bits"], dtype=np.float32)
+    table = (mn + codes * gap).astype(np.float32)
+    return table[unpack_bits(_body(payload), n, h["bits"])]
+
+
+# ---------------------------------------------------------------- sparsification
+
+
+def count_for(density: float, n: int) -> int:
+    if n == 0:
+        return 0
+    return int(min(n, max(1, math.ceil(density * n))))
+
+
+def topk_abs_exact(v: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Exact top-k by |v|; ties at the k-th magnitude go to the lowest indices; ascending indices."""
+    v = np.asarray(v, dtype=np.float32).reshape(-1)
+    n = v.size
+    k = min(k, n)
+    if k == 0:
+        return np.zeros(0, np.uint32), np.zeros(0, np.float32)
+    a = np.abs(v)
+    t = np.partition(a, n - k)[n - k]
+    gt = a > t
+    eq = np.flatnonzero(a == t)[: k - int(gt.sum())]
+    sel = gt.copy()
+    sel[eq] = True
+    idx = np.flatnonzero(sel).astype(np.uint32)
+    return idx, v[idx]
+
+
+def sparse_payload(algo: str, n: int, idx: np.ndarray, val: np.ndarray, p0: float = 0.0) -> bytes:
+    k = idx.size
+    return (make_header(algo, n, 8 * k, count=k, words=(f32_word(p0), 0)) + idx.astype("<u4").tobytes()
+            + val.astype("<f4").tobytes())
+
+
+def sparse_decode(payload, n: int) -> np.ndarray:
+    h = parse_header(payload)
+    k = h["count"]
+    body = _body(payload)
+    idx = body[: 4 * k].view("<u4")
+    val = body[4 * k: 8 * k].view("<f4")
+    out = np.zeros(n, np.float32)
+    out[idx] = val
+    return out
+
+
+def sparse_indices(payload) -> Tuple[np.ndarray, np.ndarray]:
+    h = parse_header(payload)
+    k = h["count"]
+    body = _body(payload)
+    return body[: 4 * k].view("<u4").copy(), body[4 * k: 8 * k].view("<f4").copy()
+
+
+def graddrop_sample_size(n: int, sample_ratio: float) -> int:
+    return 0 if n == 0 else max(1024, math.ceil(sample_ratio * n))
+
+
+def graddrop_encode(g: np.ndarray, ratio: float = 0.01, sample_ratio: float = 0.01, seed: int = 0,
+                    counter: int = 0) -> bytes:
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    n = g.size
+    s = graddrop_sample_size(n, sample_ratio)
+    kmax = min(n, 2 * count_for(ratio, n))
+    if n == 0:
+        return sparse_payload("graddrop", 0, np.zeros(0, np.uint32), np.zeros(0, np.float32), 0.0)
+    a = np.abs(g)
+    sm = a[random_index(seed, counter, n, s)]
+    r = max(1, min(s, math.ceil(ratio * s)))
+    thr = np.sort(sm)[::-1][r - 1]
+    sel = (a >= thr) & (a > 0)
+    idx = np.flatnonzero(sel).astype(np.uint32)
+    if idx.size > kmax:
+        idx, _ = topk_abs_exact(g, kmax)
+    return sparse_payload("graddrop", n, idx, g[idx], float(thr))
+
+
+class DGCReference:
+    """DGC with its own state (momentum u, accumulation v, step)."""
+
+    def __init__(self, n: int, ratio=0.001, momentum=0.9, warmup_steps=0):
+        self.ratio, self.momentum, self.warmup = ratio, np.float32(momentum), warmup_steps
+        self.u = np.zeros(n, np.float32)
+        self.v = np.zeros(n, np.float32)
+        self.step = 0
+
+    def density(self, step: int) -> float:
+        if self.warmup == 0 or step >= self.warmup:
+            return self.ratio
+        stage = step * 4 // self.warmup
+        return max(self.ratio, 0.25 ** (stage + 1))
+
+    def encode(self, g: np.ndarray) -> bytes:
+        g = np.asarray(g, dtype=np.float32).reshape(-1)
+        self.u = self.momentum * self.u + g
+        self.v = self.v + self.u
+        d = self.density(self.step)
+        idx, val = topk_abs_exact(self.v, count_for(d, g.size))
+        self.v[idx] = 0
+        self.u[idx] = 0
+        self.step += 1
+        return sparse_payload("dgc", g.size, idx, val, d)
+
+
+def dgc_encode_stateless(g: np.ndarray, ratio: float = 0.001) -> bytes:
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    idx, val = topk_abs_exact(g, count_for(ratio, g.size))
+    return sparse_payload("dgc", g.size, idx, val, ratio)
+
+
+# ---------------------------------------------------------------- error feedback (GRACE eq. 4)
+
+
+def error_feedback_step(encode, decode, g: np.ndarray, residual: np.ndarray, beta=1.0, gamma=1.0):
+    """Returns (payload, new residual): comp = beta*m + gamma*g; m' = comp - decode(encode(comp))."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    if beta == 1.0 and gamma == 1.0:
+        comp = residual + g
+    else:
+        comp = np.float32(beta) * residual + np.float32(gamma) * g
+    payload = encode(comp)
+    return payload, comp - decode(payload, g.size)
+
+
+# ---------------------------------------------------------------- PowerSGD
+
+
+def orthogonalize(P: np.ndarray, eps: float = 1e-8) -> np.ndarray:
+    P = P.astype(np.float64).copy()
+    for j in range(P.shape[1]):
+        for l in range(j):
+            P[:, j] -= (P[:, l] @ P[:, j]) * P[:, l]
+        P[:, j] /= (np.linalg.norm(P[:, j]) + eps)
+    return P.astype(np.float32)
+
+
+class PowerSGDReference:
+    """One rank of PowerSGD (Vogels 2019); for N ranks, call round0 on all, sum
+    the P's, round1 on all with the sum, sum the Q's, finish on all."""
+
+    def __init__(self, rows: int, cols: int, rank: int = 4, seed: int = 0, error_feedback: bool = True):
+        self.rows, self.cols = rows, cols
+        self.r = min(rank, rows, cols)
+        self.ef = error_feedback
+        self.e = np.zeros((rows, cols), np.float32)
+        self.Q = (np.float32(2) * random_uniform(seed, 0, cols * self.r) - np.float32(1)).reshape(cols, self.r)
+        self.P = None
+        self.M = None
+
+    def round0(self, g: np.ndarray) -> np.ndarray:
+        g = np.asarray(g, np.float32).reshape(self.rows, self.cols)
+        self.M = (self.e + g) if self.ef else g.copy()
+        return self.M @ self.Q
+
+    def round1(self, p_sum: np.ndarray) -> np.ndarray:
+        self.P = orthogonalize(p_sum)
+        q = self.M.T @ self.P
+        self.e = (self.M - self.P @ q.T) if self.ef else np.zeros_like(self.M)
+        return q
+
+    def finish(self, q_sum: np.ndarray) -> np.ndarray:
+        self.Q = q_sum.astype(np.float32)
+        return (self.P @ self.Q.T).reshape(-1)
+
+    def step(self, g: np.ndarray) -> np.ndarray:
+        """Single process: both rounds locally; returns the decoded approximation."""
+        q = self.round1(self.round0(g))
+        return self.finish(q)

@@ -1,0 +1,439 @@
+"""Every native CompLL algorithm against the numpy reference (hipress/compression/reference.py)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hipress import compression as C
+from hipress.compression import reference as ref
+
+SIZES = [0, 1, 2, 7, 8, 9, 31, 33, 63, 65, 1000, 4095, 4097, 65535, 65537, 200003]
+H = ref.HEADER_BYTES
+
+
+def grad(n, seed=0, dtype=torch.float32):
+    g = torch.from_numpy(np.random.default_rng(seed).standard_normal(n).astype(np.float32) * 0.05)
+    return g.to(dtype)
+
+
+def as_np(t):
+    return t.to(torch.float32).numpy()
+
+
+def pbytes(p):
+    return p.numpy().tobytes()
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    old = C.num_threads()
+    C.set_num_threads(request.param)
+    yield request.param
+    C.set_num_threads(old)
+
+
+def roundtrip(c, g, payload):
+    out = torch.full((g.numel(),), 123.0)
+    c.decode(payload, out)
+    acc = torch.ones(g.numel())
+    c.decode_add(payload, acc)
+    torch.testing.assert_close(acc, out + 1, rtol=0, atol=1e-6)
+    return out
+
+
+# ------------------------------------------------------------------ quantization
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", SIZES)
+def test_tbq_exact(n, dtype, threads):
+    g = grad(n, n, dtype)
+    c = C.get("tbq", threshold=0.04, error_feedback=False)
+    p = c.encode(g)
+    expect = ref.tbq_encode(as_np(g), 0.04)
+    assert pbytes(p) == expect
+    assert p.numel() <= c.max_encoded_bytes(n)
+    np.testing.assert_array_equal(roundtrip(c, g, p).numpy(), ref.tbq_decode(expect, n))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", SIZES)
+def test_onebit_matches(n, dtype, threads):
+    g = grad(n, n + 1, dtype)
+    c = C.get("onebit", error_feedback=False)
+    p = c.encode(g)
+    expect = ref.onebit_encode(as_np(g))
+    ph, eh = ref.parse_header(pbytes(p)), ref.parse_header(expect)
+    # bits and layout exact; the two means are float sums (double accumulation in both)
+    assert pbytes(p)[H:] == expect[H:]
+    assert {k: v for k, v in ph.items() if k != "words"} == {k: v for k, v in eh.items() if k != "words"}
+    for i in (0, 1):
+        assert ref.word_f32(ph["words"][i]) == pytest.approx(ref.word_f32(eh["words"][i]), rel=1e-6, abs=0)
+    dec = roundtrip(c, g, p).numpy()
+    np.testing.assert_array_equal(dec, ref.onebit_decode(pbytes(p), n))
+    if n:  # decoded values are exactly the two means
+        x = as_np(g)
+        assert set(np.unique(dec)) <= {ref.word_f32(ph["words"][0]), ref.word_f32(ph["words"][1])}
+        assert np.all((dec < 0) == (np.signbit(x) & (x != 0)) | (dec == 0) | (x == 0))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", SIZES)
+def test_terngrad_identical_random_stream(n, bits, threads):
+    g = grad(n, n + 2)
+    c = C.TernGrad(bitwidth=bits, seed=11)
+    st = c.new_state(n)
+    st.scalars[0] = 2**32 - 37  # the counter crosses a 2^32 boundary inside the call
+    p = c.encode(g, st)
+    expect = ref.terngrad_encode(as_np(g), bits, seed=11, counter=2**32 - 37)
+    assert pbytes(p) == expect
+    assert st.rng_counter == 2**32 - 37 + n
+    np.testing.assert_array_equal(roundtrip(c, g, p).numpy(), ref.terngrad_decode(expect, n))
+    # next step uses the next stretch of the stream
+    p2 = c.encode(g, st)
+    assert pbytes(p2) == ref.terngrad_encode(as_np(g), bits, seed=11, counter=2**32 - 37 + n)
+
+
+def test_terngrad_unbiased_and_bounded():
+    n = 4096
+    g = grad(n, 5)
+    c = C.TernGrad(bitwidth=2, seed=3)
+    st = c.new_state(n)
+    acc = torch.zeros(n, dtype=torch.float64)
+    trials = 400
+    out = torch.empty(n)
+    for _ in range(trials):
+        c.decode(c.encode(g, st), out)
+        assert out.min() >= g.min() - 1e-6 and out.max() <= g.max() + 1e-6
+        acc += out.double()
+    mean = acc / trials
+    gap = float(g.max() - g.min()) / 3
+    # each decoded value has std <= gap/2: the mean of 400 is within ~5 sigma = gap/8
+    assert float((mean - g.double()).abs().max()) < gap / 8
+    assert abs(float((mean - g.double()).mean())) < gap / 100  # no systematic bias
+
+
+def test_terngrad_seed_changes_stream():
+    g = grad(1000, 1)
+    a = C.TernGrad(seed=1).encode(g)
+    b = C.TernGrad(seed=2).encode(g)
+    assert pbytes(a)[H:] != pbytes(b)[H:]
+    assert pbytes(C.TernGrad(seed=1).encode(g)) == pbytes(a)
+
+
+def test_terngrad_constant_tensor():
+    g = torch.full((100,), 0.25)
+    out = torch.empty(100)
+    C.TernGrad().decode(C.TernGrad().encode(g), out)
+    assert torch.equal(out, g)
+
+
+# ------------------------------------------------------------------ sparsification
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n", SIZES)
+def test_dgc_stateless_is_exact_topk(n, dtype, threads):
+    g = grad(n, n + 3, dtype)
+    c = C.DGC(ratio=0.01)
+    p = c.encode(g)
+    expect = ref.dgc_encode_stateless(as_np(g), 0.01)
+    assert pbytes(p) == expect
+    assert len(pbytes(p)) == H + 8 * ref.count_for(0.01, n)  # fixed size: ring-friendly
+    np.testing.assert_array_equal(roundtrip(c, g, p).numpy(), ref.sparse_decode(expect, n))
+
+
+@pytest.mark.parametrize("n", [1, 1000, 65537, 200003])
+def test_dgc_stateful_matches_reference_with_warmup(n, threads):
+    c = C.DGC(ratio=0.001, momentum=0.9, warmup_steps=8)
+    st = c.new_state(n)
+    r = ref.DGCReference(n, ratio=0.001, momentum=0.9, warmup_steps=8)
+    sizes = []
+    for step in range(10):
+        g = grad(n, 100 + step)
+        p = c.encode(g, st)
+        assert pbytes(p) == r.encode(as_np(g)), f"step {step}"
+        np.testing.assert_array_equal(st.buffers["momentum"].numpy(), r.u)
+        np.testing.assert_array_equal(st.buffers["accum"].numpy(), r.v)
+        sizes.append(p.numel())
+        assert p.numel() <= c.max_encoded_bytes(n)
+    assert st.step == 10
+    if n > 1000:  # the warm-up schedule: 25%, 6.25%, 1.56%, 0.4% then 0.1%
+        assert sizes[0] == H + 8 * ref.count_for(0.25, n)
+        assert sizes[0] > sizes[2] > sizes[4] > sizes[6] > sizes[9]
+        assert sizes[9] == H + 8 * ref.count_for(0.001, n)
+
+
+def test_dgc_momentum_masking_and_accumulation():
+    n = 10000
+    c = C.DGC(ratio=0.01)
+    st = c.new_state(n)
+    g = grad(n, 9)
+    p = c.encode(g, st)
+    idx, val = ref.sparse_indices(pbytes(p))
+    assert np.all(st.buffers["accum"].numpy()[idx] == 0) and np.all(st.buffers["momentum"].numpy()[idx] == 0)
+    # what was not sent is kept: accum + sent == g (first step: u = g, v = g)
+    dense = ref.sparse_decode(pbytes(p), n)
+    np.testing.assert_array_equal(st.buffers["accum"].numpy() + dense, g.numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", SIZES)
+def test_graddrop_matches_reference(n, dtype, threads):
+    g = grad(n, n + 4, dtype)
+    c = C.GradDrop(ratio=0.01, seed=4)
+    st = c.new_state(n)
+    st.scalars[0] = 99
+    p = c.encode(g, st)
+    expect = ref.graddrop_encode(as_np(g), 0.01, 0.01, seed=4, counter=99)
+    assert pbytes(p) == expect
+    assert p.numel() <= c.max_encoded_bytes(n)
+    assert st.rng_counter == 99 + ref.graddrop_sample_size(n, 0.01)
+    np.testing.assert_array_equal(roundtrip(c, g, p).numpy(), ref.sparse_decode(expect, n))
+
+
+def test_graddrop_keeps_about_one_percent():
+    n = 1_000_000
+    p = C.GradDrop(ratio=0.01).encode(grad(n, 1))
+    k = ref.parse_header(pbytes(p))["count"]
+    assert 0.006 * n < k <= 0.02 * n
+
+
+def test_graddrop_cap_on_bad_estimate():
+    # a sample that sees only zeros would keep everything nonzero: the payload stays at 2k
+    n = 100000
+    g = torch.zeros(n)
+    g[::50] = 1.0  # 2% nonzero, all equal: the threshold is 1.0 or 0
+    c = C.GradDrop(ratio=0.005)
+    p = c.encode(g)
+    assert ref.parse_header(pbytes(p))["count"] <= 2 * ref.count_for(0.005, n)
+    assert pbytes(p) == ref.graddrop_encode(g.numpy(), 0.005)
+
+
+# ------------------------------------------------------------------ 10^7 elements
+
+@pytest.mark.parametrize("name", ["tbq", "terngrad", "dgc", "graddrop", "onebit"])
+def test_ten_million_elements(name, threads):
+    n = 10_000_000
+    g = grad(n, 42)
+    x = g.numpy()
+    if name == "tbq":
+        c = C.TBQ(0.05)
+        assert pbytes(c.encode(g)) == ref.tbq_encode(x, 0.05)
+    elif name == "terngrad":
+        c = C.TernGrad(4, seed=9)
+        assert pbytes(c.encode(g)) == ref.terngrad_encode(x, 4, seed=9)
+    elif name == "dgc":
+        c = C.DGC(ratio=0.001)
+        assert pbytes(c.encode(g)) == ref.dgc_encode_stateless(x, 0.001)
+    elif name == "graddrop":
+        c = C.GradDrop(ratio=0.01)
+        assert pbytes(c.encode(g)) == ref.graddrop_encode(x, 0.01)
+    else:
+        c = C.OneBit()
+        p = c.encode(g)
+        assert pbytes(p)[H:] == ref.onebit_encode(x)[H:]
+
+
+# ------------------------------------------------------------------ error feedback
+
+@pytest.mark.parametrize("name,params", [("onebit", {}), ("tbq", {"threshold": 0.03}), ("graddrop", {"ratio": 0.05}),
+                                         ("terngrad", {"bitwidth": 2}), ("dgc", {"ratio": 0.05})])
+@pytest.mark.parametrize("beta,gamma", [(1.0, 1.0), (0.9, 0.5)])
+def test_error_feedback_conserves_and_matches_reference(name, params, beta, gamma):
+    n = 5003
+    c = C.get(name, error_feedback=True, beta=beta, gamma=gamma, **params)
+    assert isinstance(c, C.ErrorFeedback)
+    st = c.new_state(n)
+    r_ref = np.zeros(n, np.float32)
+    for step in range(4):
+        g = grad(n, 200 + step)
+        old = st.buffers["residual"].clone()
+        p = c.encode(g, st)
+        dec = torch.empty(n)
+        c.decode(p, dec)
+        new = st.buffers["residual"]
+        comp = np.float32(beta) * old.numpy() + np.float32(gamma) * g.numpy() if (beta, gamma) != (1, 1) \
+            else old.numpy() + g.numpy()
+        # conservation: compensated input = decoded + new residual (one fp32 rounding)
+        np.testing.assert_allclose(dec.numpy() + new.numpy(), comp, rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(new.numpy(), comp - dec.numpy())
+        if name in ("tbq", "graddrop"):  # stateless inner algorithms: whole step equals the reference
+            enc = (lambda x: ref.tbq_encode(x, 0.03)) if name == "tbq" else \
+                (lambda x, s=step: ref.graddrop_encode(x, 0.05, counter=sum(
+                    ref.graddrop_sample_size(n, 0.01) for _ in range(s))))
+            decf = ref.tbq_decode if name == "tbq" else ref.sparse_decode
+            payload, r_ref = ref.error_feedback_step(enc, decf, g.numpy(), r_ref, beta, gamma)
+            assert pbytes(p) == payload
+            np.testing.assert_array_equal(new.numpy(), r_ref)
+
+
+def test_error_feedback_generic_python_compressor():
+    class Half(C.Compressor):
+        """A user compressor: sends fp16 values."""
+        name, category, rate = "half", "quantization", 0.5
+
+        def max_encoded_bytes(self, numel, shape=None):
+            return 2 * numel
+
+        def encode(self, grad, state=None, out=None):
+            return grad.reshape(-1).to(torch.float16).view(torch.uint8).clone()
+
+        def decode(self, payload, out):
+            out.copy_(payload.view(torch.float16).to(torch.float32).view(out.shape))
+            return out
+
+    C.register("half_test", Half, error_feedback=True, overwrite=True)
+    c = C.get("half_test")
+    assert isinstance(c, C.ErrorFeedback) and c._native is None
+    st = c.new_state(100)
+    g = grad(100, 1) * 1000 + 0.001
+    p = c.encode(g, st)
+    dec = torch.empty(100)
+    c.decode(p, dec)
+    torch.testing.assert_close(dec + st.buffers["residual"], g, rtol=0, atol=1e-3)
+    assert float(st.buffers["residual"].abs().max()) > 0
+
+
+# ------------------------------------------------------------------ state_dict
+
+@pytest.mark.parametrize("name", ["onebit", "tbq", "terngrad", "dgc", "graddrop", "powersgd"])
+def test_state_dict_resume_is_bit_identical(name):
+    shape = (64, 50)
+    n = 3200
+    c = C.get(name)
+    st = c.new_state(n, shape)
+    gs = [grad(n, 300 + i).view(shape) for i in range(6)]
+    for g in gs[:3]:
+        c.encode(g, st)
+    sd = st.state_dict()
+    run_a = [pbytes(c.encode(g, st)) for g in gs[3:]]
+    final_a = st.state_dict()
+    c2 = C.get(name)
+    st2 = c2.new_state(n, shape)
+    st2.load_state_dict(sd)
+    run_b = [pbytes(c2.encode(g, st2)) for g in gs[3:]]
+    assert run_a == run_b
+    for k in final_a["buffers"]:
+        assert torch.equal(final_a["buffers"][k], st2.buffers[k])
+    assert torch.equal(final_a["scalars"], st2.scalars)
+    with pytest.raises(ValueError):
+        c.new_state(n + 1, None).load_state_dict(sd)
+
+
+# ------------------------------------------------------------------ PowerSGD
+
+def test_powersgd_single_process_matches_reference():
+    rows, cols, rank = 96, 70, 4
+    c = C.PowerSGD(rank=rank, seed=5)
+    st = c.new_state(rows * cols, (rows, cols))
+    r = ref.PowerSGDReference(rows, cols, rank, seed=5)
+    for step in range(4):
+        g = grad(rows * cols, 400 + step).view(rows, cols)
+        p = c.encode(g, st)
+        assert p.numel() == H + 4 * rank * (rows + cols) == c.max_encoded_bytes(rows * cols, (rows, cols))
+        out = torch.empty(rows * cols)
+        c.decode(p, out)
+        expect = r.step(g.numpy())
+        np.testing.assert_allclose(out.numpy(), expect, rtol=1e-3, atol=1e-5)
+        np.testing.assert_allclose(st.buffers["matrix"].numpy(), r.e.reshape(-1), rtol=1e-3, atol=1e-5)
+
+
+def test_powersgd_exact_for_low_rank_input():
+    rows, cols = 50, 40
+    a = np.random.default_rng(0).standard_normal((rows, 2)).astype(np.float32)
+    b = np.random.default_rng(1).standard_normal((2, cols)).astype(np.float32)
+    g = torch.from_numpy(a @ b)
+    c = C.PowerSGD(rank=2)
+    st = c.new_state(g.numel(), g.shape)
+    out = torch.empty(g.numel())
+    c.decode(c.encode(g, st), out)
+    torch.testing.assert_close(out.view(rows, cols), g, rtol=1e-3, atol=1e-3)
+    assert float(st.buffers["matrix"].abs().max()) < 1e-3  # residual ~ 0
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_powersgd_two_rounds_aggregated(world):
+    rows, cols, rank = 40, 33, 3
+    n = rows * cols
+    comps = [C.PowerSGD(rank=rank, seed=8) for _ in range(world)]
+    states = [c.new_state(n, (rows, cols)) for c in comps]
+    refs = [ref.PowerSGDReference(rows, cols, rank, seed=8) for _ in range(world)]
+    for step in range(3):
+        gs = [grad(n, 1000 * step + w).view(rows, cols) for w in range(world)]
+        ps = [c.encode_round(0, g, s) for c, g, s in zip(comps, gs, states)]
+        assert comps[0].aggregatable and comps[0].rounds == 2
+        psum = ps[0].clone()
+        for p in ps[1:]:
+            psum = comps[0].combine(psum, p, out=psum)
+        qs = [c.encode_round(1, psum, s) for c, s in zip(comps, states)]
+        qsum = qs[0].clone()
+        for q in qs[1:]:
+            qsum = comps[0].combine(qsum, q)
+        outs = [c.finish(qsum, s, torch.empty(n)) for c, s in zip(comps, states)]
+        # reference
+        rp = sum(r.round0(g.numpy()) for r, g in zip(refs, gs))
+        rq = sum(r.round1(rp) for r in refs)
+        rout = [r.finish(rq) for r in refs]
+        for o, ro in zip(outs, rout):
+            np.testing.assert_allclose(o.numpy(), ro, rtol=2e-3, atol=1e-4)
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])  # all ranks decode the same sum
+    with pytest.raises(ValueError):
+        comps[0].combine(ps[0], qs[0])  # different rounds
+
+
+def test_powersgd_vector_and_empty():
+    c = C.PowerSGD(rank=4)
+    g = grad(10, 1)
+    out = torch.empty(10)
+    c.decode(c.encode(g), out)
+    torch.testing.assert_close(out, g, rtol=1e-4, atol=1e-5)  # n x 1 with rank 1 is exact (up to rounding)
+    e = torch.zeros(0)
+    p = c.encode(e)
+    c.decode(p, torch.empty(0))
+
+
+# ------------------------------------------------------------------ API and metadata
+
+def test_metadata_and_registry():
+    builtin = ["dgc", "graddrop", "onebit", "powersgd", "tbq", "terngrad"]
+    assert set(builtin) <= set(C.available())
+    info = {n: C.get(n) for n in builtin}
+    assert {n: c.category for n, c in info.items()} == {
+        "onebit": "quantization", "tbq": "quantization", "terngrad": "quantization",
+        "dgc": "sparsification", "graddrop": "sparsification", "powersgd": "lowrank"}
+    assert [n for n, c in info.items() if c.aggregatable] == ["powersgd"]
+    assert info["powersgd"].rounds == 2 and info["tbq"].rounds == 1
+    assert info["onebit"].rate == pytest.approx(1 / 32)
+    assert C.TernGrad(bitwidth=4).rate == pytest.approx(4 / 32)
+    assert isinstance(info["tbq"], C.ErrorFeedback) and not isinstance(info["terngrad"], C.ErrorFeedback)
+    with pytest.raises(ValueError, match="unknown compressor"):
+        C.get("nope")
+    with pytest.raises(TypeError):
+        C.get("tbq", treshold=1)
+    with pytest.raises(ValueError, match="unknown parameter"):
+        C.NativeCompressor("tbq", treshold=1)
+    with pytest.raises(ValueError):
+        C.TernGrad(bitwidth=3)
+    with pytest.raises(ValueError):
+        C.register("tbq", C.TBQ)
+
+
+def test_out_buffer_and_plain_functions():
+    g = grad(1000, 3)
+    c = C.TBQ(0.02)
+    buf = torch.empty(c.max_encoded_bytes(1000) + 10, dtype=torch.uint8)
+    p = c.encode(g, out=buf)
+    assert p.data_ptr() == buf.data_ptr()
+    with pytest.raises(ValueError):
+        c.encode(g, out=torch.empty(10, dtype=torch.uint8))
+    q = C.compress(g, "terngrad", bitwidth=8)
+    assert C.payload_info(q)["name"] == "terngrad" and C.payload_info(q)["numel"] == 1000
+    d = C.decompress(q)
+    assert float((d - g).abs().max()) <= float(g.max() - g.min()) / 255 + 1e-6
+    # fp16 output buffers and 2-D shapes work
+    out16 = torch.empty(20, 50, dtype=torch.float16)
+    c.decode(p, out16)
+    torch.testing.assert_close(out16.float().view(-1), C.decompress(p), rtol=1e-3, atol=1e-4)
+    with pytest.raises(ValueError):
+        c.decode(p, torch.empty(999))  # wrong element count

@@ -1,0 +1,151 @@
+"""CompLL common operators (csrc/compress/ops.h) against numpy."""
+import numpy as np
+import pytest
+
+from hipress import _C
+from hipress.compression import reference as ref
+
+SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 17, 31, 33, 63, 64, 65, 1023, 1025, 4095, 4096, 4097, 65535, 65536, 65537, 200003]
+
+
+def ptr(a):
+    return a.ctypes.data
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    old = _C.compress_num_threads()
+    _C.compress_set_num_threads(request.param)
+    yield request.param
+    _C.compress_set_num_threads(old)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", SIZES)
+def test_pack_unpack_matches_reference(bits, n, threads):
+    rng = np.random.default_rng(n * 10 + bits)
+    codes = rng.integers(0, 1 << bits, size=n, dtype=np.uint8)
+    nb = (n * bits + 7) // 8
+    out = np.full(nb + 1, 0xAB, np.uint8)  # sentinel after the end
+    _C.ops_pack_bits(ptr(codes), n, bits, ptr(out))
+    np.testing.assert_array_equal(out[:nb], ref.pack_bits(codes, bits))
+    assert out[nb] == 0xAB
+    if bits == 1:
+        np.testing.assert_array_equal(out[:nb], np.packbits(codes, bitorder="little"))
+    back = np.zeros(n, np.uint8)
+    _C.ops_unpack_bits(ptr(out), n, bits, ptr(back))
+    np.testing.assert_array_equal(back, codes)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_pack_signbits(n, threads):
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    if n > 3:
+        x[:4] = [0.0, -0.0, np.inf, -np.inf]
+    out = np.zeros((n + 7) // 8, np.uint8)
+    _C.ops_pack_signbits(ptr(x), n, ptr(out))
+    np.testing.assert_array_equal(out, np.packbits(np.signbit(x).astype(np.uint8), bitorder="little"))
+
+
+@pytest.mark.parametrize("seed,counter", [(0, 0), (1, 12345), (2**63 + 5, 2**32 - 100), (7, 2**40)])
+def test_random_streams_identical(seed, counter, threads):
+    n = 150001
+    u = np.zeros(n, np.float32)
+    _C.ops_random_uniform(seed, counter, ptr(u), n)
+    np.testing.assert_array_equal(u, ref.random_uniform(seed, counter, n))
+    assert u.min() >= 0 and u.max() < 1
+    idx = np.zeros(n, np.uint32)
+    _C.ops_random_index(seed, counter, 1000003, ptr(idx), n)
+    np.testing.assert_array_equal(idx, ref.random_index(seed, counter, 1000003, n))
+    assert idx.max() < 1000003
+
+
+def test_random_uniform_quality():
+    u = ref.random_uniform(3, 0, 1 << 20)
+    assert abs(u.mean() - 0.5) < 2e-3
+    assert abs(u.var() - 1 / 12) < 2e-3
+    # successive counters are not correlated
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 5e-3
+    # another seed gives another stream
+    assert not np.array_equal(u[:100], ref.random_uniform(4, 0, 100))
+
+
+@pytest.mark.parametrize("n", [1, 5, 1000, 65537, 300001])
+def test_reduce_minmax_and_sign_sums(n, threads):
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    assert _C.ops_reduce_minmax(ptr(x), n) == (x.min(), x.max())
+    ps, ns, pc, nc = _C.ops_reduce_sign_sums(ptr(x), n)
+    neg = np.signbit(x)
+    assert pc == (~neg).sum() and nc == neg.sum()
+    assert ps == pytest.approx(x[~neg].astype(np.float64).sum(), rel=1e-12, abs=1e-9)
+    assert ns == pytest.approx(x[neg].astype(np.float64).sum(), rel=1e-12, abs=1e-9)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 1), (5000, 5), (100000, 100), (100000, 1000), (4097, 4097)])
+@pytest.mark.parametrize("sample", [0, 2048])
+def test_topk_exact_with_ties(n, k, sample, threads):
+    rng = np.random.default_rng(n + k)
+    x = rng.standard_normal(n).astype(np.float32)
+    x[rng.integers(0, n, n // 3)] = 0.5  # many ties
+    x[rng.integers(0, n, n // 3)] = 0.0
+    idx = np.zeros(k, np.uint32)
+    val = np.zeros(k, np.float32)
+    got = _C.ops_topk_abs(ptr(x), n, k, ptr(idx), ptr(val), sample, 1, 0)
+    ridx, rval = ref.topk_abs_exact(x, k)
+    assert got == k
+    np.testing.assert_array_equal(idx, ridx)
+    np.testing.assert_array_equal(val, rval)
+
+
+def test_topk_constant_tensor_takes_lowest_indices():
+    x = np.full(10000, -2.0, np.float32)
+    idx = np.zeros(10, np.uint32)
+    val = np.zeros(10, np.float32)
+    assert _C.ops_topk_abs(ptr(x), 10000, 10, ptr(idx), ptr(val), 1024, 0, 0) == 10
+    np.testing.assert_array_equal(idx, np.arange(10))
+
+
+def test_sampled_threshold_matches_reference():
+    x = np.random.default_rng(0).standard_normal(100000).astype(np.float32)
+    t = _C.ops_sampled_threshold(ptr(x), x.size, 0.01, 1000, 5, 77)
+    sm = np.abs(x[ref.random_index(5, 77, x.size, 1000)])
+    assert t == np.sort(sm)[::-1][9]
+    # a 1% threshold of a normal sample is near the true 99th percentile of |x|
+    assert abs(t - np.quantile(np.abs(x), 0.99)) < 0.3
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (7, 5, 3), (130, 257, 4), (64, 1000, 8)])
+def test_matmul_variants(m, k, n, threads):
+    rng = np.random.default_rng(m * k * n)
+    A = rng.standard_normal((m, k)).astype(np.float32)
+    B = rng.standard_normal((k, n)).astype(np.float32)
+    C = np.zeros((m, n), np.float32)
+    _C.ops_matmul_nn(ptr(A), ptr(B), ptr(C), m, k, n)
+    np.testing.assert_allclose(C, A @ B, rtol=1e-4, atol=1e-4)
+    B2 = rng.standard_normal((m, n)).astype(np.float32)
+    CT = np.zeros((k, n), np.float32)
+    _C.ops_matmul_tn(ptr(A), ptr(B2), ptr(CT), m, k, n)
+    np.testing.assert_allclose(CT, A.T @ B2, rtol=1e-4, atol=1e-4)
+    Bk = rng.standard_normal((k, n)).astype(np.float32)  # (n_out x r) with r = n
+    D = np.ones((m, k), np.float32)
+    Ar = rng.standard_normal((m, n)).astype(np.float32)
+    _C.ops_matmul_nt(ptr(Ar), ptr(Bk), ptr(D), m, n, k, -1.0, True)
+    np.testing.assert_allclose(D, 1 - Ar @ Bk.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,r", [(1, 1), (50, 4), (1000, 8)])
+def test_orthogonalize(rows, r):
+    P = np.random.default_rng(rows).standard_normal((rows, r)).astype(np.float32)
+    Q = P.copy()
+    _C.ops_orthogonalize(ptr(Q), rows, r)
+    np.testing.assert_allclose(Q, ref.orthogonalize(P), rtol=1e-4, atol=1e-5)
+    if rows >= r:
+        np.testing.assert_allclose(Q.T @ Q, np.eye(r), atol=1e-4)
+
+
+def test_axpby_rounding_matches_numpy():
+    x = np.random.default_rng(1).standard_normal(70001).astype(np.float32)
+    y = np.random.default_rng(2).standard_normal(70001).astype(np.float32)
+    y2 = y.copy()
+    _C.ops_axpby(ptr(y2), 0.9, ptr(x), 0.3, x.size)
+    np.testing.assert_array_equal(y2, np.float32(0.9) * y + np.float32(0.3) * x)
