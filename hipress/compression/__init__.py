@@ -23,6 +23,7 @@ from hipress.compression.base import CATEGORIES, Compressor, CompressorState
 from hipress.compression.error_feedback import ErrorFeedback
 from hipress.compression.native import (BUILTIN_IDS, DGC, TBQ, GradDrop, NativeCompressor, OneBit, PayloadError,
                                         PowerSGD, TernGrad)
+from hipress.compression.none import NoneCompressor
 from hipress.compression.registry import available, get, register
 
 HEADER_BYTES = _C.compress_header_bytes
@@ -71,4 +72,5 @@ def decompress(payload: torch.Tensor, out: Optional[torch.Tensor] = None) -> tor
 
 __all__ = ["CATEGORIES", "Compressor", "CompressorState", "ErrorFeedback", "NativeCompressor", "PayloadError",
            "OneBit", "TBQ", "TernGrad", "DGC", "GradDrop", "PowerSGD", "available", "get", "register",
-           "compress", "decompress", "payload_info", "set_num_threads", "num_threads", "HEADER_BYTES"]
+           "compress", "decompress", "payload_info", "set_num_threads", "num_threads", "HEADER_BYTES",
+           "NoneCompressor"]

@@ -1,4 +1,4 @@
-"""The identity "compressor": fp32 bytes as they are (rate 1).
+"""The identity "compressor": fp32 bytes as they are (rate 1, no header).
 
 Used for compression="none" so that uncompressed synchronization runs through the
 same strategies. encode() returns a zero-copy uint8 view of its input: the payload
@@ -7,38 +7,26 @@ respect (a chunk is never written while its payload is in flight).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-
-class _NoState:
-    __slots__ = ()
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, sd: dict) -> None:
-        if sd:
-            raise ValueError("the 'none' compressor has no state to load")
+from hipress.compression.base import Compressor, CompressorState, flat_f32
 
 
-class NoneCompressor:
+class NoneCompressor(Compressor):
     name = "none"
     category = "none"
     rate = 1.0
     aggregatable = True
     rounds = 1
 
-    def max_encoded_bytes(self, numel: int) -> int:
+    def max_encoded_bytes(self, numel: int, shape=None) -> int:
         return 4 * numel
 
-    def new_state(self, numel: int, shape=None) -> _NoState:
-        return _NoState()
-
-    def encode(self, grad: torch.Tensor, state=None, out: torch.Tensor = None) -> torch.Tensor:
-        g = grad.detach().reshape(-1)
-        if g.dtype != torch.float32:
-            g = g.float()
-        g = g.contiguous()
+    def encode(self, grad: torch.Tensor, state: Optional[CompressorState] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        g = flat_f32(grad)
         if out is None:
             return g.view(torch.uint8)
         out = out[:4 * g.numel()]
@@ -46,7 +34,7 @@ class NoneCompressor:
         return out
 
     def _values(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        if payload.numel() != 4 * numel:
+        if payload.dtype != torch.uint8 or payload.numel() != 4 * numel:
             raise ValueError(f"'none' payload has {payload.numel()} bytes, expected {4 * numel} for {numel} floats")
         return payload.view(torch.float32)
 
@@ -54,6 +42,11 @@ class NoneCompressor:
         out.copy_(self._values(payload, out.numel()).view_as(out))
         return out
 
-    def decode_add(self, payload: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-        acc.add_(self._values(payload, acc.numel()).view_as(acc))
+    def decode_add(self, payload: torch.Tensor, acc: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        acc.add_(self._values(payload, acc.numel()).view_as(acc), alpha=alpha)
         return acc
+
+    def combine(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = a.clone() if out is None else out
+        torch.add(a.view(torch.float32), b.view(torch.float32), out=out.view(torch.float32))
+        return out

@@ -7,6 +7,7 @@ from typing import Callable, Dict, List, Union
 from hipress.compression.base import Compressor
 from hipress.compression.error_feedback import ErrorFeedback
 from hipress.compression.native import DGC, TBQ, GradDrop, OneBit, PowerSGD, TernGrad
+from hipress.compression.none import NoneCompressor
 
 _REGISTRY: Dict[str, Callable[..., Compressor]] = {}
 # Whether get() wraps the algorithm in ErrorFeedback unless told otherwise (the papers' defaults).
@@ -55,6 +56,7 @@ def get(name: Union[str, Compressor], *, error_feedback: Union[bool, None] = Non
     return comp
 
 
+register("none", NoneCompressor)
 register("onebit", OneBit, error_feedback=True)
 register("tbq", TBQ, error_feedback=True)
 register("terngrad", TernGrad)
