@@ -186,9 +186,9 @@ def _mpi_ready():
     return None
 
 
-def run_mpirun(n, result_dir, args=(), timeout=120, extra_env=None):
+def run_mpirun(n, result_dir, args=(), timeout=120, extra_env=None, mpirun_args=()):
     extra_env = dict(extra_env or {}, HIPRESS_TEST_RESULT_DIR=result_dir)
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n), sys.executable, WORKER, *args]
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", *mpirun_args, "-np", str(n), sys.executable, WORKER, *args]
     p = subprocess.Popen(cmd, env=_base_env(**extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, start_new_session=True)
     t0 = time.time()
@@ -306,16 +306,28 @@ def test_mpi_rank_never_arrives(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_mpi_rank_killed_mid_alltoallv(tmp_path):
-    """OpenMPI's runtime notices the dead rank and ends the job: nobody hangs. Survivors that
-    see the failure first raise our TransportError (MPI error or timeout naming the peers)."""
+    """Default mpirun: OpenMPI's runtime sees the dead rank and ends the whole job at once."""
     n, victim = 3, 1
     rc, out, elapsed = run_mpirun(n, str(tmp_path), ["--mode", "kill", "--victim", str(victim)], timeout=100,
                                   extra_env={"HIPRESS_TIMEOUT_S": FAIL_TIMEOUT_S})
     assert rc != 0, out
-    assert elapsed < 60, f"job took {elapsed:.1f} s to end:\n{out[-3000:]}"
+    assert elapsed < 45, f"job took {elapsed:.1f} s to end:\n{out[-3000:]}"
+    assert f"process rank {victim}" in out and "signal 9" in out, out[-3000:]
+
+
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_mpi_rank_killed_survivors_raise(tmp_path):
+    """mpirun --enable-recovery keeps the survivors alive: each must end its alltoallv with
+    a TransportError naming the peers it still waits for (the victim among them) within the
+    timeout, not hang."""
+    n, victim = 3, 1
+    rc, out, elapsed = run_mpirun(n, str(tmp_path), ["--mode", "kill", "--victim", str(victim)], timeout=100,
+                                  extra_env={"HIPRESS_TIMEOUT_S": FAIL_TIMEOUT_S}, mpirun_args=["--enable-recovery"])
     res = _results([out], str(tmp_path))
+    assert sorted(res) == [r for r in range(n) if r != victim], out[-4000:]
     for r, d in res.items():
-        if "error" in d:
-            assert victim in (d["error_peers"] or [victim]), d
-    # mpirun names the dead rank (or our error does)
-    assert (f"rank {victim}" in out or "signal 9" in out or "Killed" in out or res), out[-3000:]
+        assert d["error_op"] == "alltoallv" and victim in d["error_peers"], d
+        assert d["detect_s"] < FAIL_TIMEOUT_S + 10, d
+    assert elapsed < 60
