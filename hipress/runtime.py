@@ -288,7 +288,11 @@ def _make_world(kind: str, launch: LaunchInfo, timeout: float):
             from hipress.transport.nccl import NcclTransport
 
             boot = TorchDistTransport.create(launch.rank, launch.size, backend="gloo", timeout_s=timeout, store=store)
-            return NcclTransport.create(boot, timeout_s=timeout)
+            try:
+                return NcclTransport.create(boot, timeout_s=timeout)
+            except BaseException:
+                boot.close()
+                raise
         backend = os.environ.get("HIPRESS_TORCH_BACKEND", "gloo").strip().lower()
         if backend == "nccl" and not torch.cuda.is_available():
             raise RuntimeError("HIPRESS_TORCH_BACKEND=nccl but CUDA is not available")

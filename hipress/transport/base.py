@@ -182,10 +182,11 @@ class Transport(abc.ABC):
         if dst == self._rank:
             raise self._err(op, "send to self is not supported (use a local copy)", [dst])
         n = buf.numel()
-        if self.check:
-            self._raw_send(self._header(n, buf), dst, 2 * tag, op)
+        msgs = [(self._header(n, buf), 2 * tag)] if self.check else []
         if n:
-            self._raw_send(buf, dst, 2 * tag + 1, op)
+            msgs.append((buf, 2 * tag + 1))
+        if msgs:
+            self._raw_send_many(msgs, dst, op)
 
     def recv(self, buf: torch.Tensor, src: int, tag: int = 0) -> None:
         """Receive exactly ``buf.numel()`` bytes from rank ``src`` into ``buf``."""
@@ -455,6 +456,11 @@ class Transport(abc.ABC):
     # ------------------------------------------------------------------ backend hooks
     @abc.abstractmethod
     def _raw_send(self, buf: torch.Tensor, dst: int, tag: int, op: str) -> None: ...
+
+    def _raw_send_many(self, msgs, dst: int, op: str) -> None:
+        """Send [(buf, tag), ...] to ``dst`` in order; backends may post them all at once."""
+        for buf, tag in msgs:
+            self._raw_send(buf, dst, tag, op)
 
     @abc.abstractmethod
     def _raw_recv(self, buf: torch.Tensor, src: int, tag: int, op: str) -> None: ...

@@ -147,6 +147,9 @@ class TorchDistTransport(Transport):
     def _raw_send(self, buf, dst, tag, op):
         self._wait(op, [self._post(op, [dst], self.pg.send, [buf], dst, tag)], [dst])
 
+    def _raw_send_many(self, msgs, dst, op):
+        self._wait(op, [self._post(op, [dst], self.pg.send, [b], dst, tag) for b, tag in msgs], [dst])
+
     def _raw_recv(self, buf, src, tag, op):
         self._wait(op, [self._post(op, [src], self.pg.recv, [buf], src, tag)], [src])
 

@@ -222,3 +222,21 @@ def test_timeout_env(monkeypatch):
     monkeypatch.setenv("HIPRESS_TIMEOUT_S", "0")
     with pytest.raises(ValueError):
         default_timeout_s()
+
+
+def test_nccl_is_import_safe_and_clearly_unavailable_without_cuda(clean_env):
+    import torch
+
+    from hipress.transport import nccl
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: covered by GPU tests")
+    assert not nccl.available()
+    assert "CUDA is not available" in nccl.unavailable_reason()
+    boot = loopback.LoopbackTransport(loopback.LoopbackWorld(1), 0)
+    with pytest.raises(TransportError, match="CUDA is not available"):
+        nccl.NcclTransport.create(boot)
+    clean_env.setenv("HIPRESS_TRANSPORT", "nccl")
+    with pytest.raises(TransportError, match="CUDA is not available"):
+        runtime.init()
+    assert not runtime.is_initialized()
