@@ -1,0 +1,499 @@
+"""One transport interface on byte buffers, implemented over MPI, torch.distributed,
+NCCL and in-process threads (loopback).
+
+Every buffer is a 1-D, contiguous ``torch.uint8`` tensor (CPU; CUDA where the backend
+allows). The caller owns and sizes every buffer; a transport never allocates the
+result of an operation.
+
+Operations (all ranks of the transport call the collectives in the same order):
+
+    send(buf, dst, tag=0)             recv(buf, src, tag=0)        # caller sizes buf exactly
+    sendrecv(send_buf, dst, recv_buf, src)                          # one ring step
+    alltoallv(send_buf, send_counts, recv_buf, recv_counts)         # the bulk step
+    allgather(send_buf, recv_buf)     allgatherv(send_buf, recv_buf, recv_counts)
+    broadcast(buf, root)              barrier()
+    split(color, key=None)            subgroup(ranks)               # sub-transports
+    close()
+
+Layout of ``alltoallv``: ``send_buf`` holds the segments for rank 0, 1, ..., size-1
+back to back, ``send_counts[j]`` bytes for rank j (zero allowed); ``recv_buf`` receives
+``recv_counts[i]`` bytes from rank i at offset ``sum(recv_counts[:i])``. Buffers may be
+longer than the sum of their counts; the tail is left alone.
+
+Checking. With ``check=True`` (the default; ``HIPRESS_TRANSPORT_CHECK=0`` turns it off)
+every collective first all-gathers a few int64 of metadata (counts, buffer sizes, a
+local-error flag) so that all ranks agree on the shapes *before* a byte moves: a count
+that disagrees between two ranks, a buffer that is too small, or a bad root raises the
+same :class:`TransportError` on every rank, and the transport stays usable. Point-to-point
+messages carry an 8-byte header with the payload size; a receiver whose buffer does not
+match drains the payload into scratch (keeping the stream in step) and raises. With
+checks off, mismatches are undefined behaviour of the backend (gloo aborts the process).
+
+Failure. Every wait is bounded by ``timeout_s`` (``HIPRESS_TIMEOUT_S``, default 60 s):
+a peer that dies or never arrives ends the wait with a :class:`TransportError` naming
+the operation and the peer(s), never a hang.
+
+Implementing a backend: subclass :class:`Transport` and implement the ``_raw_*`` methods,
+which may assume validated, consistent arguments, zero-length segments included.
+"""
+from __future__ import annotations
+
+import abc
+import os
+import struct
+from typing import List, Optional, Sequence
+
+import torch
+
+__all__ = ["Transport", "TransportError", "default_timeout_s", "default_check", "MAX_TAG"]
+
+#: user tags for send/recv must lie in [0, MAX_TAG) (two backend tags per user tag;
+#: MPI guarantees tags up to 32767).
+MAX_TAG = 16000
+
+
+class TransportError(RuntimeError):
+    """A transport operation failed: a peer died, timed out, or the ranks disagree.
+
+    ``op`` names the operation, ``peers`` the ranks (of this transport) involved,
+    ``rank`` the rank that raised it.
+    """
+
+    def __init__(self, op: str, message: str, peers: Optional[Sequence[int]] = None,
+                 rank: Optional[int] = None, transport: Optional[str] = None):
+        self.op = op
+        self.peers = sorted(set(int(p) for p in peers)) if peers is not None else None
+        self.rank = rank
+        self.transport = transport
+        where = f"{transport} " if transport else ""
+        who = f"rank {rank}: " if rank is not None else ""
+        peer_s = f" (peers {self.peers})" if self.peers is not None else ""
+        super().__init__(f"hipress {where}{op} failed on {who}{message}{peer_s}")
+
+
+def default_timeout_s() -> float:
+    """``HIPRESS_TIMEOUT_S`` (seconds) or 60; <= 0 is rejected (no wait may be unbounded)."""
+    raw = os.environ.get("HIPRESS_TIMEOUT_S", "60")
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"HIPRESS_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
+    if v <= 0:
+        raise ValueError(f"HIPRESS_TIMEOUT_S must be > 0, got {raw!r}")
+    return v
+
+
+def default_check() -> bool:
+    return os.environ.get("HIPRESS_TRANSPORT_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+_HDR = struct.Struct("<q")  # point-to-point header: payload size in bytes
+
+
+def _is_byte_buffer(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 and t.is_contiguous()
+
+
+class Transport(abc.ABC):
+    """Byte-buffer transport over ``size`` ranks; this object is rank ``rank``.
+
+    A transport is used by one thread at a time (hipress's comm thread); it is not
+    thread-safe. Collectives must be called by every rank in the same order.
+    """
+
+    #: short backend name ("torch", "mpi", "nccl", "loopback")
+    name: str = "transport"
+
+    def __init__(self, rank: int, size: int, timeout_s: Optional[float] = None, check: Optional[bool] = None):
+        self._rank = int(rank)
+        self._size = int(size)
+        self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
+        self.check = default_check() if check is None else bool(check)
+        self._closed = False
+        self._subgroups: list = []
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return f"<hipress {self.name} transport rank {self._rank}/{self._size}>"
+
+    # ------------------------------------------------------------------ helpers
+    def _err(self, op: str, message: str, peers: Optional[Sequence[int]] = None) -> TransportError:
+        return TransportError(op, message, peers, self._rank, self.name)
+
+    def _ensure_open(self, op: str) -> None:
+        if self._closed:
+            raise self._err(op, "transport is closed")
+
+    def _check_buf(self, op: str, what: str, t) -> Optional[str]:
+        if not _is_byte_buffer(t):
+            if not isinstance(t, torch.Tensor):
+                return f"{what} must be a torch.uint8 tensor, got {type(t).__name__}"
+            return (f"{what} must be a 1-D contiguous torch.uint8 tensor, got dtype {t.dtype}, "
+                    f"shape {tuple(t.shape)}, contiguous={t.is_contiguous()}")
+        return self._check_device(what, t)
+
+    def _check_device(self, what: str, t: torch.Tensor) -> Optional[str]:
+        """Backends override to reject devices they cannot move (return a message)."""
+        if t.device.type != "cpu":
+            return f"{what} is on {t.device}; the {self.name} transport takes CPU buffers"
+        return None
+
+    def _check_peer(self, op: str, peer: int, what: str) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self._size:
+            raise self._err(op, f"{what} {peer!r} is not a rank of this transport (size {self._size})")
+
+    def _check_tag(self, op: str, tag: int) -> None:
+        if not isinstance(tag, int) or not 0 <= tag < MAX_TAG:
+            raise self._err(op, f"tag {tag!r} must be an int in [0, {MAX_TAG})")
+
+    def _meta_gather(self, op: str, values: Sequence[int]) -> List[List[int]]:
+        """All-gather ``len(values)`` int64 from every rank (same length everywhere)."""
+        n = len(values)
+        send = torch.tensor(list(values), dtype=torch.int64).view(torch.uint8)
+        recv = torch.empty(n * self._size, dtype=torch.int64)
+        self._raw_allgather(self._meta_device(send), self._meta_device(recv.view(torch.uint8)), op)
+        return recv.view(self._size, n).tolist()
+
+    def _meta_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    # ------------------------------------------------------------------ point to point
+    def send(self, buf: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send all of ``buf`` to rank ``dst``; returns once ``buf`` may be reused."""
+        op = f"send(dst={dst}, tag={tag})"
+        self._ensure_open(op)
+        self._check_peer(op, dst, "dst")
+        self._check_tag(op, tag)
+        bad = self._check_buf(op, "buf", buf)
+        if bad:
+            raise self._err(op, bad, [dst])
+        if dst == self._rank:
+            raise self._err(op, "send to self is not supported (use a local copy)", [dst])
+        n = buf.numel()
+        msgs = [(self._header(n, buf), 2 * tag)] if self.check else []
+        if n:
+            msgs.append((buf, 2 * tag + 1))
+        if msgs:
+            self._raw_send_many(msgs, dst, op)
+
+    def recv(self, buf: torch.Tensor, src: int, tag: int = 0) -> None:
+        """Receive exactly ``buf.numel()`` bytes from rank ``src`` into ``buf``."""
+        op = f"recv(src={src}, tag={tag})"
+        self._ensure_open(op)
+        self._check_peer(op, src, "src")
+        self._check_tag(op, tag)
+        bad = self._check_buf(op, "buf", buf)
+        if bad:
+            raise self._err(op, bad, [src])
+        if src == self._rank:
+            raise self._err(op, "recv from self is not supported", [src])
+        n = buf.numel()
+        if self.check:
+            hdr = self._header(0, buf)
+            self._raw_recv(hdr, src, 2 * tag, op)
+            sent = self._header_value(hdr)
+            if sent != n:
+                if sent > 0:  # drain the payload so the stream stays in step
+                    self._raw_recv(torch.empty(sent, dtype=torch.uint8, device=buf.device), src, 2 * tag + 1, op)
+                raise self._err(op, f"rank {src} sent {sent} bytes but the receive buffer holds {n}", [src])
+        if n:
+            self._raw_recv(buf, src, 2 * tag + 1, op)
+
+    def sendrecv(self, send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int) -> None:
+        """Send ``send_buf`` to ``dst`` while receiving ``recv_buf`` from ``src`` (a ring step).
+
+        Either peer may be this rank only if both are (a plain copy)."""
+        op = f"sendrecv(dst={dst}, src={src})"
+        self._ensure_open(op)
+        self._check_peer(op, dst, "dst")
+        self._check_peer(op, src, "src")
+        for what, t in (("send_buf", send_buf), ("recv_buf", recv_buf)):
+            bad = self._check_buf(op, what, t)
+            if bad:
+                raise self._err(op, bad, [dst, src])
+        if dst == self._rank or src == self._rank:
+            if dst == src == self._rank:
+                if send_buf.numel() != recv_buf.numel():
+                    raise self._err(op, f"self sendrecv of {send_buf.numel()} bytes into {recv_buf.numel()}", [src])
+                recv_buf.copy_(send_buf)
+                return
+            raise self._err(op, "sendrecv with self on one side only is not supported", [dst, src])
+        ns, nr = send_buf.numel(), recv_buf.numel()
+        if self.check:
+            hs, hr = self._header(ns, send_buf), self._header(0, recv_buf)
+            self._raw_sendrecv(hs, dst, hr, src, op)
+            sent = self._header_value(hr)
+            if sent != nr:
+                scratch = torch.empty(sent, dtype=torch.uint8, device=recv_buf.device)
+                self._raw_sendrecv(send_buf if ns else None, dst, scratch if sent else None, src, op)
+                raise self._err(op, f"rank {src} sent {sent} bytes but the receive buffer holds {nr}", [src])
+        if ns or nr:
+            self._raw_sendrecv(send_buf if ns else None, dst, recv_buf if nr else None, src, op)
+
+    def _header(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        h = torch.frombuffer(bytearray(_HDR.pack(n)), dtype=torch.uint8).clone()
+        return h.to(like.device) if like.device.type != "cpu" else h
+
+    @staticmethod
+    def _header_value(h: torch.Tensor) -> int:
+        return _HDR.unpack(bytes(h.cpu().tolist()))[0]
+
+    # ------------------------------------------------------------------ collectives
+    def alltoallv(self, send_buf: torch.Tensor, send_counts: Sequence[int],
+                  recv_buf: torch.Tensor, recv_counts: Sequence[int]) -> None:
+        """Rank i sends ``send_counts[j]`` bytes to each rank j (segments in rank order)."""
+        op = "alltoallv"
+        self._ensure_open(op)
+        n = self._size
+        problems = []
+        sc = self._counts(send_counts, "send_counts", problems)
+        rc = self._counts(recv_counts, "recv_counts", problems)
+        for what, t in (("send_buf", send_buf), ("recv_buf", recv_buf)):
+            bad = self._check_buf(op, what, t)
+            if bad:
+                problems.append(bad)
+        if not problems:
+            if sum(sc) > send_buf.numel():
+                problems.append(f"send_counts sum to {sum(sc)} bytes but send_buf holds {send_buf.numel()}")
+            if sum(rc) > recv_buf.numel():
+                problems.append(f"recv_counts sum to {sum(rc)} bytes but recv_buf holds {recv_buf.numel()}")
+        if problems:
+            sc = rc = [0] * n
+        if self.check:
+            rows = self._meta_gather(op, [0 if problems else 1] + sc + rc)
+            self._raise_local_or_remote(op, problems, rows)
+            bad_links = [(i, j, rows[i][1 + j], rows[j][1 + n + i])
+                         for i in range(n) for j in range(n) if rows[i][1 + j] != rows[j][1 + n + i]]
+            if bad_links:
+                desc = "; ".join(f"rank {i} sends {s} bytes to rank {j}, which expects {r}" for i, j, s, r in bad_links[:8])
+                more = f" (+{len(bad_links) - 8} more)" if len(bad_links) > 8 else ""
+                peers = {p for i, j, _, _ in bad_links for p in (i, j)}
+                raise self._err(op, f"send/recv counts disagree: {desc}{more}", sorted(peers))
+        elif problems:
+            raise self._err(op, "; ".join(problems))
+        self._raw_alltoallv(send_buf, sc, recv_buf, rc, op)
+
+    def allgather(self, send_buf: torch.Tensor, recv_buf: torch.Tensor) -> None:
+        """``recv_buf[i*m:(i+1)*m]`` = rank i's ``send_buf`` (m bytes, the same on every rank)."""
+        op = "allgather"
+        self._ensure_open(op)
+        problems = []
+        for what, t in (("send_buf", send_buf), ("recv_buf", recv_buf)):
+            bad = self._check_buf(op, what, t)
+            if bad:
+                problems.append(bad)
+        m = 0 if problems else send_buf.numel()
+        if not problems and recv_buf.numel() < m * self._size:
+            problems.append(f"recv_buf holds {recv_buf.numel()} bytes, needs size*{m} = {m * self._size}")
+        if self.check:
+            rows = self._meta_gather(op, [0 if problems else 1, m])
+            self._raise_local_or_remote(op, problems, rows)
+            sizes = [r[1] for r in rows]
+            if len(set(sizes)) != 1:
+                raise self._err(op, f"send sizes differ between ranks: {sizes} (use allgatherv)",
+                                [i for i, s in enumerate(sizes) if s != sizes[0]] + [0])
+        elif problems:
+            raise self._err(op, "; ".join(problems))
+        if m == 0:
+            return
+        self._raw_allgather(send_buf, recv_buf[: m * self._size] if recv_buf.numel() != m * self._size else recv_buf, op)
+
+    def allgatherv(self, send_buf: torch.Tensor, recv_buf: torch.Tensor, recv_counts: Sequence[int]) -> None:
+        """Rank i's ``send_buf`` (``recv_counts[i]`` bytes) lands at offset ``sum(recv_counts[:i])``."""
+        op = "allgatherv"
+        self._ensure_open(op)
+        n = self._size
+        problems = []
+        rc = self._counts(recv_counts, "recv_counts", problems)
+        for what, t in (("send_buf", send_buf), ("recv_buf", recv_buf)):
+            bad = self._check_buf(op, what, t)
+            if bad:
+                problems.append(bad)
+        if not problems:
+            if sum(rc) > recv_buf.numel():
+                problems.append(f"recv_counts sum to {sum(rc)} bytes but recv_buf holds {recv_buf.numel()}")
+            if send_buf.numel() != rc[self._rank]:
+                problems.append(f"send_buf holds {send_buf.numel()} bytes but recv_counts[{self._rank}] = {rc[self._rank]}")
+        if problems:
+            rc = [0] * n
+        if self.check:
+            rows = self._meta_gather(op, [0 if problems else 1, 0 if problems else send_buf.numel()] + rc)
+            self._raise_local_or_remote(op, problems, rows)
+            actual = [r[1] for r in rows]
+            bad = [i for i in range(n) if rows[i][2:] != actual]
+            if bad:
+                raise self._err(op, f"recv_counts disagree with the send sizes {actual}: "
+                                + "; ".join(f"rank {i} expects {rows[i][2:]}" for i in bad[:8]), bad)
+        elif problems:
+            raise self._err(op, "; ".join(problems))
+        if sum(rc) == 0:
+            return
+        self._raw_allgatherv(send_buf, recv_buf, rc, op)
+
+    def broadcast(self, buf: torch.Tensor, root: int) -> None:
+        """Every rank's ``buf`` becomes ``root``'s (same size on every rank)."""
+        op = f"broadcast(root={root})"
+        self._ensure_open(op)
+        problems = []
+        bad = self._check_buf(op, "buf", buf)
+        if bad:
+            problems.append(bad)
+        if not isinstance(root, int) or not 0 <= root < self._size:
+            problems.append(f"root {root!r} is not a rank of this transport (size {self._size})")
+        nb = 0 if problems else buf.numel()
+        if self.check:
+            rows = self._meta_gather(op, [0 if problems else 1, nb, root if isinstance(root, int) else -1])
+            self._raise_local_or_remote(op, problems, rows)
+            roots = [r[2] for r in rows]
+            if len(set(roots)) != 1:
+                raise self._err(op, f"ranks disagree on the root: {roots}", list(range(self._size)))
+            sizes = [r[1] for r in rows]
+            bad_r = [i for i, s in enumerate(sizes) if s != sizes[root]]
+            if bad_r:
+                raise self._err(op, f"buffer sizes differ from root {root}'s {sizes[root]} bytes: {sizes}", bad_r + [root])
+        elif problems:
+            raise self._err(op, "; ".join(problems))
+        if self._size == 1 or nb == 0:
+            return
+        self._raw_broadcast(buf, root, op)
+
+    def barrier(self) -> None:
+        self._ensure_open("barrier")
+        if self._size > 1:
+            self._raw_barrier("barrier")
+
+    def _counts(self, counts, what: str, problems: list) -> List[int]:
+        try:
+            c = [int(x) for x in counts]
+        except (TypeError, ValueError):
+            problems.append(f"{what} must be a sequence of ints")
+            return [0] * self._size
+        if len(c) != self._size:
+            problems.append(f"{what} has {len(c)} entries, expected size={self._size}")
+            return [0] * self._size
+        if any(x < 0 for x in c):
+            problems.append(f"{what} has negative entries: {c}")
+            return [0] * self._size
+        return c
+
+    def _raise_local_or_remote(self, op: str, problems: list, rows: List[List[int]]) -> None:
+        if problems:
+            raise self._err(op, "; ".join(problems))
+        bad = [i for i, r in enumerate(rows) if r[0] != 1]
+        if bad:
+            raise self._err(op, f"rank(s) {bad} passed invalid arguments (see their errors)", bad)
+
+    # ------------------------------------------------------------------ groups
+    def split(self, color: Optional[int], key: Optional[int] = None) -> Optional["Transport"]:
+        """Collective over this transport: ranks with the same ``color`` form a new
+        transport, ordered by ``(key, rank)``. ``color=None`` joins no group (returns None)."""
+        op = "split"
+        self._ensure_open(op)
+        if color is not None and (not isinstance(color, int) or color < 0):
+            raise self._err(op, f"color must be a non-negative int or None, got {color!r}")
+        key = self._rank if key is None else int(key)
+        rows = self._meta_gather(op, [-1 if color is None else color, key])
+        if color is None:
+            members = None
+        else:
+            members = sorted((r[1], i) for i, r in enumerate(rows) if r[0] == color)
+            members = [i for _, i in members]
+        all_colors = sorted({r[0] for r in rows if r[0] >= 0})
+        sub = self._make_split(members, all_colors, [r[0] for r in rows])
+        if sub is not None:
+            self._subgroups.append(sub)
+        return sub
+
+    def subgroup(self, ranks: Sequence[int]) -> Optional["Transport"]:
+        """Collective over this transport (every rank calls it with the same ``ranks``):
+        the members get a transport over ``ranks`` (rank i there = ``ranks[i]`` here);
+        the others get None."""
+        ranks = [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or any(not 0 <= r < self._size for r in ranks) or not ranks:
+            raise self._err("subgroup", f"ranks {ranks} must be distinct ranks of this transport (size {self._size})")
+        if self._rank in ranks:
+            return self.split(0, ranks.index(self._rank))
+        return self.split(None)
+
+    @abc.abstractmethod
+    def _make_split(self, members: Optional[List[int]], colors: List[int], color_of: List[int]) -> Optional["Transport"]:
+        """Create the sub-transport over ``members`` (parent ranks, in new-rank order).
+
+        Called collectively on every rank; ``colors`` lists every group formed (sorted),
+        ``color_of[r]`` is rank r's color (-1 none); ``members`` is None for this rank."""
+
+    def close(self) -> None:
+        """Release the backend resources (sub-transports made by split are closed too)."""
+        if self._closed:
+            return
+        for s in self._subgroups:
+            try:
+                s.close()
+            except Exception:  # pragma: no cover - best effort
+                pass
+        self._subgroups.clear()
+        self._closed = True
+        self._raw_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ backend hooks
+    @abc.abstractmethod
+    def _raw_send(self, buf: torch.Tensor, dst: int, tag: int, op: str) -> None: ...
+
+    def _raw_send_many(self, msgs, dst: int, op: str) -> None:
+        """Send [(buf, tag), ...] to ``dst`` in order; backends may post them all at once."""
+        for buf, tag in msgs:
+            self._raw_send(buf, dst, tag, op)
+
+    @abc.abstractmethod
+    def _raw_recv(self, buf: torch.Tensor, src: int, tag: int, op: str) -> None: ...
+
+    @abc.abstractmethod
+    def _raw_sendrecv(self, send_buf: Optional[torch.Tensor], dst: int,
+                      recv_buf: Optional[torch.Tensor], src: int, op: str) -> None:
+        """Either side may be None (skip that leg); buffers are non-empty."""
+
+    @abc.abstractmethod
+    def _raw_alltoallv(self, send_buf: torch.Tensor, send_counts: List[int],
+                       recv_buf: torch.Tensor, recv_counts: List[int], op: str) -> None: ...
+
+    @abc.abstractmethod
+    def _raw_allgather(self, send_buf: torch.Tensor, recv_buf: torch.Tensor, op: str) -> None:
+        """``recv_buf.numel() == size * send_buf.numel()`` (non-zero)."""
+
+    @abc.abstractmethod
+    def _raw_allgatherv(self, send_buf: torch.Tensor, recv_buf: torch.Tensor, recv_counts: List[int], op: str) -> None: ...
+
+    @abc.abstractmethod
+    def _raw_broadcast(self, buf: torch.Tensor, root: int, op: str) -> None: ...
+
+    @abc.abstractmethod
+    def _raw_barrier(self, op: str) -> None: ...
+
+    def _raw_close(self) -> None:
+        pass
+
+
+def displacements(counts: Sequence[int]) -> List[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out

@@ -1,0 +1,258 @@
+"""Transport over torch.distributed process groups: gloo for CPU buffers, nccl for CUDA.
+
+    t = TorchDistTransport.create(rank, size, "10.0.0.1", 29500)      # own TCPStore + gloo group
+    t = TorchDistTransport.from_default_group()                       # the user's init_process_group
+
+The transport drives the ``ProcessGroup`` object directly (``pg.send``, ``pg.alltoall_base``,
+...), so sub-groups made by :meth:`split` are plain ``ProcessGroupGloo`` objects over a
+``PrefixStore`` that only their members construct; nothing is registered in torch's
+global group table and non-members never have to take part.
+
+alltoallv: gloo's native ``alltoall_base`` (uneven splits and zeros are fine in the
+torch versions tested) unless ``HIPRESS_TORCH_ALLTOALL=p2p`` selects the portable
+one made of concurrent sends and receives (used automatically if the native one is
+refused by the backend). allgatherv is always made of sends and receives.
+
+Errors from the backend (a peer that closed its connection, gloo's own timeout) come back
+as :class:`TransportError` naming the operation and the peers involved.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from hipress.transport.base import Transport, TransportError, displacements
+
+__all__ = ["TorchDistTransport"]
+
+# internal point-to-point tags (user tags map to [0, 2*MAX_TAG))
+_TAG_SENDRECV = 1 << 20
+_TAG_A2A = (1 << 20) + 1
+_TAG_AGV = (1 << 20) + 2
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(seconds))
+
+
+class TorchDistTransport(Transport):
+    name = "torch"
+
+    def __init__(self, pg, rank: int, size: int, store=None, backend: str = "gloo",
+                 timeout_s: Optional[float] = None, check: Optional[bool] = None, prefix: str = "hipress"):
+        super().__init__(rank, size, timeout_s, check)
+        self.pg = pg
+        self.store = store
+        self.backend = backend
+        self.name = f"torch/{backend}"
+        self._prefix = prefix
+        self._splits = 0
+        self._a2a_mode = os.environ.get("HIPRESS_TORCH_ALLTOALL", "native").strip().lower()
+        if self._a2a_mode not in ("native", "p2p"):
+            raise ValueError(f"HIPRESS_TORCH_ALLTOALL must be native or p2p, got {self._a2a_mode!r}")
+        self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, rank: int, size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
+               backend: str = "gloo", timeout_s: Optional[float] = None, check: Optional[bool] = None,
+               store=None) -> "TorchDistTransport":
+        """Rendezvous through a TCPStore (rank 0 hosts it) and build a process group."""
+        from hipress.transport.base import default_timeout_s
+
+        timeout = default_timeout_s() if timeout_s is None else float(timeout_s)
+        if store is None:
+            try:
+                store = dist.TCPStore(master_addr, int(master_port), int(size), int(rank) == 0,
+                                      timeout=_td(timeout), wait_for_workers=True)
+            except Exception as e:  # noqa: BLE001
+                raise TransportError("rendezvous", f"TCPStore at {master_addr}:{master_port} (world size {size}) "
+                                     f"failed: {e}", None, rank, f"torch/{backend}") from e
+        pg = cls._new_pg(dist.PrefixStore("hipress/world", store), rank, size, backend, timeout)
+        return cls(pg, rank, size, store, backend, timeout, check)
+
+    @classmethod
+    def from_default_group(cls, timeout_s: Optional[float] = None, check: Optional[bool] = None) -> "TorchDistTransport":
+        """Wrap the process group made by the user's ``dist.init_process_group``."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized")
+        pg = dist.distributed_c10d._get_default_group()
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - older/newer torch: splits then need a store
+            store = None
+        backend = dist.get_backend()
+        backend = "nccl" if "nccl" in backend and torch.cuda.is_available() and "gloo" not in backend else "gloo"
+        return cls(pg, dist.get_rank(), dist.get_world_size(), store, backend, timeout_s, check, prefix="hipress/default")
+
+    @staticmethod
+    def _new_pg(store, rank: int, size: int, backend: str, timeout_s: float):
+        try:
+            if backend == "gloo":
+                return dist.ProcessGroupGloo(store, rank, size, _td(timeout_s))
+            if backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = _td(timeout_s)
+                return dist.ProcessGroupNCCL(store, rank, size, opts)
+        except Exception as e:  # noqa: BLE001
+            raise TransportError("rendezvous", f"creating the {backend} group of {size} ranks failed: {e}",
+                                 None, rank, f"torch/{backend}") from e
+        raise ValueError(f"unknown torch.distributed backend {backend!r} (gloo or nccl)")
+
+    def _check_device(self, what, t):
+        if self.backend == "nccl":
+            if t.device.type != "cuda":
+                return f"{what} is on {t.device}; the torch/nccl transport takes CUDA buffers"
+            return None
+        if t.device.type != "cpu":
+            return f"{what} is on {t.device}; the torch/gloo transport takes CPU buffers (use nccl for CUDA)"
+        return None
+
+    def _meta_device(self, t):
+        return t.to(self._device) if self._device.type != "cpu" else t
+
+    def _meta_gather(self, op, values):
+        if self._device.type == "cpu":
+            return super()._meta_gather(op, values)
+        n = len(values)
+        send = torch.tensor(list(values), dtype=torch.int64, device=self._device).view(torch.uint8)
+        recv = torch.empty(n * self._size * 8, dtype=torch.uint8, device=self._device)
+        self._raw_allgather(send, recv, op)
+        return recv.view(torch.int64).cpu().view(self._size, n).tolist()
+
+    # ------------------------------------------------------------------ waiting
+    def _wait(self, op: str, works: list, peers) -> None:
+        try:
+            for w in works:
+                w.wait(_td(self.timeout_s))
+            if self.backend == "nccl":
+                torch.cuda.current_stream().synchronize()
+        except TransportError:
+            raise
+        except Exception as e:  # noqa: BLE001 - DistBackendError, RuntimeError from gloo
+            msg = str(e).split(" This is typically caused")[0]
+            raise self._err(op, f"{type(e).__name__}: {msg}", peers) from e
+
+    def _post(self, op: str, peers, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001
+            raise self._err(op, f"{type(e).__name__}: {e}", peers) from e
+
+    # ------------------------------------------------------------------ point to point
+    def _raw_send(self, buf, dst, tag, op):
+        self._wait(op, [self._post(op, [dst], self.pg.send, [buf], dst, tag)], [dst])
+
+    def _raw_send_many(self, msgs, dst, op):
+        self._wait(op, [self._post(op, [dst], self.pg.send, [b], dst, tag) for b, tag in msgs], [dst])
+
+    def _raw_recv(self, buf, src, tag, op):
+        self._wait(op, [self._post(op, [src], self.pg.recv, [buf], src, tag)], [src])
+
+    def _raw_sendrecv(self, send_buf, dst, recv_buf, src, op):
+        works = []
+        if recv_buf is not None:
+            works.append(self._post(op, [src], self.pg.recv, [recv_buf], src, _TAG_SENDRECV))
+        if send_buf is not None:
+            works.append(self._post(op, [dst], self.pg.send, [send_buf], dst, _TAG_SENDRECV))
+        self._wait(op, works, [dst, src])
+
+    # ------------------------------------------------------------------ collectives
+    def _others(self) -> List[int]:
+        return [p for p in range(self._size) if p != self._rank]
+
+    def _raw_alltoallv(self, send_buf, send_counts, recv_buf, recv_counts, op):
+        ts, tr = sum(send_counts), sum(recv_counts)
+        if self._a2a_mode == "native":
+            try:
+                work = self.pg.alltoall_base(recv_buf[:tr], send_buf[:ts], list(recv_counts), list(send_counts),
+                                             dist.AllToAllOptions())
+            except (RuntimeError, NotImplementedError) as e:
+                if "not supported" not in str(e).lower() and "unsupported" not in str(e).lower():
+                    raise self._err(op, f"{type(e).__name__}: {e}", self._others()) from e
+                self._a2a_mode = "p2p"
+            else:
+                self._wait(op, [work], self._others())
+                return
+        self._p2p_alltoallv(send_buf, send_counts, recv_buf, recv_counts, op)
+
+    def _p2p_alltoallv(self, send_buf, send_counts, recv_buf, recv_counts, op):
+        sd, rd = displacements(send_counts), displacements(recv_counts)
+        r, n = self._rank, self._size
+        works, peers = [], []
+        # receives first, then sends, in an order staggered by rank to spread the load
+        for k in range(1, n):
+            src = (r - k) % n
+            if recv_counts[src]:
+                works.append(self._post(op, [src], self.pg.recv, [recv_buf[rd[src]:rd[src] + recv_counts[src]]], src, _TAG_A2A))
+                peers.append(src)
+        for k in range(1, n):
+            dst = (r + k) % n
+            if send_counts[dst]:
+                works.append(self._post(op, [dst], self.pg.send, [send_buf[sd[dst]:sd[dst] + send_counts[dst]]], dst, _TAG_A2A))
+                peers.append(dst)
+        if recv_counts[r]:
+            recv_buf[rd[r]:rd[r] + recv_counts[r]].copy_(send_buf[sd[r]:sd[r] + send_counts[r]])
+        self._wait(op, works, peers)
+
+    def _raw_allgather(self, send_buf, recv_buf, op):
+        self._wait(op, [self._post(op, self._others(), self.pg._allgather_base, recv_buf, send_buf)], self._others())
+
+    def _raw_allgatherv(self, send_buf, recv_buf, recv_counts, op):
+        rd = displacements(recv_counts)
+        r, n = self._rank, self._size
+        works, peers = [], []
+        for k in range(1, n):
+            src = (r - k) % n
+            if recv_counts[src]:
+                works.append(self._post(op, [src], self.pg.recv, [recv_buf[rd[src]:rd[src] + recv_counts[src]]], src, _TAG_AGV))
+                peers.append(src)
+        if recv_counts[r]:
+            for k in range(1, n):
+                dst = (r + k) % n
+                works.append(self._post(op, [dst], self.pg.send, [send_buf], dst, _TAG_AGV))
+                peers.append(dst)
+            recv_buf[rd[r]:rd[r] + recv_counts[r]].copy_(send_buf)
+        self._wait(op, works, peers)
+
+    def _raw_broadcast(self, buf, root, op):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        peers = [root] if self._rank != root else self._others()
+        self._wait(op, [self._post(op, peers, self.pg.broadcast, [buf], opts)], peers)
+
+    def _raw_barrier(self, op):
+        if self.backend == "gloo":
+            self._wait(op, [self._post(op, self._others(), self.pg.barrier)], self._others())
+        else:
+            self._meta_gather(op, [1])
+
+    # ------------------------------------------------------------------ groups
+    def _make_split(self, members, colors, color_of):
+        seq = self._splits
+        self._splits += 1
+        if members is None:
+            return None
+        if self.store is None:
+            raise self._err("split", "this process group has no store to build sub-groups with")
+        color = color_of[self._rank]
+        prefix = f"{self._prefix}/split{seq}/c{color}"
+        my = members.index(self._rank)
+        pg = self._new_pg(dist.PrefixStore(prefix, self.store), my, len(members), self.backend, self.timeout_s)
+        return TorchDistTransport(pg, my, len(members), self.store, self.backend, self.timeout_s, self.check, prefix)
+
+    def _raw_close(self):
+        # Dropping the reference closes gloo's pairs; shutdown() exists on newer torch.
+        pg, self.pg = self.pg, None
+        if pg is not None and not (dist.is_initialized() and pg is dist.distributed_c10d._get_default_group()):
+            shut = getattr(pg, "shutdown", None)
+            if shut is not None:
+                try:
+                    shut()
+                except Exception:  # noqa: BLE001 - best effort
+                    pass

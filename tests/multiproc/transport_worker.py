@@ -1,0 +1,129 @@
+"""One rank of a multi-process transport test (started by test_transport.py, directly or
+under mpirun). Discovers its launch with hipress.runtime.init(), then:
+
+  --mode checks   runs every check of hipress.transport.testing on the world transport,
+                  verifies local/cross grouping (``--fake-hosts K`` puts ranks on K pretend
+                  hosts through HIPRESS_HOSTNAME) and runs checks on the local/cross groups
+  --mode kill     loops large alltoallv; rank --victim SIGKILLs itself in the middle of one
+  --mode hang     rank --victim never joins the collective; the others must time out
+
+Prints one line ``RESULT <json>`` per rank; exit 0 = checks passed, 3 = failed with the
+expected TransportError (kill/hang modes).
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def launch_rank():
+    for k in ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "RANK"):
+        if os.environ.get(k) is not None:
+            return int(os.environ[k])
+    return None
+
+
+def emit(d):
+    """One RESULT line on stdout, and a file when HIPRESS_TEST_RESULT_DIR is set (mpirun
+    may interleave the output lines of different ranks)."""
+    line = json.dumps(d)
+    print("RESULT " + line, flush=True)
+    where = os.environ.get("HIPRESS_TEST_RESULT_DIR")
+    if where:
+        with open(os.path.join(where, f"rank{d['rank']}.json"), "w") as f:
+            f.write(line)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", default="checks", choices=["checks", "kill", "hang"])
+    ap.add_argument("--fake-hosts", type=int, default=0)
+    ap.add_argument("--explicit", nargs=4, metavar=("RANK", "SIZE", "ADDR", "PORT"))
+    ap.add_argument("--victim", type=int, default=1)
+    ap.add_argument("--expect-transport", default=None)
+    args = ap.parse_args()
+
+    r0 = launch_rank() if not args.explicit else int(args.explicit[0])
+    if args.fake_hosts:
+        os.environ["HIPRESS_HOSTNAME"] = f"fakehost{r0 % args.fake_hosts}"
+
+    import torch
+
+    from hipress import runtime
+    from hipress.transport.base import TransportError
+    from hipress.transport.testing import pattern, run_checks
+
+    t0 = time.time()
+    if args.explicit:
+        r, n, addr, port = args.explicit
+        runtime.init(rank=int(r), size=int(n), master_addr=addr, master_port=int(port))
+    else:
+        runtime.init()
+    runtime.init()  # idempotent
+    world = runtime.transport()
+    rank, size = runtime.rank(), runtime.size()
+    out = {"rank": rank, "size": size, "transport": world.name, "launcher": runtime.launch_info().launcher,
+           "init_s": round(time.time() - t0, 3)}
+    if args.expect_transport and not world.name.startswith(args.expect_transport):
+        raise SystemExit(f"rank {rank}: expected the {args.expect_transport} transport, got {world.name}")
+
+    if args.mode == "checks":
+        K = args.fake_hosts or 1
+        # expected grouping: rank q lives on host q % K; hosts are ordered by lowest rank
+        host_members = lambda q: [p for p in range(size) if p % K == q % K]  # noqa: E731
+        lr = host_members(rank).index(rank)
+        cross = [q for q in range(size) if host_members(q).index(q) == lr]  # my local_rank, one per host
+        exp = {"local_rank": lr, "local_size": len(host_members(rank)),
+               "cross_rank": cross.index(rank), "cross_size": len(cross)}
+        got = {"local_rank": runtime.local_rank(), "local_size": runtime.local_size(),
+               "cross_rank": runtime.cross_rank(), "cross_size": runtime.cross_size()}
+        if got != exp:
+            raise SystemExit(f"rank {rank}: host grouping {got} != expected {exp}")
+        out["grouping"] = got
+        out["checks"] = run_checks(world)
+        loc, cross = runtime.local_transport(), runtime.cross_transport()
+        assert (loc.rank, loc.size) == (got["local_rank"], got["local_size"]), (loc, got)
+        assert (cross.rank, cross.size) == (got["cross_rank"], got["cross_size"]), (cross, got)
+        # every host runs the local checks together, then every cross group its own
+        out["local_checks"] = run_checks(loc, ["alltoallv", "allgatherv", "broadcast"])
+        world.barrier()
+        out["cross_checks"] = run_checks(cross, ["alltoallv", "sendrecv_ring"])
+        world.barrier()
+        runtime.shutdown()
+        emit(out)
+        return 0
+
+    # failure modes: a few good rounds first, so the failure really is mid-job
+    counts = [1 << 20] * size
+    send = torch.cat([pattern(rank * 10 + j, c) for j, c in enumerate(counts)])
+    recv = torch.empty(sum(counts), dtype=torch.uint8)
+    for _ in range(2):
+        world.alltoallv(send, counts, recv, counts)
+    world.barrier()
+    if rank == args.victim:
+        if args.mode == "kill":
+            # die while the collective is in flight
+            threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+            while True:
+                world.alltoallv(send, counts, recv, counts)
+        else:
+            emit(dict(out, hanging=True))
+            time.sleep(3600)
+    t1 = time.time()
+    try:
+        while True:
+            world.alltoallv(send, counts, recv, counts)
+            if time.time() - t1 > 120:
+                raise SystemExit(f"rank {rank}: no error after 120 s")
+    except TransportError as e:
+        out.update(error=str(e), error_peers=e.peers, error_op=e.op, detect_s=round(time.time() - t1, 3))
+        emit(out)
+        sys.stdout.flush()
+        os._exit(3)  # the transport is unusable; do not run teardown collectives
+
+
+if __name__ == "__main__":
+    sys.exit(main())
