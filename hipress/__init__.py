@@ -1,6 +1,50 @@
-"""hipress: compression-aware data-parallel training for PyTorch."""
-from hipress import _C  # noqa: F401  (fails early with a clear ImportError if the core is not built)
-from hipress.engine import Engine, Handle, TaskError, get_engine
+"""hipress: compression-aware data-parallel training for PyTorch.
+
+    import hipress
+    hipress.init()
+    opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression="tbq")
+    hipress.broadcast_parameters(model.state_dict(), root_rank=0)
+
+Submodules load on first use, so ``import hipress.planner`` (pure Python) does not
+need the native core; anything that runs tasks imports ``hipress._C``.
+"""
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "Handle", "TaskError", "get_engine", "__version__"]
+
+# name -> (module, attribute)
+_EXPORTS = {
+    "init": ("hipress.runtime", "init"),
+    "shutdown": ("hipress.runtime", "shutdown"),
+    "is_initialized": ("hipress.runtime", "is_initialized"),
+    "rank": ("hipress.runtime", "rank"),
+    "size": ("hipress.runtime", "size"),
+    "local_rank": ("hipress.runtime", "local_rank"),
+    "local_size": ("hipress.runtime", "local_size"),
+    "cross_rank": ("hipress.runtime", "cross_rank"),
+    "cross_size": ("hipress.runtime", "cross_size"),
+    "DistributedOptimizer": ("hipress.torch.optimizer", "DistributedOptimizer"),
+    "Average": ("hipress.torch.optimizer", "Average"),
+    "Sum": ("hipress.torch.optimizer", "Sum"),
+    "broadcast_parameters": ("hipress.torch.functions", "broadcast_parameters"),
+    "broadcast_optimizer_state": ("hipress.torch.functions", "broadcast_optimizer_state"),
+    "broadcast_object": ("hipress.torch.functions", "broadcast_object"),
+    "Engine": ("hipress.engine", "Engine"),
+    "Handle": ("hipress.engine", "Handle"),
+    "TaskError": ("hipress.engine", "TaskError"),
+    "get_engine": ("hipress.engine", "get_engine"),
+}
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        mod, attr = _EXPORTS[name]
+        value = getattr(importlib.import_module(mod), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hipress' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_EXPORTS))

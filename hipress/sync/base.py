@@ -95,10 +95,10 @@ class StateStore:
         self._states: Dict[str, object] = {}
         self._pending: Dict[str, dict] = {}
 
-    def get(self, key: str, compressor, numel: int):
+    def get(self, key: str, compressor, numel: int, shape=None):
         st = self._states.get(key)
         if st is None:
-            st = compressor.new_state(numel)
+            st = compressor.new_state(numel, shape)
             if key in self._pending:
                 st.load_state_dict(self._pending.pop(key))
             self._states[key] = st

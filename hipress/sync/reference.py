@@ -64,3 +64,28 @@ def ps(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: 
             if average:
                 out[r][s:e].div_(n)
     return out
+
+
+def lowrank(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: str, shape,
+            average: bool = True) -> List[torch.Tensor]:
+    """Multi-round aggregatable compressors: per round every rank encodes, payloads are
+    summed in rank order, and the last sum is decoded on every rank."""
+    from hipress.sync.lowrank import matrix_shape
+
+    n = len(grads)
+    out = [g.detach().float().clone().view(-1) for g in grads]
+    numel = out[0].numel()
+    if numel == 0:
+        return out
+    states = [st.get(f"{name}/lowrank", comp, numel, matrix_shape(shape, numel)) for st in stores]
+    total = None
+    for k in range(comp.rounds):
+        payloads = [comp.encode_round(k, out[r] if k == 0 else total.clone(), states[r]) for r in range(n)]
+        total = payloads[0].clone()
+        for p in payloads[1:]:
+            comp.combine(total, p, out=total)
+    for r in range(n):
+        comp.finish(total.clone(), states[r], out[r])
+        if average:
+            out[r].div_(n)
+    return out

@@ -34,6 +34,7 @@ from hipress import compression as _compression
 from hipress import runtime
 from hipress.engine import Handle, TaskError, get_engine
 from hipress.sync import StateStore, SyncContext, get_strategy
+from hipress.sync.lowrank import LowRankStrategy
 
 Average = "average"
 Sum = "sum"
@@ -82,6 +83,8 @@ class _HipressOptimizer:
             # repeated re-sparsification of partial sums.
             strategy = "ps" if getattr(self._hp_compressor, "category", "") == "sparsification" else "ring"
         self._hp_strategy = get_strategy(strategy, average=(op == Average))
+        # Multi-round aggregatable compressors (PowerSGD) sum in compressed form instead.
+        self._hp_lowrank = LowRankStrategy(average=(op == Average)) if self._hp_compressor.rounds > 1 else None
         self._hp_states = StateStore()
         self._hp_ctx = SyncContext(get_engine(), self._hp_transport, self._hp_compressor, self._hp_states)
         self._hp_named = named
@@ -160,7 +163,11 @@ class _HipressOptimizer:
             flat = grad.detach().to(device="cpu", dtype=torch.float32).reshape(-1).clone()
             self._hp_copy_back[key] = (flat, grad)
         name = self._hp_names[key]
-        self._hp_handles[key] = self._hp_strategy.build(self._hp_ctx, name, flat, self._hp_partitions(flat.numel()))
+        if self._hp_lowrank is not None:
+            h = self._hp_lowrank.build(self._hp_ctx, name, flat, [(0, flat.numel())], shape=tuple(p.shape))
+        else:
+            h = self._hp_strategy.build(self._hp_ctx, name, flat, self._hp_partitions(flat.numel()))
+        self._hp_handles[key] = h
 
     # ------------------------------------------------------------------ public API
     def synchronize(self):

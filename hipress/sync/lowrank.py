@@ -1,0 +1,80 @@
+"""Synchronization of aggregatable multi-round compressors (low-rank: PowerSGD).
+
+Paper 000 Table 3 / §5.3: for low-rank algorithms both CaSync strategies do one
+encode per round, sum in compressed form, and one decode. Per round on every rank:
+  1. encode_round(k)   (compute) round 0 from the gradient, round k>0 from the sum of
+                       round k-1
+  2. allgather         (comm)    every rank's payload of this round (equal sizes)
+  3. combine           (compute) sum of the N payloads in rank order, so every rank
+                       holds bit-identical sums
+then finish(sum of last round) decodes into the gradient and divides by N. Payloads
+are small (rank × (rows + cols) floats), so gathering them all costs little next to
+the dense gradient it replaces.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from hipress.engine import Handle
+from hipress.sync.base import Strategy, SyncContext
+
+
+def matrix_shape(shape: Optional[Sequence[int]], numel: int) -> Tuple[int, int]:
+    """The 2-D view a low-rank compressor sees: (first dim, rest); 1-D tensors are n×1."""
+    if shape is None or len(shape) < 2:
+        return (numel, 1)
+    return (int(shape[0]), numel // max(1, int(shape[0])))
+
+
+def allgather_payload(transport, payload: torch.Tensor):
+    n = transport.size
+    out = torch.empty(n * payload.numel(), dtype=torch.uint8)
+    transport.allgather(payload.contiguous(), out)
+    return [out[i * payload.numel():(i + 1) * payload.numel()] for i in range(n)]
+
+
+class LowRankStrategy(Strategy):
+    name = "lowrank"
+
+    def __init__(self, average: bool = True):
+        self.average = average
+
+    def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
+              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), shape=None) -> Handle:
+        comp, n = ctx.compressor, ctx.size
+        numel = flat.numel()
+        if numel == 0:
+            return ctx.compute(f"done.{tensor_name}", lambda: None, deps)
+        # The whole tensor is one matrix: low-rank factors of partitions would be a different algorithm.
+        rows_cols = matrix_shape(shape, numel)
+        state = ctx.states.get(f"{tensor_name}/lowrank", comp, numel, rows_cols)
+        slot = {}
+        prev = list(deps)
+        for k in range(comp.rounds):
+            def encode(k=k):
+                inp = flat if k == 0 else slot.pop("sum")
+                slot["mine"] = comp.encode_round(k, inp, state)
+
+            def gather():
+                slot["all"] = allgather_payload(ctx.transport, slot.pop("mine"))
+
+            def combine():
+                parts = slot.pop("all")
+                acc = parts[0].clone()
+                for p in parts[1:]:
+                    comp.combine(acc, p, out=acc)
+                slot["sum"] = acc
+
+            enc = ctx.compute(f"encode.{tensor_name}.r{k}", encode, prev)
+            g = ctx.comm(f"allgather.{tensor_name}.r{k}", gather, [enc])
+            prev = [ctx.compute(f"combine.{tensor_name}.r{k}", combine, [g])]
+
+        def finish():
+            comp.finish(slot.pop("sum"), state, flat)
+            if self.average:
+                flat.div_(n)
+
+        return ctx.compute(f"decode.{tensor_name}", finish, prev)
