@@ -397,6 +397,8 @@ class EmulatedCluster:
         """
         bw, lat = parse_rate(bandwidth), parse_time(latency)
         self.bandwidth, self.latency = bw, lat
+        if not self._started:  # applied by start()
+            return
         if not self.emulated:
             if bw or lat:
                 warnings.warn("hipress.bench.cluster: fallback mode, set_link has no effect (links are unshaped)",

@@ -315,6 +315,26 @@ def test_fallback_local_processes(monkeypatch):
     assert descendants() - kids_before == set()
 
 
+@needs_netns
+def test_fallback_when_namespace_creation_fails(monkeypatch):
+    before = snapshot()
+    real_sh = cl._sh
+
+    def failing_sh(args, *a, **k):  # the bridge cannot be created: namespaces exist by then and must go
+        if "bridge" in args:
+            raise RuntimeError("simulated: bridge not permitted")
+        return real_sh(args, *a, **k)
+
+    monkeypatch.setattr(cl, "_sh", failing_sh)
+    with pytest.warns(RuntimeWarning, match="simulated"):
+        with EmulatedCluster(np=2, quiet=True) as c:
+            assert not c.emulated
+            code, outs = c.run([PY, "-c", "print('ok')"], timeout=30)
+            assert code == 0 and all("ok" in o for o in outs)
+    monkeypatch.setattr(cl, "_sh", real_sh)
+    assert_clean(before, c)
+
+
 def test_units():
     assert cl.parse_rate("1gbit") == 1e9 and cl.parse_rate("200mbit") == 2e8 and cl.parse_rate("10mbps") == 8e7
     assert cl.parse_time("0.2ms") == pytest.approx(2e-4) and cl.parse_time("50us") == pytest.approx(5e-5)
