@@ -335,6 +335,15 @@ def test_fallback_when_namespace_creation_fails(monkeypatch):
     assert_clean(before, c)
 
 
+def test_fallback_when_not_root(monkeypatch):
+    monkeypatch.setattr(cl.os, "geteuid", lambda: 1000)
+    with pytest.warns(RuntimeWarning, match="not root"):
+        with EmulatedCluster(np=2, bandwidth="1gbit", quiet=True) as c:
+            assert not c.emulated
+            code, outs = c.run([PY, "-c", "import os; print(os.environ['MASTER_ADDR'])"], timeout=30)
+    assert code == 0 and all(o.strip() == "127.0.0.1" for o in outs), outs
+
+
 def test_units():
     assert cl.parse_rate("1gbit") == 1e9 and cl.parse_rate("200mbit") == 2e8 and cl.parse_rate("10mbps") == 8e7
     assert cl.parse_time("0.2ms") == pytest.approx(2e-4) and cl.parse_time("50us") == pytest.approx(5e-5)
