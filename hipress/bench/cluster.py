@@ -352,7 +352,9 @@ class EmulatedCluster:
         self._created.append(sw)
         _sh(["ip", "-n", sw, "link", "add", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0"])
         _sh(["ip", "-n", sw, "link", "set", "br0", "up"])
-        hosts = "127.0.0.1 localhost\n" + "".join(f"{self.subnet}.{r + 1} host{r}\n" for r in range(self.np))
+        hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
+            f"{self.subnet}.{r + 1} host{r}\n::ffff:{self.subnet}.{r + 1} host{r}\n"  # v4-mapped: reverse lookups
+            for r in range(self.np))                                                # of dual-stack servers (c10d)
         for r, ns in enumerate(self.rank_ns):
             _sh(["ip", "netns", "add", ns])
             self._created.append(ns)
