@@ -55,8 +55,8 @@ def accuracy(model, x, y):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--batch-size", type=int, default=16, help="per rank")
+    p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--compression", default="none")
     p.add_argument("--strategy", default="ring")
     p.add_argument("--seed", type=int, default=42)

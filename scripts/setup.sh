@@ -11,13 +11,15 @@ export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 
 log() { printf '[setup] %s\n' "$*"; }
 
-# System packages: OpenMPI (mpirun + headers for the native MPI transport) and
-# iproute2 (ip netns / tc for the emulated cluster benchmark).
+# System packages: OpenMPI (mpirun + headers for the native MPI transport),
+# iproute2 (ip netns / tc) and iptables (packet delay where the kernel has no netem)
+# for the emulated cluster benchmark.
 if [ "${HIPRESS_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
   need=()
   command -v mpicxx >/dev/null || need+=(libopenmpi-dev openmpi-bin)
   command -v ip >/dev/null || need+=(iproute2)
   command -v tc >/dev/null || need+=(iproute2)
+  command -v iptables >/dev/null || need+=(iptables)
   if [ ${#need[@]} -gt 0 ]; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
     log "installing system packages: ${need[*]}"
@@ -29,7 +31,7 @@ fi
 # Python packages. torch is pinned: a bare "torch" would pull the CUDA build (GBs).
 log "installing Python packages"
 $PY -m pip install -q "torch==2.13.0" numpy pybind11 setuptools wheel \
-  pytest pytest-timeout hypothesis
+  pytest pytest-timeout hypothesis scikit-learn
 if command -v mpicxx >/dev/null; then
   $PY -m pip install -q mpi4py
 fi
