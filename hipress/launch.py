@@ -26,10 +26,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, size: int, port: int, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def rank_env(rank: int, size: int, port: int, base: Optional[Dict[str, str]] = None,
+             hosts: int = 1) -> Dict[str, str]:
+    """Environment of one rank. hosts > 1 pretends the ranks live on that many hosts
+    (consecutive ranks per host, via HIPRESS_HOSTNAME), to exercise per-host logic here."""
     env = dict(os.environ if base is None else base)
-    env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+    per_host = -(-size // hosts)
+    local_size = min(per_host, size - (rank // per_host) * per_host)
+    env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank % per_host),
+               LOCAL_WORLD_SIZE=str(local_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONUNBUFFERED="1")
+    if hosts > 1:
+        env["HIPRESS_HOSTNAME"] = f"host{rank // per_host}"
     return env
 
 
@@ -61,7 +69,7 @@ def _stop(procs: Sequence[subprocess.Popen], grace: float = 3.0):
 
 
 def run(cmd: Sequence[str], np: int, timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
-        quiet: bool = False, cwd: Optional[str] = None):
+        quiet: bool = False, cwd: Optional[str] = None, hosts: int = 1):
     """Runs cmd as np ranks; returns (exit code, [output lines per rank]).
 
     Exit code: 0 if all ranks succeeded, else the first failing rank's code
@@ -69,12 +77,14 @@ def run(cmd: Sequence[str], np: int, timeout: Optional[float] = None, env: Optio
     """
     if np < 1:
         raise ValueError(f"-np must be >= 1, got {np}")
+    if not 1 <= hosts <= np:
+        raise ValueError(f"--hosts must be in [1, np={np}], got {hosts}")
     port = free_port()
     procs, pumps, outputs = [], [], [[] for _ in range(np)]
     sink = open(os.devnull, "w") if quiet else sys.stdout
     try:
         for r in range(np):
-            p = subprocess.Popen(list(cmd), env=rank_env(r, np, port, env), stdout=subprocess.PIPE,
+            p = subprocess.Popen(list(cmd), env=rank_env(r, np, port, env, hosts), stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=cwd)
             procs.append(p)
             t = threading.Thread(target=_pump, args=(p.stdout, f"[{r}] ", sink, outputs[r]), daemon=True)
@@ -112,12 +122,13 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-np", "--np", type=int, default=int(os.environ.get("HIPRESS_NP", "4")), help="number of ranks")
     ap.add_argument("--timeout", type=float, default=None, help="seconds before every rank is stopped")
+    ap.add_argument("--hosts", type=int, default=1, help="pretend the ranks are spread over this many hosts")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     a = ap.parse_args(argv)
     if not a.command:
         ap.error("no command given (e.g. python -m hipress.launch -np 4 python train.py)")
     try:
-        code, _ = run(a.command, a.np, a.timeout)
+        code, _ = run(a.command, a.np, a.timeout, hosts=a.hosts)
     except KeyboardInterrupt:
         return 130
     return code

@@ -89,10 +89,9 @@ TaskHandle Engine::submit(std::string name, QueueKind queue, Work work,
       t->pending_deps_++;
     }
     if (failed_dep) {
-      // Detach from the dependencies registered so far: it will never run.
+      // It will never run; dependencies registered so far drop it when they finish.
       counters_.dependency_failed++;
-      finish_locked(t, TaskState::kFailed,
-                    "dependency '" + failed_dep->name_ + "' failed: " + failed_dep->error_, &finished);
+      finish_locked(t, TaskState::kFailed, dependency_error(*failed_dep, t.get()), &finished);
     } else if (t->pending_deps_ == 0) {
       enqueue_locked(t, now);
     }
@@ -132,13 +131,20 @@ void Engine::finish_locked(const TaskHandle& t, TaskState state, const std::stri
       if (s == TaskState::kDone) {
         if (--dep->pending_deps_ == 0 && dep->state_ == TaskState::kPending) enqueue_locked(dep, node->end_ns_);
       } else {
-        std::string why = (s == TaskState::kCancelled) ? "dependency '" + node->name_ + "' was cancelled"
-                                                        : "dependency '" + node->name_ + "' failed: " + err;
-        todo.emplace_back(dep, why);
+        todo.emplace_back(dep, dependency_error(*node, dep.get()));
       }
     }
   }
   sync_->done_cv.notify_all();
+}
+
+std::string Engine::dependency_error(const TaskNode& dep, TaskNode* dependent) {
+  if (dep.state_ == TaskState::kCancelled) return "dependency '" + dep.name_ + "' was cancelled";
+  const bool dep_is_root = dep.root_name_.empty();
+  dependent->root_name_ = dep_is_root ? dep.name_ : dep.root_name_;
+  dependent->root_error_ = dep_is_root ? dep.error_ : dep.root_error_;
+  std::string via = dep_is_root ? "" : " (via '" + dep.name_ + "')";
+  return "dependency '" + dependent->root_name_ + "' failed" + via + ": " + dependent->root_error_;
 }
 
 void Engine::run_callbacks(std::vector<TaskHandle>& finished) {

@@ -79,6 +79,10 @@ class TaskNode {
   // Guarded by sync_->mu.
   TaskState state_ = TaskState::kPending;
   std::string error_;
+  // The task whose own work failed first along the dependency chain ("" if this one),
+  // and its message: dependents report the root cause, not a chain of wrappers.
+  std::string root_name_;
+  std::string root_error_;
   int pending_deps_ = 0;
   std::vector<std::shared_ptr<TaskNode>> dependents_;
   std::vector<Callback> callbacks_;
@@ -148,6 +152,9 @@ class Engine {
   void finish_locked(const TaskHandle& t, TaskState state, const std::string& error,
                      std::vector<TaskHandle>* finished);
   void run_callbacks(std::vector<TaskHandle>& finished);
+  // Message of a task failing because `dep` failed or was cancelled; records the
+  // root cause on `dependent`. Under the lock.
+  static std::string dependency_error(const TaskNode& dep, TaskNode* dependent);
 
   std::shared_ptr<EngineSync> sync_;
   std::deque<TaskHandle> queues_[kNumQueues];

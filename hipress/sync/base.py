@@ -148,5 +148,6 @@ class Strategy:
     name = "strategy"
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
-              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
+              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
+        """Extra keywords carry tensor facts some strategies need (``shape`` for low-rank)."""
         raise NotImplementedError

@@ -43,7 +43,7 @@ class LowRankStrategy(Strategy):
         self.average = average
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
-              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), shape=None) -> Handle:
+              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), shape=None, **kw) -> Handle:
         comp, n = ctx.compressor, ctx.size
         numel = flat.numel()
         if numel == 0:

@@ -62,7 +62,7 @@ class PSStrategy(Strategy):
         return self._owner[key]
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
-              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
+              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
         n, r = ctx.size, ctx.rank
         comp, tr = ctx.compressor, ctx.transport
         parts = [(f"{tensor_name}/p{i}", s, e) for i, (s, e) in enumerate(bounds) if e > s]

@@ -48,7 +48,7 @@ class RingStrategy(Strategy):
         self.average = average
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
-              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
+              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
         finals = [self._partition(ctx, f"{tensor_name}/p{i}", flat[s:e], deps)
                   for i, (s, e) in enumerate(bounds) if e > s]
         if len(finals) == 1:

@@ -33,7 +33,8 @@ from hipress import _C
 from hipress import compression as _compression
 from hipress import runtime
 from hipress.engine import Handle, TaskError, get_engine
-from hipress.sync import StateStore, SyncContext, get_strategy
+from hipress.sync import CommChain, StateStore, SyncContext, get_strategy
+from hipress.sync.hierarchical import HierarchicalStrategy
 from hipress.sync.lowrank import LowRankStrategy
 
 Average = "average"
@@ -69,7 +70,7 @@ class _HipressOptimizer:
     """Methods mixed into the dynamic subclass (see module docstring)."""
 
     def _hipress_setup(self, named, compression, strategy, backward_passes_per_step, op, partition_bytes,
-                       compression_kwargs):
+                       local_aggregation, compression_kwargs):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if op not in (Average, Sum):
@@ -82,11 +83,24 @@ class _HipressOptimizer:
             # Paper §5.3: equal for quantization and low-rank; PS avoids the ring's
             # repeated re-sparsification of partial sums.
             strategy = "ps" if getattr(self._hp_compressor, "category", "") == "sparsification" else "ring"
-        self._hp_strategy = get_strategy(strategy, average=(op == Average))
+        average = op == Average
+        hierarchical = self._hp_use_local_aggregation(local_aggregation)
+        inner_average = average and not hierarchical
         # Multi-round aggregatable compressors (PowerSGD) sum in compressed form instead.
-        self._hp_lowrank = LowRankStrategy(average=(op == Average)) if self._hp_compressor.rounds > 1 else None
+        self._hp_strategy = (LowRankStrategy(average=inner_average) if self._hp_compressor.rounds > 1
+                             else get_strategy(strategy, average=inner_average))
         self._hp_states = StateStore()
-        self._hp_ctx = SyncContext(get_engine(), self._hp_transport, self._hp_compressor, self._hp_states)
+        engine = get_engine()
+        if hierarchical:
+            chain = CommChain()
+            local_ctx, cross_ctx = HierarchicalStrategy.contexts(
+                engine, runtime.local_transport(), runtime.cross_transport(), self._hp_compressor, self._hp_states,
+                chain, runtime.local_rank() == 0)
+            self._hp_sync = HierarchicalStrategy(self._hp_strategy, local_ctx, cross_ctx, runtime.size(), average)
+            self._hp_ctx = local_ctx
+        else:
+            self._hp_sync = self._hp_strategy
+            self._hp_ctx = SyncContext(engine, self._hp_transport, self._hp_compressor, self._hp_states)
         self._hp_named = named
         self._hp_names = {id(p): n for n, p in named}
         self._hp_passes = backward_passes_per_step
@@ -103,6 +117,18 @@ class _HipressOptimizer:
         self._hp_check_same_parameters()
         self._hp_hooks = [p.register_post_accumulate_grad_hook(self._hp_on_grad)
                           for _, p in named if p.requires_grad]
+
+    @staticmethod
+    def _hp_use_local_aggregation(mode) -> bool:
+        """auto: when some ranks share a host AND there are several hosts (on a single
+        host the whole sync would be uncompressed). True: whenever some ranks share a
+        host. Decided from the hostnames of all ranks, so every rank decides the same."""
+        if mode not in ("auto", True, False):
+            raise ValueError(f"local_aggregation must be 'auto', True or False, got {mode!r}")
+        hosts = len(set(runtime.hostnames()))
+        if mode is False or hosts == runtime.size():
+            return False
+        return mode is True or hosts > 1
 
     # ------------------------------------------------------------------ checks
     def _hp_check_same_parameters(self):
@@ -163,11 +189,8 @@ class _HipressOptimizer:
             flat = grad.detach().to(device="cpu", dtype=torch.float32).reshape(-1).clone()
             self._hp_copy_back[key] = (flat, grad)
         name = self._hp_names[key]
-        if self._hp_lowrank is not None:
-            h = self._hp_lowrank.build(self._hp_ctx, name, flat, [(0, flat.numel())], shape=tuple(p.shape))
-        else:
-            h = self._hp_strategy.build(self._hp_ctx, name, flat, self._hp_partitions(flat.numel()))
-        self._hp_handles[key] = h
+        self._hp_handles[key] = self._hp_sync.build(self._hp_ctx, name, flat, self._hp_partitions(flat.numel()),
+                                                    shape=tuple(p.shape))
 
     # ------------------------------------------------------------------ public API
     def synchronize(self):
@@ -199,7 +222,8 @@ class _HipressOptimizer:
         self._hp_counts.clear()
         self._hp_copy_back.clear()
         if errors:
-            raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(errors))
+            shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
+            raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(shown))
         self._hp_synchronized = True
 
     @contextlib.contextmanager
@@ -243,7 +267,8 @@ class _HipressOptimizer:
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none",
                          strategy: str = "ring", backward_passes_per_step: int = 1, op: str = Average,
-                         partition_bytes: Optional[int] = 64 << 20, **compression_kwargs):
+                         partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto",
+                         **compression_kwargs):
     """Wraps ``optimizer`` so that step() uses gradients averaged over all ranks.
 
     compression: an algorithm name of ``hipress.compression`` ("none", "onebit", "tbq",
@@ -251,6 +276,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     Compressor instance; extra keyword arguments configure it.
     strategy: "ring", "ps" or "auto". partition_bytes: gradients larger than this are
     split into partitions that pipeline independently (None: never).
+    local_aggregation: "auto" (default) reduces uncompressed among ranks of one host and
+    compresses only across hosts, when there are several hosts with several ranks each;
+    True/False force it on/off.
     Returns the same optimizer object, whose class is now a subclass of its old class.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -264,7 +292,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     optimizer.__class__ = cls
     try:
         optimizer._hipress_setup(named, compression, strategy, backward_passes_per_step, op, partition_bytes,
-                                 compression_kwargs)
+                                 local_aggregation, compression_kwargs)
     except Exception:
         optimizer.__class__ = base
         raise

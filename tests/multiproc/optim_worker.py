@@ -58,6 +58,7 @@ def main():
                                            compression=cfg["compression"], strategy=cfg["strategy"],
                                            backward_passes_per_step=cfg.get("passes", 1),
                                            partition_bytes=cfg.get("partition_bytes", 64 << 20),
+                                           local_aggregation=cfg.get("local_aggregation", "auto"),
                                            **cfg.get("kwargs", {}))
         steps = []
         for step in range(cfg.get("steps", 1)):

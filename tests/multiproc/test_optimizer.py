@@ -22,12 +22,12 @@ ALGORITHMS = {
 }
 
 
-def launch(tmp_path, np, configs, timeout=240, launcher="local"):
+def launch(tmp_path, np, configs, timeout=240, launcher="local", hosts=1):
     out = tmp_path / f"out{np}"
     out.mkdir()
     cmd = [sys.executable, os.path.join(HERE, "optim_worker.py"), str(out), json.dumps(configs)]
     if launcher == "local":
-        code, logs = run(cmd, np, timeout=timeout, quiet=True)
+        code, logs = run(cmd, np, timeout=timeout, quiet=True, hosts=hosts)
     else:  # mpirun
         import subprocess
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -146,3 +146,28 @@ def test_parameters_differing_across_ranks_are_rejected():
     assert code == 3, "\n".join(logs)[-3000:]
     text = "\n".join(logs)
     assert "MISMATCH" in text and "rank(s) [1] differ from rank 0" in text
+
+
+@pytest.mark.parametrize("np,hosts", [(4, 2), (3, 2)])
+def test_local_aggregation_uncompressed(tmp_path, np, hosts):
+    configs = [{"compression": "none", "strategy": s, "steps": 1} for s in ("ring", "ps")]
+    check_exact_average(launch(tmp_path, np, configs, hosts=hosts), np)
+
+
+def test_local_aggregation_compresses_across_hosts_only(tmp_path):
+    """4 ranks on 2 hosts: host sums are exact (one fp32 add each), then the
+    compressed ring runs over the two host roots, then everything is shared."""
+    np = 4
+    configs = [{"compression": "tbq", "strategy": "ring", "kwargs": {"threshold": 0.01}, "steps": 2}]
+    results = launch(tmp_path, np, configs, hosts=2)
+    comp = compression.get("tbq", threshold=0.01)
+    stores = [StateStore() for _ in range(2)]
+    res = results[0][0]
+    for step in range(2):
+        for name, bounds in res["bounds"].items():
+            local = [results[r][0]["steps"][step]["local"][name].reshape(-1) for r in range(np)]
+            host_sums = [local[0] + local[1], local[2] + local[3]]
+            want = reference.ring(host_sums, comp, stores, name, bounds, average=False)[0] / np
+            for r in range(np):
+                got = results[r][0]["steps"][step]["synced"][name].reshape(-1)
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name} rank {r}: {m}")
