@@ -34,6 +34,9 @@ from hipress import compression as _compression
 from hipress import runtime
 from hipress.engine import Handle, TaskError, get_engine
 from hipress.sync import CommChain, StateStore, SyncContext, get_strategy
+from hipress.compression.none import NoneCompressor
+from hipress.planner import CostModel, Overrides, Plan, make_plan
+from hipress.planner.online import profile_online
 from hipress.sync.hierarchical import HierarchicalStrategy
 from hipress.sync.lowrank import LowRankStrategy
 
@@ -70,7 +73,7 @@ class _HipressOptimizer:
     """Methods mixed into the dynamic subclass (see module docstring)."""
 
     def _hipress_setup(self, named, compression, strategy, backward_passes_per_step, op, partition_bytes,
-                       local_aggregation, compression_kwargs):
+                       local_aggregation, plan, compression_kwargs):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if op not in (Average, Sum):
@@ -84,23 +87,17 @@ class _HipressOptimizer:
             # repeated re-sparsification of partial sums.
             strategy = "ps" if getattr(self._hp_compressor, "category", "") == "sparsification" else "ring"
         average = op == Average
-        hierarchical = self._hp_use_local_aggregation(local_aggregation)
-        inner_average = average and not hierarchical
-        # Multi-round aggregatable compressors (PowerSGD) sum in compressed form instead.
-        self._hp_strategy = (LowRankStrategy(average=inner_average) if self._hp_compressor.rounds > 1
-                             else get_strategy(strategy, average=inner_average))
+        self._hp_average = average
+        self._hp_hierarchical = self._hp_use_local_aggregation(local_aggregation)
+        self._hp_strategy_name = strategy
         self._hp_states = StateStore()
-        engine = get_engine()
-        if hierarchical:
-            chain = CommChain()
-            local_ctx, cross_ctx = HierarchicalStrategy.contexts(
-                engine, runtime.local_transport(), runtime.cross_transport(), self._hp_compressor, self._hp_states,
-                chain, runtime.local_rank() == 0)
-            self._hp_sync = HierarchicalStrategy(self._hp_strategy, local_ctx, cross_ctx, runtime.size(), average)
-            self._hp_ctx = local_ctx
-        else:
-            self._hp_sync = self._hp_strategy
-            self._hp_ctx = SyncContext(engine, self._hp_transport, self._hp_compressor, self._hp_states)
+        self._hp_chain = CommChain()
+        # (sync strategy, its context) for compressed and for plain gradients; they share
+        # one comm chain, so communication keeps one order per rank.
+        self._hp_compressed = self._hp_make_sync(self._hp_compressor)
+        self._hp_plain = self._hp_make_sync(NoneCompressor()) if plan is not None else self._hp_compressed
+        self._hp_strategy, self._hp_ctx = self._hp_compressed[0], self._hp_compressed[1]
+        self._hp_plan = self._hp_make_plan(plan, named) if plan is not None else None
         self._hp_named = named
         self._hp_names = {id(p): n for n, p in named}
         self._hp_passes = backward_passes_per_step
@@ -117,6 +114,36 @@ class _HipressOptimizer:
         self._hp_check_same_parameters()
         self._hp_hooks = [p.register_post_accumulate_grad_hook(self._hp_on_grad)
                           for _, p in named if p.requires_grad]
+
+    def _hp_make_sync(self, compressor):
+        """(strategy, context) that synchronises gradients with this compressor."""
+        inner_average = self._hp_average and not self._hp_hierarchical
+        # Multi-round aggregatable compressors (PowerSGD) sum in compressed form instead.
+        inner = (LowRankStrategy(average=inner_average) if compressor.rounds > 1
+                 else get_strategy(self._hp_strategy_name, average=inner_average))
+        engine = get_engine()
+        if not self._hp_hierarchical:
+            return inner, SyncContext(engine, self._hp_transport, compressor, self._hp_states, self._hp_chain)
+        local_ctx, cross_ctx = HierarchicalStrategy.contexts(
+            engine, runtime.local_transport(), runtime.cross_transport(), compressor, self._hp_states,
+            self._hp_chain, runtime.local_rank() == 0)
+        return HierarchicalStrategy(inner, local_ctx, cross_ctx, runtime.size(), self._hp_average), local_ctx
+
+    def _hp_make_plan(self, plan, named):
+        """plan: a Plan, "auto" (profile now, collectively), or an Overrides."""
+        if isinstance(plan, Plan):
+            return plan
+        overrides = plan if isinstance(plan, Overrides) else Overrides()
+        if not isinstance(plan, Overrides) and plan != "auto":
+            raise ValueError(f"plan must be 'auto', a hipress.planner.Plan or Overrides, got {plan!r}")
+        if self._hp_compressor.rounds > 1 or self._hp_compressor.name == "none":
+            raise ValueError(f"plan='auto' needs a single-round compressor, got {self._hp_compressor.name!r}")
+        # Profiled over the world ring (its slowest link is the one that matters), by every
+        # rank, so all ranks hold the same plan; N is the number of peers of the compressed sync.
+        prof = profile_online(self._hp_compressor, self._hp_transport, self._hp_strategy_name)
+        n_sync = len(set(runtime.hostnames())) if self._hp_hierarchical else runtime.size()
+        model = CostModel(prof.send, prof.enc, prof.dec, n_sync, prof.strategy, prof.category, prof.rate)
+        return make_plan([(n, 4 * p.numel()) for n, p in named], model, overrides)
 
     @staticmethod
     def _hp_use_local_aggregation(mode) -> bool:
@@ -189,8 +216,14 @@ class _HipressOptimizer:
             flat = grad.detach().to(device="cpu", dtype=torch.float32).reshape(-1).clone()
             self._hp_copy_back[key] = (flat, grad)
         name = self._hp_names[key]
-        self._hp_handles[key] = self._hp_sync.build(self._hp_ctx, name, flat, self._hp_partitions(flat.numel()),
-                                                    shape=tuple(p.shape))
+        if self._hp_plan is not None:
+            entry = self._hp_plan.entry(name, flat.numel())
+            sync, ctx = self._hp_compressed if entry.compress else self._hp_plain
+            bounds = entry.bounds(flat.numel())
+        else:
+            sync, ctx = self._hp_compressed
+            bounds = self._hp_partitions(flat.numel())
+        self._hp_handles[key] = sync.build(ctx, name, flat, bounds, shape=tuple(p.shape))
 
     # ------------------------------------------------------------------ public API
     def synchronize(self):
@@ -267,7 +300,7 @@ class _HipressOptimizer:
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none",
                          strategy: str = "ring", backward_passes_per_step: int = 1, op: str = Average,
-                         partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto",
+                         partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto", plan=None,
                          **compression_kwargs):
     """Wraps ``optimizer`` so that step() uses gradients averaged over all ranks.
 
@@ -279,6 +312,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     local_aggregation: "auto" (default) reduces uncompressed among ranks of one host and
     compresses only across hosts, when there are several hosts with several ranks each;
     True/False force it on/off.
+    plan: selective compression and partitioning (paper §3.3). "auto" profiles encode,
+    decode and the link once (cached; see hipress.planner) and then, per gradient,
+    compresses only where the cost model says it pays and picks the partition count;
+    a hipress.planner.Overrides pins thresholds on top of "auto"; a Plan is used as is.
+    compression="auto" means TBQ with plan="auto".
     Returns the same optimizer object, whose class is now a subclass of its old class.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -291,8 +329,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                                         if not k.startswith("__")} | {"__module__": base.__module__})
     optimizer.__class__ = cls
     try:
+        if compression == "auto":
+            compression, plan = "tbq", (plan if plan is not None else "auto")
         optimizer._hipress_setup(named, compression, strategy, backward_passes_per_step, op, partition_bytes,
-                                 local_aggregation, compression_kwargs)
+                                 local_aggregation, plan, compression_kwargs)
     except Exception:
         optimizer.__class__ = base
         raise

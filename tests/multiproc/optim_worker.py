@@ -54,11 +54,15 @@ def main():
         ref_model = Uneven()
         ref_model.load_state_dict(model.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: parameters stay, gradients are compared
+        plan = None
+        if "plan_force" in cfg:
+            from hipress.planner import Overrides
+            plan = Overrides(force={k: tuple(v) if isinstance(v, list) else v for k, v in cfg["plan_force"].items()})
         opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                            compression=cfg["compression"], strategy=cfg["strategy"],
                                            backward_passes_per_step=cfg.get("passes", 1),
                                            partition_bytes=cfg.get("partition_bytes", 64 << 20),
-                                           local_aggregation=cfg.get("local_aggregation", "auto"),
+                                           local_aggregation=cfg.get("local_aggregation", "auto"), plan=plan,
                                            **cfg.get("kwargs", {}))
         steps = []
         for step in range(cfg.get("steps", 1)):
@@ -72,9 +76,14 @@ def main():
             with opt.skip_synchronize():
                 opt.step()
             steps.append({"local": local, "synced": synced})
-        owners = dict(getattr(opt._hp_strategy, "_owner", {}))
-        results.append({"config": cfg, "steps": steps, "owners": owners,
-                        "bounds": {n: opt._hp_partitions(p.numel()) for n, p in model.named_parameters()}})
+        owners = {**getattr(opt._hp_plain[0], "_owner", {}), **getattr(opt._hp_compressed[0], "_owner", {})}
+        if opt._hp_plan is not None:
+            bounds = {n: opt._hp_plan.bounds(n, p.numel()) for n, p in model.named_parameters()}
+            compressed = {n: opt._hp_plan.compress(n, p.numel()) for n, p in model.named_parameters()}
+        else:
+            bounds = {n: opt._hp_partitions(p.numel()) for n, p in model.named_parameters()}
+            compressed = {n: True for n, _ in model.named_parameters()}
+        results.append({"config": cfg, "steps": steps, "owners": owners, "bounds": bounds, "compressed": compressed})
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     hipress.shutdown()
 

@@ -54,10 +54,11 @@ def check_exact_average(results, np):
 def check_against_reference(results, np):
     for c, cfg_res in enumerate(results[0]):
         cfg = cfg_res["config"]
-        comp = compression.get(cfg["compression"], **cfg.get("kwargs", {}))
         stores = [StateStore() for _ in range(np)]
         for step in range(len(cfg_res["steps"])):
             for name, bounds in cfg_res["bounds"].items():
+                comp = compression.get(cfg["compression"] if cfg_res["compressed"][name] else "none",
+                                       **(cfg.get("kwargs", {}) if cfg_res["compressed"][name] else {}))
                 local = [results[r][c]["steps"][step]["local"][name].reshape(-1) for r in range(np)]
                 if comp.rounds > 1:
                     shape = tuple(results[0][c]["steps"][step]["local"][name].shape)
@@ -171,3 +172,22 @@ def test_local_aggregation_compresses_across_hosts_only(tmp_path):
             for r in range(np):
                 got = results[r][0]["steps"][step]["synced"][name].reshape(-1)
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name} rank {r}: {m}")
+
+
+def test_planned_selective_compression(tmp_path, monkeypatch):
+    """plan: per-gradient compress-or-not and K from the planner (profiled online, cached
+    in HIPRESS_PROFILE_DIR), pinned here for two parameters; every gradient matches the
+    reference of the decision it got, and every rank holds the same plan."""
+    monkeypatch.setenv("HIPRESS_PROFILE_DIR", str(tmp_path / "profiles"))
+    np = 3
+    configs = [{"compression": "tbq", "strategy": s, "kwargs": {"threshold": 0.01}, "steps": 2,
+                "plan_force": {"a.weight": [False, 2], "big": [True, 3]}} for s in ("ring", "ps")]
+    results = launch(tmp_path, np, configs)
+    for c in range(len(configs)):
+        plans = [(results[r][c]["bounds"], results[r][c]["compressed"]) for r in range(np)]
+        assert all(p == plans[0] for p in plans), "ranks planned differently"
+        bounds, compressed = plans[0]
+        assert compressed["a.weight"] is False and len(bounds["a.weight"]) == 2
+        assert compressed["big"] is True and len(bounds["big"]) == 3
+    check_against_reference(results, np)
+    assert list((tmp_path / "profiles").glob("*.json")), "profile was not cached"
