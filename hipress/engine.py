@@ -106,6 +106,26 @@ class Handle:
         return f"<hipress task {self.name!r} {self.state}>"
 
 
+class Completion:
+    """Finishes one posted deferred task (see :meth:`Engine.submit_deferred`)."""
+
+    __slots__ = ("_engine", "_task")
+
+    def __init__(self, engine: "_C.Engine", task: "_C.TaskHandle"):
+        self._engine = engine
+        self._task = task
+
+    @property
+    def name(self) -> str:
+        return self._task.name
+
+    def done(self) -> None:
+        self._engine.complete(self._task, True, "")
+
+    def fail(self, message: str) -> None:
+        self._engine.complete(self._task, False, str(message))
+
+
 Work = Union[Callable[[], Any], "_C.NativeWork"]
 
 
@@ -133,6 +153,19 @@ class Engine:
                 raise TypeError(f"dependencies of task {name!r} must be Handles, got {type(d).__name__}")
             native_deps.append(d._task)
         return Handle(self._engine.submit(name, QUEUES[queue], body, native_deps), box)
+
+    def submit_deferred(self, name: str, post: Callable[["Completion"], None], queue: str = "comm",
+                        deps: Iterable[Handle] = ()) -> Handle:
+        """A task that hands its job to someone else: when ready, post(completion) runs on
+        the queue's thread and must return quickly; the task finishes (and its dependents
+        are released) when someone calls completion.done() or completion.fail(message),
+        from any thread. Used by the coordinator's executor for bulk communication."""
+        if queue not in QUEUES:
+            raise ValueError(f"unknown queue {queue!r}; expected one of {sorted(QUEUES)}")
+        native_deps = [d._task for d in deps]
+        eng = self._engine
+        task = eng.submit_deferred(name, QUEUES[queue], lambda h: post(Completion(eng, h)), native_deps)
+        return Handle(task, [_NOT_SET])
 
     def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
         self._engine.shutdown(drain, -1.0 if timeout is None else float(timeout))

@@ -147,6 +147,26 @@ HIPRESS_BINDINGS(engine, m) {
              return e.submit(std::move(name), static_cast<QueueKind>(queue), std::move(w), deps);
            },
            py::arg("name"), py::arg("queue"), py::arg("work"), py::arg("deps") = std::vector<TaskHandle>{})
+      .def("submit_deferred",
+           [](Engine& e, std::string name, int queue, py::object fn, std::vector<TaskHandle> deps) {
+             if (queue != 0 && queue != 1) throw py::value_error("queue must be 0 (compute) or 1 (comm)");
+             if (!PyCallable_Check(fn.ptr())) throw py::type_error("deferred task work must be callable");
+             auto holder = share_py(std::move(fn));
+             DeferredWork w = [holder](const TaskHandle& self) {
+               py::gil_scoped_acquire gil;
+               try {
+                 (*holder)(self);
+               } catch (py::error_already_set& err) {
+                 throw std::runtime_error(py::str(err.type().attr("__name__")).cast<std::string>() + ": " +
+                                          py::str(err.value()).cast<std::string>());
+               }
+             };
+             return e.submit_deferred(std::move(name), static_cast<QueueKind>(queue), std::move(w), deps);
+           },
+           py::arg("name"), py::arg("queue"), py::arg("work"), py::arg("deps") = std::vector<TaskHandle>{},
+           "work(handle) runs when ready and hands the job on; complete(handle) finishes the task later.")
+      .def("complete", &Engine::complete, py::arg("task"), py::arg("ok") = true, py::arg("error") = "",
+           py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::arg("drain") = true, py::arg("timeout_s") = -1.0,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("is_shut_down", &Engine::is_shut_down)

@@ -21,6 +21,7 @@ const char* task_state_name(TaskState s) {
     case TaskState::kPending: return "pending";
     case TaskState::kQueued: return "queued";
     case TaskState::kRunning: return "running";
+    case TaskState::kPosted: return "posted";
     case TaskState::kDone: return "done";
     case TaskState::kFailed: return "failed";
     case TaskState::kCancelled: return "cancelled";
@@ -69,6 +70,48 @@ TaskHandle Engine::submit(std::string name, QueueKind queue, Work work,
   t->name_ = std::move(name);
   t->queue_ = queue;
   t->work_ = std::move(work);
+  return submit_node(std::move(t), deps);
+}
+
+TaskHandle Engine::submit_deferred(std::string name, QueueKind queue, DeferredWork work,
+                                   const std::vector<TaskHandle>& deps) {
+  if (!work) throw std::invalid_argument("task '" + name + "' has no work");
+  auto t = std::make_shared<TaskNode>();
+  t->name_ = std::move(name);
+  t->queue_ = queue;
+  t->deferred_work_ = std::move(work);
+  t->is_deferred_ = true;
+  return submit_node(std::move(t), deps);
+}
+
+void Engine::complete(const TaskHandle& t, bool ok, const std::string& error) {
+  if (!t || t->sync_ != sync_) throw std::invalid_argument("complete() of a task of another engine");
+  std::vector<TaskHandle> finished;
+  int64_t start, end;
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    if (t->is_deferred_ && t->state_ == TaskState::kRunning && !t->early_complete_) {
+      // Its work has not returned yet: the queue thread finishes it when it does.
+      t->early_complete_ = true;
+      t->early_ok_ = ok;
+      t->early_error_ = error;
+      return;
+    }
+    if (t->state_ != TaskState::kPosted) {
+      if (t->state_ == TaskState::kCancelled) return;  // shut down meanwhile: nothing left to do
+      throw std::logic_error("complete() of task '" + t->name_ + "' in state " + task_state_name(t->state_));
+    }
+    finish_locked(t, ok ? TaskState::kDone : TaskState::kFailed, error, &finished);
+    start = t->start_ns_;
+    end = t->end_ns_;
+    auto& c = counters_.queue[static_cast<int>(t->queue_)];
+    if (!ok) c.tasks_failed++;
+  }
+  if (timeline_) timeline_->slice(static_cast<int>(t->queue_), t->name_, start, end, ok ? "deferred" : "failed");
+  run_callbacks(finished);
+}
+
+TaskHandle Engine::submit_node(std::shared_ptr<TaskNode> t, const std::vector<TaskHandle>& deps) {
   t->sync_ = sync_;
   std::vector<TaskHandle> finished;
   {
@@ -159,6 +202,9 @@ void Engine::run_callbacks(std::vector<TaskHandle>& finished) {
     Work release = std::move(node->work_);
     node->work_ = nullptr;
     release = nullptr;
+    DeferredWork release_deferred = std::move(node->deferred_work_);
+    node->deferred_work_ = nullptr;
+    release_deferred = nullptr;
     for (auto& cb : cbs) {
       try {
         cb(*node);
@@ -185,8 +231,15 @@ void Engine::worker_loop(QueueKind q) {
     }
     std::string error;
     bool ok = true;
+    const bool deferred = t->is_deferred_;
     try {
-      t->work_();
+      if (deferred) {
+        DeferredWork w = std::move(t->deferred_work_);
+        t->deferred_work_ = nullptr;
+        w(t);  // w (and what it owns) is released at the end of this block, outside the lock
+      } else {
+        t->work_();
+      }
     } catch (const std::exception& e) {
       ok = false;
       error = e.what();
@@ -198,6 +251,17 @@ void Engine::worker_loop(QueueKind q) {
     int64_t start, end;
     {
       std::lock_guard<std::mutex> lock(sync_->mu);
+      if (deferred && ok && !t->early_complete_) {
+        // Handed off: it finishes when complete() is called.
+        counters_.queue[qi].tasks_run++;
+        counters_.queue[qi].busy_ns += now_ns() - t->start_ns_;
+        if (t->state_ == TaskState::kRunning) t->state_ = TaskState::kPosted;
+        continue;
+      }
+      if (deferred && ok) {
+        ok = t->early_ok_;
+        error = t->early_error_;
+      }
       finish_locked(t, ok ? TaskState::kDone : TaskState::kFailed, error, &finished);
       start = t->start_ns_;
       end = t->end_ns_;
@@ -251,7 +315,8 @@ void Engine::shutdown(bool drain, double timeout_s) {
     // Cancel everything not yet running, in submission order so messages name the root cause.
     std::vector<TaskHandle> pending;
     for (auto& kv : live_) {
-      if (kv.second->state_ == TaskState::kPending || kv.second->state_ == TaskState::kQueued) pending.push_back(kv.second);
+      auto st = kv.second->state_;
+      if (st == TaskState::kPending || st == TaskState::kQueued || st == TaskState::kPosted) pending.push_back(kv.second);
     }
     std::sort(pending.begin(), pending.end(), [](const TaskHandle& a, const TaskHandle& b) { return a->id_ < b->id_; });
     for (int q = 0; q < kNumQueues; ++q) queues_[q].clear();

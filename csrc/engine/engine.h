@@ -45,10 +45,15 @@ enum class QueueKind : int { kCompute = 0, kComm = 1 };
 constexpr int kNumQueues = 2;
 const char* queue_name(QueueKind q);
 
-enum class TaskState : int { kPending = 0, kQueued, kRunning, kDone, kFailed, kCancelled };
+// kPosted: a deferred task whose work has run (it handed its job to someone else, e.g.
+// the coordinator's executor) and that waits for Engine::complete().
+enum class TaskState : int { kPending = 0, kQueued, kRunning, kPosted, kDone, kFailed, kCancelled };
 const char* task_state_name(TaskState s);
 
 using Work = std::function<void()>;
+class TaskNode;
+// Work of a deferred task: receives its own handle, to pass to whoever completes it.
+using DeferredWork = std::function<void(const std::shared_ptr<TaskNode>&)>;
 
 struct EngineSync;
 
@@ -75,6 +80,12 @@ class TaskNode {
   std::string name_;
   QueueKind queue_ = QueueKind::kCompute;
   Work work_;
+  DeferredWork deferred_work_;  // set instead of work_ for deferred tasks
+  bool is_deferred_ = false;
+  // complete() may arrive while the deferred work is still running on its queue thread.
+  bool early_complete_ = false;
+  bool early_ok_ = true;
+  std::string early_error_;
   std::shared_ptr<EngineSync> sync_;
   // Guarded by sync_->mu.
   TaskState state_ = TaskState::kPending;
@@ -127,6 +138,16 @@ class Engine {
   TaskHandle submit(std::string name, QueueKind queue, Work work,
                     const std::vector<TaskHandle>& deps = {});
 
+  // A deferred task: when ready, its work runs on the queue thread with its own handle
+  // and must arrange for complete() to be called later (from any thread). Until then
+  // the task is kPosted and its dependents wait. Used for communication that another
+  // component (the coordinator's executor) carries out in bulk.
+  TaskHandle submit_deferred(std::string name, QueueKind queue, DeferredWork work,
+                             const std::vector<TaskHandle>& deps = {});
+  // Finishes a posted deferred task: ok, or failed with error. Throws std::logic_error
+  // if the task is not posted (never started, or completed already).
+  void complete(const TaskHandle& task, bool ok = true, const std::string& error = "");
+
   // Blocks until the task finished or timeout_s passed (timeout_s < 0: forever).
   // Returns whether it finished.
   static bool wait(const TaskHandle& task, double timeout_s = -1);
@@ -146,6 +167,7 @@ class Engine {
 
  private:
   void worker_loop(QueueKind q);
+  TaskHandle submit_node(std::shared_ptr<TaskNode> t, const std::vector<TaskHandle>& deps);
   void enqueue_locked(const TaskHandle& t, int64_t now);
   // Marks t finished and releases or fails its dependents. Collects every
   // node that finished so that callbacks run outside the lock.

@@ -194,3 +194,37 @@ def test_safe_at_interpreter_exit(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_deferred_task_completes_from_another_thread(engine):
+    posted = []
+    a = engine.submit("encode", lambda: 1)
+    d = engine.submit_deferred("bulk.send", posted.append, deps=[a])
+    after = engine.submit("decode", lambda: "ran", deps=[d])
+    deadline = time.time() + 5
+    while not posted and time.time() < deadline:
+        time.sleep(0.001)
+    assert posted and d.state == "posted" and not after.poll()
+    threading.Thread(target=posted[0].done).start()
+    assert after.result(timeout=5) == "ran" and d.state == "done"
+
+
+def test_deferred_task_failure_and_early_completion(engine):
+    d = engine.submit_deferred("bulk.recv", lambda c: c.fail("peer 3 vanished"))  # completes inside post
+    dep = engine.submit("decode", lambda: None, deps=[d])
+    with pytest.raises(TaskError, match="bulk.recv.*peer 3 vanished"):
+        dep.result(timeout=5)
+    ok = engine.submit_deferred("early", lambda c: c.done())
+    assert ok.wait(5) and ok.state == "done"
+    with pytest.raises(RuntimeError, match="state done"):
+        engine._engine.complete(ok.native, True, "")
+
+
+def test_shutdown_cancels_posted_deferred_tasks():
+    e = Engine()
+    d = e.submit_deferred("never", lambda c: None)
+    deadline = time.time() + 5
+    while d.state != "posted" and time.time() < deadline:
+        time.sleep(0.001)
+    e.shutdown(drain=False)
+    assert d.state == "cancelled"
