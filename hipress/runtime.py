@@ -221,6 +221,12 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, master_addr: Op
 def shutdown() -> None:
     """Close the transports; ``init`` may be called again afterwards."""
     global _state
+    if _state is not None:
+        # Coordinator executors ride a duplicate of the world transport: stop them first.
+        import sys
+        coord = sys.modules.get("hipress.coordinator")
+        if coord is not None:
+            coord.shutdown_all()
     with _lock:
         s, _state = _state, None
         if s is None:

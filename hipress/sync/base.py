@@ -114,15 +114,54 @@ class StateStore:
         self._pending = dict(sd)
 
 
+def direct_exchange(transport, payloads: Dict[int, torch.Tensor], recv_from, bulk: bool) -> Dict[int, torch.Tensor]:
+    """Moves payloads now, over the transport, with sizes exchanged first.
+
+    bulk=False: exactly one destination and one source (a ring step): two sendrecv.
+    bulk=True: one alltoallv of byte counts, then one alltoallv of the payloads (zero
+    bytes to and from every peer not named). Every rank of the transport must make the
+    same kind of call at the same point.
+    """
+    n = transport.size
+    if not bulk:
+        (dst, payload), = payloads.items()
+        (src,) = recv_from
+        n_out = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
+        n_in = torch.empty(8, dtype=torch.uint8)
+        transport.sendrecv(n_out, dst, n_in, src)
+        buf = torch.empty(int(n_in.view(torch.int64)[0]), dtype=torch.uint8)
+        transport.sendrecv(payload, dst, buf, src)
+        return {src: buf}
+    segs = [payloads[j].reshape(-1) if j in payloads else torch.empty(0, dtype=torch.uint8) for j in range(n)]
+    send_counts = [x.numel() for x in segs]
+    counts_in = torch.empty(8 * n, dtype=torch.uint8)
+    transport.alltoallv(torch.tensor(send_counts, dtype=torch.int64).view(torch.uint8), [8] * n, counts_in, [8] * n)
+    recv_counts = counts_in.view(torch.int64).tolist()
+    recv = torch.empty(sum(recv_counts), dtype=torch.uint8)
+    transport.alltoallv(torch.cat(segs), send_counts, recv, recv_counts)
+    out, off = {}, 0
+    for j, c in enumerate(recv_counts):
+        if j in recv_from:
+            out[j] = recv[off:off + c]
+        off += c
+    return out
+
+
 @dataclass
 class SyncContext:
-    """What a strategy needs to emit tasks for one gradient."""
+    """What a strategy needs to emit tasks for one gradient.
+
+    executor: a coordinator executor (hipress.coordinator); when set, exchanges are
+    deferred tasks batched by the global coordinator, and comm needs no chain.
+    """
 
     engine: Engine
     transport: object  # hipress.transport.base.Transport
     compressor: object  # hipress.compression Compressor
     states: StateStore
     chain: CommChain = field(default_factory=CommChain)
+    executor: object = None
+    _occurrence: Dict[str, int] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -137,6 +176,31 @@ class SyncContext:
 
     def comm(self, name: str, fn: Callable[[], object], deps: Sequence[Handle] = ()) -> Handle:
         return self.chain.push(self.engine.submit(name, fn, queue="comm", deps=self.chain.deps(deps)))
+
+    def exchange(self, name: str, sends: Dict[int, Callable[[], torch.Tensor]],
+                 sinks: Dict[int, Callable[[torch.Tensor], None]], deps: Sequence[Handle] = (),
+                 bulk: bool = True) -> Handle:
+        """The send and recv primitives: sends[dst]() gives the payload for dst (evaluated
+        when the task runs); sinks[src](payload) takes what src sent. Ranks are those of
+        this context's transport. bulk: see :func:`direct_exchange`."""
+        if self.executor is not None:
+            occ = self._occurrence.get(name, 0)
+            self._occurrence[name] = occ + 1
+            key_name = f"{name}#{occ}"
+            ex = self.executor
+
+            def post(completion):
+                ex.post(key_name, {d: f() for d, f in sends.items()}, sinks, completion)
+
+            return self.engine.submit_deferred(name, post, queue="comm", deps=deps)
+        tr = self.transport
+
+        def run():
+            got = direct_exchange(tr, {d: f() for d, f in sends.items()}, set(sinks), bulk)
+            for src, buf in got.items():
+                sinks[src](buf)
+
+        return self.comm(name, run, deps)
 
 
 class Strategy:

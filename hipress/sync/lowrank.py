@@ -4,7 +4,7 @@ Paper 000 Table 3 / §5.3: for low-rank algorithms both CaSync strategies do one
 encode per round, sum in compressed form, and one decode. Per round on every rank:
   1. encode_round(k)   (compute) round 0 from the gradient, round k>0 from the sum of
                        round k-1
-  2. allgather         (comm)    every rank's payload of this round (equal sizes)
+  2. allgather         (comm)    every rank's payload of this round, as one bulk exchange
   3. combine           (compute) sum of the N payloads in rank order, so every rank
                        holds bit-identical sums
 then finish(sum of last round) decodes into the gradient and divides by N. Payloads
@@ -29,13 +29,6 @@ def matrix_shape(shape: Optional[Sequence[int]], numel: int) -> Tuple[int, int]:
     return (int(shape[0]), numel // max(1, int(shape[0])))
 
 
-def allgather_payload(transport, payload: torch.Tensor):
-    n = transport.size
-    out = torch.empty(n * payload.numel(), dtype=torch.uint8)
-    transport.allgather(payload.contiguous(), out)
-    return [out[i * payload.numel():(i + 1) * payload.numel()] for i in range(n)]
-
-
 class LowRankStrategy(Strategy):
     name = "lowrank"
 
@@ -58,18 +51,19 @@ class LowRankStrategy(Strategy):
                 inp = flat if k == 0 else slot.pop("sum")
                 slot["mine"] = comp.encode_round(k, inp, state)
 
-            def gather():
-                slot["all"] = allgather_payload(ctx.transport, slot.pop("mine"))
+            got = {}  # src -> payload of this round
 
-            def combine():
-                parts = slot.pop("all")
+            def combine(got=got):
+                parts = [got.pop(r) for r in range(n)]
                 acc = parts[0].clone()
                 for p in parts[1:]:
                     comp.combine(acc, p, out=acc)
                 slot["sum"] = acc
 
             enc = ctx.compute(f"encode.{tensor_name}.r{k}", encode, prev)
-            g = ctx.comm(f"allgather.{tensor_name}.r{k}", gather, [enc])
+            g = ctx.exchange(f"allgather.{tensor_name}.r{k}", {dst: (lambda: slot["mine"]) for dst in range(n)},
+                             {src: (lambda buf, src=src, got=got: got.__setitem__(src, buf)) for src in range(n)},
+                             [enc])
             prev = [ctx.compute(f"combine.{tensor_name}.r{k}", combine, [g])]
 
         def finish():

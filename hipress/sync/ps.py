@@ -7,14 +7,15 @@ ranks make the same choice because they submit gradients in the same order.
 
   1. encode   (compute) every partition with the worker's state; payloads for the
               same aggregator are framed into one segment
-  2. gather   (comm)    one alltoallv: segment j goes to rank j (zero bytes to ranks
-              that aggregate nothing of this gradient; the own segment stays local)
+  2. gather   (comm)    one bulk exchange: segment j goes to aggregator j (the own
+              segment stays local)
   3. aggregate(compute) for each owned partition: acc = sum over ranks of decode(payload),
               then encode(acc) with the aggregator's state
-  4. bcast    (comm)    one alltoallv: each aggregator sends its encoded aggregates to
-              every rank
+  4. bcast    (comm)    one bulk exchange: each aggregator sends its encoded aggregates
+              to every rank
   5. decode   (compute) every partition from its aggregator's payload, divide by N
-Each bulk step first exchanges the byte counts (payload sizes vary for sparsifiers).
+Without the coordinator a bulk exchange is two alltoallv (byte counts, then payloads:
+sizes vary for sparsifiers); with it, the coordinator batches the messages into slots.
 """
 from __future__ import annotations
 
@@ -24,24 +25,6 @@ import torch
 
 from hipress.engine import Handle
 from hipress.sync.base import Strategy, SyncContext, frame, unframe
-
-
-def bulk_exchange(transport, segments: List[torch.Tensor]) -> List[torch.Tensor]:
-    """alltoallv of one segment per rank (zero-length allowed); returns one per source."""
-    n = transport.size
-    send_counts = [s.numel() for s in segments]
-    counts_out = torch.tensor(send_counts, dtype=torch.int64).view(torch.uint8)
-    counts_in = torch.empty(8 * n, dtype=torch.uint8)
-    transport.alltoallv(counts_out, [8] * n, counts_in, [8] * n)
-    recv_counts = counts_in.view(torch.int64).tolist()
-    send = torch.cat(segments) if segments else torch.empty(0, dtype=torch.uint8)
-    recv = torch.empty(sum(recv_counts), dtype=torch.uint8)
-    transport.alltoallv(send, send_counts, recv, recv_counts)
-    out, off = [], 0
-    for c in recv_counts:
-        out.append(recv[off:off + c])
-        off += c
-    return out
 
 
 class PSStrategy(Strategy):
@@ -69,20 +52,18 @@ class PSStrategy(Strategy):
         if not parts:
             return ctx.compute(f"done.{tensor_name}", lambda: None, deps)
         owners = [self.owner(key, 4 * (e - s), n) for key, s, e in parts]
+        aggregators = sorted(set(owners))
         mine = [i for i, a in enumerate(owners) if a == r]
-        slot = {}
+        slot = {"gather_in": {}, "bcast_in": {}}
 
         def encode():
-            per_dst: List[List[torch.Tensor]] = [[] for _ in range(n)]
+            per_dst: Dict[int, List[torch.Tensor]] = {a: [] for a in aggregators}
             for (key, s, e), a in zip(parts, owners):
                 per_dst[a].append(comp.encode(flat[s:e], ctx.states.get(f"{key}/worker", comp, e - s)))
-            slot["gather_out"] = [frame(p) if p else torch.empty(0, dtype=torch.uint8) for p in per_dst]
-
-        def gather():
-            slot["gather_in"] = bulk_exchange(tr, slot.pop("gather_out"))
+            slot["gather_out"] = {a: frame(p) for a, p in per_dst.items()}
 
         def aggregate():
-            received = [unframe(seg, len(mine)) for seg in slot.pop("gather_in")]
+            received = [unframe(slot["gather_in"].pop(src), len(mine)) for src in range(n)]
             out = []
             for j, i in enumerate(mine):
                 key, s, e = parts[i]
@@ -90,24 +71,26 @@ class PSStrategy(Strategy):
                 for src in range(n):
                     comp.decode_add(received[src][j], acc)
                 out.append(comp.encode(acc, ctx.states.get(f"{key}/aggregator", comp, e - s)))
-            seg = frame(out) if out else torch.empty(0, dtype=torch.uint8)
-            slot["bcast_out"] = [seg] * n
-
-        def bcast():
-            slot["bcast_in"] = bulk_exchange(tr, slot.pop("bcast_out"))
+            slot["bcast_out"] = frame(out)
 
         def decode():
-            segs = slot.pop("bcast_in")
-            for a in range(n):
+            for a in aggregators:
                 idx = [i for i, o in enumerate(owners) if o == a]
-                for i, payload in zip(idx, unframe(segs[a], len(idx))):
+                for i, payload in zip(idx, unframe(slot["bcast_in"].pop(a), len(idx))):
                     _, s, e = parts[i]
                     comp.decode(payload, flat[s:e])
             if self.average:
                 flat.div_(n)
 
+        def sink(name):
+            return lambda src: (lambda buf: slot[name].__setitem__(src, buf))
+
+        gather_sink, bcast_sink = sink("gather_in"), sink("bcast_in")
         enc = ctx.compute(f"encode.{tensor_name}", encode, deps)
-        g = ctx.comm(f"gather.{tensor_name}", gather, [enc])
-        agg = ctx.compute(f"aggregate.{tensor_name}", aggregate, [g])
-        b = ctx.comm(f"bcast.{tensor_name}", bcast, [agg])
+        # Every worker sends to every aggregator of this gradient; aggregators hear from all.
+        g = ctx.exchange(f"gather.{tensor_name}", {a: (lambda a=a: slot["gather_out"].pop(a)) for a in aggregators},
+                         {src: gather_sink(src) for src in range(n)} if mine else {}, [enc])
+        agg = ctx.compute(f"aggregate.{tensor_name}", aggregate, [g]) if mine else g
+        b = ctx.exchange(f"bcast.{tensor_name}", {dst: (lambda: slot["bcast_out"]) for dst in range(n)} if mine else {},
+                         {a: bcast_sink(a) for a in aggregators}, [agg])
         return ctx.compute(f"decode.{tensor_name}", decode, [b])

@@ -31,16 +31,6 @@ from hipress.engine import Handle
 from hipress.sync.base import Strategy, SyncContext, chunk_bounds
 
 
-def exchange(transport, payload: torch.Tensor, dst: int, src: int) -> torch.Tensor:
-    """Sends payload to dst and returns the payload received from src (sizes differ)."""
-    n_out = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
-    n_in = torch.empty(8, dtype=torch.uint8)
-    transport.sendrecv(n_out, dst, n_in, src)
-    buf = torch.empty(int(n_in.view(torch.int64)[0]), dtype=torch.uint8)
-    transport.sendrecv(payload, dst, buf, src)
-    return buf
-
-
 class RingStrategy(Strategy):
     name = "ring"
 
@@ -57,7 +47,7 @@ class RingStrategy(Strategy):
 
     def _partition(self, ctx: SyncContext, key: str, x: torch.Tensor, deps: Sequence[Handle]) -> Handle:
         n, r = ctx.size, ctx.rank
-        comp, tr = ctx.compressor, ctx.transport
+        comp = ctx.compressor
         chunks = chunk_bounds(x.numel(), n)
 
         def view(c):
@@ -78,14 +68,12 @@ class RingStrategy(Strategy):
             def encode(s=s, cs=cs):
                 slot[("out", s)] = comp.encode(view(cs), state(cs))
 
-            def sendrecv(s=s):
-                slot[("in", s)] = exchange(tr, slot.pop(("out", s)), nxt, prv)
-
             def merge(s=s, cr=cr):
                 comp.decode_add(slot.pop(("in", s)), view(cr))
 
             enc = ctx.compute(f"encode.{key}.rs{s}", encode, last_compute)
-            sr = ctx.comm(f"sendrecv.{key}.rs{s}", sendrecv, [enc])
+            sr = ctx.exchange(f"sendrecv.{key}.rs{s}", {nxt: lambda s=s: slot.pop(("out", s))},
+                              {prv: lambda buf, s=s: slot.__setitem__(("in", s), buf)}, [enc], bulk=False)
             last_compute = [ctx.compute(f"merge.{key}.rs{s}", merge, [sr])]
 
         # All-gather of the encoded owned chunks.
@@ -101,14 +89,14 @@ class RingStrategy(Strategy):
         for t in range(n - 1):
             c_in = (r - t) % n
 
-            def forward(t=t):
-                payload = slot.pop(("fwd", t))
-                slot[("fwd", t + 1)] = slot[("dec", t)] = exchange(tr, payload, nxt, prv)
+            def received(buf, t=t):
+                slot[("fwd", t + 1)] = slot[("dec", t)] = buf
 
             def decode(t=t, c=c_in):
                 comp.decode(slot.pop(("dec", t)), view(c))
 
-            prev = ctx.comm(f"sendrecv.{key}.ag{t}", forward, [prev])
+            prev = ctx.exchange(f"sendrecv.{key}.ag{t}", {nxt: lambda t=t: slot.pop(("fwd", t))}, {prv: received},
+                                [prev], bulk=False)
             finals.append(ctx.compute(f"decode.{key}.ag{t}", decode, [prev]))
 
         def finish():

@@ -73,7 +73,7 @@ class _HipressOptimizer:
     """Methods mixed into the dynamic subclass (see module docstring)."""
 
     def _hipress_setup(self, named, compression, strategy, backward_passes_per_step, op, partition_bytes,
-                       local_aggregation, plan, compression_kwargs):
+                       local_aggregation, plan, coordinator, compression_kwargs):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if op not in (Average, Sum):
@@ -88,7 +88,16 @@ class _HipressOptimizer:
             strategy = "ps" if getattr(self._hp_compressor, "category", "") == "sparsification" else "ring"
         average = op == Average
         self._hp_average = average
-        self._hp_hierarchical = self._hp_use_local_aggregation(local_aggregation)
+        if coordinator is None:
+            coordinator = os.environ.get("HIPRESS_COORDINATOR", "0").strip().lower() in ("1", "true", "on", "yes")
+        if coordinator and local_aggregation is True:
+            raise ValueError("local_aggregation=True cannot be combined with the coordinator yet; "
+                             "use one or the other")
+        self._hp_hierarchical = False if coordinator else self._hp_use_local_aggregation(local_aggregation)
+        self._hp_executor = None
+        if coordinator and self._hp_transport.size > 1:
+            from hipress import coordinator as _coordinator
+            self._hp_executor = _coordinator.start(self._hp_transport)
         self._hp_strategy_name = strategy
         self._hp_states = StateStore()
         self._hp_chain = CommChain()
@@ -123,7 +132,8 @@ class _HipressOptimizer:
                  else get_strategy(self._hp_strategy_name, average=inner_average))
         engine = get_engine()
         if not self._hp_hierarchical:
-            return inner, SyncContext(engine, self._hp_transport, compressor, self._hp_states, self._hp_chain)
+            return inner, SyncContext(engine, self._hp_transport, compressor, self._hp_states, self._hp_chain,
+                                      executor=self._hp_executor)
         local_ctx, cross_ctx = HierarchicalStrategy.contexts(
             engine, runtime.local_transport(), runtime.cross_transport(), compressor, self._hp_states,
             self._hp_chain, runtime.local_rank() == 0)
@@ -301,7 +311,7 @@ class _HipressOptimizer:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none",
                          strategy: str = "ring", backward_passes_per_step: int = 1, op: str = Average,
                          partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto", plan=None,
-                         **compression_kwargs):
+                         coordinator: Optional[bool] = None, **compression_kwargs):
     """Wraps ``optimizer`` so that step() uses gradients averaged over all ranks.
 
     compression: an algorithm name of ``hipress.compression`` ("none", "onebit", "tbq",
@@ -317,6 +327,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     compresses only where the cost model says it pays and picks the partition count;
     a hipress.planner.Overrides pins thresholds on top of "auto"; a Plan is used as is.
     compression="auto" means TBQ with plan="auto".
+    coordinator: batch all communication through the global coordinator on rank 0
+    (hipress.coordinator); None reads HIPRESS_COORDINATOR (default off).
     Returns the same optimizer object, whose class is now a subclass of its old class.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -332,7 +344,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         if compression == "auto":
             compression, plan = "tbq", (plan if plan is not None else "auto")
         optimizer._hipress_setup(named, compression, strategy, backward_passes_per_step, op, partition_bytes,
-                                 local_aggregation, plan, compression_kwargs)
+                                 local_aggregation, plan, coordinator, compression_kwargs)
     except Exception:
         optimizer.__class__ = base
         raise

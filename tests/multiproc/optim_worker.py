@@ -63,6 +63,7 @@ def main():
                                            backward_passes_per_step=cfg.get("passes", 1),
                                            partition_bytes=cfg.get("partition_bytes", 64 << 20),
                                            local_aggregation=cfg.get("local_aggregation", "auto"), plan=plan,
+                                           coordinator=cfg.get("coordinator", False),
                                            **cfg.get("kwargs", {}))
         steps = []
         for step in range(cfg.get("steps", 1)):

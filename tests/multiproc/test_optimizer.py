@@ -191,3 +191,13 @@ def test_planned_selective_compression(tmp_path, monkeypatch):
         assert compressed["big"] is True and len(bounds["big"]) == 3
     check_against_reference(results, np)
     assert list((tmp_path / "profiles").glob("*.json")), "profile was not cached"
+
+
+def test_coordinator_matches_reference_all_algorithms(tmp_path):
+    """With the global coordinator on, every algorithm and both strategies give the
+    results of the reference (which the coordinator-off runs match too)."""
+    np = 3
+    configs = [{"compression": a, "strategy": s, "kwargs": kw, "steps": 2, "partition_bytes": 2048,
+                "coordinator": True} for a, kw in ALGORITHMS.items() for s in ("ring", "ps")]
+    configs.append({"compression": "none", "strategy": "ring", "steps": 1, "coordinator": True})
+    check_against_reference(launch(tmp_path, np, configs), np)

@@ -1,0 +1,48 @@
+"""Global coordinator (paper 000 §3.2): compression-aware bulk synchronization over
+non-conflicting links. ``planner.py`` plans slots, ``protocol.py`` is the wire format,
+``executor.py`` runs slots on every rank with the coordinator on rank 0.
+
+The executor is a thread on every rank (on rank 0 it also hosts the coordinator's
+planning); control and data ride a private duplicate of the job's own transport, so no
+socket is opened and only ranks of this job take part.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import List
+
+from hipress.coordinator.executor import Executor, message_key
+from hipress.coordinator.planner import Msg, Slot, SlotPlanner
+
+_lock = threading.Lock()
+_executors: List[Executor] = []
+
+
+def start(world_transport, **kw) -> Executor:
+    """Collective: starts an executor over a private duplicate of world_transport."""
+    private = world_transport.split(0, key=world_transport.rank)
+    ex = Executor(private, **kw)
+    with _lock:
+        _executors.append(ex)
+    return ex
+
+
+def shutdown_all(timeout: float = 30.0) -> None:
+    """Collective: stops every executor of this process (each rank must call it)."""
+    with _lock:
+        exs = list(_executors)
+        _executors.clear()
+    for ex in exs:
+        try:
+            ex.close(timeout)
+        finally:
+            try:
+                ex.tr.close()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+
+
+atexit.register(shutdown_all, 10.0)
+
+__all__ = ["Executor", "Msg", "Slot", "SlotPlanner", "message_key", "shutdown_all", "start"]
