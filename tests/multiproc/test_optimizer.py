@@ -201,3 +201,28 @@ def test_coordinator_matches_reference_all_algorithms(tmp_path):
                 "coordinator": True} for a, kw in ALGORITHMS.items() for s in ("ring", "ps")]
     configs.append({"compression": "none", "strategy": "ring", "steps": 1, "coordinator": True})
     check_against_reference(launch(tmp_path, np, configs), np)
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_coordinator_dead_rank_fails_fast(victim):
+    """A dead rank (rank 0 hosts the coordinator) ends every other rank with an error
+    naming the failure, within the timeout, instead of a hang."""
+    env = dict(os.environ, HIPRESS_TIMEOUT_S="8")
+    cmd = [sys.executable, os.path.join(HERE, "coord_fail_worker.py"), str(victim)]
+    # The launcher stops everyone once one rank fails, so launch the survivors' view by hand:
+    from hipress.launch import free_port, rank_env
+    import subprocess
+    import time
+    port = free_port()
+    procs = [subprocess.Popen(cmd, env=rank_env(r, 3, port, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in range(3)]
+    t0 = time.time()
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    elapsed = time.time() - t0
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        if r == victim:
+            assert p.returncode == 17
+        else:
+            assert p.returncode == 3, out[-2000:]
+            assert "FAILED-CLEANLY" in out and "coordinator" in out, out[-2000:]
+    assert elapsed < 60

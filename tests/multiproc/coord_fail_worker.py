@@ -1,0 +1,30 @@
+"""One rank of the coordinator failure test: the rank named by argv[1] dies after one
+step; the others must end with a clear error within HIPRESS_TIMEOUT_S."""
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+import hipress
+
+victim = int(sys.argv[1])
+hipress.init()
+model = nn.Linear(50, 50)
+opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), coordinator=True)
+t0 = None
+try:
+    for step in range(100):
+        if step == 1 and hipress.rank() == victim:
+            os._exit(17)  # dies without a word, like a crashed host
+        if step == 1:
+            t0 = time.time()
+        opt.zero_grad()
+        model(torch.randn(8, 50)).sum().backward()
+        opt.step()
+except RuntimeError as e:
+    print(f"FAILED-CLEANLY after {time.time() - t0:.1f}s: {str(e)[:300]}", flush=True)
+    os._exit(3)
+print("finished without noticing the dead rank", flush=True)
