@@ -106,6 +106,11 @@ class Handle:
         return f"<hipress task {self.name!r} {self.state}>"
 
 
+def _batch_key(name: str) -> int:
+    import zlib
+    return zlib.crc32(name.encode()) or 1
+
+
 class Completion:
     """Finishes one posted deferred task (see :meth:`Engine.submit_deferred`)."""
 
@@ -136,7 +141,10 @@ class Engine:
         self._engine = _C.Engine(timeline_path or "", rank)
         self.timeline_path = timeline_path
 
-    def submit(self, name: str, work: Work, queue: str = "compute", deps: Iterable[Handle] = ()) -> Handle:
+    def submit(self, name: str, work: Work, queue: str = "compute", deps: Iterable[Handle] = (),
+               batch: Optional[str] = None) -> Handle:
+        """batch: tasks queued back to back with the same batch name run as one batch
+        (one hand-off, one completion pass, one timeline slice): batch compression."""
         if queue not in QUEUES:
             raise ValueError(f"unknown queue {queue!r}; expected one of {sorted(QUEUES)}")
         box = [_NOT_SET]
@@ -152,7 +160,8 @@ class Engine:
             if not isinstance(d, Handle):
                 raise TypeError(f"dependencies of task {name!r} must be Handles, got {type(d).__name__}")
             native_deps.append(d._task)
-        return Handle(self._engine.submit(name, QUEUES[queue], body, native_deps), box)
+        key = _batch_key(batch) if batch else 0
+        return Handle(self._engine.submit(name, QUEUES[queue], body, native_deps, key), box)
 
     def submit_deferred(self, name: str, post: Callable[["Completion"], None], queue: str = "comm",
                         deps: Iterable[Handle] = ()) -> Handle:

@@ -57,6 +57,7 @@ py::dict counters_dict(const EngineCounters& c) {
     py::dict qd;
     qd["tasks_run"] = c.queue[q].tasks_run;
     qd["tasks_failed"] = c.queue[q].tasks_failed;
+    qd["batches"] = c.queue[q].batches;
     qd["wait_s"] = c.queue[q].wait_ns / 1e9;
     qd["busy_s"] = c.queue[q].busy_ns / 1e9;
     d[q == 0 ? "compute" : "comm"] = qd;
@@ -134,7 +135,8 @@ HIPRESS_BINDINGS(engine, m) {
            }),
            py::arg("timeline_path") = "", py::arg("rank") = 0)
       .def("submit",
-           [](Engine& e, std::string name, int queue, py::object work, std::vector<TaskHandle> deps) {
+           [](Engine& e, std::string name, int queue, py::object work, std::vector<TaskHandle> deps,
+              uint64_t batch_key) {
              if (queue != 0 && queue != 1) throw py::value_error("queue must be 0 (compute) or 1 (comm)");
              Work w;
              if (py::isinstance<NativeWork>(work)) {
@@ -144,9 +146,10 @@ HIPRESS_BINDINGS(engine, m) {
              } else {
                throw py::type_error("task work must be a callable or a hipress._C.NativeWork");
              }
-             return e.submit(std::move(name), static_cast<QueueKind>(queue), std::move(w), deps);
+             return e.submit(std::move(name), static_cast<QueueKind>(queue), std::move(w), deps, batch_key);
            },
-           py::arg("name"), py::arg("queue"), py::arg("work"), py::arg("deps") = std::vector<TaskHandle>{})
+           py::arg("name"), py::arg("queue"), py::arg("work"), py::arg("deps") = std::vector<TaskHandle>{},
+           py::arg("batch_key") = 0)
       .def("submit_deferred",
            [](Engine& e, std::string name, int queue, py::object fn, std::vector<TaskHandle> deps) {
              if (queue != 0 && queue != 1) throw py::value_error("queue must be 0 (compute) or 1 (comm)");

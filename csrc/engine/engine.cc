@@ -64,11 +64,12 @@ Engine::Engine(EngineOptions options) : sync_(std::make_shared<EngineSync>()) {
 Engine::~Engine() { shutdown(/*drain=*/false); }
 
 TaskHandle Engine::submit(std::string name, QueueKind queue, Work work,
-                          const std::vector<TaskHandle>& deps) {
+                          const std::vector<TaskHandle>& deps, uint64_t batch_key) {
   if (!work) throw std::invalid_argument("task '" + name + "' has no work");
   auto t = std::make_shared<TaskNode>();
   t->name_ = std::move(name);
   t->queue_ = queue;
+  t->batch_key_ = batch_key;
   t->work_ = std::move(work);
   return submit_node(std::move(t), deps);
 }
@@ -215,8 +216,48 @@ void Engine::run_callbacks(std::vector<TaskHandle>& finished) {
   }
 }
 
+void Engine::run_batch(int qi, const TaskHandle& first, std::vector<TaskHandle>& rest) {
+  std::vector<TaskHandle> all;
+  all.reserve(rest.size() + 1);
+  all.push_back(first);
+  for (auto& b : rest) all.push_back(b);
+  std::vector<std::string> errors(all.size());
+  std::vector<char> oks(all.size(), 1);
+  for (size_t i = 0; i < all.size(); ++i) {
+    try {
+      all[i]->work_();
+    } catch (const std::exception& e) {
+      oks[i] = 0;
+      errors[i] = e.what();
+    } catch (...) {
+      oks[i] = 0;
+      errors[i] = "unknown C++ exception";
+    }
+  }
+  std::vector<TaskHandle> finished;
+  int64_t start = first->start_ns_, end;
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    for (size_t i = 0; i < all.size(); ++i) {
+      finish_locked(all[i], oks[i] ? TaskState::kDone : TaskState::kFailed, errors[i], &finished);
+      if (!oks[i]) counters_.queue[qi].tasks_failed++;
+    }
+    end = all.back()->end_ns_;
+    auto& c = counters_.queue[qi];
+    c.tasks_run += all.size();
+    c.batches++;
+    c.busy_ns += end - start;
+  }
+  if (timeline_) {
+    timeline_->slice(qi, "batch[" + std::to_string(all.size()) + "] " + first->name_ + " .. " + all.back()->name_,
+                     start, end, "batch");
+  }
+  run_callbacks(finished);
+}
+
 void Engine::worker_loop(QueueKind q) {
   const int qi = static_cast<int>(q);
+  std::vector<TaskHandle> batch;
   for (;;) {
     TaskHandle t;
     {
@@ -228,6 +269,23 @@ void Engine::worker_loop(QueueKind q) {
       t->state_ = TaskState::kRunning;
       t->start_ns_ = now_ns();
       counters_.queue[qi].wait_ns += t->start_ns_ - t->ready_ns_;
+      if (t->batch_key_ != 0 && !t->is_deferred_) {
+        batch.clear();
+        while (!queues_[qi].empty() && batch.size() + 1 < kMaxBatch &&
+               queues_[qi].front()->batch_key_ == t->batch_key_ && !queues_[qi].front()->is_deferred_) {
+          TaskHandle b = std::move(queues_[qi].front());
+          queues_[qi].pop_front();
+          b->state_ = TaskState::kRunning;
+          b->start_ns_ = t->start_ns_;
+          counters_.queue[qi].wait_ns += b->start_ns_ - b->ready_ns_;
+          batch.push_back(std::move(b));
+        }
+      }
+    }
+    if (!batch.empty()) {
+      run_batch(qi, t, batch);
+      batch.clear();
+      continue;
     }
     std::string error;
     bool ok = true;

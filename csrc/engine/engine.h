@@ -79,6 +79,7 @@ class TaskNode {
   uint64_t id_ = 0;
   std::string name_;
   QueueKind queue_ = QueueKind::kCompute;
+  uint64_t batch_key_ = 0;  // != 0: may run in one batch with queued tasks of the same key
   Work work_;
   DeferredWork deferred_work_;  // set instead of work_ for deferred tasks
   bool is_deferred_ = false;
@@ -105,6 +106,7 @@ using TaskHandle = std::shared_ptr<TaskNode>;
 struct QueueCounters {
   uint64_t tasks_run = 0;     // finished on this queue (ok or failed)
   uint64_t tasks_failed = 0;  // whose own work threw
+  uint64_t batches = 0;       // batch executions of more than one task
   int64_t wait_ns = 0;        // sum of (start - ready): time spent queued
   int64_t busy_ns = 0;        // sum of (end - start): time the thread worked
 };
@@ -135,8 +137,13 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Returns at once. Throws EngineShutdownError after shutdown().
+  // batch_key != 0: batch execution (paper §3.2, "batch compression"): when the queue
+  // thread takes this task, it also takes the tasks directly behind it in the queue
+  // that carry the same key (up to kMaxBatch) and runs them as one batch: one hand-off,
+  // one lock to finish them all, one timeline slice.
   TaskHandle submit(std::string name, QueueKind queue, Work work,
-                    const std::vector<TaskHandle>& deps = {});
+                    const std::vector<TaskHandle>& deps = {}, uint64_t batch_key = 0);
+  static constexpr size_t kMaxBatch = 64;
 
   // A deferred task: when ready, its work runs on the queue thread with its own handle
   // and must arrange for complete() to be called later (from any thread). Until then
@@ -167,6 +174,7 @@ class Engine {
 
  private:
   void worker_loop(QueueKind q);
+  void run_batch(int qi, const TaskHandle& first, std::vector<TaskHandle>& rest);
   TaskHandle submit_node(std::shared_ptr<TaskNode> t, const std::vector<TaskHandle>& deps);
   void enqueue_locked(const TaskHandle& t, int64_t now);
   // Marks t finished and releases or fails its dependents. Collects every

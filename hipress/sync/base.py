@@ -15,6 +15,7 @@ order). The global coordinator (later) replaces this chain with a planned order.
 """
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -161,6 +162,9 @@ class SyncContext:
     states: StateStore
     chain: CommChain = field(default_factory=CommChain)
     executor: object = None
+    # Compute tasks of partitions up to this many bytes run in batches (see compute()).
+    batch_compute_bytes: int = field(default_factory=lambda: int(os.environ.get("HIPRESS_BATCH_COMPUTE_BYTES",
+                                                                                 256 << 10)))
     _occurrence: Dict[str, int] = field(default_factory=dict)
 
     @property
@@ -171,8 +175,15 @@ class SyncContext:
     def size(self) -> int:
         return self.transport.size
 
-    def compute(self, name: str, fn: Callable[[], object], deps: Sequence[Handle] = ()) -> Handle:
-        return self.engine.submit(name, fn, queue="compute", deps=deps)
+    def compute(self, name: str, fn: Callable[[], object], deps: Sequence[Handle] = (), nbytes: int = -1) -> Handle:
+        """A compute task. Given the bytes it works on, small ones (<= batch_compute_bytes)
+        of the same primitive batch with those queued right behind them: batch
+        compression (paper §3.2), one hand-off and one completion pass for many small
+        gradients."""
+        batch = None
+        if 0 <= nbytes <= self.batch_compute_bytes:
+            batch = name.split(".", 1)[0]
+        return self.engine.submit(name, fn, queue="compute", deps=deps, batch=batch)
 
     def comm(self, name: str, fn: Callable[[], object], deps: Sequence[Handle] = ()) -> Handle:
         return self.chain.push(self.engine.submit(name, fn, queue="comm", deps=self.chain.deps(deps)))

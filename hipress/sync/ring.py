@@ -71,10 +71,10 @@ class RingStrategy(Strategy):
             def merge(s=s, cr=cr):
                 comp.decode_add(slot.pop(("in", s)), view(cr))
 
-            enc = ctx.compute(f"encode.{key}.rs{s}", encode, last_compute)
+            enc = ctx.compute(f"encode.{key}.rs{s}", encode, last_compute, nbytes=4 * x.numel() // n)
             sr = ctx.exchange(f"sendrecv.{key}.rs{s}", {nxt: lambda s=s: slot.pop(("out", s))},
                               {prv: lambda buf, s=s: slot.__setitem__(("in", s), buf)}, [enc], bulk=False)
-            last_compute = [ctx.compute(f"merge.{key}.rs{s}", merge, [sr])]
+            last_compute = [ctx.compute(f"merge.{key}.rs{s}", merge, [sr], nbytes=4 * x.numel() // n)]
 
         # All-gather of the encoded owned chunks.
         owned = (r + 1) % n
@@ -97,7 +97,7 @@ class RingStrategy(Strategy):
 
             prev = ctx.exchange(f"sendrecv.{key}.ag{t}", {nxt: lambda t=t: slot.pop(("fwd", t))}, {prv: received},
                                 [prev], bulk=False)
-            finals.append(ctx.compute(f"decode.{key}.ag{t}", decode, [prev]))
+            finals.append(ctx.compute(f"decode.{key}.ag{t}", decode, [prev], nbytes=4 * x.numel() // n))
 
         def finish():
             slot.clear()
