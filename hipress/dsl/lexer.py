@@ -10,6 +10,7 @@ KEYWORDS = {"param", "algorithm", "state", "void", "float", "int32", "uint1", "u
             "if", "else", "return"}
 SCALAR_TYPES = ("uint1", "uint2", "uint4", "uint8", "int32", "float")
 # Longest first.
+DIGITS = "0123456789"
 PUNCT = ["<<=", ">>=", "&&", "||", "==", "!=", "<=", ">=", "<<", ">>", "+=", "-=", "*=", "/=",
          "+", "-", "*", "/", "%", "<", ">", "=", "!", "~", "&", "|", "^", "?", ":", ";", ",", ".", "(", ")",
          "{", "}", "[", "]"]
@@ -82,7 +83,7 @@ def tokenize(src: str, file: str = "<spec>") -> List[Token]:
             col += j - i
             i = j
             continue
-        if ch.isdigit() or (ch == "." and i + 1 < n and src[i + 1].isdigit()):
+        if ch in DIGITS or (ch == "." and i + 1 < n and src[i + 1] in DIGITS):
             j = i
             is_float = False
             if src.startswith(("0x", "0X"), i):
@@ -94,21 +95,21 @@ def tokenize(src: str, file: str = "<spec>") -> List[Token]:
                 text = src[i:j]
                 value = int(text, 16)
             else:
-                while j < n and src[j].isdigit():
+                while j < n and src[j] in DIGITS:
                     j += 1
                 if j < n and src[j] == ".":
                     is_float = True
                     j += 1
-                    while j < n and src[j].isdigit():
+                    while j < n and src[j] in DIGITS:
                         j += 1
                 if j < n and src[j] in "eE":
                     k = j + 1
                     if k < n and src[k] in "+-":
                         k += 1
-                    if k < n and src[k].isdigit():
+                    if k < n and src[k] in DIGITS:
                         is_float = True
                         j = k
-                        while j < n and src[j].isdigit():
+                        while j < n and src[j] in DIGITS:
                             j += 1
                     else:
                         err("malformed exponent in number", line, col + (j - i))
