@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -41,6 +42,16 @@ class GeneratedLibrary:
         if t != self._threads:
             self.lib.hpc_set_num_threads(t)
             self._threads = t
+
+
+_tls = threading.local()
+
+
+def _errbuf():
+    b = getattr(_tls, "buf", None)
+    if b is None:
+        b = _tls.buf = ctypes.create_string_buffer(ERRLEN)
+    return b
 
 
 def _raise(code: int, buf) -> None:
@@ -106,6 +117,8 @@ class GeneratedCompressor(Compressor):
         rc = library.lib.hpc_check_params(ctypes.cast(self._p, ctypes.c_void_p), err, ERRLEN)
         if rc:
             raise ValueError(f"{spec.name}: {err.value.decode(errors='replace')}")
+        self._pv = ctypes.cast(self._p, ctypes.c_void_p)
+        self._mb = {}
         n = 1 << 20
         self.rate = float(spec.rate) if spec.rate else (self.max_encoded_bytes(n) - 48) / (4.0 * n)
 
@@ -114,12 +127,18 @@ class GeneratedCompressor(Compressor):
         return self.spec.algo_id
 
     def max_encoded_bytes(self, numel: int, shape=None) -> int:
+        numel = int(numel)
+        if numel in self._mb:
+            return self._mb[numel]
         res = ctypes.c_uint64()
         err = ctypes.create_string_buffer(ERRLEN)
         rc = self._lib.lib.hpc_max_encoded_bytes(ctypes.cast(self._p, ctypes.c_void_p), int(numel),
                                                   ctypes.byref(res), err, ERRLEN)
         if rc:
             _raise(rc, err)
+        if len(self._mb) > 4096:
+            self._mb.clear()
+        self._mb[numel] = int(res.value)
         return int(res.value)
 
     def new_state(self, numel: int, shape=None) -> CompressorState:
@@ -135,9 +154,9 @@ class GeneratedCompressor(Compressor):
                 raise ValueError(f"state was made for {state.numel} elements, the gradient has {n}")
         buf = out_buffer(out, self.max_encoded_bytes(n))
         nb = ctypes.c_uint64()
-        err = ctypes.create_string_buffer(ERRLEN)
+        err = _errbuf()
         self._lib.sync_threads()
-        rc = self._lib.lib.hpc_encode(ctypes.cast(self._p, ctypes.c_void_p), g.data_ptr(), n, buf.data_ptr(),
+        rc = self._lib.lib.hpc_encode(self._pv, g.data_ptr(), n, buf.data_ptr(),
                                       buf.numel(), state.scalars.data_ptr() if state is not None else None,
                                       ctypes.byref(nb), err, ERRLEN)
         if rc:
@@ -148,7 +167,7 @@ class GeneratedCompressor(Compressor):
         p = check_payload(payload)
         flat = out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
         target = out if flat else torch.empty(out.numel(), dtype=torch.float32)
-        err = ctypes.create_string_buffer(ERRLEN)
+        err = _errbuf()
         self._lib.sync_threads()
         rc = self._lib.lib.hpc_decode(p.data_ptr(), p.numel(), target.data_ptr(), target.numel(),
                                       float(alpha if flat else 1.0), int(add and flat), err, ERRLEN)
