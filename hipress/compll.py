@@ -10,7 +10,7 @@ Command line (``python -m hipress.compll`` / ``hipress-compll``)::
 
     hipress-compll check SPEC...          parse and type-check, report errors as file:line:col
     hipress-compll build SPEC...          also generate and compile (prints the library path)
-    hipress-compll show SPEC [--cuda]     print the generated C++ (or CUDA) source
+    hipress-compll show SPEC              print the generated C++ source
     hipress-compll list                   the specs shipped with hipress
 
 The generated library is cached by content hash in $HIPRESS_COMPLL_CACHE or
@@ -62,8 +62,8 @@ def check(spec: str, source: Optional[str] = None, name: Optional[str] = None):
 def generate(spec: str, source: Optional[str] = None, name: Optional[str] = None, cuda: bool = False) -> str:
     s = check(spec, source, name)
     if cuda:
-        from hipress.dsl.cuda import generate_cuda
-        return generate_cuda(s)
+        raise DSLError("the CUDA back end is not implemented yet (this build generates C++ for the CPU only)",
+                       s.file, 0, 0)
     from hipress.dsl.codegen import generate_cpp
     return generate_cpp(s)
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         p.add_argument("specs", nargs="+")
     p = sub.add_parser("show")
     p.add_argument("spec")
-    p.add_argument("--cuda", action="store_true", help="print the CUDA source text instead of the C++")
+    p.add_argument("--cuda", action="store_true", help="CUDA source text (not implemented yet)")
     sub.add_parser("list")
     a = ap.parse_args(argv)
     if a.cmd == "list":
