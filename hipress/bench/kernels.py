@@ -2,6 +2,12 @@
 
     python -m hipress.bench.kernels [--sizes 1,16,256] [--quick] [--threads 1,all]
                                     [--out results/kernels.json] [--reference-max-mb 16]
+    python -m hipress.bench.kernels --generated [--sizes 1,16] [--threads 1]
+
+--generated compares the kernels generated from the DSL specs in
+hipress/dsl/specs/ (hipress.compll) with the hand-written ones, same input,
+same thread count; "gen/hand" is the generated kernel's time over the
+hand-written one's (1.00 = as fast; goal <= 1.25).
 
 Throughput is GB/s of fp32 gradient (input bytes / time, best of a few runs).
 The same run measures the machine's single-thread memcpy bandwidth (numpy
@@ -135,6 +141,46 @@ def markdown(results: Dict) -> str:
     return "\n".join(lines)
 
 
+GENERATED = [("onebit", "onebit", {}), ("tbq", "tbq", {"threshold": 0.01}), ("terngrad-2bit", "terngrad", {"bitwidth": 2}),
+             ("terngrad-8bit", "terngrad", {"bitwidth": 8})]
+
+
+def bench_generated(sizes_mb, threads: List[int], repeat: int) -> Dict:
+    from hipress import compll
+    rows = []
+    for label, algo, params in GENERATED:
+        compll.load(algo, name="dsl_" + algo)
+        hand = C.get(algo, error_feedback=False, **params)
+        gen = C.get("dsl_" + algo, error_feedback=False, **params)
+        for mb in sizes_mb:
+            n = int(mb * MB) // 4
+            x = torch.from_numpy(np.random.default_rng(0).standard_normal(n).astype(np.float32) * 0.01)
+            for t in threads:
+                C.set_num_threads(t)
+                row = {"algorithm": label, "mb": mb, "threads": t}
+                for kind, c in (("hand", hand), ("gen", gen)):
+                    st = c.new_state(n)
+                    buf = torch.empty(c.max_encoded_bytes(n), dtype=torch.uint8)
+                    out = torch.empty(n)
+                    payload = c.encode(x, st, out=buf).clone()
+                    row[f"{kind}_enc_s"] = best_time(lambda: c.encode(x, st, out=buf), repeat)
+                    row[f"{kind}_dec_s"] = best_time(lambda: c.decode(payload, out), repeat)
+                rows.append(row)
+    C.set_num_threads(1)
+    return {"rows": rows}
+
+
+def markdown_generated(res: Dict) -> str:
+    lines = ["| algorithm | MB | threads | enc hand ms | enc gen ms | enc gen/hand | dec hand ms | dec gen ms | "
+             "dec gen/hand |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['algorithm']} | {r['mb']:g} | {r['threads']} | {1e3 * r['hand_enc_s']:.3f} | "
+                     f"{1e3 * r['gen_enc_s']:.3f} | {r['gen_enc_s'] / r['hand_enc_s']:.2f} | "
+                     f"{1e3 * r['hand_dec_s']:.3f} | {1e3 * r['gen_dec_s']:.3f} | "
+                     f"{r['gen_dec_s'] / r['hand_dec_s']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,16,256", help="gradient sizes in MB (comma separated)")
@@ -143,6 +189,8 @@ def main(argv=None):
     ap.add_argument("--out", default="results/kernels.json")
     ap.add_argument("--reference-max-mb", type=float, default=16, help="run the numpy reference up to this size")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--generated", action="store_true",
+                    help="compare the DSL-generated kernels (hipress/dsl/specs) with the hand-written ones")
     a = ap.parse_args(argv)
     sizes = [float(s) for s in a.sizes.split(",") if s]
     if a.quick:
@@ -151,6 +199,14 @@ def main(argv=None):
     threads = sorted({ncpu if t.strip() == "all" else int(t) for t in a.threads.split(",")})
     results = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": ncpu,
                            "torch": torch.__version__}, "threads": threads, "sizes": []}
+    if a.generated:
+        results["generated"] = bench_generated(sizes, threads, a.repeat)
+        if a.out:
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+            with open(a.out, "w") as f:
+                json.dump(results, f, indent=1)
+        print(markdown_generated(results["generated"]))
+        return results
     for s in sizes:
         results["sizes"].append(bench_size(int(s * MB), threads, int(a.reference_max_mb * MB), a.repeat))
     C.set_num_threads(1)

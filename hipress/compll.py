@@ -1,0 +1,148 @@
+"""CompLL code synthesis (HiPress §4.3): compile a DSL spec and plug it into hipress.
+
+    from hipress import compll
+    compll.load("my_algo.cll")                      # -> registered as "my_algo" (or the spec's algorithm name)
+    opt = hipress.DistributedOptimizer(opt, named_parameters=..., compression="my_algo")
+
+    compll.load("terngrad", name="dsl_terngrad")    # a spec shipped in hipress/dsl/specs/
+
+Command line (``python -m hipress.compll`` / ``hipress-compll``)::
+
+    hipress-compll check SPEC...          parse and type-check, report errors as file:line:col
+    hipress-compll build SPEC...          also generate and compile (prints the library path)
+    hipress-compll show SPEC              print the generated C++ source
+    hipress-compll list                   the specs shipped with hipress
+
+The generated library is cached by content hash in $HIPRESS_COMPLL_CACHE or
+~/.cache/hipress/compll; generated code is build output and is never written
+into the source tree.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from typing import Dict, Optional, Tuple
+
+from hipress.dsl import SPEC_DIR, DSLError
+
+_LOADED: Dict[str, object] = {}
+
+
+def resolve(spec: str) -> str:
+    """A spec path; a bare name (e.g. "terngrad") means hipress/dsl/specs/<name>.cll."""
+    if os.path.exists(spec):
+        return spec
+    shipped = os.path.join(SPEC_DIR, spec if spec.endswith(".cll") else spec + ".cll")
+    if os.path.exists(shipped):
+        return shipped
+    raise FileNotFoundError(f"no spec {spec!r} (not a file, not one of {', '.join(shipped_specs())})")
+
+
+def shipped_specs():
+    return sorted(f[:-4] for f in os.listdir(SPEC_DIR) if f.endswith(".cll"))
+
+
+def read(spec: str, source: Optional[str] = None) -> Tuple[str, str]:
+    if source is not None:
+        return source, spec
+    path = resolve(spec)
+    with open(path, encoding="utf-8") as f:
+        return f.read(), path
+
+
+def check(spec: str, source: Optional[str] = None, name: Optional[str] = None):
+    """Parse and type-check a spec (a path, a shipped name, or ``source`` text with ``spec`` as its file name)."""
+    from hipress.dsl import check as _check
+    src, path = read(spec, source)
+    return _check(src, path, name)
+
+
+def generate(spec: str, source: Optional[str] = None, name: Optional[str] = None, cuda: bool = False) -> str:
+    s = check(spec, source, name)
+    if cuda:
+        raise DSLError("the CUDA back end is not implemented yet (this build generates C++ for the CPU only)",
+                       s.file, 0, 0)
+    from hipress.dsl.codegen import generate_cpp
+    return generate_cpp(s)
+
+
+def build(spec: str, source: Optional[str] = None, name: Optional[str] = None):
+    """Check, generate and compile; returns (Spec, library path)."""
+    from hipress.dsl.build import compile_cpp
+    from hipress.dsl.codegen import generate_cpp
+    s = check(spec, source, name)
+    return s, compile_cpp(generate_cpp(s), s.name)
+
+
+def load(spec: str, name: Optional[str] = None, *, source: Optional[str] = None, register: bool = True,
+         overwrite: bool = False):
+    """Compile ``spec`` (cached) and return a factory ``factory(**params) -> Compressor``.
+
+    With ``register`` (default) the factory is registered with
+    ``hipress.compression.register`` under ``name`` (default: the spec's
+    ``algorithm`` name or its file name), so ``compression="<name>"`` works in
+    ``DistributedOptimizer``. Re-loading the same spec under the same name is a
+    no-op; registering over a different compressor needs ``overwrite=True``.
+    """
+    from hipress.compression import registry
+    from hipress.dsl.runtime import GeneratedCompressor, GeneratedLibrary
+    s, path = build(spec, source, name)
+    key = s.name.lower()
+    lib = GeneratedLibrary(path, s)
+    factory = functools.partial(GeneratedCompressor, lib)
+    factory.spec = s
+    factory.library = path
+    if register:
+        prev = _LOADED.get(key)
+        if key in registry._REGISTRY and not overwrite and (prev is None or prev.library != path):
+            if prev is None:
+                raise ValueError(f"compressor {s.name!r} is registered already (a built-in or another module): "
+                                 f"load it under another name (name=...) or pass overwrite=True")
+        registry.register(s.name, factory, error_feedback=s.error_feedback, overwrite=True)
+        _LOADED[key] = factory
+    return factory
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="hipress-compll", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for c in ("check", "build"):
+        p = sub.add_parser(c)
+        p.add_argument("specs", nargs="+")
+    p = sub.add_parser("show")
+    p.add_argument("spec")
+    p.add_argument("--cuda", action="store_true", help="CUDA source text (not implemented yet)")
+    sub.add_parser("list")
+    a = ap.parse_args(argv)
+    if a.cmd == "list":
+        for s in shipped_specs():
+            print(os.path.join(SPEC_DIR, s + ".cll"))
+        return 0
+    status = 0
+    try:
+        if a.cmd == "show":
+            sys.stdout.write(generate(a.spec, cuda=a.cuda))
+            return 0
+        for sp in a.specs:
+            try:
+                if a.cmd == "check":
+                    s = check(sp)
+                    print(f"{sp}: ok (algorithm {s.name}, id {s.algo_id}, parameters: "
+                          f"{', '.join(s.param_names) or 'none'})")
+                else:
+                    s, path = build(sp)
+                    print(f"{sp}: {path}")
+            except DSLError as e:
+                print(e, file=sys.stderr)
+                status = 1
+    except (DSLError, FileNotFoundError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

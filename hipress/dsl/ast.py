@@ -1,0 +1,142 @@
+"""AST of the CompLL DSL. Every node carries its source position (line, col)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+
+@dataclass
+class Node:
+    line: int
+    col: int
+
+
+@dataclass
+class TypeRef(Node):
+    base: str                      # uint1..uint8, int32, float, void, "uint" (dynamic width), or a param block name
+    width: Optional["Expr"] = None  # uint<width>
+    array: bool = False             # T* or T[]
+
+
+# ---- expressions ---------------------------------------------------------------
+@dataclass
+class Expr(Node):
+    pass
+
+
+@dataclass
+class Num(Expr):
+    value: object
+    is_float: bool
+
+
+@dataclass
+class Name(Expr):
+    id: str
+
+
+@dataclass
+class Member(Expr):
+    obj: Expr
+    attr: str
+
+
+@dataclass
+class Unary(Expr):
+    op: str
+    operand: Expr
+
+
+@dataclass
+class Binary(Expr):
+    op: str
+    left: Expr
+    right: Expr
+
+
+@dataclass
+class Cond(Expr):
+    cond: Expr
+    then: Expr
+    other: Expr
+
+
+@dataclass
+class Call(Expr):
+    func: str
+    args: List[Expr]
+    type_args: List[TypeRef] = field(default_factory=list)
+
+
+# ---- statements ----------------------------------------------------------------
+@dataclass
+class Stmt(Node):
+    pass
+
+
+@dataclass
+class Decl(Stmt):
+    type: TypeRef
+    names: List[Tuple[str, Optional[Expr], int, int]]  # (name, init, line, col)
+    state: bool = False
+
+
+@dataclass
+class Assign(Stmt):
+    target: Expr
+    op: str  # "=", "+=", ...
+    value: Expr
+
+
+@dataclass
+class If(Stmt):
+    cond: Expr
+    then: List[Stmt]
+    other: List[Stmt]
+
+
+@dataclass
+class Return(Stmt):
+    value: Optional[Expr]
+
+
+@dataclass
+class ExprStmt(Stmt):
+    expr: Expr
+
+
+# ---- top level -----------------------------------------------------------------
+@dataclass
+class ParamField(Node):
+    type: TypeRef
+    name: str
+    default: Optional[Expr]
+
+
+@dataclass
+class ParamBlock(Node):
+    name: str
+    fields: List[ParamField]
+
+
+@dataclass
+class AlgoDecl(Node):
+    name: str
+    options: List[Tuple[str, Expr, int, int]]
+
+
+@dataclass
+class Func(Node):
+    ret: TypeRef
+    name: str
+    params: List[Tuple[TypeRef, str, int, int]]
+    body: List[Stmt]
+
+
+@dataclass
+class Program(Node):
+    file: str
+    algorithm: Optional[AlgoDecl]
+    params: List[ParamBlock]
+    globals: List[Decl]
+    funcs: List[Func]

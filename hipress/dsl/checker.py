@@ -1,0 +1,862 @@
+"""Type checker of the CompLL DSL.
+
+Annotates the AST in place (``expr.ty``, ``expr.sym``, ``call.kind``) and returns a
+``Spec`` that the code generator consumes. Every error is a DSLError with the
+position of the offending node.
+
+Types are strings for scalars ("float", "int32", "uint1".."uint8", "uintN": a
+dynamic width from a parameter) and ``Arr`` for arrays.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from hipress.dsl import ast as A
+from hipress.dsl.errors import DSLError
+
+UINTS = {"uint1": 1, "uint2": 2, "uint4": 4, "uint8": 8}
+INTS = set(UINTS) | {"int32", "uintN"}
+SCALARS = INTS | {"float"}
+CATEGORIES = ("quantization", "sparsification", "lowrank")
+MATH1 = {"floor": "float", "ceil": "float", "round": "float", "sqrt": "float", "exp": "float", "log": "float",
+         "abs": None, "signbit": "int32", "isnan": "int32"}
+MATH2 = {"min": None, "max": None, "pow": "float"}
+REDUCERS = ("smaller", "greater", "sum", "mean", "maxabs", "count")
+COMPARATORS = ("greaterAbs", "greater", "smaller")
+OPERATORS = ("map", "reduce", "filter", "sort", "random", "concat", "extract", "scatter", "decomp", "matmul")
+MAX_HEADER_WORDS = 4
+
+
+@dataclass
+class Arr:
+    elem: str                      # scalar type of the elements
+    length: str = "n"              # "n": as many as the gradient; "var": data dependent (filter/sort)
+    sparse: bool = False           # has .index (filter/sort results)
+    width: Optional[A.Expr] = None  # for elem == "uintN"
+
+    def __str__(self):
+        return f"{self.elem}*"
+
+
+def is_arr(t) -> bool:
+    return isinstance(t, Arr)
+
+
+def is_num(t) -> bool:
+    return isinstance(t, str) and t in SCALARS
+
+
+def bits_of(t) -> Optional[int]:
+    """Packed width of an array element type (None: not a packed type)."""
+    if t in UINTS:
+        return UINTS[t]
+    return None
+
+
+def tname(t) -> str:
+    return str(t) if t is not None else "void"
+
+
+@dataclass
+class Sym:
+    name: str
+    kind: str  # "global", "local", "field", "arg", "params", "udf", "input", "output"
+    ty: object
+    line: int = 0
+    col: int = 0
+    width: Optional[A.Expr] = None  # for uintN
+    state: bool = False
+
+
+@dataclass
+class Udf:
+    func: A.Func
+    ret: object
+    args: List[Tuple[str, object]]
+    randoms: int = 0                # random draws per call (static call sites, inlined)
+    calls: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Spec:
+    name: str
+    file: str
+    source: str
+    algo_id: int
+    category: str
+    error_feedback: bool
+    rate: Optional[float]
+    params: List[A.ParamField]       # in ABI order (implicit seed last)
+    implicit_seed: bool
+    globals: Dict[str, Sym]
+    udfs: Dict[str, Udf]
+    encode: A.Func
+    decode: Optional[A.Func]
+    concat: A.Call                   # the encode's concat
+    layout: List[Tuple[str, object]]  # (kind "word"|"array", type) per concat argument
+    uses_random: bool
+    program: A.Program
+
+    @property
+    def param_names(self) -> List[str]:
+        return [p.name for p in self.params]
+
+
+def default_id(name: str) -> int:
+    return 64 + int(hashlib.sha256(name.encode()).hexdigest(), 16) % 192
+
+
+class Checker:
+    def __init__(self, prog: A.Program, source: str, name: Optional[str]):
+        self.p = prog
+        self.file = prog.file
+        self.source = source
+        self.name = name
+        self.globals: Dict[str, Sym] = {}
+        self.fields: Dict[str, A.ParamField] = {}
+        self.blocks: Dict[str, A.ParamBlock] = {}
+        self.funcs: Dict[str, A.Func] = {}
+        self.udfs: Dict[str, Udf] = {}
+        self.uses_random = False
+
+    def err(self, node, msg):
+        raise DSLError(msg, self.file, getattr(node, "line", 0), getattr(node, "col", 0))
+
+    # ---- types -------------------------------------------------------------------
+    def resolve(self, t: A.TypeRef, where: str):
+        if t.base == "void":
+            if t.array:
+                self.err(t, "'void*' is not a DSL type")
+            return None
+        if t.base == "uint":
+            self.check_width(t.width)
+            return Arr("uintN", width=t.width) if t.array else "uintN"
+        if t.base in SCALARS:
+            return Arr(t.base) if t.array else t.base
+        if t.base in self.blocks:
+            if t.array:
+                self.err(t, "a param block cannot be an array")
+            return ("params", t.base)
+        self.err(t, f"unknown type '{t.base}' in {where}")
+
+    def check_width(self, w: A.Expr):
+        """A dynamic bit width: an expression of parameters and integer constants."""
+        def walk(e):
+            if isinstance(e, A.Num):
+                if e.is_float:
+                    self.err(e, "a bit width must be an integer")
+                return
+            if isinstance(e, A.Name):
+                if e.id not in self.fields:
+                    self.err(e, f"'{e.id}' in a bit width is not a parameter (widths depend on parameters only)")
+                if self.fields[e.id].type.base == "float":
+                    self.err(e, f"parameter '{e.id}' is a float; a bit width must be an integer")
+                return
+            if isinstance(e, A.Member) and isinstance(e.obj, A.Name):
+                if e.attr not in self.fields:
+                    self.err(e, f"'{e.attr}' is not a parameter")
+                if self.fields[e.attr].type.base == "float":
+                    self.err(e, f"parameter '{e.attr}' is a float; a bit width must be an integer")
+                return
+            if isinstance(e, A.Binary) and e.op in ("+", "-", "*", "<<", ">>"):
+                walk(e.left)
+                walk(e.right)
+                return
+            self.err(e, "a bit width may only use parameters, integer constants and + - * << >>")
+        walk(w)
+
+    # ---- program -----------------------------------------------------------------
+    def run(self) -> Spec:
+        p = self.p
+        for b in p.params:
+            if b.name in self.blocks:
+                self.err(b, f"param block '{b.name}' declared twice")
+            self.blocks[b.name] = b
+        for b in p.params:
+            for f in b.fields:
+                if f.name in self.fields:
+                    self.err(f, f"parameter '{f.name}' declared twice")
+                if f.type.array or f.type.base not in SCALARS:
+                    self.err(f.type, f"parameter '{f.name}' must have a scalar type "
+                                     f"(uint1, uint2, uint4, uint8, int32 or float)")
+                self.fields[f.name] = f
+        for b in p.params:
+            for f in b.fields:
+                if f.default is not None:
+                    if not isinstance(f.default, A.Num) and not (isinstance(f.default, A.Unary) and
+                                                                 f.default.op == "-" and
+                                                                 isinstance(f.default.operand, A.Num)):
+                        self.err(f.default, "a parameter default must be a number")
+                    v = const_value(f.default)
+                    if f.type.base != "float" and float(v) != int(v):
+                        self.err(f.default, f"parameter '{f.name}' is an integer; its default {v} is not")
+                    if f.type.base in UINTS and not 0 <= v < (1 << UINTS[f.type.base]):
+                        self.err(f.default, f"default {v} does not fit {f.type.base}")
+        for d in p.globals:
+            ty = self.resolve(d.type, "a global declaration")
+            if ty is None or isinstance(ty, tuple) or is_arr(ty):
+                self.err(d.type, "globals must be scalars (uint1..uint8, int32, float)")
+            if d.state:
+                self.err(d, "'state' globals are not supported yet: per-tensor state is not available to DSL "
+                            "algorithms in this version")
+            for name, init, line, col in d.names:
+                self.declare_global(name, ty, line, col, d.type.width)
+                if init is not None:
+                    if not isinstance(init, (A.Num, A.Unary)):
+                        self.err(init, "a global's initial value must be a constant")
+                    const_value(init)
+                    self.expr(init, {}, "const")
+        for f in p.funcs:
+            if f.name in self.funcs or f.name in self.globals or f.name in self.fields:
+                self.err(f, f"'{f.name}' is defined twice")
+            if f.name in OPERATORS or f.name in MATH1 or f.name in MATH2 or f.name in REDUCERS or \
+                    f.name in COMPARATORS:
+                self.err(f, f"'{f.name}' is a built-in name and cannot be redefined")
+            self.funcs[f.name] = f
+        if "encode" not in self.funcs:
+            self.err(p, "a spec needs an 'encode' function: void encode(float* gradient, uint8* compressed, "
+                        "Params params)")
+        # UDF signatures first (they may call each other), then bodies.
+        for f in p.funcs:
+            if f.name in ("encode", "decode"):
+                continue
+            ret = self.resolve(f.ret, f"the return type of '{f.name}'")
+            if is_arr(ret) or isinstance(ret, tuple):
+                self.err(f.ret, f"user-defined function '{f.name}' must return a scalar (it is applied per element)")
+            args = []
+            for ty, name, line, col in f.params:
+                at = self.resolve(ty, f"parameter '{name}' of '{f.name}'")
+                if at is None or is_arr(at) or isinstance(at, tuple):
+                    self.err(ty, f"parameters of user-defined functions are scalars; '{name}' is not")
+                args.append((name, at))
+            self.udfs[f.name] = Udf(f, ret, args)
+        for name, u in self.udfs.items():
+            scope = {}
+            for (an, at), (ty, _, line, col) in zip(u.args, u.func.params):
+                if an in scope:
+                    self.err(ty, f"parameter '{an}' declared twice")
+                scope[an] = Sym(an, "arg", at, line, col, ty.width)
+            self.cur_udf = u
+            self.block(u.func.body, scope, "udf", u.ret)
+            if u.ret is not None and not returns(u.func.body):
+                self.err(u.func, f"'{name}' must end with a return statement on every path")
+        self.check_recursion()
+        for u in self.udfs.values():
+            u.randoms = self.count_randoms(u.func.name, set())
+        enc = self.funcs["encode"]
+        self.encode_params = self.entry(enc, "encode", [("float", True), ("uint8", True)])
+        dec = self.funcs.get("decode")
+        self.concat = None
+        scope = dict(self.encode_params)
+        self.block(enc.body, scope, "encode", None)
+        if self.concat is None:
+            self.err(enc, "encode must assign the payload: compressed = concat(...);")
+        if dec is not None:
+            dscope = self.entry(dec, "decode", [("uint8", True), ("float", True)])
+            self.extracted = False
+            self.decoded = False
+            self.block(dec.body, dscope, "decode", None)
+            if not self.extracted:
+                self.err(dec, "decode must read the payload: extract(compressed, ...);")
+            if not self.decoded:
+                self.err(dec, "decode must write the gradient: gradient = map(...) or gradient = scatter(...);")
+        return self.spec(enc, dec)
+
+    def spec(self, enc, dec) -> Spec:
+        opts = {}
+        name = self.name
+        if self.p.algorithm:
+            name = name or self.p.algorithm.name
+            for k, v, line, col in self.p.algorithm.options:
+                if k in opts:
+                    raise DSLError(f"option '{k}' given twice", self.file, line, col)
+                if k == "category":
+                    if not isinstance(v, A.Name) or v.id not in CATEGORIES:
+                        self.err(v, f"category must be one of {', '.join(CATEGORIES)}")
+                    opts[k] = v.id
+                elif k in ("id", "error_feedback", "rate"):
+                    val = const_value(v, self.file)
+                    if k == "id" and (val != int(val) or not 1 <= val <= 255):
+                        self.err(v, "id must be an integer in [1, 255] (ids below 64 are the built-ins')")
+                    if k == "error_feedback" and val not in (0, 1):
+                        self.err(v, "error_feedback must be 0 or 1")
+                    if k == "rate" and not 0 < val <= 64:
+                        self.err(v, "rate must be in (0, 64]")
+                    opts[k] = val
+                else:
+                    raise DSLError(f"unknown algorithm option '{k}' (id, category, error_feedback, rate)",
+                                   self.file, line, col)
+        if not name:
+            name = os.path.splitext(os.path.basename(self.file))[0] if self.file not in ("", "<spec>") else "spec"
+        params = [f for b in self.p.params for f in b.fields]
+        implicit_seed = self.uses_random and "seed" not in self.fields
+        if implicit_seed:
+            params.append(A.ParamField(0, 0, A.TypeRef(0, 0, "float"), "seed", A.Num(0, 0, 0, False)))
+        layout = [(("array" if is_arr(a.ty) else "word"), a.ty) for a in self.concat.args]
+        return Spec(name=name, file=self.file, source=self.source, algo_id=int(opts.get("id", default_id(name))),
+                    category=opts.get("category", "quantization"), error_feedback=bool(opts.get("error_feedback", 0)),
+                    rate=opts.get("rate"), params=params, implicit_seed=implicit_seed, globals=self.globals,
+                    udfs=self.udfs, encode=enc, decode=dec, concat=self.concat, layout=layout,
+                    uses_random=self.uses_random, program=self.p)
+
+    def declare_global(self, name, ty, line, col, width=None):
+        if name in self.globals or name in self.fields and False:
+            raise DSLError(f"global '{name}' declared twice", self.file, line, col)
+        self.globals[name] = Sym(name, "global", ty, line, col, width)
+
+    def entry(self, f: A.Func, which: str, want):
+        if f.ret.base != "void" or f.ret.array:
+            self.err(f.ret, f"{which} returns void (its result is the '{'compressed' if which == 'encode' else 'gradient'}'"
+                            " argument)")
+        sig = ("void encode(float* gradient, uint8* compressed, Params params)" if which == "encode" else
+               "void decode(uint8* compressed, float* gradient)")
+        if len(f.params) not in (2, 3):
+            self.err(f, f"{which} takes 2 or 3 arguments: {sig}")
+        scope = {}
+        for k, (ty, name, line, col) in enumerate(f.params):
+            if name in scope:
+                raise DSLError(f"argument '{name}' declared twice", self.file, line, col)
+            if k < 2:
+                base, arr = want[k]
+                if ty.base != base or not ty.array:
+                    self.err(ty, f"argument {k + 1} of {which} must be {base}*: {sig}")
+                role = ("input" if k == 0 else "output")
+                scope[name] = Sym(name, role, Arr(base), line, col)
+            else:
+                if ty.base not in self.blocks or ty.array:
+                    self.err(ty, f"argument 3 of {which} must be a param block (declared with 'param')")
+                scope[name] = Sym(name, "params", ("params", ty.base), line, col)
+        return scope
+
+    def check_recursion(self):
+        def visit(name, stack):
+            if name in stack:
+                f = self.udfs[name].func
+                self.err(f, f"'{name}' is recursive ({' -> '.join(stack + [name])}); the DSL has no recursion")
+            for c in self.udfs[name].calls:
+                visit(c, stack + [name])
+        for n in self.udfs:
+            visit(n, [])
+
+    def count_randoms(self, name, seen):
+        u = self.udfs[name]
+        n = getattr(u, "_direct_randoms", 0)
+        for c in u.calls:
+            n += self.count_randoms(c, seen)
+        return n
+
+    # ---- statements --------------------------------------------------------------
+    def block(self, stmts, scope, ctx, ret):
+        scope = dict(scope)
+        for s in stmts:
+            self.stmt(s, scope, ctx, ret)
+
+    def lookup(self, node, name, scope):
+        if name in scope:
+            return scope[name]
+        if name in self.globals:
+            return self.globals[name]
+        if name in self.udfs or name in REDUCERS or name in COMPARATORS:
+            return Sym(name, "udf", "function")
+        if name in self.fields:
+            self.err(node, f"'{name}' is a parameter: write params.{name} (via encode's param argument) or copy it "
+                           f"into a global in encode")
+        self.err(node, f"'{name}' is not declared")
+
+    def stmt(self, s, scope, ctx, ret):
+        if isinstance(s, A.Decl):
+            if s.state:
+                self.err(s, "'state' is only allowed for globals")
+            ty = self.resolve(s.type, "a declaration")
+            if ty is None or isinstance(ty, tuple):
+                self.err(s.type, "variables must have a scalar or array type")
+            if is_arr(ty) and ctx == "udf":
+                self.err(s.type, "arrays cannot be declared inside a user-defined function (it runs per element)")
+            for name, init, line, col in s.names:
+                if name in scope and scope[name].kind in ("local", "arg", "input", "output", "params"):
+                    raise DSLError(f"'{name}' is declared twice", self.file, line, col)
+                if name in self.udfs:
+                    raise DSLError(f"'{name}' is a function name", self.file, line, col)
+                sym = Sym(name, "local", ty, line, col, s.type.width)
+                if init is not None:
+                    self.assign_value(sym, init, scope, ctx, s)
+                elif is_arr(ty) and ctx != "decode":
+                    raise DSLError(f"array '{name}' must be initialised by an operator (map, filter, sort, ...)",
+                                   self.file, line, col)
+                scope[name] = sym
+            s.syms = [scope[n] for n, _, _, _ in s.names]
+            return
+        if isinstance(s, A.Assign):
+            if not isinstance(s.target, A.Name):
+                self.err(s.target, "only variables can be assigned")
+            sym = self.lookup(s.target, s.target.id, scope)
+            s.target.sym = sym
+            s.target.ty = sym.ty
+            if sym.kind == "output" and ctx == "encode":
+                if s.op != "=" or not (isinstance(s.value, A.Call) and s.value.func == "concat"):
+                    self.err(s, f"the payload '{sym.name}' is assigned with '{sym.name} = concat(...);'")
+                if self.concat is not None:
+                    self.err(s, "the payload is assigned twice (one concat per encode)")
+                if self.depth_if:
+                    self.err(s, "concat must not be inside an if")
+                self.concat_stmt(s.value, scope)
+                return
+            if sym.kind == "output" and ctx == "decode":
+                if s.op != "=" or not (isinstance(s.value, A.Call) and s.value.func in ("map", "scatter")):
+                    self.err(s, f"the gradient '{sym.name}' is written with '{sym.name} = map(...)' or "
+                                f"'{sym.name} = scatter(...)'")
+                if self.decoded:
+                    self.err(s, "the gradient is written twice")
+                if self.depth_if:
+                    self.err(s, "the gradient must not be written inside an if")
+                self.decoded = True
+                vt = self.expr(s.value, scope, ctx)
+                if not is_arr(vt) or vt.elem != "float" or vt.length != "n":
+                    self.err(s.value, f"the decoded gradient must be a float array of the gradient's size, got {vt}")
+                return
+            if sym.kind in ("input", "params", "udf", "field"):
+                self.err(s.target, f"'{sym.name}' is read-only")
+            if sym.kind == "global" and ctx == "udf":
+                self.err(s.target, f"user-defined functions cannot write the global '{sym.name}' (they run in "
+                                   f"parallel over elements); write it in encode or decode")
+            if s.op != "=" and (is_arr(sym.ty)):
+                self.err(s, f"'{s.op}' does not apply to arrays")
+            if s.op != "=":
+                v = A.Binary(s.line, s.col, s.op[0], A.Name(s.target.line, s.target.col, s.target.id), s.value)
+                s.value = v
+                s.op = "="
+            self.assign_value(sym, s.value, scope, ctx, s)
+            return
+        if isinstance(s, A.If):
+            ct = self.expr(s.cond, scope, ctx)
+            if not is_num(ct):
+                self.err(s.cond, f"an if condition must be a number, got {tname(ct)}")
+            self.depth_if += 1
+            self.block(s.then, scope, ctx, ret)
+            self.block(s.other, scope, ctx, ret)
+            self.depth_if -= 1
+            return
+        if isinstance(s, A.Return):
+            if ctx != "udf":
+                self.err(s, f"return is not allowed in {ctx} (it ends by writing its output argument)")
+            if ret is None:
+                if s.value is not None:
+                    self.err(s, "a void function returns no value")
+                return
+            if s.value is None:
+                self.err(s, "missing return value")
+            vt = self.expr(s.value, scope, ctx)
+            if not is_num(vt):
+                self.err(s.value, f"cannot return {tname(vt)} from a function returning {ret}")
+            return
+        if isinstance(s, A.ExprStmt):
+            e = s.expr
+            if isinstance(e, A.Call) and e.func == "extract":
+                if ctx != "decode":
+                    self.err(e, "extract is used in decode")
+                if self.extracted:
+                    self.err(e, "extract is called twice")
+                if self.depth_if:
+                    self.err(e, "extract must not be inside an if")
+                self.extract_stmt(e, scope)
+                return
+            self.err(s, "an expression statement has no effect (assign its value or call extract)")
+        self.err(s, "unsupported statement")
+
+    depth_if = 0
+
+    def assign_value(self, sym, value, scope, ctx, node):
+        vt = self.expr(value, scope, ctx)
+        if is_arr(sym.ty):
+            if not is_arr(vt):
+                self.err(value, f"cannot assign {tname(vt)} to the array '{sym.name}' ({sym.ty})")
+            if vt.elem != sym.ty.elem and not (vt.elem == "uintN" or sym.ty.elem == "uintN"):
+                self.err(value, f"cannot assign a {vt} array to '{sym.name}' ({sym.ty}): element types differ")
+            if sym.ty.elem == "uintN" and vt.elem in UINTS or sym.ty.elem in UINTS and vt.elem == "uintN":
+                self.err(value, f"cannot mix the dynamic width uint<...> and a fixed width ({vt} vs {sym.ty})")
+            if sym.kind == "local" and not hasattr(sym, "_assigned"):
+                sym._assigned = True
+                sym.ty = Arr(sym.ty.elem, vt.length, vt.sparse, sym.ty.width or vt.width)
+            elif sym.ty.length != vt.length:
+                self.err(value, f"'{sym.name}' holds an array of {'the gradient size' if sym.ty.length == 'n' else 'a data dependent size'}; this one differs")
+            return
+        if is_arr(vt) or vt == "function" or vt is None or isinstance(vt, tuple):
+            self.err(value, f"cannot assign {tname(vt) if vt != 'function' else 'a function'} to '{sym.name}' "
+                            f"({tname(sym.ty)})")
+
+    # ---- concat / extract ----------------------------------------------------------
+    def concat_stmt(self, call: A.Call, scope):
+        if call.type_args:
+            self.err(call, "concat takes no type argument")
+        if not call.args:
+            self.err(call, "concat needs at least one value")
+        words = 0
+        var_src = None
+        for a in call.args:
+            t = self.expr(a, scope, "encode")
+            if is_arr(t):
+                if t.elem == "uintN" or bits_of(t.elem):
+                    pass
+                elif t.elem not in ("float", "int32"):
+                    self.err(a, f"cannot concat an array of {t.elem}")
+                continue
+            if not is_num(t):
+                self.err(a, f"cannot concat {tname(t)}")
+            words += 1
+            if words > MAX_HEADER_WORDS:
+                self.err(a, f"concat stores at most {MAX_HEADER_WORDS} scalars (the header's words); "
+                            f"this is scalar number {words}")
+        packed = [a for a in call.args if is_arr(a.ty) and (a.ty.elem == "uintN" or bits_of(a.ty.elem))]
+        widths = {(a.ty.elem if a.ty.elem != "uintN" else "dyn") for a in packed}
+        if len(widths) > 1:
+            self.err(packed[-1], "all packed (uint1..uint8) arrays of a payload must have the same width "
+                                 "(the header has one 'bits' field)")
+        self.concat = call
+
+    def extract_stmt(self, call: A.Call, scope):
+        if len(call.args) < 2:
+            self.err(call, "extract(compressed, v1, v2, ...) names the values of encode's concat, in order")
+        first = call.args[0]
+        if not isinstance(first, A.Name) or self.lookup(first, first.id, scope).kind != "input":
+            self.err(first, "the first argument of extract is decode's payload argument")
+        first.sym = scope[first.id]
+        first.ty = first.sym.ty
+        layout = [a.ty for a in self.concat.args]
+        rest = call.args[1:]
+        if len(rest) != len(layout):
+            self.err(call, f"extract names {len(rest)} values, encode's concat has {len(layout)}")
+        for a, et in zip(rest, layout):
+            if not isinstance(a, A.Name):
+                self.err(a, "extract's arguments after the payload are variable names")
+            if a.id in scope or a.id in self.globals:
+                sym = scope.get(a.id) or self.globals[a.id]
+                if sym.kind not in ("local", "global"):
+                    self.err(a, f"'{a.id}' cannot receive an extracted value")
+                st = sym.ty
+                ok = (is_arr(st) and is_arr(et) and (st.elem == et.elem or {st.elem, et.elem} <= {"uintN"})) or \
+                     (is_num(st) and is_num(et) and st == et)
+                if not ok:
+                    self.err(a, f"'{a.id}' is {tname(st)} but encode's concat has {tname(et)} at this position")
+                if is_arr(st):
+                    sym.ty = Arr(et.elem, et.length, False, et.width)
+            else:  # declared by extract with the concat's type
+                sym = Sym(a.id, "local", Arr(et.elem, et.length, False, et.width) if is_arr(et) else et,
+                          a.line, a.col)
+                sym.by_extract = True
+                scope[a.id] = sym
+            a.sym = sym
+            a.ty = sym.ty
+        self.extracted = True
+        call.ty = None
+
+    # ---- expressions ---------------------------------------------------------------
+    def expr(self, e, scope, ctx):
+        t = self._expr(e, scope, ctx)
+        e.ty = t
+        return t
+
+    def _expr(self, e, scope, ctx):
+        if isinstance(e, A.Num):
+            return "float" if e.is_float else "int32"
+        if isinstance(e, A.Name):
+            if ctx == "const":
+                self.err(e, "a constant is expected here")
+            sym = self.lookup(e, e.id, scope)
+            e.sym = sym
+            if ctx == "udf" and sym.kind == "params":
+                self.err(e, "parameters are not visible in user-defined functions; copy them into globals")
+            if sym.kind == "params":
+                self.err(e, f"'{e.id}' is a param block: use {e.id}.<name>")
+            if sym.kind == "output":
+                self.err(e, f"'{e.id}' is the output; it can only be assigned")
+            return sym.ty
+        if isinstance(e, A.Member):
+            if isinstance(e.obj, A.Name):
+                sym = self.lookup(e.obj, e.obj.id, scope)
+                e.obj.sym = sym
+                if sym.kind == "params":
+                    if ctx == "decode":
+                        self.err(e, "decode cannot read parameters: it must decode any payload from the header "
+                                    "alone (put what it needs into concat)")
+                    if e.attr not in self.fields:
+                        self.err(e, f"'{e.attr}' is not a parameter (parameters: {', '.join(self.fields) or 'none'})")
+                    e.obj.ty = sym.ty
+                    e.field = self.fields[e.attr]
+                    base = self.fields[e.attr].type.base
+                    return base
+            ot = self.expr(e.obj, scope, ctx)
+            if is_arr(ot):
+                if e.attr == "size":
+                    return "int32"
+                if e.attr == "index":
+                    if not ot.sparse:
+                        self.err(e, "only arrays made by filter or sort have an .index")
+                    return Arr("int32", ot.length)
+                if e.attr == "bits":
+                    if not (ot.elem == "uintN" or bits_of(ot.elem)):
+                        self.err(e, ".bits is the width of a packed uint array")
+                    return "int32"
+                self.err(e, f"arrays have .size{', .index' if ot.sparse else ''}; not .{e.attr}")
+            self.err(e, f"{tname(ot)} has no member '{e.attr}'")
+        if isinstance(e, A.Unary):
+            t = self.expr(e.operand, scope, ctx)
+            if not is_num(t):
+                self.err(e, f"operator '{e.op}' needs a number, got {tname(t)}")
+            if e.op == "~" and t == "float":
+                self.err(e, "operator '~' needs an integer")
+            if e.op == "!":
+                return "int32"
+            return "float" if t == "float" else "int32"
+        if isinstance(e, A.Binary):
+            a = self.expr(e.left, scope, ctx)
+            b = self.expr(e.right, scope, ctx)
+            for side, t in ((e.left, a), (e.right, b)):
+                if not is_num(t):
+                    self.err(side, f"operator '{e.op}' needs numbers, got {tname(t) if t != 'function' else 'a function'}")
+            if e.op in ("%", "<<", ">>", "&", "|", "^"):
+                if a == "float" or b == "float":
+                    self.err(e, f"operator '{e.op}' needs integers, got {a} and {b}")
+                return "int32"
+            if e.op in ("==", "!=", "<", "<=", ">", ">=", "&&", "||"):
+                return "int32"
+            return "float" if "float" in (a, b) else "int32"
+        if isinstance(e, A.Cond):
+            c = self.expr(e.cond, scope, ctx)
+            a = self.expr(e.then, scope, ctx)
+            b = self.expr(e.other, scope, ctx)
+            for side, t in ((e.cond, c), (e.then, a), (e.other, b)):
+                if not is_num(t):
+                    self.err(side, f"'?:' needs numbers, got {tname(t) if t != 'function' else 'a function'}")
+            return "float" if "float" in (a, b) else "int32"
+        if isinstance(e, A.Call):
+            return self.call(e, scope, ctx)
+        self.err(e, "unsupported expression")
+
+    def udf_arg(self, e, scope, nargs, what):
+        if not isinstance(e, A.Name) or e.id not in self.udfs:
+            self.err(e, f"{what} takes a user-defined function here (a name defined in the spec)")
+        u = self.udfs[e.id]
+        if len(u.args) not in nargs:
+            self.err(e, f"'{e.id}' takes {len(u.args)} argument(s); {what} calls it with "
+                        f"{' or '.join(str(n) for n in nargs)}")
+        e.ty = "function"
+        e.sym = Sym(e.id, "udf", "function")
+        return u
+
+    def call(self, e: A.Call, scope, ctx):
+        f = e.func
+        nargs = len(e.args)
+        if ctx == "const":
+            self.err(e, "a constant is expected here")
+        if f in SCALARS:  # cast
+            e.kind = "cast"
+            if nargs != 1:
+                self.err(e, f"the cast {f}(x) takes one value")
+            t = self.expr(e.args[0], scope, ctx)
+            if not is_num(t):
+                self.err(e.args[0], f"cannot convert {tname(t)} to {f}")
+            return f if f in ("float", "int32") else f
+        if f in MATH1:
+            e.kind = "math"
+            if nargs != 1:
+                self.err(e, f"{f}(x) takes one value")
+            t = self.expr(e.args[0], scope, ctx)
+            if not is_num(t):
+                self.err(e.args[0], f"{f} needs a number, got {tname(t)}")
+            return MATH1[f] or ("float" if t == "float" else "int32")
+        if f in MATH2:
+            e.kind = "math"
+            if nargs != 2:
+                self.err(e, f"{f}(a, b) takes two values")
+            ts = [self.expr(a, scope, ctx) for a in e.args]
+            for a, t in zip(e.args, ts):
+                if not is_num(t):
+                    self.err(a, f"{f} needs numbers, got {tname(t)}")
+            return MATH2[f] or ("float" if "float" in ts else "int32")
+        if f == "random":
+            e.kind = "random"
+            if len(e.type_args) != 1 or e.type_args[0].base not in ("float", "int32") or e.type_args[0].array:
+                self.err(e, "random needs its type: random<float>(a, b) or random<int32>(a, b)")
+            if nargs != 2:
+                self.err(e, "random<T>(a, b) takes the bounds a and b (result in [a, b))")
+            for a in e.args:
+                if not is_num(self.expr(a, scope, ctx)):
+                    self.err(a, "random's bounds are numbers")
+            if ctx not in ("udf", "encode"):
+                self.err(e, "random is available in encode and in user-defined functions, not in decode")
+            self.uses_random = True
+            if ctx == "udf":
+                self.cur_udf._direct_randoms = getattr(self.cur_udf, "_direct_randoms", 0) + 1
+            else:
+                e.slot = None
+            return e.type_args[0].base
+        if f in self.udfs:
+            e.kind = "udf"
+            u = self.udfs[f]
+            if nargs != len(u.args):
+                self.err(e, f"'{f}' takes {len(u.args)} argument(s), {nargs} given")
+            for a, (an, at) in zip(e.args, u.args):
+                t = self.expr(a, scope, ctx)
+                if not is_num(t):
+                    self.err(a, f"argument '{an}' of '{f}' is a number, got {tname(t) if t != 'function' else 'a function'}")
+            if ctx == "udf":
+                self.cur_udf.calls.append(f)
+            elif ctx == "decode" and u.randoms:
+                self.err(e, f"'{f}' draws random numbers; decode is deterministic")
+            elif ctx == "encode" and u.randoms:
+                self.uses_random = True
+            if u.ret is None:
+                self.err(e, f"'{f}' returns void and has no value")
+            return u.ret
+        if f in ("concat", "extract"):
+            self.err(e, f"{f} is a statement of its own: "
+                        f"{'compressed = concat(...);' if f == 'concat' else 'extract(compressed, a, b, ...);'}")
+        if f in OPERATORS:
+            if ctx == "udf":
+                self.err(e, f"the operator {f} works on whole arrays; it cannot be called from a user-defined "
+                            f"function (which runs per element)")
+            e.kind = "op"
+            return getattr(self, "op_" + f)(e, scope, ctx)
+        if f in REDUCERS or f in COMPARATORS:
+            self.err(e, f"'{f}' is a built-in function for reduce/sort; it cannot be called directly")
+        if f in self.funcs:
+            self.err(e, f"'{f}' cannot be called")
+        self.err(e, f"unknown function '{f}'")
+
+    def array_arg(self, e, scope, ctx, what):
+        t = self.expr(e, scope, ctx)
+        if not is_arr(t):
+            self.err(e, f"{what} needs an array, got {tname(t) if t != 'function' else 'a function'}")
+        return t
+
+    def op_map(self, e, scope, ctx):
+        if len(e.args) != 2:
+            self.err(e, "map(array, udf) takes an array and a user-defined function")
+        at = self.array_arg(e.args[0], scope, ctx, "map")
+        u = self.udf_arg(e.args[1], scope, (1, 2), "map")
+        if len(u.args) == 2 and u.args[1][1] != "int32":
+            self.err(e.args[1], f"the second argument of '{u.func.name}' receives the element index (int32)")
+        if u.ret is None:
+            self.err(e.args[1], f"'{u.func.name}' returns nothing; map needs a value per element")
+        if ctx == "decode" and u.randoms:
+            self.err(e.args[1], f"'{u.func.name}' draws random numbers; decode is deterministic")
+        if u.randoms:
+            self.uses_random = True
+        width = u.func.ret.width if u.ret == "uintN" else None
+        if u.ret == "uintN" and ctx == "decode":
+            self.err(u.func.ret, "decode cannot produce a dynamic-width array")
+        return Arr(u.ret, at.length, False, width)
+
+    def op_reduce(self, e, scope, ctx):
+        if len(e.args) != 2:
+            self.err(e, f"reduce(array, f) takes an array and a reducer ({', '.join(REDUCERS)} or a user-defined "
+                        f"function of two values)")
+        at = self.array_arg(e.args[0], scope, ctx, "reduce")
+        r = e.args[1]
+        if isinstance(r, A.Name) and r.id in REDUCERS and r.id not in self.udfs:
+            r.ty = "function"
+            e.reducer = r.id
+            if r.id == "count":
+                return "int32"
+            if r.id == "mean":
+                return "float"
+            if r.id == "maxabs":
+                return "float" if at.elem == "float" else "int32"
+            return "float" if at.elem == "float" else "int32"
+        u = self.udf_arg(r, scope, (2,), "reduce")
+        e.reducer = None
+        if u.randoms:
+            self.err(r, "a reducer cannot draw random numbers")
+        if u.ret is None or is_arr(u.ret):
+            self.err(r, "a reducer returns a value")
+        return u.ret
+
+    def op_filter(self, e, scope, ctx):
+        if len(e.args) not in (2, 3):
+            self.err(e, "filter(array, udf[, cap]) takes an array, a predicate and optionally a maximum count")
+        if ctx != "encode":
+            self.err(e, "filter is used in encode")
+        at = self.array_arg(e.args[0], scope, ctx, "filter")
+        if at.elem != "float" or at.length != "n":
+            self.err(e.args[0], "filter selects from a float array of the gradient's size")
+        u = self.udf_arg(e.args[1], scope, (1, 2), "filter")
+        if u.randoms:
+            self.err(e.args[1], "a filter predicate cannot draw random numbers")
+        if len(e.args) == 3:
+            t = self.expr(e.args[2], scope, ctx)
+            if t not in INTS:
+                self.err(e.args[2], "filter's cap is an integer")
+        return Arr("float", "var", True)
+
+    def op_sort(self, e, scope, ctx):
+        if len(e.args) != 3:
+            self.err(e, "sort(array, order, k) keeps the first k elements in the given order "
+                        f"({', '.join(COMPARATORS)} or a user-defined comparison of two values)")
+        if ctx != "encode":
+            self.err(e, "sort is used in encode")
+        at = self.array_arg(e.args[0], scope, ctx, "sort")
+        if at.elem != "float" or at.length != "n":
+            self.err(e.args[0], "sort selects from a float array of the gradient's size")
+        c = e.args[1]
+        if isinstance(c, A.Name) and c.id in COMPARATORS and c.id not in self.udfs:
+            c.ty = "function"
+            e.order = c.id
+        else:
+            u = self.udf_arg(c, scope, (2,), "sort")
+            e.order = None
+            if u.randoms:
+                self.err(c, "a comparison cannot draw random numbers")
+        t = self.expr(e.args[2], scope, ctx)
+        if t not in INTS:
+            self.err(e.args[2], "sort's k is an integer")
+        return Arr("float", "var", True)
+
+    def op_scatter(self, e, scope, ctx):
+        if ctx != "decode":
+            self.err(e, "scatter is used in decode: gradient = scatter(index, values);")
+        if len(e.args) != 2:
+            self.err(e, "scatter(index, values) takes an int32 array of indices and a float array of values")
+        it = self.array_arg(e.args[0], scope, ctx, "scatter")
+        vt = self.array_arg(e.args[1], scope, ctx, "scatter")
+        if it.elem != "int32" or vt.elem != "float":
+            self.err(e, f"scatter(index, values) takes int32* and float*, got {it} and {vt}")
+        return Arr("float", "n")
+
+    def op_random(self, e, scope, ctx):  # pragma: no cover - handled in call()
+        self.err(e, "random<T>(a, b)")
+
+    def op_decomp(self, e, scope, ctx):
+        self.err(e, "decomp (low-rank) is not supported by this version's code generator; PowerSGD stays "
+                    "hand-written (csrc/compress/algo_powersgd.cc)")
+
+    op_matmul = op_decomp
+
+
+def returns(stmts) -> bool:
+    if not stmts:
+        return False
+    last = stmts[-1]
+    if isinstance(last, A.Return):
+        return True
+    if isinstance(last, A.If):
+        return returns(last.then) and returns(last.other)
+    return False
+
+
+def const_value(e, file="<spec>"):
+    if isinstance(e, A.Num):
+        return e.value
+    if isinstance(e, A.Unary) and e.op == "-" and isinstance(e.operand, A.Num):
+        return -e.operand.value
+    raise DSLError("a constant number is expected here", file, e.line, e.col)
+
+
+def check(prog: A.Program, source: str = "", name: Optional[str] = None) -> Spec:
+    """Type-check a parsed spec; returns the Spec the code generator consumes."""
+    try:
+        return Checker(prog, source, name).run()
+    except RecursionError:
+        raise DSLError("spec nested too deeply", prog.file, 1, 1) from None

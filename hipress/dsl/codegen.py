@@ -1,0 +1,1014 @@
+"""C++ code generator of the CompLL DSL (CPU back end) and CUDA source text.
+
+The generated translation unit exposes a tiny C ABI (``hpc_*`` functions, see
+ABI below) that hipress/dsl/runtime.py loads with ctypes. Operator calls are
+lowered to the optimised common operators of csrc/compress/ops.h where the
+user-defined function has a shape an operator implements exactly (idioms:
+stochastic quantisation, sign bits, threshold ternarisation, min/max and sign
+sums, table decoding of packed codes, top-k by magnitude); everything else
+becomes a fused, chunked loop over the elements with the same semantics.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+from hipress.dsl import ast as A
+from hipress.dsl.checker import INTS, UINTS, Arr, Spec, bits_of, is_arr
+from hipress.dsl.errors import DSLError
+
+ABI_VERSION = 1
+_PRELUDE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prelude.h.txt")).read()
+
+
+def ctype(t) -> str:
+    return "float" if t == "float" else "int64_t"
+
+
+class Gen:
+    def __init__(self, spec: Spec):
+        self.s = spec
+        self.out: List[str] = []
+        self.tmp = 0
+        self.idioms: List[str] = []  # (for --explain / tests): which operators were substituted
+
+    def err(self, node, msg):
+        raise DSLError(msg, self.s.file, getattr(node, "line", 0), getattr(node, "col", 0))
+
+    def fresh(self, base="t"):
+        self.tmp += 1
+        return f"{base}{self.tmp}"
+
+    # ---- expressions ---------------------------------------------------------------
+    def conv(self, code: str, frm, to, width: Optional[A.Expr] = None) -> str:
+        if to == frm and to in ("float", "int32") or to == frm and to in UINTS:
+            return code
+        if to == "float":
+            return code if frm == "float" else f"static_cast<float>({code})"
+        if to == "int32":
+            return f"hp::f2i({code})" if frm == "float" else f"hp::w32({code})"
+        if to in UINTS or to == "uintN":
+            bits = str(UINTS[to]) if to in UINTS else self.width(width)
+            return f"hp::f2u({code}, {bits})" if frm == "float" else f"hp::i2u({code}, {bits})"
+        raise AssertionError((frm, to))
+
+    def width(self, w: A.Expr) -> str:
+        if w is None:
+            raise AssertionError("dynamic width without expression")
+        return f"static_cast<int>({self.wexpr(w)})"
+
+    def wexpr(self, e) -> str:
+        if isinstance(e, A.Num):
+            return f"int64_t{{{e.value}}}"
+        if isinstance(e, A.Name):
+            return f"c.p->f_{e.id}"
+        if isinstance(e, A.Member):
+            return f"c.p->f_{e.attr}"
+        ops = {"+": "hp::add", "-": "hp::sub", "*": "hp::mul", "<<": "hp::shl", ">>": "hp::shr"}
+        return f"{ops[e.op]}({self.wexpr(e.left)}, {self.wexpr(e.right)})"
+
+    def ex(self, e, env) -> str:
+        t = e.ty
+        if isinstance(e, A.Num):
+            if e.is_float:
+                return repr(float(e.value)) + "f" if "e" in repr(float(e.value)) or "." in repr(float(e.value)) \
+                    else repr(float(e.value)) + ".0f"
+            return f"int64_t{{{e.value}}}"
+        if isinstance(e, A.Name):
+            return env.name(e)
+        if isinstance(e, A.Member):
+            if hasattr(e, "field"):
+                return f"c.p->f_{e.attr}"
+            obj = self.ex(e.obj, env)
+            if e.attr == "size":
+                return f"static_cast<int64_t>({obj}.n)"
+            if e.attr == "bits":
+                return f"static_cast<int64_t>({obj}.bits)"
+            if e.attr == "index":
+                return f"hp::index_of({obj})"
+            raise AssertionError(e.attr)
+        if isinstance(e, A.Unary):
+            a = self.ex(e.operand, env)
+            if e.op == "-":
+                return f"(-{a})" if t == "float" else f"hp::neg({a})"
+            if e.op == "!":
+                return f"static_cast<int64_t>(!({a}))" if e.operand.ty != "float" else \
+                    f"static_cast<int64_t>(({a}) == 0.0f)"
+            return f"(~{a})"
+        if isinstance(e, A.Binary):
+            lt, rt = e.left.ty, e.right.ty
+            a, b = self.ex(e.left, env), self.ex(e.right, env)
+            if e.op in ("&&", "||"):
+                ca = f"({a}) != 0.0f" if lt == "float" else f"({a}) != 0"
+                cb = f"({b}) != 0.0f" if rt == "float" else f"({b}) != 0"
+                return f"static_cast<int64_t>(({ca}) {e.op} ({cb}))"
+            if e.op in ("==", "!=", "<", "<=", ">", ">="):
+                if "float" in (lt, rt):
+                    a, b = self.conv(a, lt, "float"), self.conv(b, rt, "float")
+                return f"static_cast<int64_t>(({a}) {e.op} ({b}))"
+            if t == "float":
+                return f"({self.conv(a, lt, 'float')} {e.op} {self.conv(b, rt, 'float')})"
+            fn = {"+": "add", "-": "sub", "*": "mul", "/": "div", "%": "mod", "<<": "shl", ">>": "shr"}.get(e.op)
+            if fn:
+                return f"hp::{fn}({a}, {b})"
+            return f"(({a}) {e.op} ({b}))"
+        if isinstance(e, A.Cond):
+            c = self.ex(e.cond, env)
+            c = f"({c}) != 0.0f" if e.cond.ty == "float" else f"({c}) != 0"
+            return f"(({c}) ? {self.conv(self.ex(e.then, env), e.then.ty, t)} : " \
+                   f"{self.conv(self.ex(e.other, env), e.other.ty, t)})"
+        if isinstance(e, A.Call):
+            return self.call(e, env)
+        raise AssertionError(type(e))
+
+    def call(self, e: A.Call, env) -> str:
+        k = e.kind
+        f = e.func
+        if k == "cast":
+            a = e.args[0]
+            return self.conv(self.ex(a, env), a.ty, f)
+        if k == "math":
+            args = [self.ex(a, env) for a in e.args]
+            ts = [a.ty for a in e.args]
+            if f in ("floor", "ceil", "round", "sqrt", "exp", "log"):
+                return f"std::{f}({self.conv(args[0], ts[0], 'float')})"
+            if f == "abs":
+                return f"std::fabs({args[0]})" if ts[0] == "float" else f"hp::iabs({args[0]})"
+            if f == "signbit":
+                return f"static_cast<int64_t>(std::signbit({args[0]}))" if ts[0] == "float" else \
+                    f"static_cast<int64_t>(({args[0]}) < 0)"
+            if f == "isnan":
+                return f"static_cast<int64_t>(std::isnan({args[0]}))" if ts[0] == "float" else "int64_t{0}"
+            if f == "pow":
+                return f"std::pow({self.conv(args[0], ts[0], 'float')}, {self.conv(args[1], ts[1], 'float')})"
+            if e.ty == "float":
+                a, b = self.conv(args[0], ts[0], "float"), self.conv(args[1], ts[1], "float")
+                return f"hp::f{f}2({a}, {b})"
+            return f"std::{f}<int64_t>({args[0]}, {args[1]})"
+        if k == "random":
+            ctr = env.random_counter()
+            lo, hi = e.args
+            if e.ty == "float":
+                u = f"hp::uni(c.key, {ctr})"
+                if isinstance(lo, A.Num) and lo.value == 0 and isinstance(hi, A.Num) and hi.value == 1:
+                    return u
+                a = self.conv(self.ex(lo, env), lo.ty, "float")
+                b = self.conv(self.ex(hi, env), hi.ty, "float")
+                return f"({a} + ({b} - {a}) * {u})"
+            a = self.conv(self.ex(lo, env), lo.ty, "int32")
+            b = self.conv(self.ex(hi, env), hi.ty, "int32")
+            return f"hp::rint(c.key, {ctr}, {a}, {b})"
+        if k == "udf":
+            u = self.s.udfs[f]
+            ctr = env.udf_counter(u.randoms)
+            args = [self.conv(self.ex(a, env), a.ty, at, getattr(u.func.params[i][0], "width", None))
+                    for i, (a, (_, at)) in enumerate(zip(e.args, u.args))]
+            return f"u_{f}(c, {ctr}{''.join(', ' + a for a in args)})"
+        if k == "op":
+            if f == "reduce":
+                return self.reduce(e, env)
+            self.err(e, f"{f} produces an array: assign it to an array variable")
+        raise AssertionError(k)
+
+    # ---- element access ------------------------------------------------------------------
+    def elem(self, arr_code: str, t: Arr, i: str) -> str:
+        if t.elem == "float" or t.elem == "int32":
+            return f"{arr_code}.p[{i}]" if t.elem == "float" else f"static_cast<int64_t>({arr_code}.p[{i}])"
+        return f"static_cast<int64_t>(hp::get_bits({arr_code}.p, {i}, {arr_code}.bits))"
+
+    def elem_type(self, t: Arr) -> str:
+        return "float" if t.elem == "float" else "int32"
+
+    def array_code(self, e, env) -> str:
+        """C++ expression for an array-valued DSL expression that is a variable or .index."""
+        if isinstance(e, A.Name) or isinstance(e, A.Member):
+            code = self.ex(e, env)
+            if is_arr(e.ty) and e.ty.sparse and isinstance(e, A.Name):
+                return f"hp::values_of({code})"
+            return code
+        self.err(e, "an array operand must be a variable here")
+
+    def udf_apply(self, u, arg_codes: List[str], arg_types, ctr: str) -> str:
+        args = [self.conv(c, t, at, u.func.params[k][0].width) for k, (c, t, (_, at))
+                in enumerate(zip(arg_codes, arg_types, u.args))]
+        return f"u_{u.func.name}(c, {ctr}{''.join(', ' + a for a in args)})"
+
+    # ---- reduce -----------------------------------------------------------------------
+    def reduce(self, e: A.Call, env) -> str:
+        src, fn = e.args
+        pred = None
+        mapf = None
+        if isinstance(src, A.Call) and src.func == "filter":
+            if len(src.args) == 3:
+                self.err(src, "a filter inside reduce takes no cap")
+            pred = self.s.udfs[src.args[1].id]
+            src = src.args[0]
+        elif isinstance(src, A.Call) and src.func == "map":
+            mapf = self.s.udfs[src.args[1].id]
+            src = src.args[0]
+        if isinstance(src, A.Call):
+            self.err(src, "reduce's array must be a variable, filter(variable, p) or map(variable, f)")
+        st = src.ty
+        acode = self.array_code(src, env)
+        is_input = isinstance(src, A.Name) and src.sym.kind == "input"
+        r = e.reducer
+        # Idioms on the encode's input.
+        if is_input and mapf is None and pred is None and r in ("smaller", "greater", "maxabs"):
+            self.idioms.append(f"reduce({r}) -> ops::reduce_minmax")
+            if r == "maxabs":
+                return "hp::fmax2(std::fabs(hp_minmax(c, in, n).min), std::fabs(hp_minmax(c, in, n).max))"
+            return f"hp_minmax(c, in, n).{'min' if r == 'smaller' else 'max'}"
+        if is_input and pred is not None and r in ("mean", "sum", "count") and mapf is None:
+            kind = sign_pred(pred)
+            if kind:
+                self.idioms.append("reduce(filter(signbit)) -> ops::reduce_sign_sums")
+                s, cnt = ("neg_sum", "neg_count") if kind == "neg" else ("pos_sum", "pos_count")
+                ss = "hp_signsums(c, in, n)"
+                if r == "mean":
+                    return f"({ss}.{cnt} ? static_cast<float>({ss}.{s} / static_cast<double>({ss}.{cnt})) : 0.0f)"
+                if r == "sum":
+                    return f"static_cast<float>({ss}.{s})"
+                return f"hp::w32(static_cast<int64_t>({ss}.{cnt}))"
+        # Generic fused loop: value(i), keep(i).
+        ctr = "0"
+        ety = self.elem_type(st)
+        val = self.elem(acode, st, "i")
+        if mapf is not None:
+            if mapf.randoms:
+                self.err(e, "reduce(map(..., f)) with a random f is not supported; map into a variable first")
+            args = [val] + (["static_cast<int64_t>(i)"] if len(mapf.args) == 2 else [])
+            val = self.udf_apply(mapf, args, [ety, "int32"], ctr)
+            ety = mapf.ret if mapf.ret in ("float",) else "int32"
+        keep = "true"
+        if pred is not None:
+            args = [self.elem(acode, st, "i")] + (["static_cast<int64_t>(i)"] if len(pred.args) == 2 else [])
+            pv = self.udf_apply(pred, args, [self.elem_type(st), "int32"], ctr)
+            keep = f"(({pv}) != 0)"
+        n = f"{acode}.n"
+        if r in ("sum", "mean", "count"):
+            red = (f"hp::reduce_chunks({n}, hp::SumAcc{{}}, [&](hp::SumAcc& a, size_t i) {{ if ({keep}) {{ "
+                   f"a.s += static_cast<double>({val}); ++a.cnt; }} }}, [](hp::SumAcc& a, const hp::SumAcc& b) "
+                   f"{{ a.s += b.s; a.cnt += b.cnt; }})")
+            if r == "count":
+                return f"hp::w32(static_cast<int64_t>({red}.cnt))"
+            if r == "sum":
+                return f"static_cast<float>({red}.s)" if e.ty == "float" else f"hp::w32(static_cast<int64_t>({red}.s))"
+            return f"[&]{{ hp::SumAcc a = {red}; return a.cnt ? static_cast<float>(a.s / static_cast<double>(a.cnt)) : 0.0f; }}()"
+        if r in ("smaller", "greater", "maxabs"):
+            v = f"static_cast<float>({val})"
+            if r == "maxabs":
+                v = f"std::fabs({v})"
+            cmp = "<" if r == "smaller" else ">"
+            init = "std::numeric_limits<float>::infinity()" if r == "smaller" else \
+                "-std::numeric_limits<float>::infinity()"
+            red = (f"hp::reduce_chunks({n}, hp::MinAcc{{{init}, false}}, [&](hp::MinAcc& a, size_t i) {{ if ({keep}) "
+                   f"{{ float v = {v}; if (v {cmp} a.v) {{ a.v = v; a.has = true; }} }} }}, "
+                   f"[](hp::MinAcc& a, const hp::MinAcc& b) {{ if (b.has && (!a.has || b.v {cmp} a.v)) a = b; }})")
+            res = f"[&]{{ hp::MinAcc a = {red}; return a.has ? a.v : 0.0f; }}()"
+            return res if e.ty == "float" else f"hp::f2i({res})"
+        # user-defined reducer
+        u = self.s.udfs[fn.id]
+        ct = ctype(u.ret)
+        step = self.udf_apply(u, ["a.v", "x"], [u.ret, u.ret], "0")
+        merge = self.udf_apply(u, ["a.v", "b.v"], [u.ret, u.ret], "0")
+        x = self.conv(val, ety, u.ret)
+        return (f"[&]{{ using Acc = hp::FoldAcc<{ct}>; Acc a = hp::reduce_chunks({n}, Acc{{}}, [&](Acc& a, size_t i) "
+                f"{{ if ({keep}) {{ {ct} x = {x}; a.v = a.has ? {step} : x; a.has = true; }} }}, "
+                f"[&](Acc& a, const Acc& b) {{ if (b.has) {{ a.v = a.has ? {merge} : b.v; a.has = true; }} }}); "
+                f"return a.v; }}()")
+
+
+def sign_pred(u) -> Optional[str]:
+    """'neg' if the predicate is signbit(x), 'pos' if !signbit(x) (exactly)."""
+    e = flatten(u)
+    if e is None or len(u.args) != 1:
+        return None
+    x = u.args[0][0]
+    if isinstance(e, A.Call) and e.func == "signbit" and is_name(e.args[0], x):
+        return "neg"
+    if isinstance(e, A.Unary) and e.op == "!" and isinstance(e.operand, A.Call) and e.operand.func == "signbit" \
+            and is_name(e.operand.args[0], x):
+        return "pos"
+    return None
+
+
+def is_name(e, name) -> bool:
+    return isinstance(e, A.Name) and e.id == name and getattr(e, "sym", None) is not None and e.sym.kind == "arg"
+
+
+def flatten(u) -> Optional[A.Expr]:
+    """The UDF's body as one expression (locals substituted), or None if it has ifs/assignments."""
+    env: Dict[str, A.Expr] = {}
+    body = u.func.body
+    for s in body[:-1]:
+        if not isinstance(s, A.Decl) or any(init is None for _, init, _, _ in s.names):
+            return None
+        for name, init, _, _ in s.names:
+            if s.type.base != "float" and init.ty == "float" or s.type.base != init.ty:
+                return None  # an implicit conversion: not a plain substitution
+            env[name] = subst(init, env)
+    last = body[-1] if body else None
+    if not isinstance(last, A.Return) or last.value is None:
+        return None
+    return subst(last.value, env)
+
+
+def subst(e, env):
+    if isinstance(e, A.Name) and getattr(e, "sym", None) is not None and e.sym.kind == "local" and e.id in env:
+        return env[e.id]
+    if isinstance(e, A.Unary):
+        n = A.Unary(e.line, e.col, e.op, subst(e.operand, env))
+    elif isinstance(e, A.Binary):
+        n = A.Binary(e.line, e.col, e.op, subst(e.left, env), subst(e.right, env))
+    elif isinstance(e, A.Cond):
+        n = A.Cond(e.line, e.col, subst(e.cond, env), subst(e.then, env), subst(e.other, env))
+    elif isinstance(e, A.Call):
+        n = A.Call(e.line, e.col, e.func, [subst(a, env) for a in e.args], e.type_args)
+        for k in ("kind", "reducer", "order"):
+            if hasattr(e, k):
+                setattr(n, k, getattr(e, k))
+    else:
+        return e
+    n.ty = e.ty
+    return n
+
+
+def mentions(e, name) -> bool:
+    if is_name(e, name):
+        return True
+    if isinstance(e, A.Call) and (e.kind == "random" or (e.kind == "udf")):
+        if e.kind == "random":
+            return True  # treat as dependent (not hoistable)
+    for ch in children(e):
+        if mentions(ch, name):
+            return True
+    return False
+
+
+def children(e):
+    if isinstance(e, A.Unary):
+        return [e.operand]
+    if isinstance(e, A.Binary):
+        return [e.left, e.right]
+    if isinstance(e, A.Cond):
+        return [e.cond, e.then, e.other]
+    if isinstance(e, A.Call):
+        return list(e.args)
+    if isinstance(e, A.Member):
+        return [e.obj]
+    return []
+
+
+def has_udf_call(e) -> bool:
+    if isinstance(e, A.Call) and e.kind == "udf":
+        return True
+    return any(has_udf_call(c) for c in children(e))
+
+
+# ---- environments ---------------------------------------------------------------------
+class UdfEnv:
+    def __init__(self):
+        self.slot = 0
+
+    def name(self, e):
+        k = e.sym.kind
+        return {"arg": "a_", "local": "l_"}.get(k, "c.g_") + e.id if k != "global" else "c.g_" + e.id
+
+    def random_counter(self):
+        self.slot += 1
+        return f"(rc + {self.slot - 1})"
+
+    def udf_counter(self, r):
+        s = self.slot
+        self.slot += r
+        return f"(rc + {s})"
+
+
+class EntryEnv:
+    def __init__(self, which):
+        self.which = which
+
+    def name(self, e):
+        k = e.sym.kind
+        if k == "input":
+            return "v_in"
+        if k == "global":
+            return "c.g_" + e.id
+        return "l_" + e.id
+
+    def random_counter(self):
+        return "hp_next(c, 1)"
+
+    def udf_counter(self, r):
+        return f"hp_next(c, {r})" if r else "0"
+
+
+def cxx_var_type(t) -> str:
+    if t.sparse:
+        return "hp::SArr"
+    if t.elem == "float":
+        return "hp::FArr"
+    if t.elem == "int32":
+        return "hp::IArr"
+    return "hp::PArr"
+
+
+class CppGen(Gen):
+    def emit(self, line, ind=1):
+        self.out.append("  " * ind + line)
+
+    def generate(self) -> str:
+        s = self.s
+        self.widths: List[A.Expr] = []
+        body: List[str] = []
+        self.out = body
+        # UDFs
+        protos = []
+        for name, u in s.udfs.items():
+            protos.append(self.udf_sig(u) + ";")
+        for name, u in s.udfs.items():
+            self.udf(u)
+        udf_code = list(self.out)
+        self.out = []
+        self.encode()
+        enc_code = list(self.out)
+        self.out = []
+        self.decode()
+        dec_code = list(self.out)
+        self.out = []
+        self.max_bytes()
+        mb_code = list(self.out)
+        parts = [f"// Generated by hipress-compll from {os.path.basename(s.file)} (algorithm '{s.name}', id "
+                 f"{s.algo_id}).", "// Build output: never edit or commit this file.", _PRELUDE]
+        parts.append(self.params_struct())
+        parts.append(self.ctx_struct())
+        parts += protos
+        parts += udf_code
+        parts += mb_code + enc_code + dec_code
+        parts.append(self.abi())
+        return "\n".join(parts) + "\n"
+
+    # ---- params / ctx ----
+    def params_struct(self):
+        s = self.s
+        lines = ["struct Params {"]
+        for f in s.params:
+            lines.append(f"  {ctype(f.type.base)} f_{f.name} = {'0.0f' if f.type.base == 'float' else '0'};")
+        lines.append("};")
+        lines.append("Params make_params([[maybe_unused]] const double* p) {")
+        lines.append("  Params P;")
+        for i, f in enumerate(s.params):
+            lines.append(f"  P.f_{f.name} = static_cast<{ctype(f.type.base)}>(p[{i}]);")
+        lines.append("  [[maybe_unused]] struct { const Params* p; } c{&P};")
+        seen = set()
+        for w in self.widths:
+            code = self.wexpr(w)
+            if code in seen:
+                continue
+            seen.add(code)
+            lines.append(f"  hp::check_bits({code}, \"the width of uint<...> (line {w.line})\");")
+        lines.append("  return P;")
+        lines.append("}")
+        return "\n".join(lines)
+
+    def ctx_struct(self):
+        s = self.s
+        lines = ["struct Ctx {", "  const Params* p = nullptr;", "  hipress::compress::RngKey key{};",
+                 "  uint64_t counter = 0;", "  bool mm_done = false;", "  hipress::compress::ops::MinMax mm{};",
+                 "  bool ss_done = false;", "  hipress::compress::ops::SignSums ss{};"]
+        for name, g in s.globals.items():
+            init = "0.0f" if g.ty == "float" else "0"
+            d = next((i for dd in s.program.globals for (nm, i, _, _) in dd.names if nm == name), None)
+            if d is not None:
+                v = d.ty if False else None
+                init = self.conv(self.ex(d, EntryEnv("const")), d.ty, g.ty, g.width)
+            lines.append(f"  {ctype(g.ty)} g_{name} = {init};")
+        lines.append("};")
+        lines.append("[[maybe_unused]] inline uint64_t hp_next(Ctx& c, uint64_t k) { uint64_t v = c.counter; "
+                     "c.counter += k; return v; }")
+        lines.append("[[maybe_unused]] inline const hipress::compress::ops::MinMax& hp_minmax(Ctx& c, const float* in, "
+                     "size_t n) { if (!c.mm_done) { c.mm = hipress::compress::ops::reduce_minmax(in, n); "
+                     "c.mm_done = true; } return c.mm; }")
+        lines.append("[[maybe_unused]] inline const hipress::compress::ops::SignSums& hp_signsums(Ctx& c, const float* "
+                     "in, size_t n) { if (!c.ss_done) { c.ss = hipress::compress::ops::reduce_sign_sums(in, n); "
+                     "c.ss_done = true; } return c.ss; }")
+        return "\n".join(lines)
+
+    # ---- UDFs ----
+    def udf_sig(self, u):
+        args = "".join(f", [[maybe_unused]] {ctype(t)} a_{n}" for n, t in u.args)
+        return (f"[[maybe_unused]] inline {ctype(u.ret) if u.ret else 'void'} u_{u.func.name}("
+                f"[[maybe_unused]] const Ctx& c, [[maybe_unused]] uint64_t rc{args})")
+
+    def udf(self, u):
+        if u.ret == "uintN":
+            self.widths.append(u.func.ret.width)
+        self.emit(self.udf_sig(u) + " {", 0)
+        env = UdfEnv()
+        self.cur_ret = (u.ret, u.func.ret.width)
+        self.stmts(u.func.body, env, 1)
+        if u.ret is not None and not _ends_in_return(u.func.body):
+            self.emit("return 0;")
+        self.emit("}", 0)
+
+    # ---- statements ----
+    def stmts(self, stmts, env, ind):
+        for st in stmts:
+            self.stmt(st, env, ind)
+
+    def stmt(self, st, env, ind):
+        if isinstance(st, A.Decl):
+            for (name, init, _, _), sym in zip(st.names, st.syms):
+                if is_arr(sym.ty):
+                    if sym.ty.elem == "uintN" and sym.ty.width is not None:
+                        self.widths.append(sym.ty.width)
+                    self.emit(f"{cxx_var_type(sym.ty)} l_{name};", ind)
+                    if init is not None:
+                        self.array_op(f"l_{name}", sym, init, env, ind)
+                    continue
+                if sym.ty == "uintN":
+                    self.widths.append(sym.width)
+                val = self.conv(self.ex(init, env), init.ty, sym.ty, sym.width) if init is not None else \
+                    ("0.0f" if sym.ty == "float" else "0")
+                self.emit(f"[[maybe_unused]] {ctype(sym.ty)} l_{name} = {val};", ind)
+            return
+        if isinstance(st, A.Assign):
+            sym = st.target.sym
+            if sym.kind == "output":
+                if env.which == "encode":
+                    self.concat(st.value, env, ind)
+                else:
+                    self.decode_out(st.value, env, ind)
+                return
+            tgt = env.name(st.target)
+            if is_arr(sym.ty):
+                self.array_op(tgt, sym, st.value, env, ind)
+                return
+            self.emit(f"{tgt} = {self.conv(self.ex(st.value, env), st.value.ty, sym.ty, sym.width)};", ind)
+            return
+        if isinstance(st, A.If):
+            c = self.ex(st.cond, env)
+            c = f"({c}) != 0.0f" if st.cond.ty == "float" else f"({c}) != 0"
+            self.emit(f"if ({c}) {{", ind)
+            self.stmts(st.then, env, ind + 1)
+            if st.other:
+                self.emit("} else {", ind)
+                self.stmts(st.other, env, ind + 1)
+            self.emit("}", ind)
+            return
+        if isinstance(st, A.Return):
+            rt, w = self.cur_ret
+            if st.value is None:
+                self.emit("return;", ind)
+            else:
+                self.emit(f"return {self.conv(self.ex(st.value, env), st.value.ty, rt, w)};", ind)
+            return
+        if isinstance(st, A.ExprStmt):  # extract
+            self.extract(st.expr, env, ind)
+            return
+        raise AssertionError(st)
+
+    # ---- array-producing operators ----
+    def array_op(self, tgt, sym, call: A.Call, env, ind):
+        if not isinstance(call, A.Call) or call.kind != "op":
+            src = self.array_code(call, env)
+            self.emit(f"{tgt} = {src};", ind)
+            return
+        f = call.func
+        if f == "map":
+            self.map_op(tgt, sym, call, env, ind)
+        elif f == "filter":
+            self.filter_op(tgt, call, env, ind)
+        elif f == "sort":
+            self.sort_op(tgt, call, env, ind)
+        else:
+            self.err(call, f"{f} cannot produce an array here")
+
+    def map_op(self, tgt, sym, call, env, ind):
+        src, fn = call.args
+        u = self.s.udfs[fn.id]
+        st = src.ty
+        acode = self.array_code(src, env)
+        out_t = call.ty
+        n = f"{acode}.n"
+        self.emit("{", ind)
+        i2 = ind + 1
+        r = u.randoms
+        self.emit(f"[[maybe_unused]] const uint64_t base = hp_next(c, {n} * {r});" if r else
+                  "[[maybe_unused]] const uint64_t base = 0;", i2)
+        elem = self.elem(acode, st, "i")
+        args = [elem] + (["static_cast<int64_t>(i)"] if len(u.args) == 2 else [])
+        call_code = self.udf_apply(u, args, [self.elem_type(st), "int32"], f"base + i * {r}" if r else "0")
+        is_input = isinstance(src, A.Name) and src.sym.kind == "input"
+        if out_t.elem in UINTS or out_t.elem == "uintN":
+            bits = str(UINTS[out_t.elem]) if out_t.elem in UINTS else self.width(out_t.width)
+            if out_t.elem == "uintN":
+                self.widths.append(out_t.width)
+            first = self.s.concat.args[0] if self.s.concat.args else None
+            direct = (env.which == "encode" and isinstance(first, A.Name) and sym is not None and
+                      first.id == sym.name and getattr(first.sym, "kind", "") == "local")
+            at = "out + kHeaderBytes" if direct else "nullptr"
+            self.emit(f"const int bits = {bits};", i2)
+            self.emit(f"hp::alloc({tgt}, {n}, bits, {at});", i2)
+            idiom = self.map_idiom(u, is_input and st.elem == "float", out_t, acode, tgt, i2) if True else None
+            if not idiom:
+                self.emit(f"hp::map_packed({n}, bits, {tgt}.p, [&](size_t i) {{ return {call_code}; }});", i2)
+        elif out_t.elem == "float":
+            self.emit(f"hp::alloc({tgt}, {n});", i2)
+            self.emit(f"hp::map_plain({n}, {tgt}.own.data(), [&](size_t i) {{ return {call_code}; }});", i2)
+        else:
+            self.emit(f"hp::alloc({tgt}, {n});", i2)
+            self.emit(f"hp::map_plain({n}, {tgt}.own.data(), [&](size_t i) {{ return static_cast<int32_t>("
+                      f"{self.conv(call_code, u.ret, 'int32')}); }});", i2)
+        self.emit("}", ind)
+
+    def map_idiom(self, u, on_float_input, out_t, acode, tgt, ind) -> bool:
+        if not on_float_input or len(u.args) != 1:
+            return False
+        e = flatten(u)
+        if e is None:
+            return False
+        x = u.args[0][0]
+        env = UdfEnv()
+        # stochastic rounding: floor((x - A) * B + random<float>(0, 1)) -> ops::quantize_stochastic
+        if isinstance(e, A.Call) and e.func == "floor" and u.randoms == 1:
+            s = e.args[0]
+            if isinstance(s, A.Binary) and s.op == "+" and s.ty == "float" and _is_unit_random(s.right) and \
+                    isinstance(s.left, A.Binary) and s.left.op == "*" and s.left.ty == "float" and \
+                    isinstance(s.left.left, A.Binary) and s.left.left.op == "-" and \
+                    is_name(s.left.left.left, x) and s.left.left.left.ty == "float" and \
+                    not mentions(s.left.left.right, x) and not mentions(s.left.right, x) and \
+                    not has_udf_call(s.left.left.right) and not has_udf_call(s.left.right):
+                a = self.conv(self.ex(s.left.left.right, env), s.left.left.right.ty, "float")
+                b = self.conv(self.ex(s.left.right, env), s.left.right.ty, "float")
+                self.idioms.append("map(floor((x-a)*b+random)) -> ops::quantize_stochastic")
+                self.emit(f"hipress::compress::ops::quantize_stochastic({acode}.p, {acode}.n, {a}, {b}, bits, c.key, "
+                          f"base, {tgt}.p);", ind)
+                return True
+        if u.randoms:
+            return False
+        # sign bits: signbit(x) as uint1 -> ops::pack_signbits
+        if isinstance(e, A.Call) and e.func == "signbit" and is_name(e.args[0], x) and out_t.elem == "uint1" and \
+                e.args[0].ty == "float":
+            self.idioms.append("map(signbit) -> ops::pack_signbits")
+            self.emit(f"hipress::compress::ops::pack_signbits({acode}.p, {acode}.n, {tgt}.p);", ind)
+            return True
+        # threshold ternary: x > T ? 1 : (x < -T ? 2 : 0) as uint2 -> ops::threshold_ternary_codes
+        if isinstance(e, A.Cond) and out_t.elem == "uint2" and isinstance(e.cond, A.Binary) and e.cond.op == ">" \
+                and is_name(e.cond.left, x) and e.cond.left.ty == "float" and _num(e.then, 1) and \
+                isinstance(e.other, A.Cond) and _num(e.other.other, 0) and _num(e.other.then, 2) and \
+                isinstance(e.other.cond, A.Binary) and e.other.cond.op == "<" and is_name(e.other.cond.left, x) \
+                and isinstance(e.other.cond.right, A.Unary) and e.other.cond.right.op == "-":
+            t1, t2 = e.cond.right, e.other.cond.right.operand
+            if not mentions(t1, x) and not has_udf_call(t1) and t1.ty == "float" and t2.ty == "float" and \
+                    self.ex(t1, env) == self.ex(t2, env):
+                self.idioms.append("map(x > t ? 1 : x < -t ? 2 : 0) -> ops::threshold_ternary_codes")
+                self.emit(f"hipress::compress::ops::threshold_ternary_codes({acode}.p, {acode}.n, "
+                          f"{self.ex(t1, env)}, {tgt}.p);", ind)
+                return True
+        return False
+
+    def filter_op(self, tgt, call, env, ind):
+        src, fn = call.args[0], call.args[1]
+        u = self.s.udfs[fn.id]
+        acode = self.array_code(src, env)
+        cap = self.ex(call.args[2], env) if len(call.args) == 3 else f"static_cast<int64_t>({acode}.n)"
+        args = [self.elem(acode, src.ty, "i")] + (["static_cast<int64_t>(i)"] if len(u.args) == 2 else [])
+        pred = self.udf_apply(u, args, ["float", "int32"], "0")
+        self.emit("{", ind)
+        self.emit(f"const int64_t capv = {cap}; const size_t cap = capv < 0 ? 0 : static_cast<size_t>(capv);", ind + 1)
+        self.emit(f"{tgt}.idx.clear(); {tgt}.val.clear(); size_t cnt = 0;", ind + 1)
+        self.emit(f"for (size_t i = 0; i < {acode}.n; ++i) {{ if (({pred}) != 0) {{ if (cnt < cap) {{ "
+                  f"{tgt}.idx.push_back(static_cast<uint32_t>(i)); {tgt}.val.push_back({acode}.p[i]); }} ++cnt; }} }}",
+                  ind + 1)
+        self.emit(f"{tgt}.n = cnt;", ind + 1)
+        self.emit("}", ind)
+
+    def sort_op(self, tgt, call, env, ind):
+        src, order, kx = call.args
+        acode = self.array_code(src, env)
+        self.emit("{", ind)
+        self.emit(f"const int64_t kv = {self.ex(kx, env)}; const size_t k = kv < 0 ? 0 : std::min<size_t>("
+                  f"static_cast<size_t>(kv), {acode}.n);", ind + 1)
+        self.emit(f"{tgt}.idx.assign(k, 0); {tgt}.val.assign(k, 0.0f);", ind + 1)
+        if call.order == "greaterAbs":
+            self.idioms.append("sort(greaterAbs, k) -> ops::topk_abs_exact")
+            self.emit(f"{tgt}.n = hipress::compress::ops::topk_abs_exact({acode}.p, {acode}.n, k, {tgt}.idx.data(), "
+                      f"{tgt}.val.data(), 0);", ind + 1)
+        else:
+            if call.order == "greater":
+                cmp = "x > y"
+            elif call.order == "smaller":
+                cmp = "x < y"
+            else:
+                u = self.s.udfs[order.id]
+                cmp = f"({self.udf_apply(u, ['x', 'y'], ['float', 'float'], '0')}) != 0"
+            self.emit(f"std::vector<uint32_t> ord({acode}.n); for (size_t i = 0; i < ord.size(); ++i) ord[i] = "
+                      f"static_cast<uint32_t>(i);", ind + 1)
+            self.emit(f"auto before = [&](uint32_t a, uint32_t b) {{ float x = {acode}.p[a], y = {acode}.p[b]; "
+                      f"if ({cmp}) return true; {{ float t = x; x = y; y = t; }} if ({cmp}) return false; "
+                      f"return a < b; }};", ind + 1)
+            self.emit("std::partial_sort(ord.begin(), ord.begin() + static_cast<std::ptrdiff_t>(k), ord.end(), before);",
+                      ind + 1)
+            self.emit("std::sort(ord.begin(), ord.begin() + static_cast<std::ptrdiff_t>(k));", ind + 1)
+            self.emit(f"for (size_t j = 0; j < k; ++j) {{ {tgt}.idx[j] = ord[j]; {tgt}.val[j] = {acode}.p[ord[j]]; }}",
+                      ind + 1)
+            self.emit(f"{tgt}.n = k;", ind + 1)
+        self.emit("}", ind)
+
+    # ---- payload layout ----
+    def layout_sizes(self, args_codes, types, n_code, cnt_code):
+        """C++ expressions of each array's payload bytes."""
+        out = []
+        for code, t in zip(args_codes, types):
+            if not is_arr(t):
+                out.append(None)
+                continue
+            length = n_code if t.length == "n" else cnt_code
+            if t.elem in UINTS or t.elem == "uintN":
+                out.append(f"hipress::compress::ops::packed_bytes({length}, {code}.bits)" if code else None)
+            else:
+                out.append(f"4 * static_cast<size_t>({length})")
+        return out
+
+    def max_bytes(self):
+        s = self.s
+        self.emit("size_t hp_max_bytes(const Params& P, size_t n) {", 0)
+        self.emit("[[maybe_unused]] Ctx c; c.p = &P;")
+        terms = ["kHeaderBytes"]
+        for a in s.concat.args:
+            t = a.ty
+            if not is_arr(t):
+                continue
+            if t.elem in UINTS:
+                terms.append(f"hipress::compress::ops::packed_bytes(n, {UINTS[t.elem]})")
+            elif t.elem == "uintN":
+                terms.append(f"hipress::compress::ops::packed_bytes(n, {self.width(t.width)})")
+            else:
+                terms.append("4 * n")
+        self.emit("using namespace hipress::compress;")
+        self.emit(f"return {' + '.join(terms)};")
+        self.emit("}", 0)
+
+    def concat(self, call, env, ind):
+        s = self.s
+        codes = []
+        for a in call.args:
+            if is_arr(a.ty):
+                codes.append(self.array_code(a, env))
+            else:
+                codes.append(self.ex(a, env))
+        self.emit("{", ind)
+        i2 = ind + 1
+        self.emit("Header h; h.algo = kAlgoId; h.numel = n;", i2)
+        body = []
+        var_first = None
+        packed_first = None
+        for code, a in zip(codes, call.args):
+            t = a.ty
+            if not is_arr(t):
+                continue
+            if t.length == "var" and var_first is None:
+                var_first = code
+            if (t.elem in UINTS or t.elem == "uintN") and packed_first is None:
+                packed_first = code
+        for code, a in zip(codes, call.args):
+            t = a.ty
+            if not is_arr(t):
+                continue
+            if t.length == "var":
+                self.emit(f"if ({code}.n != {var_first}.n) throw std::invalid_argument(\"concat: the data-dependent "
+                          f"arrays of a payload must have the same length\");", i2)
+            else:
+                self.emit(f"if ({code}.n != n) throw std::logic_error(\"concat: array length differs from the "
+                          f"gradient's\");", i2)
+            if t.elem in UINTS or t.elem == "uintN":
+                body.append(f"hipress::compress::ops::packed_bytes({code}.n, {code}.bits)")
+            else:
+                body.append(f"4 * {code}.n")
+        self.emit(f"const size_t body = {' + '.join(body) if body else '0'};", i2)
+        self.emit("if (kHeaderBytes + body > cap) throw std::invalid_argument(\"output buffer too small for the "
+                  "payload\");", i2)
+        if packed_first:
+            self.emit(f"h.bits = static_cast<uint8_t>({packed_first}.bits);", i2)
+        if var_first:
+            self.emit(f"h.count = static_cast<uint32_t>({var_first}.n);", i2)
+        self.emit("h.body_bytes = body;", i2)
+        w = 0
+        self.emit("size_t off = kHeaderBytes;", i2)
+        for code, a, bsz in zip(codes, call.args, [None] * len(codes)):
+            t = a.ty
+            if not is_arr(t):
+                if t == "float":
+                    self.emit(f"h.set_f({w}, {code});", i2)
+                else:
+                    self.emit(f"h.words[{w}] = static_cast<uint32_t>(static_cast<uint64_t>({code}));", i2)
+                w += 1
+                continue
+            if t.elem in UINTS or t.elem == "uintN":
+                sz = f"hipress::compress::ops::packed_bytes({code}.n, {code}.bits)"
+            else:
+                sz = f"4 * {code}.n"
+            self.emit(f"if ({sz} && {code}.p != out + off) std::memmove(out + off, {code}.p, {sz});", i2)
+            self.emit(f"off += {sz};", i2)
+        self.emit("write_header(h, out);", i2)
+        self.emit("total = kHeaderBytes + body;", i2)
+        self.emit("}", ind)
+
+    def extract(self, call, env, ind):
+        s = self.s
+        rest = call.args[1:]
+        layout = [a.ty for a in s.concat.args]
+        self.emit("const Header h = read_header(in, bytes, kAlgoId, n);", ind)
+        packed = [t for t in layout if is_arr(t) and (t.elem in UINTS or t.elem == "uintN")]
+        var = [t for t in layout if is_arr(t) and t.length == "var"]
+        self.emit("[[maybe_unused]] int bits = 0;", ind)
+        if packed:
+            t = packed[0]
+            if t.elem in UINTS:
+                self.emit(f"if (h.bits != {UINTS[t.elem]}) throw FormatError(kName + std::string(\" payload: bit width \")"
+                          f" + std::to_string(h.bits) + \", expected {UINTS[t.elem]}\");", ind)
+            else:
+                self.emit("if (h.bits != 1 && h.bits != 2 && h.bits != 4 && h.bits != 8) throw FormatError(kName + "
+                          "std::string(\" payload: bit width \") + std::to_string(h.bits) + \" (1, 2, 4 or 8 "
+                          "expected)\");", ind)
+            self.emit("bits = h.bits;", ind)
+        elif True:
+            self.emit("if (h.bits != 0) throw FormatError(kName + std::string(\" payload: unexpected bit width\"));",
+                      ind)
+        if var:
+            self.emit("if (h.count > n) throw FormatError(kName + std::string(\" payload: \") + std::to_string(h.count)"
+                      " + \" entries for \" + std::to_string(n) + \" elements\");", ind)
+        else:
+            self.emit("if (h.count != 0) throw FormatError(kName + std::string(\" payload: unexpected count\"));", ind)
+        self.emit("const size_t cnt = h.count;", ind) if var else None
+        sizes = []
+        for t in layout:
+            if not is_arr(t):
+                continue
+            length = "n" if t.length == "n" else "cnt"
+            sizes.append(f"hipress::compress::ops::packed_bytes({length}, bits)" if (t.elem in UINTS or
+                                                                                   t.elem == "uintN")
+                         else f"4 * static_cast<uint64_t>({length})")
+        self.emit(f"expect_body(h, {' + '.join(sizes) if sizes else '0'}, kName.c_str());", ind)
+        self.emit("size_t off = kHeaderBytes;", ind)
+        w = 0
+        for a, t in zip(rest, layout):
+            tgt = env.name(a)
+            if getattr(a.sym, "by_extract", False):
+                self.emit(f"{cxx_var_type(a.sym.ty) if is_arr(t) else ctype(t)} {tgt}{'' if is_arr(t) else ' = 0'};"
+                          f"{'' if is_arr(t) else ' (void)' + tgt + ';'}", ind)
+            if not is_arr(t):
+                if t == "float":
+                    self.emit(f"{tgt} = h.f({w});", ind)
+                elif t == "int32":
+                    self.emit(f"{tgt} = static_cast<int64_t>(static_cast<int32_t>(h.words[{w}]));", ind)
+                else:
+                    b = UINTS[t]
+                    self.emit(f"if (h.words[{w}] >= (1u << {b})) throw FormatError(kName + std::string(\" payload: "
+                              f"field {w + 1} out of range for {t}\"));", ind)
+                    self.emit(f"{tgt} = static_cast<int64_t>(h.words[{w}]);", ind)
+                w += 1
+                continue
+            length = "n" if t.length == "n" else "cnt"
+            if t.elem in UINTS or t.elem == "uintN":
+                self.emit(f"{tgt}.p = const_cast<uint8_t*>(in + off); {tgt}.n = {length}; {tgt}.bits = bits; "
+                          f"off += hipress::compress::ops::packed_bytes({length}, bits);", ind)
+            else:
+                self.emit(f"hp::alloc({tgt}, {length}); if ({length}) std::memcpy({tgt}.own.data(), in + off, "
+                          f"4 * {length}); off += 4 * {length};", ind)
+
+    def decode_out(self, call, env, ind):
+        self.emit("{", ind)
+        i2 = ind + 1
+        if call.func == "scatter":
+            ic = self.array_code(call.args[0], env)
+            vc = self.array_code(call.args[1], env)
+            self.emit(f"if ({ic}.n != {vc}.n) throw FormatError(kName + std::string(\" payload: index and value "
+                      f"counts differ\"));", i2)
+            self.emit(f"for (size_t j = 0; j < {ic}.n; ++j) {{ int64_t ix = {ic}.p[j]; if (ix < 0 || static_cast<"
+                      f"uint64_t>(ix) >= n || (j > 0 && ix <= {ic}.p[j - 1])) throw FormatError(kName + std::string("
+                      f"\" payload: index \") + std::to_string(ix) + \" at position \" + std::to_string(j) + "
+                      f"\" is out of range or not ascending (corrupt payload)\"); }}", i2)
+            self.emit("if (!add) std::memset(out, 0, n * sizeof(float));", i2)
+            self.emit(f"hipress::compress::ops::scatter(reinterpret_cast<const uint32_t*>({ic}.p), {vc}.p, {ic}.n, "
+                      f"alpha, true, out);", i2)
+            self.emit("}", ind)
+            return
+        src, fn = call.args
+        u = self.s.udfs[fn.id]
+        st = src.ty
+        acode = self.array_code(src, env)
+        if (st.elem in UINTS or st.elem == "uintN") and len(u.args) == 1 and not u.randoms:
+            self.idioms.append("decode map(packed, f) -> table + ops::dequantize_table")
+            tv = self.conv(self.udf_apply(u, ["static_cast<int64_t>(k)"], ["int32"], "0"), u.ret, "float")
+            self.emit(f"const int b = {acode}.bits; float tab[256] = {{}};", i2)
+            self.emit(f"for (int k = 0; k < (1 << b); ++k) tab[k] = {tv};", i2)
+            self.emit(f"hipress::compress::ops::dequantize_table({acode}.p, n, b, tab, alpha, add, out);", i2)
+        else:
+            args = [self.elem(acode, st, "i")] + (["static_cast<int64_t>(i)"] if len(u.args) == 2 else [])
+            v = self.conv(self.udf_apply(u, args, [self.elem_type(st), "int32"], "0"), u.ret, "float")
+            self.emit("parallel_range(n, hipress::compress::ops::kGrain, [&](size_t b, size_t e) { for (size_t i = b; "
+                      f"i < e; ++i) {{ float v = {v}; if (alpha != 1.0f) v = alpha * v; if (add) out[i] += v; "
+                      "else out[i] = v; } });", i2)
+        self.emit("}", ind)
+
+    # ---- entry points ----
+    def encode(self):
+        s = self.s
+        self.emit("size_t hp_encode(const Params& P, const float* in, size_t n, uint8_t* out, size_t cap, "
+                  "uint64_t* scalars) {", 0)
+        self.emit("Ctx c; c.p = &P;")
+        if s.uses_random:
+            self.emit("c.key = rng_key(static_cast<uint64_t>(P.f_seed));")
+            self.emit("c.counter = scalars ? scalars[kRngCounter] : 0;")
+        else:
+            self.emit("(void)scalars;")
+        self.emit("if (cap < hp_max_bytes(P, n)) throw std::invalid_argument(kName + std::string(\": output buffer "
+                  "has \") + std::to_string(cap) + \" bytes, needs \" + std::to_string(hp_max_bytes(P, n)) + \" "
+                  "(max_encoded_bytes)\");")
+        self.emit("hp::FArr v_in; v_in.p = in; v_in.n = n;")
+        self.emit("size_t total = 0;")
+        self.stmts(s.encode.body, EntryEnv("encode"), 1)
+        if s.uses_random:
+            self.emit("if (scalars) scalars[kRngCounter] = c.counter;")
+        self.emit("return total;")
+        self.emit("}", 0)
+
+    def decode(self):
+        s = self.s
+        self.emit("void hp_decode(const uint8_t* in, size_t bytes, float* out, size_t n, float alpha, bool add) {", 0)
+        if s.decode is None:
+            self.emit("(void)in; (void)bytes; (void)out; (void)n; (void)alpha; (void)add;")
+            self.emit("throw std::invalid_argument(kName + std::string(\": the spec has no decode function\"));")
+            self.emit("}", 0)
+            return
+        self.emit("Ctx c;")
+        env = EntryEnv("decode")
+        self.stmts(s.decode.body, env, 1)
+        self.emit("}", 0)
+
+    def abi(self) -> str:
+        s = self.s
+        return f"""
+}}  // namespace
+
+// ---- C ABI (hipress/dsl/runtime.py) ----
+#define HPC_API extern "C" __attribute__((visibility("default")))
+namespace {{
+int hpc_fail(const std::exception& e, char* err, int errlen, int code) {{
+  if (err && errlen > 0) {{ std::strncpy(err, e.what(), static_cast<size_t>(errlen) - 1); err[errlen - 1] = 0; }}
+  return code;
+}}
+}}
+HPC_API int hpc_abi_version() {{ return {ABI_VERSION}; }}
+HPC_API int hpc_num_params() {{ return {len(s.params)}; }}
+HPC_API void hpc_set_num_threads(int t) {{ hipress::compress::set_num_threads(t); }}
+HPC_API int hpc_check_params(const double* p, char* err, int errlen) {{
+  try {{ make_params(p); return 0; }}
+  catch (const std::exception& e) {{ return hpc_fail(e, err, errlen, 2); }}
+}}
+HPC_API int hpc_max_encoded_bytes(const double* p, uint64_t n, uint64_t* res, char* err, int errlen) {{
+  try {{ *res = hp_max_bytes(make_params(p), n); return 0; }}
+  catch (const std::exception& e) {{ return hpc_fail(e, err, errlen, 2); }}
+}}
+HPC_API int hpc_encode(const double* p, const float* in, uint64_t n, uint8_t* out, uint64_t cap, uint64_t* scalars,
+                       uint64_t* nbytes, char* err, int errlen) {{
+  try {{ *nbytes = hp_encode(make_params(p), in, n, out, cap, scalars); return 0; }}
+  catch (const hipress::compress::FormatError& e) {{ return hpc_fail(e, err, errlen, 1); }}
+  catch (const std::invalid_argument& e) {{ return hpc_fail(e, err, errlen, 2); }}
+  catch (const std::exception& e) {{ return hpc_fail(e, err, errlen, 3); }}
+}}
+HPC_API int hpc_decode(const uint8_t* in, uint64_t bytes, float* out, uint64_t n, float alpha, int add, char* err,
+                       int errlen) {{
+  try {{ hp_decode(in, bytes, out, n, alpha, add != 0); return 0; }}
+  catch (const hipress::compress::FormatError& e) {{ return hpc_fail(e, err, errlen, 1); }}
+  catch (const std::invalid_argument& e) {{ return hpc_fail(e, err, errlen, 2); }}
+  catch (const std::exception& e) {{ return hpc_fail(e, err, errlen, 3); }}
+}}
+"""
+
+
+def _ends_in_return(stmts):
+    from hipress.dsl.checker import returns
+    return returns(stmts)
+
+
+def _is_unit_random(e) -> bool:
+    return isinstance(e, A.Call) and e.kind == "random" and e.ty == "float" and _num(e.args[0], 0) and \
+        _num(e.args[1], 1)
+
+
+def _num(e, v) -> bool:
+    return isinstance(e, A.Num) and e.value == v
+
+
+def generate_cpp(spec: Spec) -> str:
+    g = CppGen(spec)
+    code = g.generate()
+    head = (f"\nnamespace {{\nconstexpr uint8_t kAlgoId = {spec.algo_id};\nconstexpr int kRngCounter = 0;\n"
+            f"const std::string kName = \"{spec.name}\";\n}}  // namespace\n")
+    marker = "}  // namespace hp\n"
+    code = code.replace(marker, marker + "using namespace hipress::compress;\n" + head.replace("namespace {\n", "")
+                        .replace("}  // namespace\n", ""), 1)
+    return code

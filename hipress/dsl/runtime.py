@@ -1,0 +1,191 @@
+"""Loads a generated CompLL library (ctypes, plain C ABI) as a hipress Compressor."""
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from typing import Optional
+
+import torch
+
+from hipress.compression.base import Compressor, CompressorState, check_payload, flat_f32, out_buffer
+from hipress.dsl.checker import UINTS, Spec
+
+ERRLEN = 1024
+_c_double_p = ctypes.POINTER(ctypes.c_double)
+
+
+class GeneratedLibrary:
+    def __init__(self, path: str, spec: Spec):
+        self.path = path
+        self.spec = spec
+        lib = ctypes.CDLL(path)
+        self.lib = lib
+        vp, u64, i32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
+        lib.hpc_abi_version.restype = i32
+        lib.hpc_num_params.restype = i32
+        lib.hpc_set_num_threads.argtypes = [i32]
+        lib.hpc_check_params.argtypes = [vp, ctypes.c_char_p, i32]
+        lib.hpc_max_encoded_bytes.argtypes = [vp, u64, ctypes.POINTER(u64), ctypes.c_char_p, i32]
+        lib.hpc_encode.argtypes = [vp, vp, u64, vp, u64, vp, ctypes.POINTER(u64), ctypes.c_char_p, i32]
+        lib.hpc_decode.argtypes = [vp, u64, vp, u64, ctypes.c_float, i32, ctypes.c_char_p, i32]
+        for f in ("hpc_check_params", "hpc_max_encoded_bytes", "hpc_encode", "hpc_decode"):
+            getattr(lib, f).restype = i32
+        from hipress.dsl.codegen import ABI_VERSION
+        if lib.hpc_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{path}: ABI version {lib.hpc_abi_version()}, expected {ABI_VERSION}")
+        self._threads = None
+
+    def sync_threads(self):
+        from hipress import compression
+        t = compression.num_threads()
+        if t != self._threads:
+            self.lib.hpc_set_num_threads(t)
+            self._threads = t
+
+
+_tls = threading.local()
+
+
+def _errbuf():
+    b = getattr(_tls, "buf", None)
+    if b is None:
+        b = _tls.buf = ctypes.create_string_buffer(ERRLEN)
+    return b
+
+
+def _raise(code: int, buf) -> None:
+    msg = buf.value.decode(errors="replace")
+    if code == 1:
+        from hipress.compression.native import PayloadError
+        raise PayloadError(msg)
+    if code == 2:
+        raise ValueError(msg)
+    raise RuntimeError(msg)
+
+
+def param_values(spec: Spec, params: dict):
+    """Validated parameters in ABI order (doubles)."""
+    known = spec.param_names
+    for k in params:
+        if k not in known:
+            raise ValueError(f"{spec.name}: unknown parameter '{k}' (known: {', '.join(known) or 'none'})")
+    vals = []
+    for f in spec.params:
+        if f.name in params:
+            v = params[f.name]
+        elif f.default is not None:
+            from hipress.dsl.checker import const_value
+            v = const_value(f.default)
+        else:
+            raise ValueError(f"{spec.name}: parameter '{f.name}' is required (it has no default in the spec)")
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{spec.name}: parameter '{f.name}' must be a number, got {v!r}") from None
+        base = f.type.base
+        if base != "float":
+            if not math.isfinite(v) or v != int(v):
+                raise ValueError(f"{spec.name}: parameter '{f.name}' ({base}) must be an integer, got {v}")
+            lo, hi = (0, (1 << UINTS[base]) - 1) if base in UINTS else (-(1 << 31), (1 << 31) - 1)
+            if f.name == "seed" and spec.implicit_seed:
+                lo, hi = 0, (1 << 53)
+            if not lo <= v <= hi:
+                raise ValueError(f"{spec.name}: parameter '{f.name}' = {int(v)} does not fit {base}")
+        elif not math.isfinite(v):
+            raise ValueError(f"{spec.name}: parameter '{f.name}' must be finite")
+        vals.append(v)
+    return vals
+
+
+class GeneratedCompressor(Compressor):
+    """A compressor whose kernels were generated from a CompLL DSL spec."""
+
+    aggregatable = False
+    rounds = 1
+
+    def __init__(self, library: GeneratedLibrary, **params):
+        self._lib = library
+        spec = library.spec
+        self.spec = spec
+        self.name = spec.name
+        self.category = spec.category
+        vals = param_values(spec, params)
+        self.params = dict(zip(spec.param_names, vals))
+        self._p = (ctypes.c_double * max(1, len(vals)))(*vals)
+        err = ctypes.create_string_buffer(ERRLEN)
+        rc = library.lib.hpc_check_params(ctypes.cast(self._p, ctypes.c_void_p), err, ERRLEN)
+        if rc:
+            raise ValueError(f"{spec.name}: {err.value.decode(errors='replace')}")
+        self._pv = ctypes.cast(self._p, ctypes.c_void_p)
+        self._mb = {}
+        n = 1 << 20
+        self.rate = float(spec.rate) if spec.rate else (self.max_encoded_bytes(n) - 48) / (4.0 * n)
+
+    @property
+    def algo_id(self) -> int:
+        return self.spec.algo_id
+
+    def max_encoded_bytes(self, numel: int, shape=None) -> int:
+        numel = int(numel)
+        if numel in self._mb:
+            return self._mb[numel]
+        res = ctypes.c_uint64()
+        err = ctypes.create_string_buffer(ERRLEN)
+        rc = self._lib.lib.hpc_max_encoded_bytes(ctypes.cast(self._p, ctypes.c_void_p), int(numel),
+                                                  ctypes.byref(res), err, ERRLEN)
+        if rc:
+            _raise(rc, err)
+        if len(self._mb) > 4096:
+            self._mb.clear()
+        self._mb[numel] = int(res.value)
+        return int(res.value)
+
+    def new_state(self, numel: int, shape=None) -> CompressorState:
+        return CompressorState(self.name, numel, shape)
+
+    def encode(self, grad, state: Optional[CompressorState] = None, out=None):
+        g = flat_f32(grad)
+        n = g.numel()
+        if state is not None:
+            if not isinstance(state, CompressorState):
+                raise TypeError("state must be a CompressorState (from new_state)")
+            if state.numel != n:
+                raise ValueError(f"state was made for {state.numel} elements, the gradient has {n}")
+        buf = out_buffer(out, self.max_encoded_bytes(n))
+        nb = ctypes.c_uint64()
+        err = _errbuf()
+        self._lib.sync_threads()
+        rc = self._lib.lib.hpc_encode(self._pv, g.data_ptr(), n, buf.data_ptr(),
+                                      buf.numel(), state.scalars.data_ptr() if state is not None else None,
+                                      ctypes.byref(nb), err, ERRLEN)
+        if rc:
+            _raise(rc, err)
+        return buf[:nb.value]
+
+    def _decode(self, payload, out, alpha, add):
+        p = check_payload(payload)
+        flat = out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
+        target = out if flat else torch.empty(out.numel(), dtype=torch.float32)
+        err = _errbuf()
+        self._lib.sync_threads()
+        rc = self._lib.lib.hpc_decode(p.data_ptr(), p.numel(), target.data_ptr(), target.numel(),
+                                      float(alpha if flat else 1.0), int(add and flat), err, ERRLEN)
+        if rc:
+            _raise(rc, err)
+        if not flat:
+            if add:
+                out.add_(target.view(out.shape).to(out.dtype), alpha=alpha)
+            else:
+                out.copy_(target.view(out.shape))
+        return out
+
+    def decode(self, payload, out):
+        return self._decode(payload, out, 1.0, False)
+
+    def decode_add(self, payload, acc, alpha: float = 1.0):
+        return self._decode(payload, acc, alpha, True)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v:g}" for k, v in self.params.items())
+        return f"GeneratedCompressor({self.name}{', ' + args if args else ''})"

@@ -1,0 +1,181 @@
+"""CompLL DSL front end: errors carry file:line:col and a plain message; fuzzing never crashes or hangs."""
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dsl_common  # noqa: F401
+from hipress import compll
+from hipress.dsl import DSLError, check
+from hipress.dsl.lexer import PUNCT
+
+OK = """
+param P { float threshold = 0.1; }
+float tau;
+uint2 code(float x) { return x > tau ? 1 : (x < -tau ? 2 : 0); }
+float value(uint2 c) { return c == 1 ? tau : (c == 2 ? -tau : 0.0); }
+void encode(float* gradient, uint8* compressed, P params) {
+    tau = params.threshold;
+    uint2* q = map(gradient, code);
+    compressed = concat(tau, q);
+}
+void decode(uint8* compressed, float* gradient) {
+    extract(compressed, tau, q);
+    gradient = map(q, value);
+}
+"""
+
+
+def err(src):
+    with pytest.raises(DSLError) as e:
+        check(src, "t.cll")
+    return e.value
+
+
+def test_ok_spec_checks():
+    s = check(OK, "t.cll")
+    assert s.name == "t" and s.param_names == ["threshold"] and s.algo_id >= 64
+
+
+@pytest.mark.parametrize("src,line,col,msg", [
+    ("float x = 1.0 @", 1, 15, "unexpected character '@'"),
+    ("param P { float a }", 1, 19, "expected ';' after a parameter"),
+    ("float f(float x) { for (;;) {} }", 1, 20, "loops are not part of the DSL"),
+    ("void encode(float* g, uint8* c) {\n  c = concat(y);\n}", 2, 14, "'y' is not declared"),
+    ("void encode(float* g, uint8* c) {\n  float z = 1;\n}", 3, 0, None),
+    ("void encode(float* g, uint8* c) {\n  c = concat(1 % 2.0);\n}", 2, 16, "needs integers"),
+    ("float f(float x) { return f(x); }\nvoid encode(float* g, uint8* c) { c = concat(f(1.0)); }", 1, 1,
+     "recursive"),
+    ("void encode(float* g, uint8* c) { c = concat(1, 2, 3, 4, 5); }", 1, 58, "at most 4 scalars"),
+    ("void encode(int32* g, uint8* c) { c = concat(1); }", 1, 13, "must be float*"),
+    ("param P { uint8 b = 2; }\nvoid encode(float* g, uint8* c, P p) { c = concat(p.b); }\n"
+     "void decode(uint8* c, float* g, P p) { extract(c, x); g = map(g, h); }", 3, 0, None),
+    ("uint1 f(float x) { return x > 0; }\nvoid encode(float* g, uint8* c) { uint1* q = map(g, f, 3); c = concat(q); }",
+     2, 46, "map(array, udf)"),
+    ("void encode(float* g, uint8* c) { float x = reduce(g, nosuch); c = concat(x); }", 1, 55, "user-defined function"),
+    ("float y;\nuint1 f(float x) { y = x; return 1; }\nvoid encode(float* g, uint8* c) { c = concat(y); }", 2, 20,
+     "cannot write the global"),
+])
+def test_errors_have_position_and_message(src, line, col, msg):
+    e = err(src)
+    assert e.file == "t.cll"
+    assert e.line >= 1
+    if col:
+        assert (e.line, e.col) == (line, col), str(e)
+    if msg:
+        assert msg in e.message, str(e)
+    assert str(e).startswith(f"t.cll:{e.line}:{e.col}: error: ")
+
+
+def test_decode_cannot_read_params():
+    src = OK.replace("gradient = map(q, value);", "tau = params.threshold; gradient = map(q, value);").replace(
+        "void decode(uint8* compressed, float* gradient)", "void decode(uint8* compressed, float* gradient, P params)")
+    e = err(src)
+    assert "decode cannot read parameters" in e.message
+
+
+def test_extract_must_match_concat():
+    e = err(OK.replace("extract(compressed, tau, q);", "extract(compressed, q, tau);"))
+    assert "concat has" in e.message
+
+
+def test_cli_check_and_show(tmp_path):
+    p = tmp_path / "bad.cll"
+    p.write_text("param P {\n  float a;\n}\nvoid encode(float* g, uint8* c, P p) {\n  c = concat(p.b);\n}\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    r = subprocess.run([sys.executable, "-m", "hipress.compll", "check", str(p)], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 1 and f"{p}:5:16: error: 'b' is not a parameter" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "hipress.compll", "show", "tbq"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and "hpc_encode" in r.stdout and "threshold_ternary_codes" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "hipress.compll", "check", *[os.path.join(compll.SPEC_DIR, s + ".cll")
+                                                                            for s in compll.shipped_specs()]],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------- fuzzing
+TOKENS = ["param", "P", "{", "}", "float", "int32", "uint1", "uint2", "uint8", "uint", "<", ">", "x", "y", "g", "c",
+          "encode", "decode", "map", "reduce", "filter", "concat", "extract", "random", "smaller", "(", ")", ";", ",",
+          "=", "return", "if", "else", "1", "2.5", "*", "+", "-", "/", "%", "?", ":", ".", "size", "params", "void",
+          "uint8*", "float*", "\n", "//c\n", "\\\n", "algorithm", "state", "!", "&&", "1e40", "0x", "@"]
+
+
+def fuzz_check(src):
+    try:
+        check(src, "fuzz.cll")
+    except DSLError as e:
+        assert e.line >= 0 and e.message
+        return False
+    return True
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.text(max_size=200))
+def test_fuzz_any_text(src):
+    fuzz_check(src)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.sampled_from(TOKENS + PUNCT), max_size=60))
+def test_fuzz_token_soup(toks):
+    fuzz_check(" ".join(toks))
+
+
+def mutate(src, data):
+    lines = src.split("\n")
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(0, len(lines) - 1))
+        op = data.draw(st.sampled_from(["drop", "dup", "swap", "cut", "insert"]))
+        if op == "drop":
+            lines.pop(i)
+        elif op == "dup":
+            lines.insert(i, lines[i])
+        elif op == "swap":
+            j = data.draw(st.integers(0, len(lines) - 1))
+            lines[i], lines[j] = lines[j], lines[i]
+        elif op == "cut" and lines[i]:
+            k = data.draw(st.integers(0, len(lines[i])))
+            lines[i] = lines[i][:k]
+        else:
+            lines.insert(i, data.draw(st.sampled_from(TOKENS)))
+        if not lines:
+            lines = [""]
+    return "\n".join(lines)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_fuzz_mutated_specs(data):
+    base = data.draw(st.sampled_from([OK] + [open(os.path.join(compll.SPEC_DIR, s + ".cll")).read()
+                                             for s in compll.shipped_specs()]))
+    fuzz_check(mutate(base, data))
+
+
+def test_fuzz_deep_nesting_is_an_error_not_a_crash():
+    for src in ["float x = " + "(" * 5000 + "1" + ")" * 5000 + ";", "float x = " + "-" * 5000 + "1;",
+                "float f(float a) { " + "if (a) " * 3000 + "return a; }"]:
+        assert fuzz_check(src) is False
+
+
+def test_fuzz_a_handful_compile():
+    """Mutations that still type-check also compile (-Wall -Wextra -Werror) and run."""
+    import random
+    import torch
+    from hipress import compression as C
+    rng = random.Random(1)
+    variants = [OK.replace("x > tau ? 1", "x >= tau * 2.0 ? 1"), OK.replace("0.1", "0.25"),
+                OK.replace("return c == 1 ? tau", "return c != 1 ? -tau * 0.5 + 1.0 : tau; return c == 1 ? tau")]
+    compiled = 0
+    for k, v in enumerate(variants):
+        try:
+            check(v, "v.cll")
+        except DSLError:
+            continue
+        compll.load(f"v{k}.cll", source=v, name=f"fuzzv{k}_{rng.randrange(1 << 30)}")
+        compiled += 1
+    assert compiled >= 2
