@@ -124,7 +124,7 @@ setup(
     version="0.1.0",
     description="Compression-aware data-parallel training for PyTorch (HiPress CaSync + CompLL)",
     packages=find_packages(include=["hipress", "hipress.*", "horovod_ext", "horovod_ext.*"]),
-    package_data={"hipress": ["dsl/specs/*.cll", "py.typed"]},
+    package_data={"hipress": ["dsl/specs/*.cll", "dsl/prelude.h.txt", "py.typed"]},
     ext_modules=[
         Pybind11Extension(
             "hipress._C",
@@ -140,6 +140,6 @@ setup(
     python_requires=">=3.9",
     install_requires=["numpy"],
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "mpi4py"]},
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": ["hipress-compll = hipress.compll:main"]},
     zip_safe=False,
 )
