@@ -48,6 +48,48 @@ def _timeout_s() -> float:
     return float(os.environ.get("HIPRESS_TIMEOUT_S", "60"))
 
 
+class _Bucket:
+    """Gradients synchronised as one flat fp32 buffer (tensor fusion).
+
+    A bucket of one fp32, contiguous CPU gradient syncs that gradient in place (no copy);
+    otherwise each gradient is copied in when it is final and copied back after the sync
+    (also how fp16/bf16 and non-CPU gradients are handled).
+    """
+
+    __slots__ = ("params", "name", "offsets", "numel", "shape", "in_place", "flat")
+
+    def __init__(self, params):
+        self.params = params
+        first, last = params[0][0], params[-1][0]
+        self.name = first if len(params) == 1 else f"fused[{first}..{last}]"
+        self.offsets, off = [], 0
+        for _, p in params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        p0 = params[0][1]
+        self.shape = tuple(p0.shape) if len(params) == 1 else (off,)
+        self.in_place = len(params) == 1 and p0.dtype == torch.float32 and p0.device.type == "cpu"
+        self.flat = None if self.in_place else torch.zeros(off, dtype=torch.float32)
+
+    def put(self, p) -> None:
+        if self.in_place:
+            g = p.grad
+            if not g.is_contiguous():
+                p.grad = g = g.contiguous()
+            self.flat = g.view(-1)
+            return
+        i = next(i for i, (_, q) in enumerate(self.params) if q is p)
+        self.flat[self.offsets[i]:self.offsets[i] + p.numel()].copy_(p.grad.detach().reshape(-1))
+
+    def full(self, taken) -> bool:
+        return all(id(p) in taken for _, p in self.params)
+
+    def unpack(self) -> None:
+        for (_, p), off in zip(self.params, self.offsets):
+            p.grad.copy_(self.flat[off:off + p.numel()].view_as(p.grad))
+
+
 def _resolve_named_parameters(optimizer, named_parameters) -> List[Tuple[str, torch.nn.Parameter]]:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if named_parameters is None:
@@ -73,7 +115,7 @@ class _HipressOptimizer:
     """Methods mixed into the dynamic subclass (see module docstring)."""
 
     def _hipress_setup(self, named, compression, strategy, backward_passes_per_step, op, partition_bytes,
-                       local_aggregation, plan, coordinator, compression_kwargs):
+                       local_aggregation, plan, coordinator, bucket_bytes, compression_kwargs):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if op not in (Average, Sum):
@@ -106,14 +148,17 @@ class _HipressOptimizer:
         self._hp_compressed = self._hp_make_sync(self._hp_compressor)
         self._hp_plain = self._hp_make_sync(NoneCompressor()) if plan is not None else self._hp_compressed
         self._hp_strategy, self._hp_ctx = self._hp_compressed[0], self._hp_compressed[1]
-        self._hp_plan = self._hp_make_plan(plan, named) if plan is not None else None
+        self._hp_named = named
+        self._hp_buckets = self._hp_build_buckets(bucket_bytes)
+        self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
+        self._hp_plan = self._hp_make_plan(plan) if plan is not None else None
         self._hp_named = named
         self._hp_names = {id(p): n for n, p in named}
         self._hp_passes = backward_passes_per_step
         self._hp_partition_bytes = partition_bytes
         self._hp_counts: Dict[int, int] = {}
-        self._hp_handles: Dict[int, Handle] = {}
-        self._hp_copy_back: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hp_taken: set = set()  # ids of parameters whose gradient is in a bucket this step
+        self._hp_handles: Dict[str, Handle] = {}
         self._hp_skip = False
         self._hp_synchronized = False
         # Timeline row 2 shows when each gradient became ready, next to the queues.
@@ -139,7 +184,7 @@ class _HipressOptimizer:
             self._hp_chain, runtime.local_rank() == 0)
         return HierarchicalStrategy(inner, local_ctx, cross_ctx, runtime.size(), self._hp_average), local_ctx
 
-    def _hp_make_plan(self, plan, named):
+    def _hp_make_plan(self, plan):
         """plan: a Plan, "auto" (profile now, collectively), or an Overrides."""
         if isinstance(plan, Plan):
             return plan
@@ -153,7 +198,7 @@ class _HipressOptimizer:
         prof = profile_online(self._hp_compressor, self._hp_transport, self._hp_strategy_name)
         n_sync = len(set(runtime.hostnames())) if self._hp_hierarchical else runtime.size()
         model = CostModel(prof.send, prof.enc, prof.dec, n_sync, prof.strategy, prof.category, prof.rate)
-        return make_plan([(n, 4 * p.numel()) for n, p in named], model, overrides)
+        return make_plan([(b.name, 4 * b.numel) for b in self._hp_buckets], model, overrides)
 
     @staticmethod
     def _hp_use_local_aggregation(mode) -> bool:
@@ -195,6 +240,29 @@ class _HipressOptimizer:
             s = e
         return out
 
+    def _hp_build_buckets(self, bucket_bytes) -> List["_Bucket"]:
+        """Tensor fusion: consecutive small gradients (in reverse parameter order, roughly
+        the order backward produces them) share one buffer of up to bucket_bytes, synced as
+        one gradient; larger ones, and every gradient of a multi-round (low-rank)
+        compressor, which needs each matrix whole, get a bucket of their own."""
+        fuse = bool(bucket_bytes) and self._hp_compressor.rounds == 1
+        groups, cur, cur_bytes = [], [], 0
+        for name, p in reversed(self._hp_named):
+            if not p.requires_grad:
+                continue
+            nbytes = 4 * p.numel()
+            if not fuse or nbytes >= bucket_bytes:
+                groups.append([(name, p)])
+                continue
+            if cur and cur_bytes + nbytes > bucket_bytes:
+                groups.append(cur)
+                cur, cur_bytes = [], 0
+            cur.append((name, p))
+            cur_bytes += nbytes
+        if cur:
+            groups.append(cur)
+        return [_Bucket(g) for g in groups]
+
     def _hp_on_grad(self, p: torch.nn.Parameter):
         if self._hp_skip:
             return
@@ -203,37 +271,43 @@ class _HipressOptimizer:
         if self._hp_ctx.engine.timeline_enabled:
             self._hp_ctx.engine.timeline_slice(2, f"grad.{self._hp_names[key]}", self._hp_mark_ns, now)
         self._hp_mark_ns = now
-        if key in self._hp_handles:
+        if key in self._hp_taken:
             raise RuntimeError(
                 f"gradient of '{self._hp_names[key]}' was computed again before step(): "
                 f"call step() (or synchronize()) after every {self._hp_passes} backward pass(es), "
                 f"or raise backward_passes_per_step")
         self._hp_counts[key] = self._hp_counts.get(key, 0) + 1
         if self._hp_counts[key] == self._hp_passes:
-            self._hp_submit(p)
+            self._hp_take(p)
 
-    def _hp_submit(self, p: torch.nn.Parameter):
+    def _hp_take(self, p: torch.nn.Parameter):
+        """p's gradient is final for this step: put it in its bucket; submit a full bucket."""
         key = id(p)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grad = p.grad
+        self._hp_taken.add(key)
+        bucket = self._hp_bucket_of[key]
+        if self._hp_transport.size > 1:
+            bucket.put(p)
+        if bucket.full(self._hp_taken):
+            self._hp_submit(bucket)
+
+    def _hp_submit(self, bucket: "_Bucket"):
         if self._hp_transport.size == 1:
-            self._hp_handles[key] = None
+            self._hp_handles[bucket.name] = None
             return
-        if grad.dtype == torch.float32 and grad.is_contiguous() and grad.device.type == "cpu":
-            flat = grad.view(-1)  # synchronised in place, no copy
-        else:
-            flat = grad.detach().to(device="cpu", dtype=torch.float32).reshape(-1).clone()
-            self._hp_copy_back[key] = (flat, grad)
-        name = self._hp_names[key]
+        flat = bucket.flat
         if self._hp_plan is not None:
-            entry = self._hp_plan.entry(name, flat.numel())
+            entry = self._hp_plan.entry(bucket.name, flat.numel())
             sync, ctx = self._hp_compressed if entry.compress else self._hp_plain
             bounds = entry.bounds(flat.numel())
         else:
             sync, ctx = self._hp_compressed
             bounds = self._hp_partitions(flat.numel())
-        self._hp_handles[key] = sync.build(ctx, name, flat, bounds, shape=tuple(p.shape))
+        h = sync.build(ctx, bucket.name, flat, bounds, shape=bucket.shape)
+        if not bucket.in_place:
+            h = ctx.compute(f"unpack.{bucket.name}", bucket.unpack, [h], nbytes=4 * flat.numel())
+        self._hp_handles[bucket.name] = h
 
     # ------------------------------------------------------------------ public API
     def synchronize(self):
@@ -244,26 +318,25 @@ class _HipressOptimizer:
         if incomplete and len(incomplete) == len(self._hp_counts):
             n = next(iter(incomplete.values()))
             raise RuntimeError(f"step() after {n} of backward_passes_per_step={self._hp_passes} backward passes")
-        for _, p in self._hp_named:  # parameter order: the same on every rank
-            if p.requires_grad and id(p) not in self._hp_handles:
-                self._hp_submit(p)
+        for bucket in self._hp_buckets:  # bucket order: the same on every rank
+            for _, p in bucket.params:
+                if id(p) not in self._hp_taken:
+                    self._hp_take(p)  # unused this step: zeros, so every rank runs the same collectives
         deadline = _timeout_s()
         errors = []
-        for key, h in self._hp_handles.items():
+        for name, h in self._hp_handles.items():
             if h is None:
                 continue
             if not h.wait(deadline):
-                errors.append(f"'{self._hp_names[key]}' not synchronized within {deadline:g} s "
+                errors.append(f"'{name}' not synchronized within {deadline:g} s "
                               f"(HIPRESS_TIMEOUT_S); a peer may have died or stalled")
                 continue
             err = h.exception(0)
             if err is not None:
                 errors.append(str(err))
-        for key, (flat, grad) in self._hp_copy_back.items():
-            grad.copy_(flat.view_as(grad))
         self._hp_handles.clear()
         self._hp_counts.clear()
-        self._hp_copy_back.clear()
+        self._hp_taken.clear()
         if errors:
             shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
             raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(shown))
@@ -290,7 +363,7 @@ class _HipressOptimizer:
         return out
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._hp_handles:
+        if self._hp_handles or self._hp_taken:
             raise RuntimeError("zero_grad() called while gradients are being synchronized; call step() "
                                "or synchronize() first")
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
@@ -311,7 +384,8 @@ class _HipressOptimizer:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none",
                          strategy: str = "ring", backward_passes_per_step: int = 1, op: str = Average,
                          partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto", plan=None,
-                         coordinator: Optional[bool] = None, **compression_kwargs):
+                         coordinator: Optional[bool] = None, bucket_bytes: Optional[int] = 1 << 20,
+                         **compression_kwargs):
     """Wraps ``optimizer`` so that step() uses gradients averaged over all ranks.
 
     compression: an algorithm name of ``hipress.compression`` ("none", "onebit", "tbq",
@@ -327,6 +401,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     compresses only where the cost model says it pays and picks the partition count;
     a hipress.planner.Overrides pins thresholds on top of "auto"; a Plan is used as is.
     compression="auto" means TBQ with plan="auto".
+    bucket_bytes: tensor fusion: gradients smaller than this share buffers of up to this
+    size, synced (and planned, compressed, partitioned) as one (None or 0: every gradient
+    alone; always alone with multi-round compressors such as PowerSGD).
     coordinator: batch all communication through the global coordinator on rank 0
     (hipress.coordinator); None reads HIPRESS_COORDINATOR (default off).
     Returns the same optimizer object, whose class is now a subclass of its old class.
@@ -344,7 +421,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         if compression == "auto":
             compression, plan = "tbq", (plan if plan is not None else "auto")
         optimizer._hipress_setup(named, compression, strategy, backward_passes_per_step, op, partition_bytes,
-                                 local_aggregation, plan, coordinator, compression_kwargs)
+                                 local_aggregation, plan, coordinator, bucket_bytes, compression_kwargs)
     except Exception:
         optimizer.__class__ = base
         raise

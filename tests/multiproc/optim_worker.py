@@ -64,6 +64,7 @@ def main():
                                            partition_bytes=cfg.get("partition_bytes", 64 << 20),
                                            local_aggregation=cfg.get("local_aggregation", "auto"), plan=plan,
                                            coordinator=cfg.get("coordinator", False),
+                                           bucket_bytes=cfg.get("bucket_bytes", 4 << 20),
                                            **cfg.get("kwargs", {}))
         steps = []
         for step in range(cfg.get("steps", 1)):
@@ -78,13 +79,15 @@ def main():
                 opt.step()
             steps.append({"local": local, "synced": synced})
         owners = {**getattr(opt._hp_plain[0], "_owner", {}), **getattr(opt._hp_compressed[0], "_owner", {})}
-        if opt._hp_plan is not None:
-            bounds = {n: opt._hp_plan.bounds(n, p.numel()) for n, p in model.named_parameters()}
-            compressed = {n: opt._hp_plan.compress(n, p.numel()) for n, p in model.named_parameters()}
-        else:
-            bounds = {n: opt._hp_partitions(p.numel()) for n, p in model.named_parameters()}
-            compressed = {n: True for n, _ in model.named_parameters()}
-        results.append({"config": cfg, "steps": steps, "owners": owners, "bounds": bounds, "compressed": compressed})
+        buckets = []
+        for b in opt._hp_buckets:
+            if opt._hp_plan is not None:
+                bounds, compressed = opt._hp_plan.bounds(b.name, b.numel), opt._hp_plan.compress(b.name, b.numel)
+            else:
+                bounds, compressed = opt._hp_partitions(b.numel), True
+            buckets.append({"name": b.name, "params": [n for n, _ in b.params], "bounds": bounds,
+                            "compressed": compressed})
+        results.append({"config": cfg, "steps": steps, "owners": owners, "buckets": buckets})
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     hipress.shutdown()
 

@@ -52,32 +52,36 @@ def check_exact_average(results, np):
 
 
 def check_against_reference(results, np):
+    """Every bucket (fused gradients, or one gradient) equals the sequential reference of
+    its strategy run on the same local gradients, with state carried across steps."""
     for c, cfg_res in enumerate(results[0]):
         cfg = cfg_res["config"]
         stores = [StateStore() for _ in range(np)]
         for step in range(len(cfg_res["steps"])):
-            for name, bounds in cfg_res["bounds"].items():
-                comp = compression.get(cfg["compression"] if cfg_res["compressed"][name] else "none",
-                                       **(cfg.get("kwargs", {}) if cfg_res["compressed"][name] else {}))
-                local = [results[r][c]["steps"][step]["local"][name].reshape(-1) for r in range(np)]
+            for b in cfg_res["buckets"]:
+                name, bounds = b["name"], b["bounds"]
+                comp = compression.get(cfg["compression"] if b["compressed"] else "none",
+                                       **(cfg.get("kwargs", {}) if b["compressed"] else {}))
+                grads = [[results[r][c]["steps"][step]["local"][p] for p in b["params"]] for r in range(np)]
+                local = [torch.cat([g.reshape(-1) for g in gs]) for gs in grads]
                 if comp.rounds > 1:
-                    shape = tuple(results[0][c]["steps"][step]["local"][name].shape)
-                    want = reference.lowrank(local, comp, stores, name, shape)
+                    want = reference.lowrank(local, comp, stores, name, tuple(grads[0][0].shape))
                 elif cfg["strategy"] == "ring":
                     want = reference.ring(local, comp, stores, name, bounds)
                 else:
                     owners = [cfg_res["owners"][f"{name}/p{i}"] for i, (s, e) in enumerate(bounds) if e > s]
                     want = reference.ps(local, comp, stores, name, bounds, owners)
                 for r in range(np):
-                    got = results[r][c]["steps"][step]["synced"][name].reshape(-1)
+                    got = torch.cat([results[r][c]["steps"][step]["synced"][p].reshape(-1) for p in b["params"]])
                     torch.testing.assert_close(got, want[r], rtol=1e-5, atol=1e-6,
                                                msg=lambda m: f"{cfg} step {step} rank {r} {name}: {m}")
 
 
 @pytest.mark.parametrize("np", [2, 3, 4])
 def test_uncompressed_equals_exact_average(tmp_path, np):
-    configs = [{"compression": "none", "strategy": s, "passes": p, "steps": 2, "partition_bytes": pb}
-               for s in ("ring", "ps") for p, pb in ((1, 64 << 20), (2, 1024))]
+    configs = [{"compression": "none", "strategy": s, "passes": p, "steps": 2, "partition_bytes": pb,
+                "bucket_bytes": bb}
+               for s in ("ring", "ps") for p, pb, bb in ((1, 64 << 20, 0), (2, 1024, 4 << 20))]
     check_exact_average(launch(tmp_path, np, configs), np)
 
 
@@ -165,12 +169,14 @@ def test_local_aggregation_compresses_across_hosts_only(tmp_path):
     stores = [StateStore() for _ in range(2)]
     res = results[0][0]
     for step in range(2):
-        for name, bounds in res["bounds"].items():
-            local = [results[r][0]["steps"][step]["local"][name].reshape(-1) for r in range(np)]
+        for b in res["buckets"]:
+            name, bounds = b["name"], b["bounds"]
+            local = [torch.cat([results[r][0]["steps"][step]["local"][p].reshape(-1) for p in b["params"]])
+                     for r in range(np)]
             host_sums = [local[0] + local[1], local[2] + local[3]]
             want = reference.ring(host_sums, comp, stores, name, bounds, average=False)[0] / np
             for r in range(np):
-                got = results[r][0]["steps"][step]["synced"][name].reshape(-1)
+                got = torch.cat([results[r][0]["steps"][step]["synced"][p].reshape(-1) for p in b["params"]])
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name} rank {r}: {m}")
 
 
@@ -180,13 +186,14 @@ def test_planned_selective_compression(tmp_path, monkeypatch):
     reference of the decision it got, and every rank holds the same plan."""
     monkeypatch.setenv("HIPRESS_PROFILE_DIR", str(tmp_path / "profiles"))
     np = 3
-    configs = [{"compression": "tbq", "strategy": s, "kwargs": {"threshold": 0.01}, "steps": 2,
+    configs = [{"compression": "tbq", "strategy": s, "kwargs": {"threshold": 0.01}, "steps": 2, "bucket_bytes": 0,
                 "plan_force": {"a.weight": [False, 2], "big": [True, 3]}} for s in ("ring", "ps")]
     results = launch(tmp_path, np, configs)
     for c in range(len(configs)):
-        plans = [(results[r][c]["bounds"], results[r][c]["compressed"]) for r in range(np)]
+        plans = [results[r][c]["buckets"] for r in range(np)]
         assert all(p == plans[0] for p in plans), "ranks planned differently"
-        bounds, compressed = plans[0]
+        bounds = {b["name"]: b["bounds"] for b in plans[0]}
+        compressed = {b["name"]: b["compressed"] for b in plans[0]}
         assert compressed["a.weight"] is False and len(bounds["a.weight"]) == 2
         assert compressed["big"] is True and len(bounds["big"]) == 3
     check_against_reference(results, np)

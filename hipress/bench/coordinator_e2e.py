@@ -1,0 +1,96 @@
+"""Coordinator on versus off, end to end, on the emulated cluster.
+
+    python -m hipress.bench.coordinator_e2e [--np 4] [--bandwidth 1gbit] [--latency 0.2ms]
+        [--layers 48] [--steps 30] [--compression tbq] [--out results/coordinator_e2e.json]
+
+A model with many small gradients (``--layers`` blocks of a 96x96 linear layer and a
+LayerNorm: 4 tensors each, the ResNet-like profile) trained with hipress on ``--np``
+emulated hosts; the same job runs with ``coordinator=False`` and ``coordinator=True``,
+for each strategy, and the median step time of each is reported with the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from hipress.bench.common import markdown_table, write_result
+
+
+def worker(args) -> None:
+    import torch
+    import torch.nn as nn
+
+    import hipress
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    hipress.init()
+    blocks = []
+    for _ in range(args.layers):
+        blocks += [nn.Linear(96, 96), nn.LayerNorm(96)]
+    model = nn.Sequential(*blocks)
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(), compression=args.compression,
+                                       strategy=args.strategy, coordinator=args.coordinator == "on")
+    x = torch.randn(32, 96)
+    times = []
+    for step in range(args.steps + 3):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        if step >= 3:
+            times.append(time.perf_counter() - t0)
+    if hipress.rank() == 0:
+        print("RESULT " + json.dumps({"median_step_s": statistics.median(times), "steps": len(times)}), flush=True)
+    hipress.shutdown()
+
+
+def main(argv=None) -> list:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--np", type=int, default=4)
+    p.add_argument("--bandwidth", default="1gbit")
+    p.add_argument("--latency", default="0.2ms")
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--compression", default="tbq")
+    p.add_argument("--strategies", default="ring,ps")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default="results/coordinator_e2e.json")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--strategy", default="ring", help=argparse.SUPPRESS)
+    p.add_argument("--coordinator", default="off", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(a)
+        return []
+    from hipress.bench.cluster import EmulatedCluster
+
+    rows = []
+    with EmulatedCluster(np=a.np, bandwidth=a.bandwidth, latency=a.latency) as c:
+        for strategy in a.strategies.split(","):
+            res = {}
+            for rep in range(a.repeats):
+                for coord in ("off", "on"):
+                    cmd = [sys.executable, "-m", "hipress.bench.coordinator_e2e", "--worker", "--strategy", strategy,
+                           "--coordinator", coord, "--layers", str(a.layers), "--steps", str(a.steps),
+                           "--compression", a.compression]
+                    code, outs = c.run(cmd, timeout=600, quiet=True)
+                    if code != 0:
+                        raise SystemExit(f"{strategy}/{coord} failed ({code}):\n" + "\n".join(outs)[-3000:])
+                    line = next(ln for ln in outs[0].splitlines() if ln.startswith("RESULT "))
+                    res.setdefault(coord, []).append(json.loads(line[7:])["median_step_s"])
+            off, on = statistics.median(res["off"]), statistics.median(res["on"])
+            rows.append({"strategy": strategy, "coordinator_off_ms": off * 1e3, "coordinator_on_ms": on * 1e3,
+                         "speedup_on_vs_off": off / on, "emulated": c.emulated})
+    print(markdown_table(rows, list(rows[0])))
+    write_result(a.out, "coordinator_e2e", {k: v for k, v in vars(a).items()
+                                            if k not in ("worker", "strategy", "coordinator")}, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
