@@ -812,7 +812,7 @@ class CppGen(Gen):
         self.emit("}", ind)
 
     def sort_op(self, tgt, call, env, ind):
-        src, order, kx = call.args
+        src, order, kx = call.args[:3]
         acode = self.array_code(src, env)
         self.emit("{", ind)
         self.emit(f"const int64_t kv = {self.ex(kx, env)}; const size_t k = kv < 0 ? 0 : std::min<size_t>("
