@@ -880,9 +880,9 @@ class CppGen(Gen):
         self.emit("[[maybe_unused]] Ctx c; c.p = &P;")
         if s.capacity is not None:
             self.emit("const int64_t capv = hp_capacity(P, static_cast<int64_t>(n));")
-            self.emit("const size_t nvar = capv < 0 ? 0 : std::min<size_t>(n, static_cast<size_t>(capv));")
+            self.emit("[[maybe_unused]] const size_t nvar = capv < 0 ? 0 : std::min<size_t>(n, static_cast<size_t>(capv));")
         else:
-            self.emit("const size_t nvar = n;")
+            self.emit("[[maybe_unused]] const size_t nvar = n;")
         terms = ["kHeaderBytes"]
         for a in s.concat.args:
             t = a.ty
