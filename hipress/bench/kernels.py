@@ -142,7 +142,8 @@ def markdown(results: Dict) -> str:
 
 
 GENERATED = [("onebit", "onebit", {}), ("tbq", "tbq", {"threshold": 0.01}), ("terngrad-2bit", "terngrad", {"bitwidth": 2}),
-             ("terngrad-8bit", "terngrad", {"bitwidth": 8})]
+             ("terngrad-8bit", "terngrad", {"bitwidth": 8}), ("dgc-0.1%", "dgc", {"ratio": 0.001}),
+             ("graddrop-1%", "graddrop", {"ratio": 0.01})]
 
 
 def bench_generated(sizes_mb, threads: List[int], repeat: int) -> Dict:

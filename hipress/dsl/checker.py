@@ -19,14 +19,17 @@ from hipress.dsl.errors import DSLError
 
 UINTS = {"uint1": 1, "uint2": 2, "uint4": 4, "uint8": 8}
 INTS = set(UINTS) | {"int32", "uintN"}
-SCALARS = INTS | {"float"}
+FLOATS = ("float", "double")
+SCALARS = INTS | set(FLOATS)
+MAX_STATE_SCALARS = 3  # CompressorState.scalars[1..3] (scalars[0] is the RNG counter)
 CATEGORIES = ("quantization", "sparsification", "lowrank")
 MATH1 = {"floor": "float", "ceil": "float", "round": "float", "sqrt": "float", "exp": "float", "log": "float",
          "abs": None, "signbit": "int32", "isnan": "int32"}
 MATH2 = {"min": None, "max": None, "pow": "float"}
 REDUCERS = ("smaller", "greater", "sum", "mean", "maxabs", "count")
 COMPARATORS = ("greaterAbs", "greater", "smaller")
-OPERATORS = ("map", "reduce", "filter", "sort", "random", "concat", "extract", "scatter", "decomp", "matmul")
+OPERATORS = ("map", "reduce", "filter", "sort", "random", "concat", "extract", "scatter", "threshold", "decomp",
+             "matmul")
 MAX_HEADER_WORDS = 4
 
 
@@ -56,6 +59,13 @@ def bits_of(t) -> Optional[int]:
     return None
 
 
+def arith(*ts) -> str:
+    """Result type of arithmetic on numbers: double > float > int32 (C's usual conversions)."""
+    if "double" in ts:
+        return "double"
+    return "float" if "float" in ts else "int32"
+
+
 def tname(t) -> str:
     return str(t) if t is not None else "void"
 
@@ -69,6 +79,7 @@ class Sym:
     col: int = 0
     width: Optional[A.Expr] = None  # for uintN
     state: bool = False
+    slot: int = -1                  # state: buffer index (arrays) or CompressorState.scalars index (scalars)
 
 
 @dataclass
@@ -99,6 +110,9 @@ class Spec:
     layout: List[Tuple[str, object]]  # (kind "word"|"array", type) per concat argument
     uses_random: bool
     program: A.Program
+    state_arrays: List[Sym] = field(default_factory=list)   # CompressorState buffers, in order
+    state_scalars: List[Sym] = field(default_factory=list)  # CompressorState.scalars[1..]
+    capacity: Optional[A.Func] = None                       # bound of the data-dependent arrays' length
 
     @property
     def param_names(self) -> List[str]:
@@ -152,13 +166,13 @@ class Checker:
             if isinstance(e, A.Name):
                 if e.id not in self.fields:
                     self.err(e, f"'{e.id}' in a bit width is not a parameter (widths depend on parameters only)")
-                if self.fields[e.id].type.base == "float":
+                if self.fields[e.id].type.base in FLOATS:
                     self.err(e, f"parameter '{e.id}' is a float; a bit width must be an integer")
                 return
             if isinstance(e, A.Member) and isinstance(e.obj, A.Name):
                 if e.attr not in self.fields:
                     self.err(e, f"'{e.attr}' is not a parameter")
-                if self.fields[e.attr].type.base == "float":
+                if self.fields[e.attr].type.base in FLOATS:
                     self.err(e, f"parameter '{e.attr}' is a float; a bit width must be an integer")
                 return
             if isinstance(e, A.Binary) and e.op in ("+", "-", "*", "<<", ">>"):
@@ -181,7 +195,7 @@ class Checker:
                     self.err(f, f"parameter '{f.name}' declared twice")
                 if f.type.array or f.type.base not in SCALARS:
                     self.err(f.type, f"parameter '{f.name}' must have a scalar type "
-                                     f"(uint1, uint2, uint4, uint8, int32 or float)")
+                                     f"(uint1, uint2, uint4, uint8, int32, float or double)")
                 self.fields[f.name] = f
         for b in p.params:
             for f in b.fields:
@@ -191,17 +205,20 @@ class Checker:
                                                                  isinstance(f.default.operand, A.Num)):
                         self.err(f.default, "a parameter default must be a number")
                     v = const_value(f.default)
-                    if f.type.base != "float" and float(v) != int(v):
+                    if f.type.base not in FLOATS and float(v) != int(v):
                         self.err(f.default, f"parameter '{f.name}' is an integer; its default {v} is not")
                     if f.type.base in UINTS and not 0 <= v < (1 << UINTS[f.type.base]):
                         self.err(f.default, f"default {v} does not fit {f.type.base}")
+        self.state_arrays: List[Sym] = []
+        self.state_scalars: List[Sym] = []
         for d in p.globals:
             ty = self.resolve(d.type, "a global declaration")
-            if ty is None or isinstance(ty, tuple) or is_arr(ty):
-                self.err(d.type, "globals must be scalars (uint1..uint8, int32, float)")
             if d.state:
-                self.err(d, "'state' globals are not supported yet: per-tensor state is not available to DSL "
-                            "algorithms in this version")
+                self.state_decl(d, ty)
+                continue
+            if ty is None or isinstance(ty, tuple) or is_arr(ty):
+                self.err(d.type, "globals must be scalars (uint1..uint8, int32, float, double); per-tensor arrays "
+                                 "are declared 'state float* name;'")
             for name, init, line, col in d.names:
                 self.declare_global(name, ty, line, col, d.type.width)
                 if init is not None:
@@ -216,12 +233,14 @@ class Checker:
                     f.name in COMPARATORS:
                 self.err(f, f"'{f.name}' is a built-in name and cannot be redefined")
             self.funcs[f.name] = f
+        if "has_state" in self.funcs or "has_state" in self.globals:
+            self.err(self.funcs.get("has_state") or self.p, "'has_state' is a built-in name")
         if "encode" not in self.funcs:
             self.err(p, "a spec needs an 'encode' function: void encode(float* gradient, uint8* compressed, "
                         "Params params)")
         # UDF signatures first (they may call each other), then bodies.
         for f in p.funcs:
-            if f.name in ("encode", "decode"):
+            if f.name in ("encode", "decode", "capacity"):
                 continue
             ret = self.resolve(f.ret, f"the return type of '{f.name}'")
             if is_arr(ret) or isinstance(ret, tuple):
@@ -246,6 +265,9 @@ class Checker:
         self.check_recursion()
         for u in self.udfs.values():
             u.randoms = self.count_randoms(u.func.name, set())
+        self.capacity = self.funcs.get("capacity")
+        if self.capacity is not None:
+            self.check_capacity(self.capacity)
         enc = self.funcs["encode"]
         self.encode_params = self.entry(enc, "encode", [("float", True), ("uint8", True)])
         dec = self.funcs.get("decode")
@@ -300,7 +322,51 @@ class Checker:
                     category=opts.get("category", "quantization"), error_feedback=bool(opts.get("error_feedback", 0)),
                     rate=opts.get("rate"), params=params, implicit_seed=implicit_seed, globals=self.globals,
                     udfs=self.udfs, encode=enc, decode=dec, concat=self.concat, layout=layout,
-                    uses_random=self.uses_random, program=self.p)
+                    uses_random=self.uses_random, program=self.p, state_arrays=self.state_arrays,
+                    state_scalars=self.state_scalars, capacity=self.capacity)
+
+    def state_decl(self, d: A.Decl, ty):
+        """'state float* a;' (a CompressorState buffer of the gradient's size, updated in place) or
+        'state int32 s;' (a CompressorState scalar); both persist per tensor across encode calls."""
+        if is_arr(ty):
+            if ty.elem != "float":
+                self.err(d.type, "a state array holds floats: 'state float* name;'")
+        elif ty not in ("int32",):
+            self.err(d.type, "state is 'state float* name;' (a per-tensor buffer) or 'state int32 name;' "
+                             "(a per-tensor counter)")
+        for name, init, line, col in d.names:
+            if init is not None:
+                self.err(init, f"state '{name}' cannot have an initial value (new state is zero)")
+            if name == "has_state":
+                raise DSLError("'has_state' is a built-in name", self.file, line, col)
+            self.declare_global(name, Arr("float", "n") if is_arr(ty) else ty, line, col)
+            sym = self.globals[name]
+            sym.state = True
+            if is_arr(ty):
+                if len(self.state_arrays) >= 7:
+                    raise DSLError("at most 7 state arrays (the error-feedback residual takes the 8th buffer)",
+                                   self.file, line, col)
+                sym.slot = len(self.state_arrays)
+                self.state_arrays.append(sym)
+            else:
+                if len(self.state_scalars) >= MAX_STATE_SCALARS:
+                    raise DSLError(f"at most {MAX_STATE_SCALARS} state scalars (CompressorState.scalars[1..3]; "
+                                   f"[0] is the RNG counter)", self.file, line, col)
+                sym.slot = 1 + len(self.state_scalars)
+                self.state_scalars.append(sym)
+
+    def check_capacity(self, f: A.Func):
+        """int32 capacity(int32 n, P params): the most elements a data-dependent (filter/sort) array of the
+        payload holds for an n-element gradient (max_encoded_bytes); default n."""
+        if f.ret.base != "int32" or f.ret.array or len(f.params) != 2 or f.params[0][0].base != "int32" or \
+                f.params[0][0].array or f.params[1][0].base not in self.blocks:
+            self.err(f, "capacity has the signature 'int32 capacity(int32 n, Params params)'")
+        scope = {f.params[0][1]: Sym(f.params[0][1], "arg", "int32", f.params[0][2], f.params[0][3]),
+                 f.params[1][1]: Sym(f.params[1][1], "params", ("params", f.params[1][0].base), f.params[1][2],
+                                     f.params[1][3])}
+        self.block(f.body, scope, "capacity", "int32")
+        if not returns(f.body):
+            self.err(f, "'capacity' must end with a return statement on every path")
 
     def declare_global(self, name, ty, line, col, width=None):
         if name in self.globals or name in self.fields and False:
@@ -359,6 +425,8 @@ class Checker:
             return scope[name]
         if name in self.globals:
             return self.globals[name]
+        if name == "has_state":
+            return Sym(name, "builtin", "int32")
         if name in self.udfs or name in REDUCERS or name in COMPARATORS:
             return Sym(name, "udf", "function")
         if name in self.fields:
@@ -381,9 +449,12 @@ class Checker:
                 if name in self.udfs:
                     raise DSLError(f"'{name}' is a function name", self.file, line, col)
                 sym = Sym(name, "local", ty, line, col, s.type.width)
+                if isinstance(init, A.Call) and init.func == "scatter" and len(init.args) == 3:
+                    raise DSLError("scatter(array, index, value) updates an existing array in place: "
+                                   "'a = scatter(a, index, value);'", self.file, init.line, init.col)
                 if init is not None:
                     self.assign_value(sym, init, scope, ctx, s)
-                elif is_arr(ty) and ctx != "decode":
+                elif is_arr(ty) and ctx not in ("decode", "encode"):
                     raise DSLError(f"array '{name}' must be initialised by an operator (map, filter, sort, ...)",
                                    self.file, line, col)
                 scope[name] = sym
@@ -417,8 +488,19 @@ class Checker:
                 if not is_arr(vt) or vt.elem != "float" or vt.length != "n":
                     self.err(s.value, f"the decoded gradient must be a float array of the gradient's size, got {vt}")
                 return
-            if sym.kind in ("input", "params", "udf", "field"):
+            if sym.kind in ("input", "params", "udf", "field", "builtin"):
                 self.err(s.target, f"'{sym.name}' is read-only")
+            if sym.state and ctx != "encode":
+                self.err(s.target, f"the state '{sym.name}' is updated in encode only"
+                                   f"{' (decode must work from the payload alone)' if ctx == 'decode' else ''}")
+            if sym.state and is_arr(sym.ty) and not (isinstance(s.value, A.Call) and s.op == "=" and
+                                                      s.value.func in ("map", "scatter")):
+                self.err(s.value, f"the state array '{sym.name}' is updated in place: '{sym.name} = map(...);' or "
+                                  f"'{sym.name} = scatter({sym.name}, index, value);'")
+            if isinstance(s.value, A.Call) and s.value.func == "scatter" and len(s.value.args) == 3 and \
+                    not (isinstance(s.value.args[0], A.Name) and s.value.args[0].id == s.target.id):
+                self.err(s.value, f"scatter(array, index, value) updates its array in place: write "
+                                  f"'{s.target.id} = scatter({s.target.id}, index, value);'")
             if sym.kind == "global" and ctx == "udf":
                 self.err(s.target, f"user-defined functions cannot write the global '{sym.name}' (they run in "
                                    f"parallel over elements); write it in encode or decode")
@@ -440,7 +522,7 @@ class Checker:
             self.depth_if -= 1
             return
         if isinstance(s, A.Return):
-            if ctx != "udf":
+            if ctx not in ("udf", "capacity"):
                 self.err(s, f"return is not allowed in {ctx} (it ends by writing its output argument)")
             if ret is None:
                 if s.value is not None:
@@ -505,6 +587,8 @@ class Checker:
                 continue
             if not is_num(t):
                 self.err(a, f"cannot concat {tname(t)}")
+            if t == "double":
+                self.err(a, "the header words are 32 bits: concat float(x) or int32(x), not a double")
             words += 1
             if words > MAX_HEADER_WORDS:
                 self.err(a, f"concat stores at most {MAX_HEADER_WORDS} scalars (the header's words); "
@@ -566,6 +650,13 @@ class Checker:
                 self.err(e, "a constant is expected here")
             sym = self.lookup(e, e.id, scope)
             e.sym = sym
+            if sym.state and ctx == "decode":
+                self.err(e, f"decode cannot use the state '{e.id}': it must decode any payload from the payload "
+                            f"alone (put what it needs into concat)")
+            if sym.kind == "builtin" and ctx != "encode":
+                self.err(e, f"'{e.id}' is available in encode only")
+            if ctx == "capacity" and sym.kind == "global":
+                self.err(e, f"capacity cannot read the global '{e.id}' (it sees only n and the parameters)")
             if ctx == "udf" and sym.kind == "params":
                 self.err(e, "parameters are not visible in user-defined functions; copy them into globals")
             if sym.kind == "params":
@@ -577,6 +668,8 @@ class Checker:
             if isinstance(e.obj, A.Name):
                 sym = self.lookup(e.obj, e.obj.id, scope)
                 e.obj.sym = sym
+                if sym.state and ctx == "decode":
+                    self.err(e, f"decode cannot use the state '{e.obj.id}'")
                 if sym.kind == "params":
                     if ctx == "decode":
                         self.err(e, "decode cannot read parameters: it must decode any payload from the header "
@@ -605,11 +698,11 @@ class Checker:
             t = self.expr(e.operand, scope, ctx)
             if not is_num(t):
                 self.err(e, f"operator '{e.op}' needs a number, got {tname(t)}")
-            if e.op == "~" and t == "float":
+            if e.op == "~" and t in FLOATS:
                 self.err(e, "operator '~' needs an integer")
             if e.op == "!":
                 return "int32"
-            return "float" if t == "float" else "int32"
+            return arith(t)
         if isinstance(e, A.Binary):
             a = self.expr(e.left, scope, ctx)
             b = self.expr(e.right, scope, ctx)
@@ -617,12 +710,12 @@ class Checker:
                 if not is_num(t):
                     self.err(side, f"operator '{e.op}' needs numbers, got {tname(t) if t != 'function' else 'a function'}")
             if e.op in ("%", "<<", ">>", "&", "|", "^"):
-                if a == "float" or b == "float":
+                if a in FLOATS or b in FLOATS:
                     self.err(e, f"operator '{e.op}' needs integers, got {a} and {b}")
                 return "int32"
             if e.op in ("==", "!=", "<", "<=", ">", ">=", "&&", "||"):
                 return "int32"
-            return "float" if "float" in (a, b) else "int32"
+            return arith(a, b)
         if isinstance(e, A.Cond):
             c = self.expr(e.cond, scope, ctx)
             a = self.expr(e.then, scope, ctx)
@@ -630,7 +723,7 @@ class Checker:
             for side, t in ((e.cond, c), (e.then, a), (e.other, b)):
                 if not is_num(t):
                     self.err(side, f"'?:' needs numbers, got {tname(t) if t != 'function' else 'a function'}")
-            return "float" if "float" in (a, b) else "int32"
+            return arith(a, b)
         if isinstance(e, A.Call):
             return self.call(e, scope, ctx)
         self.err(e, "unsupported expression")
@@ -666,7 +759,9 @@ class Checker:
             t = self.expr(e.args[0], scope, ctx)
             if not is_num(t):
                 self.err(e.args[0], f"{f} needs a number, got {tname(t)}")
-            return MATH1[f] or ("float" if t == "float" else "int32")
+            if t == "double" and MATH1[f] == "float":
+                return "double"
+            return MATH1[f] or arith(t)
         if f in MATH2:
             e.kind = "math"
             if nargs != 2:
@@ -675,7 +770,9 @@ class Checker:
             for a, t in zip(e.args, ts):
                 if not is_num(t):
                     self.err(a, f"{f} needs numbers, got {tname(t)}")
-            return MATH2[f] or ("float" if "float" in ts else "int32")
+            if f == "pow" and "double" in ts:
+                return "double"
+            return MATH2[f] or arith(*ts)
         if f == "random":
             e.kind = "random"
             if len(e.type_args) != 1 or e.type_args[0].base not in ("float", "int32") or e.type_args[0].array:
@@ -686,7 +783,7 @@ class Checker:
                 if not is_num(self.expr(a, scope, ctx)):
                     self.err(a, "random's bounds are numbers")
             if ctx not in ("udf", "encode"):
-                self.err(e, "random is available in encode and in user-defined functions, not in decode")
+                self.err(e, f"random is available in encode and in user-defined functions, not in {ctx}")
             self.uses_random = True
             if ctx == "udf":
                 self.cur_udf._direct_randoms = getattr(self.cur_udf, "_direct_randoms", 0) + 1
@@ -704,8 +801,8 @@ class Checker:
                     self.err(a, f"argument '{an}' of '{f}' is a number, got {tname(t) if t != 'function' else 'a function'}")
             if ctx == "udf":
                 self.cur_udf.calls.append(f)
-            elif ctx == "decode" and u.randoms:
-                self.err(e, f"'{f}' draws random numbers; decode is deterministic")
+            elif ctx in ("decode", "capacity") and u.randoms:
+                self.err(e, f"'{f}' draws random numbers; {ctx} is deterministic")
             elif ctx == "encode" and u.randoms:
                 self.uses_random = True
             if u.ret is None:
@@ -715,6 +812,8 @@ class Checker:
             self.err(e, f"{f} is a statement of its own: "
                         f"{'compressed = concat(...);' if f == 'concat' else 'extract(compressed, a, b, ...);'}")
         if f in OPERATORS:
+            if ctx == "capacity":
+                self.err(e, "capacity computes a number from n and the parameters; it cannot call operators")
             if ctx == "udf":
                 self.err(e, f"the operator {f} works on whole arrays; it cannot be called from a user-defined "
                             f"function (which runs per element)")
@@ -733,8 +832,11 @@ class Checker:
         return t
 
     def op_map(self, e, scope, ctx):
+        if len(e.args) == 3 and isinstance(e.args[1], A.Name) and e.args[1].id not in self.udfs:
+            return self.op_map2(e, scope, ctx)
         if len(e.args) != 2:
-            self.err(e, "map(array, udf) takes an array and a user-defined function")
+            self.err(e, "map(array, udf) takes an array and a user-defined function (or map(array, array, udf) "
+                        "with a function of two elements)")
         at = self.array_arg(e.args[0], scope, ctx, "map")
         u = self.udf_arg(e.args[1], scope, (1, 2), "map")
         if len(u.args) == 2 and u.args[1][1] != "int32":
@@ -743,12 +845,48 @@ class Checker:
             self.err(e.args[1], f"'{u.func.name}' returns nothing; map needs a value per element")
         if ctx == "decode" and u.randoms:
             self.err(e.args[1], f"'{u.func.name}' draws random numbers; decode is deterministic")
+        if u.ret == "double":
+            self.err(e.args[1], f"'{u.func.name}' returns a double; arrays hold float, int32 or uintK elements")
         if u.randoms:
             self.uses_random = True
         width = u.func.ret.width if u.ret == "uintN" else None
         if u.ret == "uintN" and ctx == "decode":
             self.err(u.func.ret, "decode cannot produce a dynamic-width array")
         return Arr(u.ret, at.length, False, width)
+
+    def op_map2(self, e, scope, ctx):
+        """map(A, B, f): f(A[i], B[i]) for two float arrays of the gradient's size (zip)."""
+        if ctx != "encode":
+            self.err(e, "map(array, array, udf) is used in encode")
+        for a in e.args[:2]:
+            t = self.array_arg(a, scope, ctx, "map")
+            if t.elem != "float" or t.length != "n":
+                self.err(a, "map(array, array, udf) combines float arrays of the gradient's size")
+        u = self.udf_arg(e.args[2], scope, (2,), "map(array, array, udf)")
+        if u.ret != "float":
+            self.err(e.args[2], f"'{u.func.name}' must return a float (map(array, array, udf) makes a float array)")
+        if u.randoms:
+            self.err(e.args[2], "map(array, array, udf) takes a deterministic function")
+        e.zip = True
+        return Arr("float", "n")
+
+    def op_threshold(self, e, scope, ctx):
+        """threshold(A, fraction, samples): estimated magnitude threshold keeping `fraction` of A, the
+        ceil(fraction * samples)-th largest |A[j]| over `samples` random positions j (with replacement)."""
+        if len(e.args) != 3:
+            self.err(e, "threshold(array, fraction, samples) takes a float array, the fraction to keep and the "
+                        "sample size")
+        if ctx != "encode":
+            self.err(e, "threshold is used in encode")
+        at = self.array_arg(e.args[0], scope, ctx, "threshold")
+        if at.elem != "float" or at.length != "n":
+            self.err(e.args[0], "threshold estimates over a float array of the gradient's size")
+        if not is_num(self.expr(e.args[1], scope, ctx)):
+            self.err(e.args[1], "threshold's fraction is a number")
+        if self.expr(e.args[2], scope, ctx) not in INTS:
+            self.err(e.args[2], "threshold's sample size is an integer")
+        self.uses_random = True
+        return "float"
 
     def op_reduce(self, e, scope, ctx):
         if len(e.args) != 2:
@@ -792,8 +930,8 @@ class Checker:
         return Arr("float", "var", True)
 
     def op_sort(self, e, scope, ctx):
-        if len(e.args) != 3:
-            self.err(e, "sort(array, order, k) keeps the first k elements in the given order "
+        if len(e.args) not in (3, 4):
+            self.err(e, "sort(array, order, k[, samples]) keeps the first k elements in the given order "
                         f"({', '.join(COMPARATORS)} or a user-defined comparison of two values)")
         if ctx != "encode":
             self.err(e, "sort is used in encode")
@@ -812,11 +950,29 @@ class Checker:
         t = self.expr(e.args[2], scope, ctx)
         if t not in INTS:
             self.err(e.args[2], "sort's k is an integer")
+        if len(e.args) == 4:  # sampled threshold first: only the candidates above it are ranked
+            if e.order != "greaterAbs":
+                self.err(e.args[3], "a sample size (sort's 4th argument) needs the order greaterAbs")
+            if self.expr(e.args[3], scope, ctx) not in INTS:
+                self.err(e.args[3], "sort's sample size is an integer")
+            self.uses_random = True
         return Arr("float", "var", True)
 
     def op_scatter(self, e, scope, ctx):
+        if ctx == "encode" and len(e.args) == 3:  # A = scatter(A, index, value): A[index[j]] = value
+            at = self.array_arg(e.args[0], scope, ctx, "scatter")
+            if at.elem != "float" or at.length != "n":
+                self.err(e.args[0], "scatter(array, index, value) writes into a float array of the gradient's size")
+            it = self.array_arg(e.args[1], scope, ctx, "scatter")
+            if it.elem != "int32":
+                self.err(e.args[1], f"scatter's index is an int32 array (s.index), got {it}")
+            if not is_num(self.expr(e.args[2], scope, ctx)):
+                self.err(e.args[2], "scatter(array, index, value) writes one number")
+            e.into = True
+            return Arr("float", "n")
         if ctx != "decode":
-            self.err(e, "scatter is used in decode: gradient = scatter(index, values);")
+            self.err(e, "scatter is used in decode (gradient = scatter(index, values);) or in encode as "
+                        "A = scatter(A, index, value);")
         if len(e.args) != 2:
             self.err(e, "scatter(index, values) takes an int32 array of indices and a float array of values")
         it = self.array_arg(e.args[0], scope, ctx, "scatter")

@@ -17,12 +17,15 @@ from hipress.dsl import ast as A
 from hipress.dsl.checker import INTS, UINTS, Arr, Spec, bits_of, is_arr
 from hipress.dsl.errors import DSLError
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 _PRELUDE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prelude.h.txt")).read()
 
 
 def ctype(t) -> str:
-    return "float" if t == "float" else "int64_t"
+    return t if t in ("float", "double") else "int64_t"
+
+
+FP = ("float", "double")
 
 
 class Gen:
@@ -41,15 +44,15 @@ class Gen:
 
     # ---- expressions ---------------------------------------------------------------
     def conv(self, code: str, frm, to, width: Optional[A.Expr] = None) -> str:
-        if to == frm and to in ("float", "int32") or to == frm and to in UINTS:
+        if to == frm and to in ("float", "int32", "double") or to == frm and to in UINTS:
             return code
-        if to == "float":
-            return code if frm == "float" else f"static_cast<float>({code})"
+        if to in FP:
+            return code if frm == to else f"static_cast<{to}>({code})"
         if to == "int32":
-            return f"hp::f2i({code})" if frm == "float" else f"hp::w32({code})"
+            return f"hp::f2i({code})" if frm in FP else f"hp::w32({code})"
         if to in UINTS or to == "uintN":
             bits = str(UINTS[to]) if to in UINTS else self.width(width)
-            return f"hp::f2u({code}, {bits})" if frm == "float" else f"hp::i2u({code}, {bits})"
+            return f"hp::f2u({code}, {bits})" if frm in FP else f"hp::i2u({code}, {bits})"
         raise AssertionError((frm, to))
 
     def width(self, w: A.Expr) -> str:
@@ -90,31 +93,32 @@ class Gen:
         if isinstance(e, A.Unary):
             a = self.ex(e.operand, env)
             if e.op == "-":
-                return f"(-{a})" if t == "float" else f"hp::neg({a})"
+                return f"(-{a})" if t in FP else f"hp::neg({a})"
             if e.op == "!":
-                return f"static_cast<int64_t>(!({a}))" if e.operand.ty != "float" else \
-                    f"static_cast<int64_t>(({a}) == 0.0f)"
+                return f"static_cast<int64_t>(!({a}))" if e.operand.ty not in FP else \
+                    f"static_cast<int64_t>(({a}) == 0)"
             return f"(~{a})"
         if isinstance(e, A.Binary):
             lt, rt = e.left.ty, e.right.ty
             a, b = self.ex(e.left, env), self.ex(e.right, env)
             if e.op in ("&&", "||"):
-                ca = f"({a}) != 0.0f" if lt == "float" else f"({a}) != 0"
-                cb = f"({b}) != 0.0f" if rt == "float" else f"({b}) != 0"
+                ca = f"({a}) != 0.0f" if lt in FP else f"({a}) != 0"
+                cb = f"({b}) != 0.0f" if rt in FP else f"({b}) != 0"
                 return f"static_cast<int64_t>(({ca}) {e.op} ({cb}))"
             if e.op in ("==", "!=", "<", "<=", ">", ">="):
-                if "float" in (lt, rt):
-                    a, b = self.conv(a, lt, "float"), self.conv(b, rt, "float")
+                ft = "double" if "double" in (lt, rt) else "float"
+                if lt in FP or rt in FP:
+                    a, b = self.conv(a, lt, ft), self.conv(b, rt, ft)
                 return f"static_cast<int64_t>(({a}) {e.op} ({b}))"
-            if t == "float":
-                return f"({self.conv(a, lt, 'float')} {e.op} {self.conv(b, rt, 'float')})"
+            if t in FP:
+                return f"({self.conv(a, lt, t)} {e.op} {self.conv(b, rt, t)})"
             fn = {"+": "add", "-": "sub", "*": "mul", "/": "div", "%": "mod", "<<": "shl", ">>": "shr"}.get(e.op)
             if fn:
                 return f"hp::{fn}({a}, {b})"
             return f"(({a}) {e.op} ({b}))"
         if isinstance(e, A.Cond):
             c = self.ex(e.cond, env)
-            c = f"({c}) != 0.0f" if e.cond.ty == "float" else f"({c}) != 0"
+            c = f"({c}) != 0.0f" if e.cond.ty in FP else f"({c}) != 0"
             return f"(({c}) ? {self.conv(self.ex(e.then, env), e.then.ty, t)} : " \
                    f"{self.conv(self.ex(e.other, env), e.other.ty, t)})"
         if isinstance(e, A.Call):
@@ -131,18 +135,18 @@ class Gen:
             args = [self.ex(a, env) for a in e.args]
             ts = [a.ty for a in e.args]
             if f in ("floor", "ceil", "round", "sqrt", "exp", "log"):
-                return f"std::{f}({self.conv(args[0], ts[0], 'float')})"
+                return f"std::{f}({self.conv(args[0], ts[0], e.ty)})"
             if f == "abs":
-                return f"std::fabs({args[0]})" if ts[0] == "float" else f"hp::iabs({args[0]})"
+                return f"std::fabs({args[0]})" if ts[0] in FP else f"hp::iabs({args[0]})"
             if f == "signbit":
-                return f"static_cast<int64_t>(std::signbit({args[0]}))" if ts[0] == "float" else \
+                return f"static_cast<int64_t>(std::signbit({args[0]}))" if ts[0] in FP else \
                     f"static_cast<int64_t>(({args[0]}) < 0)"
             if f == "isnan":
-                return f"static_cast<int64_t>(std::isnan({args[0]}))" if ts[0] == "float" else "int64_t{0}"
+                return f"static_cast<int64_t>(std::isnan({args[0]}))" if ts[0] in FP else "int64_t{0}"
             if f == "pow":
-                return f"std::pow({self.conv(args[0], ts[0], 'float')}, {self.conv(args[1], ts[1], 'float')})"
-            if e.ty == "float":
-                a, b = self.conv(args[0], ts[0], "float"), self.conv(args[1], ts[1], "float")
+                return f"std::pow({self.conv(args[0], ts[0], e.ty)}, {self.conv(args[1], ts[1], e.ty)})"
+            if e.ty in FP:
+                a, b = self.conv(args[0], ts[0], e.ty), self.conv(args[1], ts[1], e.ty)
                 return f"hp::f{f}2({a}, {b})"
             return f"std::{f}<int64_t>({args[0]}, {args[1]})"
         if k == "random":
@@ -167,6 +171,14 @@ class Gen:
         if k == "op":
             if f == "reduce":
                 return self.reduce(e, env)
+            if f == "threshold":
+                a = self.array_code(e.args[0], env)
+                frac = self.conv(self.ex(e.args[1], env), e.args[1].ty, "double")
+                smp = self.ex(e.args[2], env)
+                self.idioms.append("threshold -> ops::sampled_threshold")
+                return (f"[&]{{ const int64_t sv = {smp}; const size_t s = sv < 0 ? 0 : static_cast<size_t>(sv); "
+                        f"return hipress::compress::ops::sampled_threshold({a}.p, {a}.n, {frac}, s, c.key, "
+                        f"hp_next(c, s)); }}()")
             self.err(e, f"{f} produces an array: assign it to an array variable")
         raise AssertionError(k)
 
@@ -238,7 +250,7 @@ class Gen:
                 self.err(e, "reduce(map(..., f)) with a random f is not supported; map into a variable first")
             args = [val] + (["static_cast<int64_t>(i)"] if len(mapf.args) == 2 else [])
             val = self.udf_apply(mapf, args, [ety, "int32"], ctr)
-            ety = mapf.ret if mapf.ret in ("float",) else "int32"
+            ety = mapf.ret if mapf.ret in FP else "int32"
         keep = "true"
         if pred is not None:
             args = [self.elem(acode, st, "i")] + (["static_cast<int64_t>(i)"] if len(pred.args) == 2 else [])
@@ -290,6 +302,24 @@ def sign_pred(u) -> Optional[str]:
             and is_name(e.operand.args[0], x):
         return "pos"
     return None
+
+
+def abs_ge_threshold(u) -> Optional[A.Expr]:
+    """T if the predicate is exactly abs(x) >= T && abs(x) > 0 (T not depending on x), else None."""
+    e = flatten(u)
+    if e is None or len(u.args) != 1 or not isinstance(e, A.Binary) or e.op != "&&":
+        return None
+    x = u.args[0][0]
+
+    def is_abs(a):
+        return isinstance(a, A.Call) and a.func == "abs" and is_name(a.args[0], x) and a.args[0].ty == "float"
+    ge, gt = e.left, e.right
+    if not (isinstance(ge, A.Binary) and ge.op == ">=" and is_abs(ge.left) and ge.right.ty in ("float", "int32")
+            and not mentions(ge.right, x) and not has_udf_call(ge.right)):
+        return None
+    if not (isinstance(gt, A.Binary) and gt.op == ">" and is_abs(gt.left) and _num(gt.right, 0)):
+        return None
+    return ge.right
 
 
 def is_name(e, name) -> bool:
@@ -394,6 +424,8 @@ class EntryEnv:
             return "v_in"
         if k == "global":
             return "c.g_" + e.id
+        if k == "builtin":
+            return "c." + e.id
         return "l_" + e.id
 
     def random_counter(self):
@@ -401,6 +433,13 @@ class EntryEnv:
 
     def udf_counter(self, r):
         return f"hp_next(c, {r})" if r else "0"
+
+
+class CapEnv(UdfEnv):
+    """capacity(n, params): deterministic, no random draws."""
+
+    def udf_counter(self, r):
+        return "0"
 
 
 def cxx_var_type(t) -> str:
@@ -436,6 +475,7 @@ class CppGen(Gen):
         self.decode()
         dec_code = list(self.out)
         self.out = []
+        self.capacity()
         self.max_bytes()
         mb_code = list(self.out)
         parts = [f"// Generated by hipress-compll from {os.path.basename(s.file)} (algorithm '{s.name}', id "
@@ -476,7 +516,12 @@ class CppGen(Gen):
         lines = ["struct Ctx {", "  const Params* p = nullptr;", "  hipress::compress::RngKey key{};",
                  "  uint64_t counter = 0;", "  bool mm_done = false;", "  hipress::compress::ops::MinMax mm{};",
                  "  bool ss_done = false;", "  hipress::compress::ops::SignSums ss{};"]
+        lines.append("  int64_t has_state = 0;")
+        lines.append("  std::vector<float> st_tmp;  // zero state of a stateless call (its updates are dropped)")
         for name, g in s.globals.items():
+            if g.state and is_arr(g.ty):
+                lines.append(f"  hp::FArr g_{name};  // state buffer {g.slot}")
+                continue
             init = "0.0f" if g.ty == "float" else "0"
             d = next((i for dd in s.program.globals for (nm, i, _, _) in dd.names if nm == name), None)
             if d is not None:
@@ -548,7 +593,7 @@ class CppGen(Gen):
             return
         if isinstance(st, A.If):
             c = self.ex(st.cond, env)
-            c = f"({c}) != 0.0f" if st.cond.ty == "float" else f"({c}) != 0"
+            c = f"({c}) != 0.0f" if st.cond.ty in FP else f"({c}) != 0"
             self.emit(f"if ({c}) {{", ind)
             self.stmts(st.then, env, ind + 1)
             if st.other:
@@ -575,7 +620,11 @@ class CppGen(Gen):
             self.emit(f"{tgt} = {src};", ind)
             return
         f = call.func
-        if f == "map":
+        if f == "map" and getattr(call, "zip", False):
+            self.map2_op(tgt, sym, call, env, ind)
+        elif f == "scatter" and getattr(call, "into", False):
+            self.scatter_into(tgt, sym, call, env, ind)
+        elif f == "map":
             self.map_op(tgt, sym, call, env, ind)
         elif f == "filter":
             self.filter_op(tgt, call, env, ind)
@@ -613,6 +662,9 @@ class CppGen(Gen):
             idiom = self.map_idiom(u, is_input and st.elem == "float", out_t, acode, tgt, i2) if True else None
             if not idiom:
                 self.emit(f"hp::map_packed({n}, bits, {tgt}.p, [&](size_t i) {{ return {call_code}; }});", i2)
+        elif out_t.elem == "float" and sym is not None and sym.state:  # in place
+            self.emit(f"hp::map_plain({n}, const_cast<float*>({tgt}.p), [&](size_t i) {{ return {call_code}; }});",
+                      i2)
         elif out_t.elem == "float":
             self.emit(f"hp::alloc({tgt}, {n});", i2)
             self.emit(f"hp::map_plain({n}, {tgt}.own.data(), [&](size_t i) {{ return {call_code}; }});", i2)
@@ -668,11 +720,86 @@ class CppGen(Gen):
                 return True
         return False
 
+    def map2_op(self, tgt, sym, call, env, ind):
+        a, b, fn = call.args
+        u = self.s.udfs[fn.id]
+        ac, bc = self.array_code(a, env), self.array_code(b, env)
+        self.emit("{", ind)
+        i2 = ind + 1
+        self.emit(f"if ({ac}.n != {bc}.n) throw std::logic_error(\"map: array lengths differ\");", i2)
+        in_place = sym is not None and sym.state or (isinstance(a, A.Name) and a.id == sym.name)
+        if in_place:
+            self.emit(f"float* dst = const_cast<float*>({tgt}.p);", i2)
+            if not sym.state:  # a local that may alias another array: copy on write
+                self.emit(f"if ({tgt}.own.data() != {tgt}.p) {{ {tgt}.own.assign({tgt}.p, {tgt}.p + {tgt}.n); "
+                          f"{tgt}.p = {tgt}.own.data(); dst = {tgt}.own.data(); }}", i2)
+        else:
+            self.emit(f"std::vector<float> res({ac}.n);", i2)
+            self.emit("float* dst = res.data();", i2)
+        idiom = None
+        if in_place and isinstance(a, A.Name) and a.id == sym.name:
+            idiom = self.map2_idiom(u, ac, bc, i2)
+        if not idiom:
+            code = self.udf_apply(u, [f"{ac}.p[i]", f"{bc}.p[i]"], ["float", "float"], "0")
+            self.emit(f"hp::map_plain({ac}.n, dst, [&](size_t i) {{ return {code}; }});", i2)
+        if not in_place:
+            self.emit(f"{tgt}.own = std::move(res); {tgt}.p = {tgt}.own.data(); {tgt}.n = {ac}.n;", i2)
+        self.emit("}", ind)
+
+    def map2_idiom(self, u, ac, bc, ind) -> bool:
+        """In place A = map(A, B, f): f = a + b -> ops::add; f = k * a + b -> ops::axpby (same rounding)."""
+        e = flatten(u)
+        if e is None or not isinstance(e, A.Binary) or e.op != "+" or e.ty != "float":
+            return False
+        x, y = u.args[0][0], u.args[1][0]
+        env = UdfEnv()
+        if is_name(e.left, x) and is_name(e.right, y) or is_name(e.left, y) and is_name(e.right, x):
+            self.idioms.append("map(A, B, a + b) -> ops::add")
+            self.emit(f"hipress::compress::ops::add(dst, {bc}.p, {ac}.n);", ind)
+            return True
+        m = e.left
+        if is_name(e.right, y) and isinstance(m, A.Binary) and m.op == "*" and m.ty == "float":
+            k = m.left if is_name(m.right, x) else (m.right if is_name(m.left, x) else None)
+            if k is not None and k.ty == "float" and not mentions(k, x) and not mentions(k, y) and \
+                    not has_udf_call(k):
+                self.idioms.append("map(A, B, k * a + b) -> ops::axpby")
+                self.emit(f"hipress::compress::ops::axpby(dst, {self.ex(k, env)}, {bc}.p, 1.0f, {ac}.n);", ind)
+                return True
+        return False
+
+    def scatter_into(self, tgt, sym, call, env, ind):
+        _, ix, v = call.args
+        icode = self.array_code(ix, env)
+        self.emit("{", ind)
+        i2 = ind + 1
+        self.emit(f"float* dst = const_cast<float*>({tgt}.p);", i2)
+        if not sym.state:
+            self.emit(f"if ({tgt}.own.data() != {tgt}.p) {{ {tgt}.own.assign({tgt}.p, {tgt}.p + {tgt}.n); "
+                      f"{tgt}.p = {tgt}.own.data(); dst = {tgt}.own.data(); }}", i2)
+        self.emit(f"const float v = {self.conv(self.ex(v, env), v.ty, 'float')};", i2)
+        self.emit(f"for (size_t j = 0; j < {icode}.n; ++j) {{ const int64_t ix = {icode}.p[j]; "
+                  f"if (ix >= 0 && static_cast<uint64_t>(ix) < {tgt}.n) dst[ix] = v; }}", i2)
+        self.emit("}", ind)
+
     def filter_op(self, tgt, call, env, ind):
         src, fn = call.args[0], call.args[1]
         u = self.s.udfs[fn.id]
         acode = self.array_code(src, env)
         cap = self.ex(call.args[2], env) if len(call.args) == 3 else f"static_cast<int64_t>({acode}.n)"
+        thr = abs_ge_threshold(u)
+        if thr is not None and src.ty.elem == "float":
+            self.idioms.append("filter(|x| >= t && |x| > 0) -> ops::filter_abs_ge")
+            self.emit("{", ind)
+            self.emit(f"const int64_t capv = {cap}; const size_t cap = capv < 0 ? 0 : std::min<size_t>("
+                      f"static_cast<size_t>(capv), {acode}.n);", ind + 1)
+            self.emit(f"{tgt}.idx.resize(cap); {tgt}.val.resize(cap);", ind + 1)
+            self.emit(f"const size_t cnt = hipress::compress::ops::filter_abs_ge({acode}.p, {acode}.n, "
+                      f"{self.conv(self.ex(thr, UdfEnv()), thr.ty, 'float')}, {tgt}.idx.data(), {tgt}.val.data(), "
+                      f"cap);", ind + 1)
+            self.emit(f"if (cnt < cap) {{ {tgt}.idx.resize(cnt); {tgt}.val.resize(cnt); }}", ind + 1)
+            self.emit(f"{tgt}.n = cnt;", ind + 1)
+            self.emit("}", ind)
+            return
         args = [self.elem(acode, src.ty, "i")] + (["static_cast<int64_t>(i)"] if len(u.args) == 2 else [])
         pred = self.udf_apply(u, args, ["float", "int32"], "0")
         self.emit("{", ind)
@@ -685,13 +812,19 @@ class CppGen(Gen):
         self.emit("}", ind)
 
     def sort_op(self, tgt, call, env, ind):
-        src, order, kx = call.args
+        src, order, kx = call.args[:3]
         acode = self.array_code(src, env)
         self.emit("{", ind)
         self.emit(f"const int64_t kv = {self.ex(kx, env)}; const size_t k = kv < 0 ? 0 : std::min<size_t>("
                   f"static_cast<size_t>(kv), {acode}.n);", ind + 1)
         self.emit(f"{tgt}.idx.assign(k, 0); {tgt}.val.assign(k, 0.0f);", ind + 1)
-        if call.order == "greaterAbs":
+        if call.order == "greaterAbs" and len(call.args) == 4:
+            self.idioms.append("sort(greaterAbs, k, samples) -> ops::topk_abs_exact (sampled threshold)")
+            self.emit(f"const int64_t sv = {self.ex(call.args[3], env)}; const size_t s = sv < 0 ? 0 : "
+                      f"static_cast<size_t>(sv);", ind + 1)
+            self.emit(f"{tgt}.n = hipress::compress::ops::topk_abs_exact({acode}.p, {acode}.n, k, {tgt}.idx.data(), "
+                      f"{tgt}.val.data(), s, c.key, hp_next(c, s));", ind + 1)
+        elif call.order == "greaterAbs":
             self.idioms.append("sort(greaterAbs, k) -> ops::topk_abs_exact")
             self.emit(f"{tgt}.n = hipress::compress::ops::topk_abs_exact({acode}.p, {acode}.n, k, {tgt}.idx.data(), "
                       f"{tgt}.val.data(), 0);", ind + 1)
@@ -731,21 +864,37 @@ class CppGen(Gen):
                 out.append(f"4 * static_cast<size_t>({length})")
         return out
 
+    def capacity(self):
+        f = self.s.capacity
+        if f is None:
+            return
+        self.emit(f"int64_t hp_capacity(const Params& P, int64_t a_{f.params[0][1]}) {{", 0)
+        self.emit("[[maybe_unused]] Ctx c; c.p = &P;")
+        self.cur_ret = ("int32", None)
+        self.stmts(f.body, CapEnv(), 1)
+        self.emit("}", 0)
+
     def max_bytes(self):
         s = self.s
         self.emit("size_t hp_max_bytes(const Params& P, size_t n) {", 0)
         self.emit("[[maybe_unused]] Ctx c; c.p = &P;")
+        if s.capacity is not None:
+            self.emit("const int64_t capv = hp_capacity(P, static_cast<int64_t>(n));")
+            self.emit("[[maybe_unused]] const size_t nvar = capv < 0 ? 0 : std::min<size_t>(n, static_cast<size_t>(capv));")
+        else:
+            self.emit("[[maybe_unused]] const size_t nvar = n;")
         terms = ["kHeaderBytes"]
         for a in s.concat.args:
             t = a.ty
             if not is_arr(t):
                 continue
+            ln = "nvar" if t.length == "var" else "n"
             if t.elem in UINTS:
-                terms.append(f"hipress::compress::ops::packed_bytes(n, {UINTS[t.elem]})")
+                terms.append(f"hipress::compress::ops::packed_bytes({ln}, {UINTS[t.elem]})")
             elif t.elem == "uintN":
-                terms.append(f"hipress::compress::ops::packed_bytes(n, {self.width(t.width)})")
+                terms.append(f"hipress::compress::ops::packed_bytes({ln}, {self.width(t.width)})")
             else:
-                terms.append("4 * n")
+                terms.append(f"4 * {ln}")
         self.emit("using namespace hipress::compress;")
         self.emit(f"return {' + '.join(terms)};")
         self.emit("}", 0)
@@ -809,7 +958,8 @@ class CppGen(Gen):
                 sz = f"hipress::compress::ops::packed_bytes({code}.n, {code}.bits)"
             else:
                 sz = f"4 * {code}.n"
-            self.emit(f"if ({sz} && {code}.p != out + off) std::memmove(out + off, {code}.p, {sz});", i2)
+            self.emit(f"if (({sz}) != 0 && static_cast<const void*>({code}.p) != static_cast<const void*>(out + off)) "
+                      f"std::memmove(out + off, {code}.p, {sz});", i2)
             self.emit(f"off += {sz};", i2)
         self.emit("write_header(h, out);", i2)
         self.emit("total = kHeaderBytes + body;", i2)
@@ -917,8 +1067,28 @@ class CppGen(Gen):
     def encode(self):
         s = self.s
         self.emit("size_t hp_encode(const Params& P, const float* in, size_t n, uint8_t* out, size_t cap, "
-                  "uint64_t* scalars) {", 0)
+                  "uint64_t* scalars, float* const* bufs, const uint64_t* lens, int nbufs) {", 0)
         self.emit("Ctx c; c.p = &P;")
+        self.emit("c.has_state = scalars != nullptr;")
+        k = len(s.state_arrays)
+        if k:
+            self.emit("if (scalars) {")
+            self.emit(f"if (nbufs < {k}) throw std::invalid_argument(kName + std::string(\": the state has \") + "
+                      f"std::to_string(nbufs) + \" buffers, needs {k} (make it with new_state)\");", 2)
+            for g in s.state_arrays:
+                self.emit(f"if (lens[{g.slot}] != n || (n && !bufs[{g.slot}])) throw std::invalid_argument(kName + "
+                          f"std::string(\": state buffer '{g.name}' has \") + std::to_string(lens[{g.slot}]) + "
+                          f"\" elements, expected \" + std::to_string(n) + \" (state made for another tensor?)\");", 2)
+                self.emit(f"c.g_{g.name}.p = bufs[{g.slot}]; c.g_{g.name}.n = n;", 2)
+            self.emit("} else {")
+            self.emit(f"c.st_tmp.assign({k} * n, 0.0f);", 2)
+            for g in s.state_arrays:
+                self.emit(f"c.g_{g.name}.p = c.st_tmp.data() + {g.slot} * n; c.g_{g.name}.n = n;", 2)
+            self.emit("}")
+        else:
+            self.emit("(void)bufs; (void)lens; (void)nbufs;")
+        for g in s.state_scalars:
+            self.emit(f"c.g_{g.name} = scalars ? hp::w32(static_cast<int64_t>(scalars[{g.slot}])) : 0;")
         if s.uses_random:
             self.emit("c.key = rng_key(static_cast<uint64_t>(P.f_seed));")
             self.emit("c.counter = scalars ? scalars[kRngCounter] : 0;")
@@ -932,6 +1102,8 @@ class CppGen(Gen):
         self.stmts(s.encode.body, EntryEnv("encode"), 1)
         if s.uses_random:
             self.emit("if (scalars) scalars[kRngCounter] = c.counter;")
+        for g in s.state_scalars:
+            self.emit(f"if (scalars) scalars[{g.slot}] = static_cast<uint64_t>(c.g_{g.name});")
         self.emit("return total;")
         self.emit("}", 0)
 
@@ -972,9 +1144,10 @@ HPC_API int hpc_max_encoded_bytes(const double* p, uint64_t n, uint64_t* res, ch
   try {{ *res = hp_max_bytes(make_params(p), n); return 0; }}
   catch (const std::exception& e) {{ return hpc_fail(e, err, errlen, 2); }}
 }}
+HPC_API int hpc_num_state_buffers() {{ return {len(s.state_arrays)}; }}
 HPC_API int hpc_encode(const double* p, const float* in, uint64_t n, uint8_t* out, uint64_t cap, uint64_t* scalars,
-                       uint64_t* nbytes, char* err, int errlen) {{
-  try {{ *nbytes = hp_encode(make_params(p), in, n, out, cap, scalars); return 0; }}
+                       float* const* bufs, const uint64_t* lens, int nbufs, uint64_t* nbytes, char* err, int errlen) {{
+  try {{ *nbytes = hp_encode(make_params(p), in, n, out, cap, scalars, bufs, lens, nbufs); return 0; }}
   catch (const hipress::compress::FormatError& e) {{ return hpc_fail(e, err, errlen, 1); }}
   catch (const std::invalid_argument& e) {{ return hpc_fail(e, err, errlen, 2); }}
   catch (const std::exception& e) {{ return hpc_fail(e, err, errlen, 3); }}

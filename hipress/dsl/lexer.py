@@ -7,8 +7,8 @@ from typing import List
 from hipress.dsl.errors import DSLError
 
 KEYWORDS = {"param", "algorithm", "state", "void", "float", "int32", "uint1", "uint2", "uint4", "uint8", "uint",
-            "if", "else", "return"}
-SCALAR_TYPES = ("uint1", "uint2", "uint4", "uint8", "int32", "float")
+            "double", "if", "else", "return"}
+SCALAR_TYPES = ("uint1", "uint2", "uint4", "uint8", "int32", "float", "double")
 # Longest first.
 DIGITS = "0123456789"
 PUNCT = ["<<=", ">>=", "&&", "||", "==", "!=", "<=", ">=", "<<", ">>", "+=", "-=", "*=", "/=",

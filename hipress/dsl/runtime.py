@@ -27,7 +27,7 @@ class GeneratedLibrary:
         lib.hpc_set_num_threads.argtypes = [i32]
         lib.hpc_check_params.argtypes = [vp, ctypes.c_char_p, i32]
         lib.hpc_max_encoded_bytes.argtypes = [vp, u64, ctypes.POINTER(u64), ctypes.c_char_p, i32]
-        lib.hpc_encode.argtypes = [vp, vp, u64, vp, u64, vp, ctypes.POINTER(u64), ctypes.c_char_p, i32]
+        lib.hpc_encode.argtypes = [vp, vp, u64, vp, u64, vp, vp, vp, i32, ctypes.POINTER(u64), ctypes.c_char_p, i32]
         lib.hpc_decode.argtypes = [vp, u64, vp, u64, ctypes.c_float, i32, ctypes.c_char_p, i32]
         for f in ("hpc_check_params", "hpc_max_encoded_bytes", "hpc_encode", "hpc_decode"):
             getattr(lib, f).restype = i32
@@ -84,7 +84,7 @@ def param_values(spec: Spec, params: dict):
         except (TypeError, ValueError):
             raise ValueError(f"{spec.name}: parameter '{f.name}' must be a number, got {v!r}") from None
         base = f.type.base
-        if base != "float":
+        if base not in ("float", "double"):
             if not math.isfinite(v) or v != int(v):
                 raise ValueError(f"{spec.name}: parameter '{f.name}' ({base}) must be an integer, got {v}")
             lo, hi = (0, (1 << UINTS[base]) - 1) if base in UINTS else (-(1 << 31), (1 << 31) - 1)
@@ -142,7 +142,22 @@ class GeneratedCompressor(Compressor):
         return int(res.value)
 
     def new_state(self, numel: int, shape=None) -> CompressorState:
-        return CompressorState(self.name, numel, shape)
+        """Zero state: the spec's 'state float*' arrays as named buffers (numel floats each), in declaration
+        order, and its 'state int32' scalars in scalars[1..] (scalars[0] is the RNG counter)."""
+        return CompressorState(self.name, numel, shape, {g.name: int(numel) for g in self.spec.state_arrays})
+
+    def _state_ptrs(self, state: CompressorState):
+        k = len(self.spec.state_arrays)
+        if k == 0:
+            return None, None, 0
+        names = list(state.buffers)[:k]
+        want = [g.name for g in self.spec.state_arrays]
+        if names != want:
+            raise ValueError(f"{self.name}: state buffers {names} differ from {want} (make it with new_state)")
+        bufs = list(state.buffers.values())[:k]
+        ptrs = (ctypes.c_void_p * k)(*[b.data_ptr() for b in bufs])
+        lens = (ctypes.c_uint64 * k)(*[b.numel() for b in bufs])
+        return ptrs, lens, k
 
     def encode(self, grad, state: Optional[CompressorState] = None, out=None):
         g = flat_f32(grad)
@@ -155,10 +170,11 @@ class GeneratedCompressor(Compressor):
         buf = out_buffer(out, self.max_encoded_bytes(n))
         nb = ctypes.c_uint64()
         err = _errbuf()
+        ptrs, lens, k = self._state_ptrs(state) if state is not None else (None, None, 0)
         self._lib.sync_threads()
         rc = self._lib.lib.hpc_encode(self._pv, g.data_ptr(), n, buf.data_ptr(),
                                       buf.numel(), state.scalars.data_ptr() if state is not None else None,
-                                      ctypes.byref(nb), err, ERRLEN)
+                                      ptrs, lens, k, ctypes.byref(nb), err, ERRLEN)
         if rc:
             _raise(rc, err)
         return buf[:nb.value]

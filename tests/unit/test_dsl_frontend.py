@@ -179,3 +179,60 @@ def test_fuzz_a_handful_compile():
         compll.load(f"v{k}.cll", source=v, name=f"fuzzv{k}_{rng.randrange(1 << 30)}")
         compiled += 1
     assert compiled >= 2
+
+
+STATEFUL = """param P { float m = 0.5; }
+state float* u;
+state int32 step;
+float f(float a, float g) { return a + g; }
+float big(float x) { return abs(x) > 0.1; }
+void encode(float* gradient, uint8* compressed, P params) {
+    u = map(u, gradient, f);
+    step += 1;
+    float* s = sort(u, greaterAbs, 2);
+    u = scatter(u, s.index, 0);
+    compressed = concat(s.index, s);
+}
+void decode(uint8* compressed, float* gradient) {
+    extract(compressed, i, v);
+    gradient = scatter(i, v);
+}
+"""
+
+
+def test_stateful_spec_checks():
+    s = check(STATEFUL, "t.cll")
+    assert [g.name for g in s.state_arrays] == ["u"] and [(g.name, g.slot) for g in s.state_scalars] == [("step", 1)]
+
+
+@pytest.mark.parametrize("old,new,line,col,msg", [
+    ("state float* u;", "state float* u = 1;", 2, 18, "cannot have an initial value"),
+    ("state float* u;", "state int32* u;", 2, 7, "a state array holds floats"),
+    ("state int32 step;", "state float step;", 3, 7, "state is 'state float* name;'"),
+    ("state int32 step;", "state int32 step, a, b, c;", 3, 25, "at most 3 state scalars"),
+    ("    u = scatter(u, s.index, 0);", "    u = sort(u, greaterAbs, 2);", 10, 9, "updated in place"),
+    ("    u = scatter(u, s.index, 0);", "    float* w = map(u, big); u = scatter(w, s.index, 0);", 10, 33,
+     "updates its array in place"),
+    ("    gradient = scatter(i, v);", "    step = 2; gradient = scatter(i, v);", 15, 5, "updated in encode only"),
+    ("    gradient = scatter(i, v);", "    float z = step; gradient = scatter(i, v);", 15, 15, "decode cannot use the state"),
+    ("    gradient = scatter(i, v);", "    float z = has_state; gradient = scatter(i, v);", 15, 15,
+     "available in encode only"),
+    ("float f(float a, float g) { return a + g; }", "float f(float a, float g) { step = 1; return a + g; }", 4, 29,
+     "updated in encode only"),
+    ("param P { float m = 0.5; }", "param P { float m = 0.5; }\nfloat capacity(int32 n, P p) { return n; }", 2, 1,
+     "int32 capacity(int32 n, Params params)"),
+    ("param P { float m = 0.5; }", "param P { float m = 0.5; }\nint32 capacity(int32 n, P p) { return step; }", 2, 39,
+     "capacity cannot read the global"),
+    ("    step += 1;", "    step += 1.0 + double(1);\n    float* q = map(u, u, nosuch);", 9, 26, "user-defined function"),
+])
+def test_state_misuse_errors(old, new, line, col, msg):
+    assert old in STATEFUL
+    e = err(STATEFUL.replace(old, new, 1))
+    assert (e.line, e.col) == (line, col), str(e)
+    assert msg in e.message, str(e)
+    assert str(e).startswith(f"t.cll:{line}:{col}: error: ")
+
+
+def test_double_in_header_rejected():
+    e = err("param P { double r = 0.5; }\nvoid encode(float* g, uint8* c, P p) { c = concat(p.r); }")
+    assert (e.line, e.col) == (2, 53) and "not a double" in e.message
