@@ -1,7 +1,7 @@
 """Coordinator on versus off, end to end, on the emulated cluster.
 
     python -m hipress.bench.coordinator_e2e [--np 4] [--bandwidth 1gbit] [--latency 0.2ms]
-        [--layers 48] [--steps 30] [--compression tbq] [--out results/coordinator_e2e.json]
+        [--layers 48] [--steps 30] [--compression tbq] [--bucket-bytes 0] [--out results/coordinator_e2e.json]
 
 A model with many small gradients (``--layers`` blocks of a 96x96 linear layer and a
 LayerNorm: 4 tensors each, the ResNet-like profile) trained with hipress on ``--np``
@@ -34,7 +34,8 @@ def worker(args) -> None:
     model = nn.Sequential(*blocks)
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                        named_parameters=model.named_parameters(), compression=args.compression,
-                                       strategy=args.strategy, coordinator=args.coordinator == "on")
+                                       strategy=args.strategy, coordinator=args.coordinator == "on",
+                                       bucket_bytes=args.bucket_bytes)
     x = torch.randn(32, 96)
     times = []
     for step in range(args.steps + 3):
@@ -59,6 +60,8 @@ def main(argv=None) -> list:
     p.add_argument("--compression", default="tbq")
     p.add_argument("--strategies", default="ring,ps")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--bucket-bytes", type=int, default=0,
+                   help="tensor fusion bucket size (default 0: every small gradient alone, the case at issue)")
     p.add_argument("--out", default="results/coordinator_e2e.json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--strategy", default="ring", help=argparse.SUPPRESS)
@@ -77,7 +80,7 @@ def main(argv=None) -> list:
                 for coord in ("off", "on"):
                     cmd = [sys.executable, "-m", "hipress.bench.coordinator_e2e", "--worker", "--strategy", strategy,
                            "--coordinator", coord, "--layers", str(a.layers), "--steps", str(a.steps),
-                           "--compression", a.compression]
+                           "--compression", a.compression, "--bucket-bytes", str(a.bucket_bytes)]
                     code, outs = c.run(cmd, timeout=600, quiet=True)
                     if code != 0:
                         raise SystemExit(f"{strategy}/{coord} failed ({code}):\n" + "\n".join(outs)[-3000:])
