@@ -311,7 +311,9 @@ class HorovodTransport(Transport):
 
     # ------------------------------------------------------------------ point to point
     def _pair_set(self, op: str, peer: int):
-        ps = self._reg.get([self.members[self._rank], self.members[peer]])
+        if self._size == 2:
+            return self._pset
+        ps = self._reg.get([self.members[self._rank], self.members[peer]]) if self._p2p == "pairs" else None
         if ps is None:
             raise self._err(op, "point-to-point over Horovod needs a process set per pair of ranks, which this "
                                 f"job does not have (HIPRESS_HOROVOD_P2P={self._p2p}; use pairs, with Horovod's "
@@ -338,7 +340,7 @@ class HorovodTransport(Transport):
         self._wait(op, [self._p2p_post(op, buf, src, self._rank, tag)], [src])
 
     def _raw_sendrecv(self, send_buf, dst, recv_buf, src, op):
-        if self._p2p == "collective" and self._reg.get([self.members[self._rank], self.members[dst]]) is None:
+        if self._p2p == "collective" and self._size > 2:
             return self._sendrecv_collective(send_buf, dst, recv_buf, src, op)
         handles = []
         if recv_buf is not None:
