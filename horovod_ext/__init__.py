@@ -22,19 +22,26 @@ __all__ = ["available", "unavailable_reason", "started_by_horovodrun"]
 _reason_cache: Optional[str] = None
 _checked = False
 
-# Variables horovodrun puts in every worker's environment. Gloo mode sets HOROVOD_RANK & co;
-# MPI mode forwards the driver's environment through `mpirun -x`, to which horovodrun always
-# adds these settings (config_parser.set_env_from_args: defaults included).
-_HOROVODRUN_MPI_MARKERS = ("HOROVOD_STALL_CHECK_DISABLE", "HOROVOD_LOG_HIDE_TIME", "HOROVOD_GLOO_TIMEOUT_SECONDS")
+# What horovodrun leaves in a worker's environment. Gloo mode: HOROVOD_RANK, HOROVOD_SIZE & co.
+# MPI mode (0.28) sets no HOROVOD_* variable; its mpirun command line always carries
+# `--tag-output -mca pml ob1 -mca btl ^openib` (runner/mpi_run.py), which OpenMPI hands every
+# rank as these variables. HIPRESS_HOROVODRUN=1/0 overrides the guess either way.
+_HOROVODRUN_OMPI_FINGERPRINT = {"OMPI_MCA_orte_tag_output": "1", "OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "^openib"}
 
 
 def started_by_horovodrun(env: Optional[Mapping[str, str]] = None) -> bool:
     """True when this process looks like a worker started by ``horovodrun`` (either mode)."""
     env = os.environ if env is None else env
+    forced = env.get("HIPRESS_HOROVODRUN", "").strip().lower()
+    if forced in ("1", "true", "yes", "on"):
+        return True
+    if forced in ("0", "false", "no", "off"):
+        return False
     if env.get("HOROVOD_RANK") is not None and env.get("HOROVOD_SIZE") is not None:
-        return True  # gloo mode (and horovod's other non-MPI launchers)
-    under_mpi = env.get("OMPI_COMM_WORLD_SIZE") is not None or env.get("PMI_SIZE") is not None
-    return under_mpi and any(env.get(k) is not None for k in _HOROVODRUN_MPI_MARKERS)
+        return True  # gloo mode (and Horovod's other non-MPI launchers)
+    if env.get("OMPI_COMM_WORLD_SIZE") is not None:
+        return all(env.get(k) == v for k, v in _HOROVODRUN_OMPI_FINGERPRINT.items())
+    return False
 
 
 def unavailable_reason() -> Optional[str]:

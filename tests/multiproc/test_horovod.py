@@ -187,7 +187,10 @@ def test_started_by_horovodrun_detection():
     from horovod_ext import started_by_horovodrun
 
     assert started_by_horovodrun({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "h"})
-    assert started_by_horovodrun({"OMPI_COMM_WORLD_SIZE": "2", "HOROVOD_STALL_CHECK_DISABLE": "0"})
+    mpi = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_MCA_orte_tag_output": "1", "OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "^openib"}
+    assert started_by_horovodrun(mpi)                                      # horovodrun --mpi
+    assert not started_by_horovodrun(dict(mpi, HIPRESS_HOROVODRUN="0"))
+    assert started_by_horovodrun({"OMPI_COMM_WORLD_SIZE": "2", "HIPRESS_HOROVODRUN": "1"})
     assert not started_by_horovodrun({"OMPI_COMM_WORLD_SIZE": "2"})          # plain mpirun
     assert not started_by_horovodrun({"RANK": "0", "WORLD_SIZE": "2"})       # torchrun
     assert not started_by_horovodrun({})
