@@ -5,7 +5,7 @@
                    runs on the world transport, on the local/cross groups (``--fake-hosts K``
                    makes hipress see K hosts, so new process sets are registered), and on a
                    second world transport without pair process sets (sendrecv as alltoall)
-  --mode baseline  horovod_ext.baseline: hvd.DistributedOptimizer with and without fp16
+  --mode baseline  (also after the checks with --baseline) horovod_ext.baseline: hvd.DistributedOptimizer with and without fp16
                    compression averages the gradients of all ranks
 
 Writes ``rank<r>.json`` into HIPRESS_TEST_RESULT_DIR (horovodrun prefixes output lines).
@@ -63,17 +63,19 @@ def mode_checks(args):
     coll.close()
     out["total_s"] = round(time.time() - t0, 3)
     runtime.shutdown()
+    if args.baseline:
+        out.update(baseline())
     emit(out)
 
 
-def mode_baseline(args):
+def baseline():
     import torch
 
     from horovod_ext.baseline import broadcast_initial_state, horovod_optimizer, init_horovod
 
     hvd = init_horovod()
     rank, size = hvd.rank(), hvd.size()
-    out = {"rank": rank, "size": size}
+    out = {}
     for comp in ("none", "fp16"):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1, bias=False)
@@ -88,13 +90,21 @@ def mode_baseline(args):
         out[comp] = model.weight.detach().flatten().tolist()
         if any(abs(v - want) > 1e-3 for v in out[comp]):
             raise SystemExit(f"rank {rank}: {comp} baseline gave {out[comp]}, expected {want}")
-    emit(out)
+    return out
+
+
+def mode_baseline(args):
+    import horovod.torch as hvd
+
+    out = baseline()
+    emit(dict(out, rank=hvd.rank(), size=hvd.size()))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="checks", choices=["checks", "baseline"])
     ap.add_argument("--fake-hosts", type=int, default=0)
+    ap.add_argument("--baseline", action="store_true", help="--mode checks: then check the baselines too")
     args = ap.parse_args()
     if args.fake_hosts:
         os.environ["HIPRESS_HOSTNAME"] = f"fakehost{launch_rank() % args.fake_hosts}"
