@@ -20,8 +20,10 @@ none               a single process: size 1
 =================  =====================================================================
 
 Transport: ``init(transport=...)`` (a name or a Transport object), else ``HIPRESS_TRANSPORT``
-(``mpi``, ``torch``, ``nccl``, ``loopback``), else MPI under an MPI launcher (when hipress
-was built with MPI), else torch.distributed (gloo on CPU). A single process with no launcher
+(``mpi``, ``torch``, ``nccl``, ``loopback``, ``horovod``), else Horovod's collectives
+(horovod_ext) when ``horovodrun`` started the job and ``horovod.torch`` imports (if it does
+not, rank 0 logs one line saying why and the choice goes on), else MPI under an MPI
+launcher (when hipress was built with MPI), else torch.distributed (gloo on CPU). A single process with no launcher
 gets the in-process loopback transport (nothing to connect). If torch.distributed is already
 initialized, the torch transport wraps its default group.
 
@@ -45,7 +47,7 @@ __all__ = ["init", "is_initialized", "shutdown", "rank", "size", "local_rank", "
            "cross_rank", "cross_size", "transport", "local_transport", "cross_transport",
            "launch_info", "detect_launch", "LaunchInfo", "TRANSPORTS"]
 
-TRANSPORTS = ("mpi", "torch", "nccl", "loopback")
+TRANSPORTS = ("mpi", "torch", "nccl", "loopback", "horovod")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +248,8 @@ def _choose_transport(requested, launch: LaunchInfo) -> str:
             raise ValueError(f"unknown transport {kind!r}; expected one of {TRANSPORTS} "
                              f"(from {'init(transport=)' if requested else 'HIPRESS_TRANSPORT'})")
         return kind
+    if launch.launcher != "explicit" and _horovod_usable(launch):
+        return "horovod"
     if launch.is_mpi and _with_mpi():
         return "mpi"
     import torch.distributed as dist
@@ -255,6 +259,30 @@ def _choose_transport(requested, launch: LaunchInfo) -> str:
     if launch.size == 1:
         return "loopback"
     return "torch"
+
+
+_horovod_warned = False
+
+
+def _horovod_usable(launch: LaunchInfo) -> bool:
+    """horovodrun started the job and horovod.torch imports; else say once (rank 0) why not."""
+    global _horovod_warned
+    try:
+        import horovod_ext
+    except ImportError:  # pragma: no cover - shipped with hipress
+        return False
+    if not horovod_ext.started_by_horovodrun():
+        return False
+    reason = horovod_ext.unavailable_reason()
+    if reason is None:
+        return True
+    if not _horovod_warned and launch.rank == 0:
+        import logging
+
+        logging.getLogger("hipress").warning("hipress: started by horovodrun but the Horovod transport is unavailable "
+                                             "(%s); using hipress's own transport instead", reason)
+    _horovod_warned = True
+    return False
 
 
 def _with_mpi() -> bool:
@@ -273,6 +301,20 @@ def _make_world(kind: str, launch: LaunchInfo, timeout: float):
         from hipress.transport.loopback import LoopbackTransport, LoopbackWorld
 
         return LoopbackTransport(LoopbackWorld(1), 0, timeout)
+    if kind == "horovod":
+        import horovod_ext
+
+        reason = horovod_ext.unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"the horovod transport was asked for but {reason}")
+        from horovod_ext.transport import HorovodTransport
+
+        t = HorovodTransport.world(timeout_s=timeout)
+        if launch.launcher not in ("single",) and (t.rank, t.size) != (launch.rank, launch.size):
+            t.close()
+            raise RuntimeError(f"Horovod says rank {t.rank} of {t.size} but the {launch.launcher} launch says "
+                               f"rank {launch.rank} of {launch.size}")
+        return t
     if kind == "mpi":
         from hipress.transport.mpi import MpiTransport
 

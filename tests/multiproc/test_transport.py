@@ -121,7 +121,10 @@ def test_gloo_all_operations(n, launch, hosts):
         def env_of(r):
             return _base_env(HOROVOD_RANK=r, HOROVOD_SIZE=n, HOROVOD_LOCAL_RANK=r // 2, HOROVOD_LOCAL_SIZE=2,
                              HOROVOD_HOSTNAME="localhost", HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1",
-                             HOROVOD_GLOO_RENDEZVOUS_PORT=server.port, HOROVOD_CONTROLLER="gloo")
+                             HOROVOD_GLOO_RENDEZVOUS_PORT=server.port, HOROVOD_CONTROLLER="gloo",
+                             # an emulated horovodrun (no Horovod behind it): hipress's own transport,
+                             # not the Horovod one it would pick where horovod.torch imports
+                             HIPRESS_TRANSPORT="torch")
     try:
         rcs, outs, _ = run_ranks(n, env_of, args, timeout=140)
     finally:
