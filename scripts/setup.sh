@@ -3,7 +3,8 @@
 # and builds hipress in place (editable). Idempotent: a second run only rebuilds.
 #   bash scripts/setup.sh
 # Environment: HIPRESS_SKIP_APT=1 skips system packages; HIPRESS_WITH_CUDA / HIPRESS_WITH_MPI
-# (auto|0|1) choose the optional native parts (see setup.py).
+# (auto|0|1) choose the optional native parts (see setup.py); HIPRESS_WITH_HOROVOD=1 also
+# installs Horovod (scripts/install_horovod.sh: a cached wheel, or a ~20 min build once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -39,3 +40,8 @@ fi
 log "building hipress (editable; compiles csrc/ into hipress._C)"
 HIPRESS_BUILD_JOBS=${HIPRESS_BUILD_JOBS:-$(nproc)} $PY -m pip install -q --no-build-isolation -e .
 $PY -c "import hipress, hipress._C as C; print('[setup] hipress', hipress.__version__, '| mpi:', C.with_mpi, '| cuda:', C.with_cuda)"
+
+if [ "${HIPRESS_WITH_HOROVOD:-0}" = 1 ]; then
+  # Optional: without Horovod, hipress works and the horovodrun tests skip, saying why.
+  bash scripts/install_horovod.sh || log "WARNING: Horovod could not be installed; horovodrun tests will skip"
+fi
