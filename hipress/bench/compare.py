@@ -52,15 +52,15 @@ PRESETS = {
     # One command for issue 9: 4 ranks at 1 and 10 Gbit/s, VGG19- and ResNet50-like (< 15 min here).
     "issue9": dict(model="vgg19,resnet50", bandwidth="1gbit,10gbit", np=4, latency="0.2ms",
                    systems="ddp,ddp-fp16,ddp-powersgd,horovod,hipress-ring-none,hipress-ring-onebit,"
-                           "hipress-ps-onebit,hipress-ring-tbq,hipress-ps-tbq,hipress-ring-terngrad,"
+                           "hipress-ps-onebit,hipress-ring-tbq,hipress-ring-terngrad,"
                            "hipress-ps-dgc,hipress-ps-graddrop,hipress-powersgd,hipress-auto",
-                   warmup=3, steps=8, compute_steps=3, repeats=1),
+                   warmup=2, steps=8, compute_steps=2, repeats=1, max_seconds=8),
     # Everything, all four models, three bandwidths (long: about an hour here).
     "full": dict(model="vgg19,resnet50,bert,lstm", bandwidth="1gbit,10gbit,25gbit", np=4, latency="0.2ms",
-                 systems=",".join(ALL_SYSTEMS), warmup=3, steps=10, compute_steps=3, repeats=3),
+                 systems=",".join(ALL_SYSTEMS), warmup=3, steps=10, compute_steps=3, repeats=3, max_seconds=0),
 }
 
-QUICK = dict(systems="ddp,hipress-ring-onebit", warmup=1, steps=2, compute_steps=1, repeats=1)
+QUICK = dict(systems="ddp,hipress-ring-onebit", warmup=1, steps=2, compute_steps=1, repeats=1, max_seconds=0)
 
 
 # ------------------------------------------------------------------ progress bar
@@ -80,6 +80,8 @@ class Progress:
         self.stream = stream
         self._lock = threading.Lock()
         self._width = 0
+        self._tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._last = None
 
     def draw(self):
         if not self.enabled:
@@ -93,6 +95,14 @@ class Progress:
             eta_s = "--:--" if eta != eta else f"{int(eta) // 60}:{int(eta) % 60:02d}"
             line = (f"\r[{bar}] {100 * frac:5.1f}% {int(el) // 60}:{int(el) % 60:02d} eta {eta_s}  "
                     f"{self.label} {self.sub}")[:160]
+            if not self._tty:   # a log file: one line per change of run/system, not per redraw
+                key = (self.label, self.sub.split(" ")[0])
+                if key == self._last:
+                    return
+                self._last = key
+                self.stream.write(line[1:] + "\n")
+                self.stream.flush()
+                return
             pad = max(0, self._width - len(line))
             self._width = len(line)
             self.stream.write(line + " " * pad)
@@ -110,7 +120,7 @@ class Progress:
         self.draw()
 
     def finish(self):
-        if self.enabled:
+        if self.enabled and self._tty:
             self.base, self.current = self.total, 0
             self.sub = "done"
             self.draw()
@@ -166,6 +176,8 @@ def _run_group(cluster, group: List[str], a, bw: str, model: str, repeat: int, p
                    "--out", d, "--seed", str(a.seed)]
             if a.batch:
                 cmd += ["--batch", str(a.batch)]
+            if a.max_seconds:
+                cmd += ["--max-seconds", str(a.max_seconds)]
             prog.label = f"{model} {bw} rep{repeat + 1}"
             stop = threading.Event()
             w = threading.Thread(target=_watch, args=(os.path.join(d, "progress"), prog, per_system, stop),
@@ -259,7 +271,7 @@ def goals(model: str, rows: List[dict], bandwidths: Sequence[str]) -> List[dict]
         return max(hp, key=lambda r: r["throughput"]) if hp else None
 
     out = []
-    by_rate = {bw: parse_rate(bw) or float("inf") for bw in bandwidths}
+    by_rate = {bw: (parse_rate(bw) if bw != "none" else None) or float("inf") for bw in bandwidths}
     if model == "vgg19":
         bw = next((b for b in bandwidths if by_rate[b] == 1e9), None)
         if bw and best_hp(bw):
@@ -317,6 +329,10 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int)
     p.add_argument("--compute-steps", type=int)
     p.add_argument("--repeats", type=int, help="runs of each configuration; the tables show medians")
+    p.add_argument("--max-seconds", type=float,
+                   help="cap each system's timed phase near this many seconds (at least 2 steps; 0 = no cap)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment of the ranks, e.g. HIPRESS_TRANSPORT_CHECK=0 (recorded in the JSON)")
     p.add_argument("--batch", type=int, default=0, help="per-rank batch (default: the model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="ddp and hipress-ring-onebit, 2 timed steps (smoke test)")
@@ -327,7 +343,7 @@ def main(argv=None) -> dict:
     p.add_argument("--verbose", action="store_true", help="show the ranks' output")
     a = p.parse_args(argv)
     defaults = dict(model="vgg19", bandwidth="1gbit,10gbit", latency="0.2ms", np=4, systems=",".join(ALL_SYSTEMS),
-                    warmup=3, steps=10, compute_steps=3, repeats=1)
+                    warmup=3, steps=10, compute_steps=3, repeats=1, max_seconds=0)
     if a.preset:
         defaults.update(PRESETS[a.preset])
     if a.quick:
@@ -355,10 +371,14 @@ def main(argv=None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
+    for kv in a.env:
+        k, _, v = kv.partition("=")
+        env[k] = v
     records: List[dict] = []
     t_start = time.time()
     cluster_info = {}
     first = None if bandwidths[0] == "none" else bandwidths[0]
+    partial = os.path.join(a.out_dir, "compare-partial.json")
     with EmulatedCluster(np=a.np, bandwidth=first, latency=a.latency, quiet=True) as c:
         cluster_info = {"emulated": c.emulated, "delay_method": c.delay_method,
                         "fallback_reason": c.fallback_reason}
@@ -373,6 +393,8 @@ def main(argv=None) -> dict:
                 for rep in range(a.repeats):
                     for g in groups:
                         records += _run_group(c, g, a, bw, model, rep, prog, env)
+                        with open(partial, "w") as f:   # raw records so far (survives a crash below)
+                            json.dump({"config": vars(a), "records": records}, f)
     prog.finish()
     if "horovod" in systems and not horovod_ok:
         for bw in bandwidths:

@@ -144,6 +144,7 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     cfg = parse_system(system)
     rank, size = dist.get_rank(), dist.get_world_size()
     rec = {"system": system, "model": spec.name, "np": size, "batch_per_rank": a.batch, "config": cfg,
+           "loadavg_start": os.getloadavg()[0],
            "warmup": a.warmup, "steps": a.steps, "compute_steps": a.compute_steps, "lr": a.lr}
     if cfg["kind"] == "horovod":
         try:
@@ -169,10 +170,20 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     tag = f"{index + 1}/{total} {system}"
     nsteps = a.warmup + a.steps + a.compute_steps
     done = 0
+    tw = 0.0
     for _ in range(a.warmup):
+        t = time.perf_counter()
         step()
+        tw = time.perf_counter() - t
         done += 1
         _progress(out, f"{tag} {done}/{nsteps}")
+    steps = a.steps
+    if a.max_seconds > 0 and a.warmup:
+        # Bound the timed phase on a slow or loaded machine: every rank uses the slowest
+        # rank's last warm-up step, so all run the same number of steps.
+        steps = int(min(a.steps, max(a.min_steps, a.max_seconds // max(_max_over_ranks(tw), 1e-6))))
+        done += a.steps - steps
+    rec["steps"] = steps
     engine = None
     if cfg["kind"] == "hipress":
         from hipress.engine import get_engine
@@ -180,7 +191,7 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     dist.barrier()
     c0 = engine.counters() if engine else None
     t0 = time.perf_counter()
-    for _ in range(a.steps):
+    for _ in range(steps):
         loss = step()
         done += 1
         _progress(out, f"{tag} {done}/{nsteps}")
@@ -205,25 +216,26 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     compute_local = ctimes[len(ctimes) // 2] if ctimes else float("nan")
     elapsed_all = _gather(elapsed)
     compute_all = _gather(compute_local)
-    step_s = max(elapsed_all) / a.steps
+    step_s = max(elapsed_all) / steps
     compute_s = sum(compute_all) / len(compute_all)
     rec.update(
         step_s=step_s,
-        step_s_per_rank=[e / a.steps for e in elapsed_all],
-        throughput=size * a.batch * a.steps / max(elapsed_all),
+        step_s_per_rank=[e / steps for e in elapsed_all],
+        throughput=size * a.batch * steps / max(elapsed_all),
         compute_s=compute_s,
         compute_s_per_rank=compute_all,
         exposed_comm_s=max(0.0, step_s - compute_s),
         final_loss=loss,
+        loadavg_end=os.getloadavg()[0],
         loss_finite=math.isfinite(loss),
     )
     if c0 is not None:
-        comp = _gather((c1["compute"]["busy_s"] - c0["compute"]["busy_s"]) / a.steps)
-        comm = _gather((c1["comm"]["busy_s"] - c0["comm"]["busy_s"]) / a.steps)
+        comp = _gather((c1["compute"]["busy_s"] - c0["compute"]["busy_s"]) / steps)
+        comm = _gather((c1["comm"]["busy_s"] - c0["comm"]["busy_s"]) / steps)
         rec.update(compression_s=sum(comp) / len(comp), compression_s_per_rank=comp,
                    comm_busy_s=sum(comm) / len(comm),
                    engine_tasks_per_step=(c1["compute"]["tasks_run"] + c1["comm"]["tasks_run"]
-                                          - c0["compute"]["tasks_run"] - c0["comm"]["tasks_run"]) / a.steps)
+                                          - c0["compute"]["tasks_run"] - c0["comm"]["tasks_run"]) / steps)
     else:
         rec.update(compression_s=None, comm_busy_s=None)
     return rec
@@ -237,6 +249,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compute-steps", type=int, default=3)
+    p.add_argument("--max-seconds", type=float, default=0,
+                   help="cap the timed phase near this many seconds (from the last warm-up step; 0 = no cap)")
+    p.add_argument("--min-steps", type=int, default=2, help="timed steps at least, with --max-seconds")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
