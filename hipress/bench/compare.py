@@ -6,10 +6,10 @@
 For every bandwidth (the cluster is re-shaped with ``set_link`` between them), model
 and repeat, the systems run as ranks of ``hipress.bench.train`` inside
 ``EmulatedCluster`` (one network namespace per rank, tc-shaped links; plain loopback
-with a warning when namespaces are unavailable). Each DDP-based system gets fresh
-processes (two DDP instances with comm hooks in one process group do not mix); the
-hipress systems share one set of processes and run one after the other. A system that
-fails is recorded with its error and the rest go on.
+with a warning when namespaces are unavailable). The systems of one (bandwidth, model,
+repeat) share one set of processes and run one after the other, each on a fresh model
+(horovod, if installed, gets its own launch). A system that fails is recorded with its
+error and the launch is restarted with the systems after it.
 
 Writes, per model, into ``--out-dir`` (default ``results/``):
   compare-<model>.json             every record of every run, the medians, the exact
@@ -153,14 +153,9 @@ def _watch(progress_path: str, prog: Progress, per_system: int, stop: threading.
 
 
 def _groups(systems: Sequence[str]) -> List[List[str]]:
-    """DDP-based systems and horovod one per launch, all hipress systems in one launch."""
-    out, hp = [], []
-    for s in systems:
-        if s.startswith("hipress"):
-            hp.append(s)
-        else:
-            out.append([s])
-    return out + ([hp] if hp else [])
+    """horovod in a launch of its own (its own runtime), every other system in one launch."""
+    rest = [s for s in systems if s != "horovod"]
+    return [[s] for s in systems if s == "horovod"] + ([rest] if rest else [])
 
 
 def _run_group(cluster, group: List[str], a, bw: str, model: str, repeat: int, prog: Progress,
@@ -185,7 +180,7 @@ def _run_group(cluster, group: List[str], a, bw: str, model: str, repeat: int, p
             w.start()
             t0 = time.time()
             try:
-                code, outputs = cluster.run(cmd, timeout=a.timeout, env=env, quiet=not a.verbose, cwd=REPO)
+                code, outputs = cluster.run(cmd, timeout=a.timeout * len(todo), env=env, quiet=not a.verbose, cwd=REPO)
             finally:
                 stop.set()
                 w.join()
@@ -337,7 +332,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="ddp and hipress-ring-onebit, 2 timed steps (smoke test)")
     p.add_argument("--out-dir", default="results")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per launch")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per system of a launch")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--verbose", action="store_true", help="show the ranks' output")

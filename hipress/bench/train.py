@@ -92,7 +92,10 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
     if cfg["kind"] == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        net = DDP(model)
+        # PowerSGD under gloo: the hook issues its P/Q allreduces from future callbacks, so
+        # with several buckets their order can differ between ranks (a gloo size mismatch,
+        # seen here); one bucket keeps one order. The other DDP systems keep the defaults.
+        net = DDP(model, bucket_cap_mb=4096) if cfg["hook"] == "powersgd" else DDP(model)
         if cfg["hook"] == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             net.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -101,7 +104,7 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
             state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
                                      use_error_feedback=True, warm_start=True, random_seed=0)
             net.register_comm_hook(state, ps.powerSGD_hook)
-            info["powersgd"] = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 2}
+            info["powersgd"] = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 2, "bucket_cap_mb": 4096}
         return net, opt, net.no_sync, opt.step, info
     if cfg["kind"] == "horovod":
         import horovod.torch as hvd  # noqa: F401 - ImportError is handled by the caller
