@@ -83,6 +83,49 @@ def _gather(v: float) -> list:
     return [float(x[0]) for x in out]
 
 
+def _horovod_rendezvous() -> None:
+    """What horovodrun's gloo launcher does, inside this torchrun-style launch: rank 0 runs
+    horovod's HTTP rendezvous server with a slot plan built from every rank's hostname,
+    and every rank gets the HOROVOD_* environment that hvd.init() reads."""
+    import socket
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    host = os.environ.get("HIPRESS_HOSTNAME") or socket.gethostname()
+    hosts: list = [None] * size
+    dist.all_gather_object(hosts, host)
+    order = list(dict.fromkeys(hosts))
+    slots = []
+    for r, h in enumerate(hosts):
+        same = [q for q, hq in enumerate(hosts) if hq == h]
+        slots.append(dict(hostname=h, rank=r, local_rank=same.index(r), cross_rank=order.index(h), size=size,
+                          local_size=len(same), cross_size=len(order)))
+    port = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        from horovod.runner.common.util.hosts import SlotInfo
+        from horovod.runner.http.http_server import RendezvousServer
+
+        global _HVD_SERVER
+        _HVD_SERVER = RendezvousServer(False)
+        port[0] = _HVD_SERVER.start()
+        _HVD_SERVER.init([SlotInfo(**sl) for sl in slots])
+    dist.broadcast(port, 0)
+    me = slots[rank]
+    os.environ.update(
+        HOROVOD_GLOO_RENDEZVOUS_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        HOROVOD_GLOO_RENDEZVOUS_PORT=str(int(port[0])), HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
+        HOROVOD_GLOO_IFACE=os.environ.get("GLOO_SOCKET_IFNAME", "lo"), HOROVOD_HOSTNAME=host,
+        HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(size), HOROVOD_LOCAL_RANK=str(me["local_rank"]),
+        HOROVOD_LOCAL_SIZE=str(me["local_size"]), HOROVOD_CROSS_RANK=str(me["cross_rank"]),
+        HOROVOD_CROSS_SIZE=str(me["cross_size"]))
+
+
+_HVD_SERVER = None
+
+
+class _Skip(Exception):
+    """A system that cannot run here (recorded as skipped, not failed)."""
+
+
 def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
     """Returns (net to call, optimizer, no_sync context factory, base step fn, info)."""
     import contextlib
@@ -109,11 +152,21 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
     if cfg["kind"] == "horovod":
         import horovod.torch as hvd  # noqa: F401 - ImportError is handled by the caller
 
+        _horovod_rendezvous()
         hvd.init()
+        if hvd.size() != dist.get_world_size():
+            raise _Skip(f"horovod.torch imports, but hvd.init() outside horovodrun sees size {hvd.size()} "
+                        f"instead of {dist.get_world_size()} (no gloo rendezvous server in this launch)")
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        base_step = opt.step
+        # horovod's hooks allreduce during backward even inside skip_synchronize(), so the
+        # compute phase runs on an unhooked copy of the model with a plain optimizer.
+        import copy
+        plain = copy.deepcopy(model)
+        plain_opt = torch.optim.SGD(plain.parameters(), lr=lr, momentum=0.9)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-        return model, opt, opt.skip_synchronize, base_step, info
+        info["horovod"] = {"version": getattr(__import__("horovod"), "__version__", "?"), "size": hvd.size(),
+                           "controller": "gloo"}
+        return model, opt, None, (plain, plain_opt), info
     import hipress
 
     hipress.init()
@@ -158,7 +211,11 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     torch.manual_seed(a.seed)
     model = spec.build()
     rec["profile"] = models.profile(model)
-    net, opt, no_sync, base_step, info = _setup(system, cfg, model, a.lr)
+    try:
+        net, opt, no_sync, base_step, info = _setup(system, cfg, model, a.lr)
+    except _Skip as e:
+        rec.update(skipped=str(e))
+        return rec
     rec.update(info)
     g = torch.Generator().manual_seed(a.seed + 1000 * rank)
     x, y = spec.batch(a.batch, g)
@@ -204,6 +261,10 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     # compute only: forward + backward + local optimizer step, no synchronization
     dist.barrier()
     ctimes = []
+    if no_sync is None:    # compute on an unhooked copy (horovod)
+        import contextlib
+        net, opt = base_step
+        no_sync, base_step = contextlib.nullcontext, opt.step
     for _ in range(a.compute_steps):
         t = time.perf_counter()
         opt.zero_grad()
@@ -237,6 +298,8 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
         comm = _gather((c1["comm"]["busy_s"] - c0["comm"]["busy_s"]) / steps)
         rec.update(compression_s=sum(comp) / len(comp), compression_s_per_rank=comp,
                    comm_busy_s=sum(comm) / len(comm),
+                   comm_tasks_per_step=(c1["comm"]["tasks_run"] - c0["comm"]["tasks_run"]) / steps,
+                   compute_tasks_per_step=(c1["compute"]["tasks_run"] - c0["compute"]["tasks_run"]) / steps,
                    engine_tasks_per_step=(c1["compute"]["tasks_run"] + c1["comm"]["tasks_run"]
                                           - c0["compute"]["tasks_run"] - c0["comm"]["tasks_run"]) / steps)
     else:
