@@ -295,10 +295,12 @@ def main(argv=None) -> dict:
             rows.append({"algorithm": algo, "note": r["error"]})
             continue
         last = r["points"][-1]
+        val = last[metric]
+        bad = val != val or abs(val) > 1e6
         row = {"algorithm": algo, "strategy": r["strategy"], "epochs": last["epoch"], "steps": last["step"],
-               metric: round(last[metric], 2), "train_wall_s": round(last["wall_s"], 1)}
+               metric: f"diverged ({val:.1e})" if bad else round(val, 2), "train_wall_s": round(last["wall_s"], 1)}
         if base is not None:
-            row["diff_vs_none"] = round(last[metric] - base, 2)
+            row["diff_vs_none"] = "" if bad else round(val - base, 2)
         if a.task == "digits" and base is not None:
             row["within_1_point"] = "yes" if abs(last[metric] - base) <= 1.0 else "NO"
         rows.append(row)
