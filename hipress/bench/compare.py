@@ -1,0 +1,437 @@
+"""End-to-end throughput comparison inside the emulated cluster (issue 9).
+
+    python -m hipress.bench.compare --preset issue9            # VGG19- and ResNet50-like, 4 ranks, 1 and 10 Gbit/s
+    python -m hipress.bench.compare --model vgg19 --bandwidth 1gbit,10gbit --np 4 [--systems ...] [--quick]
+
+For every bandwidth (the cluster is re-shaped with ``set_link`` between them), model
+and repeat, the systems run as ranks of ``hipress.bench.train`` inside
+``EmulatedCluster`` (one network namespace per rank, tc-shaped links; plain loopback
+with a warning when namespaces are unavailable). The systems of one (bandwidth, model,
+repeat) share one set of processes and run one after the other, each on a fresh model
+(horovod, if installed, gets its own launch). A system that fails is recorded with its
+error and the launch is restarted with the systems after it.
+
+Writes, per model, into ``--out-dir`` (default ``results/``):
+  compare-<model>.json             every record of every run, the medians, the exact
+                                   configuration, cluster and machine, and the goal checks
+  compare-<model>.md               the markdown table (also printed)
+  compare-<model>-throughput.png   throughput versus bandwidth, one line per system
+  compare-<model>-breakdown.png    stacked ms/step: compute, compression, other exposed communication
+
+Time breakdown (per step, medians over repeats): compute = forward + backward + local
+optimizer update with synchronization off (measured on all ranks at once, so with the
+same CPU contention); exposed communication = step - compute; compression = hipress
+engine compute-queue busy seconds per step (may overlap backward). In the stacked plot
+compression is capped at the exposed time and the rest of the exposed time is "other
+exposed communication".
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+from hipress.bench.common import machine_info, markdown_table
+from hipress.bench.train import parse_system
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ALL_SYSTEMS = (["ddp", "ddp-fp16", "ddp-powersgd", "horovod"]
+               + [f"hipress-{s}-{a}" for s in ("ring", "ps")
+                  for a in ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")]
+               + ["hipress-powersgd", "hipress-auto", "hipress-ps-tbq-plan"])
+
+PRESETS = {
+    # One command for issue 9: 4 ranks at 1 and 10 Gbit/s, VGG19- and ResNet50-like (< 15 min here).
+    "issue9": dict(model="vgg19,resnet50", bandwidth="1gbit,10gbit", np=4, latency="0.2ms",
+                   systems="ddp,ddp-fp16,ddp-powersgd,horovod,hipress-ring-none,hipress-ring-onebit,"
+                           "hipress-ps-onebit,hipress-ring-tbq,hipress-ring-terngrad,"
+                           "hipress-ps-dgc,hipress-ps-graddrop,hipress-powersgd,hipress-auto",
+                   warmup=2, steps=8, compute_steps=2, repeats=1, max_seconds=8),
+    # Everything, all four models, three bandwidths (long: about an hour here).
+    "full": dict(model="vgg19,resnet50,bert,lstm", bandwidth="1gbit,10gbit,25gbit", np=4, latency="0.2ms",
+                 systems=",".join(ALL_SYSTEMS), warmup=3, steps=10, compute_steps=3, repeats=3, max_seconds=0),
+}
+
+QUICK = dict(systems="ddp,hipress-ring-onebit", warmup=1, steps=2, compute_steps=1, repeats=1, max_seconds=0)
+
+
+# ------------------------------------------------------------------ progress bar
+
+
+class Progress:
+    """Plain stderr progress bar: overall fraction of steps, current run and system, ETA."""
+
+    def __init__(self, total_units: int, enabled: bool = True, stream=sys.stderr):
+        self.total = max(1, total_units)
+        self.base = 0              # units of finished launches
+        self.current = 0           # units of the launch in progress
+        self.label = ""
+        self.sub = ""
+        self.t0 = time.time()
+        self.enabled = enabled and stream is not None
+        self.stream = stream
+        self._lock = threading.Lock()
+        self._width = 0
+        self._tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._last = None
+
+    def draw(self):
+        if not self.enabled:
+            return
+        with self._lock:
+            done = min(self.total, self.base + self.current)
+            frac = done / self.total
+            el = time.time() - self.t0
+            eta = el / frac - el if frac > 0.02 else float("nan")
+            bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+            eta_s = "--:--" if eta != eta else f"{int(eta) // 60}:{int(eta) % 60:02d}"
+            line = (f"\r[{bar}] {100 * frac:5.1f}% {int(el) // 60}:{int(el) % 60:02d} eta {eta_s}  "
+                    f"{self.label} {self.sub}")[:160]
+            if not self._tty:   # a log file: one line per change of run/system, not per redraw
+                key = (self.label, self.sub.split(" ")[0])
+                if key == self._last:
+                    return
+                self._last = key
+                self.stream.write(line[1:] + "\n")
+                self.stream.flush()
+                return
+            pad = max(0, self._width - len(line))
+            self._width = len(line)
+            self.stream.write(line + " " * pad)
+            self.stream.flush()
+
+    def note(self, text: str):
+        """A line of its own above the bar."""
+        if not self.enabled:
+            print(text, file=sys.stderr)
+            return
+        with self._lock:
+            self.stream.write("\r" + " " * self._width + "\r" + text + "\n")
+            self._width = 0
+            self.stream.flush()
+        self.draw()
+
+    def finish(self):
+        if self.enabled and self._tty:
+            self.base, self.current = self.total, 0
+            self.sub = "done"
+            self.draw()
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _watch(progress_path: str, prog: Progress, per_system: int, stop: threading.Event):
+    """Follows the worker's progress file: '<i>/<n> <system> <done>/<steps>' lines."""
+    while not stop.wait(0.5):
+        try:
+            with open(progress_path) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        if not lines:
+            continue
+        parts = lines[-1].split()
+        try:
+            i = int(parts[0].split("/")[0]) - 1
+            done = int(parts[2].split("/")[0]) if len(parts) > 2 and "/" in parts[2] else 0
+        except (ValueError, IndexError):
+            continue
+        prog.current = i * per_system + done
+        prog.sub = " ".join(parts[1:3])
+        prog.draw()
+
+
+# ------------------------------------------------------------------ running
+
+
+def _groups(systems: Sequence[str]) -> List[List[str]]:
+    """horovod in a launch of its own (its own runtime), every other system in one launch."""
+    rest = [s for s in systems if s != "horovod"]
+    return [[s] for s in systems if s == "horovod"] + ([rest] if rest else [])
+
+
+def _run_group(cluster, group: List[str], a, bw: str, model: str, repeat: int, prog: Progress,
+               env: dict) -> List[dict]:
+    """Runs the systems of group (re-launching after a failure); returns one record per system."""
+    records, todo = [], list(group)
+    per_system = a.warmup + a.steps + a.compute_steps
+    while todo:
+        with tempfile.TemporaryDirectory(prefix="hpbench-") as d:
+            os.chmod(d, 0o777)
+            cmd = [sys.executable, "-m", "hipress.bench.train", "--model", model, "--systems", ",".join(todo),
+                   "--warmup", str(a.warmup), "--steps", str(a.steps), "--compute-steps", str(a.compute_steps),
+                   "--out", d, "--seed", str(a.seed)]
+            if a.batch:
+                cmd += ["--batch", str(a.batch)]
+            if a.max_seconds:
+                cmd += ["--max-seconds", str(a.max_seconds)]
+            prog.label = f"{model} {bw} rep{repeat + 1}"
+            stop = threading.Event()
+            w = threading.Thread(target=_watch, args=(os.path.join(d, "progress"), prog, per_system, stop),
+                                 daemon=True)
+            w.start()
+            t0 = time.time()
+            try:
+                code, outputs = cluster.run(cmd, timeout=a.timeout * len(todo), env=env, quiet=not a.verbose, cwd=REPO)
+            finally:
+                stop.set()
+                w.join()
+            wall = time.time() - t0
+            got = []
+            path = os.path.join(d, "results.jsonl")
+            if os.path.exists(path):
+                with open(path) as f:
+                    got = [json.loads(line) for line in f if line.strip()]
+        for r in got:
+            r.update(bandwidth=bw, latency=a.latency, repeat=repeat, launch_wall_s=wall)
+            if r.get("skipped"):
+                prog.note(f"[compare] {model} {bw}: {r['system']} skipped: {r['skipped']}")
+            records.append(r)
+        done = {r["system"] for r in got}
+        prog.base += per_system * len(done)
+        prog.current = 0
+        todo = [s for s in todo if s not in done]
+        if code != 0 and todo:
+            failed = todo.pop(0)
+            tail = "\n".join("\n".join(o.splitlines()[-15:]) for o in outputs)[-3000:]
+            err = "timeout" if code == 124 else f"exit code {code}"
+            prog.note(f"[compare] {model} {bw}: {failed} failed ({err}); see the JSON for its output")
+            records.append({"system": failed, "model": model, "bandwidth": bw, "latency": a.latency,
+                            "repeat": repeat, "error": err, "output_tail": tail})
+            prog.base += per_system
+        elif code != 0:
+            break
+    return records
+
+
+# ------------------------------------------------------------------ summarising
+
+
+def _median(vals):
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(records: List[dict], bandwidths: Sequence[str], systems: Sequence[str]) -> List[dict]:
+    rows = []
+    for bw in bandwidths:
+        for s in systems:
+            rs = [r for r in records if r["bandwidth"] == bw and r["system"] == s]
+            if not rs:
+                continue
+            ok = [r for r in rs if r.get("step_s")]
+            row = {"bandwidth": bw, "system": s, "runs": len(ok)}
+            if not ok:
+                row["note"] = rs[0].get("skipped") or rs[0].get("error", "")
+                rows.append(row)
+                continue
+            for k in ("throughput", "step_s", "compute_s", "compression_s", "exposed_comm_s", "comm_busy_s"):
+                row[k] = _median([r.get(k) for r in ok])
+            row["throughput_all"] = [r["throughput"] for r in ok]
+            exposed = row["exposed_comm_s"] or 0.0
+            row["compression_stack_s"] = min(row["compression_s"] or 0.0, exposed)
+            row["comm_stack_s"] = exposed - row["compression_stack_s"]
+            if not all(r.get("loss_finite", True) for r in ok):
+                row["note"] = "loss not finite"
+            plan = ok[0].get("plan")
+            if plan and "gradients" in plan:
+                row["note"] = f"plan: {plan['compressed_gradients']}/{plan['gradients']} gradients compressed " \
+                              f"({plan['compressed_mb']:.1f} MB)"
+            rows.append(row)
+        base = next((r for r in rows if r["bandwidth"] == bw and r["system"] == "ddp" and r.get("throughput")), None)
+        for r in rows:
+            if r["bandwidth"] == bw and base and r.get("throughput"):
+                r["x_ddp"] = r["throughput"] / base["throughput"]
+    return rows
+
+
+def goals(model: str, rows: List[dict], bandwidths: Sequence[str]) -> List[dict]:
+    """The issue's targets, computed (never asserted)."""
+    from hipress.bench.cluster import parse_rate
+
+    def tp(bw, s):
+        r = next((r for r in rows if r["bandwidth"] == bw and r["system"] == s), None)
+        return r.get("throughput") if r else None
+
+    def best_hp(bw):
+        hp = [r for r in rows if r["bandwidth"] == bw and r["system"].startswith("hipress") and r.get("throughput")]
+        return max(hp, key=lambda r: r["throughput"]) if hp else None
+
+    out = []
+    by_rate = {bw: (parse_rate(bw) if bw != "none" else None) or float("inf") for bw in bandwidths}
+    if model == "vgg19":
+        bw = next((b for b in bandwidths if by_rate[b] == 1e9), None)
+        if bw and best_hp(bw):
+            b = best_hp(bw)
+            for ref, target in (("ddp", 1.5), ("ddp-powersgd", 1.2)):
+                if tp(bw, ref):
+                    ratio = b["throughput"] / tp(bw, ref)
+                    out.append({"goal": f"vgg19 @ {bw}: best hipress >= {target}x {ref}",
+                                "best": b["system"], "ratio": ratio, "met": ratio >= target})
+    if model == "resnet50":
+        bw = next((b for b in bandwidths if by_rate[b] == 1e10), None)
+        if bw and tp(bw, "ddp"):
+            hp = [r for r in rows if r["bandwidth"] == bw and r["system"].startswith("hipress") and r.get("throughput")]
+            if hp:
+                worst = min(hp, key=lambda r: r["throughput"])
+                best = max(hp, key=lambda r: r["throughput"])
+                ratio = worst["throughput"] / tp(bw, "ddp")
+                out.append({"goal": f"resnet50 @ {bw}: every hipress configuration >= 0.97x ddp",
+                            "worst": worst["system"], "ratio": ratio, "met": ratio >= 0.97,
+                            "best": best["system"], "best_ratio": best["throughput"] / tp(bw, "ddp")})
+    return out
+
+
+COLUMNS = ["bandwidth", "system", "throughput", "x_ddp", "step_ms", "compute_ms", "compression_ms",
+           "exposed_comm_ms", "runs", "note"]
+
+
+def table(rows: List[dict]) -> str:
+    view = []
+    for r in rows:
+        v = dict(r)
+        for k in ("step", "compute", "compression", "exposed_comm"):
+            x = r.get(k + "_s")
+            v[k + "_ms"] = "" if x is None else round(1e3 * x, 1)
+        if r.get("throughput") is not None:
+            v["throughput"] = round(r["throughput"], 1)
+        if r.get("x_ddp") is not None:
+            v["x_ddp"] = f"{r['x_ddp']:.2f}"
+        view.append(v)
+    return markdown_table(view, COLUMNS)
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a named configuration (flags given override it)")
+    p.add_argument("--model", help="comma list of vgg19,resnet50,bert,lstm (default vgg19)")
+    p.add_argument("--bandwidth", help="comma list, tc units (default 1gbit,10gbit); 'none' = unshaped")
+    p.add_argument("--latency", help="one-way host-to-host delay (default 0.2ms)")
+    p.add_argument("--np", type=int)
+    p.add_argument("--systems", help=f"comma list (default all): {','.join(ALL_SYSTEMS)}")
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--compute-steps", type=int)
+    p.add_argument("--repeats", type=int, help="runs of each configuration; the tables show medians")
+    p.add_argument("--max-seconds", type=float,
+                   help="cap each system's timed phase near this many seconds (at least 2 steps; 0 = no cap)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment of the ranks, e.g. HIPRESS_TRANSPORT_CHECK=0 (recorded in the JSON)")
+    p.add_argument("--batch", type=int, default=0, help="per-rank batch (default: the model's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="ddp and hipress-ring-onebit, 2 timed steps (smoke test)")
+    p.add_argument("--out-dir", default="results")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per system of a launch")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="show the ranks' output")
+    a = p.parse_args(argv)
+    defaults = dict(model="vgg19", bandwidth="1gbit,10gbit", latency="0.2ms", np=4, systems=",".join(ALL_SYSTEMS),
+                    warmup=3, steps=10, compute_steps=3, repeats=1, max_seconds=0)
+    if a.preset:
+        defaults.update(PRESETS[a.preset])
+    if a.quick:
+        defaults.update(QUICK)
+    for k, v in defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    models_ = [m for m in a.model.split(",") if m]
+    bandwidths = [b for b in a.bandwidth.split(",") if b]
+    systems = [s for s in a.systems.split(",") if s]
+    for s in systems:
+        parse_system(s)
+    from hipress.bench import models as _m
+    for m in models_:
+        _m.get(m)
+    from hipress.bench.cluster import EmulatedCluster
+
+    horovod_ok = importlib.util.find_spec("horovod") is not None
+    run_systems = [s for s in systems if s != "horovod" or horovod_ok]
+    groups = _groups(run_systems)
+    per_system = a.warmup + a.steps + a.compute_steps
+    total = len(bandwidths) * len(models_) * a.repeats * len(run_systems) * per_system
+    prog = Progress(total, enabled=not a.no_progress)
+    os.makedirs(a.out_dir, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for kv in a.env:
+        k, _, v = kv.partition("=")
+        env[k] = v
+    records: List[dict] = []
+    t_start = time.time()
+    cluster_info = {}
+    first = None if bandwidths[0] == "none" else bandwidths[0]
+    partial = os.path.join(a.out_dir, "compare-partial.json")
+    with EmulatedCluster(np=a.np, bandwidth=first, latency=a.latency, quiet=True) as c:
+        cluster_info = {"emulated": c.emulated, "delay_method": c.delay_method,
+                        "fallback_reason": c.fallback_reason}
+        if not c.emulated:
+            prog.note(f"[compare] WARNING: no emulated network ({c.fallback_reason}); ranks on unshaped loopback")
+        for bw in bandwidths:
+            c.set_link(bandwidth=None if bw == "none" else bw, latency=a.latency)
+            # planner profiles are per link: keep them apart (the cache key has no bandwidth)
+            env["HIPRESS_PROFILE_DIR"] = os.path.abspath(os.path.join(
+                a.out_dir, "profiles", f"np{a.np}-{bw}-{a.latency}-{'emu' if c.emulated else 'loopback'}"))
+            for model in models_:
+                for rep in range(a.repeats):
+                    for g in groups:
+                        records += _run_group(c, g, a, bw, model, rep, prog, env)
+                        with open(partial, "w") as f:   # raw records so far (survives a crash below)
+                            json.dump({"config": vars(a), "records": records}, f)
+    prog.finish()
+    if "horovod" in systems and not horovod_ok:
+        for bw in bandwidths:
+            for model in models_:
+                records.append({"system": "horovod", "model": model, "bandwidth": bw, "latency": a.latency,
+                                "skipped": "horovod is not installed (horovod.torch does not import)"})
+    wall = time.time() - t_start
+    config = {k: v for k, v in vars(a).items()}
+    config.update(models=models_, bandwidths=bandwidths, systems=systems, argv=sys.argv[1:] if argv is None else argv)
+    out = {}
+    for model in models_:
+        recs = [r for r in records if r["model"] == model]
+        rows = summarize(recs, bandwidths, systems)
+        gl = goals(model, rows, bandwidths)
+        md = [f"### {model}-like, {a.np} ranks, latency {a.latency}"
+              f"{'' if cluster_info.get('emulated') else ' (NOT emulated: unshaped loopback)'}", "",
+              table(rows), ""]
+        for g in gl:
+            md.append(f"- goal {g['goal']}: {g['ratio']:.2f}x ({'met' if g['met'] else 'MISSED'}; "
+                      + (f"best {g['best']}" if "worst" not in g else
+                         f"worst {g['worst']}, best {g['best']} at {g['best_ratio']:.2f}x") + ")")
+        md_text = "\n".join(md) + "\n"
+        print(md_text)
+        base = os.path.join(a.out_dir, f"compare-{model}")
+        pngs = []
+        if not a.no_plots:
+            from hipress.bench import plots
+            pngs = [x for x in (
+                plots.throughput_vs_bandwidth(rows, base + "-throughput.png", f"{model}-like, {a.np} ranks"),
+                plots.breakdown(rows, base + "-breakdown.png", f"{model}-like, {a.np} ranks,")) if x]
+        doc = {"benchmark": "compare", "model": model, "config": config, "cluster": cluster_info,
+               "machine": machine_info(), "wall_s": wall, "rows": rows, "goals": gl, "records": recs,
+               "files": [base + ".md"] + pngs}
+        with open(base + ".json", "w") as f:
+            json.dump(doc, f, indent=1)
+        with open(base + ".md", "w") as f:
+            f.write(md_text)
+        print(f"wrote {base}.json, {base}.md" + "".join(f", {x}" for x in pngs))
+        out[model] = doc
+    print(f"total wall time {wall:.0f} s", file=sys.stderr)
+    return out
+
+
+if __name__ == "__main__":
+    main()

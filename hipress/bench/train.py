@@ -1,0 +1,359 @@
+"""Per-rank throughput worker of the comparison benchmark (``hipress.bench.compare``).
+
+    RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. \\
+    python -m hipress.bench.train --model vgg19 --systems ddp,hipress-ring-onebit --out DIR
+
+Runs each named system one after the other in the same processes (one gloo process
+group; hipress wraps it), each on a freshly built model with the same seed:
+
+  ddp                      torch DistributedDataParallel, no compression
+  ddp-fp16                 DDP + ddp_comm_hooks.default_hooks.fp16_compress_hook
+  ddp-powersgd             DDP + ddp_comm_hooks.powerSGD_hook (rank 4, error feedback, warm start,
+                           compressing from the 2nd step)
+  horovod                  horovod.torch DistributedOptimizer (only where it imports; else a skip record)
+  hipress-<strategy>-<algo>[-plan]
+                           hipress.DistributedOptimizer(compression=<algo>, strategy=<strategy>
+                           [, plan="auto"]); strategy ring|ps|auto, algo none|onebit|tbq|terngrad|
+                           dgc|graddrop|powersgd|auto (powersgd always runs the low-rank sync)
+
+Per system: ``--warmup`` steps, then ``--steps`` timed steps (throughput = world samples /
+slowest rank's time), then ``--compute-steps`` steps of forward + backward + local
+optimizer step with synchronization switched off, on all ranks at once (the same CPU
+contention as the real steps): the compute time. Compression time = hipress engine
+compute-queue busy seconds per timed step (``get_engine().counters()``); exposed
+communication = step time - compute time. Rank 0 appends one JSON record per system to
+``<out>/results.jsonl`` and progress lines to ``<out>/progress``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from hipress.bench import models
+
+DDP_SYSTEMS = ("ddp", "ddp-fp16", "ddp-powersgd")
+ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop", "powersgd", "auto")
+STRATEGIES = ("ring", "ps", "auto")
+
+
+def parse_system(name: str) -> dict:
+    """'hipress-ps-onebit-plan' -> {'kind': 'hipress', 'strategy': 'ps', 'compression': 'onebit', 'plan': 'auto'}."""
+    if name in DDP_SYSTEMS:
+        return {"kind": "ddp", "hook": {"ddp": None, "ddp-fp16": "fp16", "ddp-powersgd": "powersgd"}[name]}
+    if name == "horovod":
+        return {"kind": "horovod"}
+    parts = name.split("-")
+    if parts[0] == "hipress":
+        plan = None
+        if parts[-1] == "plan":
+            plan, parts = "auto", parts[:-1]
+        if len(parts) == 2 and parts[1] in ("powersgd", "auto"):      # hipress-powersgd, hipress-auto
+            parts = ["hipress", "ring", parts[1]]
+        if len(parts) == 3 and parts[1] in STRATEGIES and parts[2] in ALGOS:
+            return {"kind": "hipress", "strategy": parts[1], "compression": parts[2], "plan": plan}
+    raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, horovod, "
+                     f"hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, hipress-auto")
+
+
+def _progress(out: str, text: str) -> None:
+    if out and int(os.environ.get("RANK", "0")) == 0:
+        with open(os.path.join(out, "progress"), "a") as f:
+            f.write(text + "\n")
+
+
+def _max_over_ranks(v: float) -> float:
+    t = torch.tensor([v], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _gather(v: float) -> list:
+    t = torch.tensor([v], dtype=torch.float64)
+    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [float(x[0]) for x in out]
+
+
+def _horovod_rendezvous() -> None:
+    """What horovodrun's gloo launcher does, inside this torchrun-style launch: rank 0 runs
+    horovod's HTTP rendezvous server with a slot plan built from every rank's hostname,
+    and every rank gets the HOROVOD_* environment that hvd.init() reads."""
+    import socket
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    host = os.environ.get("HIPRESS_HOSTNAME") or socket.gethostname()
+    hosts: list = [None] * size
+    dist.all_gather_object(hosts, host)
+    order = list(dict.fromkeys(hosts))
+    slots = []
+    for r, h in enumerate(hosts):
+        same = [q for q, hq in enumerate(hosts) if hq == h]
+        slots.append(dict(hostname=h, rank=r, local_rank=same.index(r), cross_rank=order.index(h), size=size,
+                          local_size=len(same), cross_size=len(order)))
+    port = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        from horovod.runner.common.util.hosts import SlotInfo
+        from horovod.runner.http.http_server import RendezvousServer
+
+        global _HVD_SERVER
+        _HVD_SERVER = RendezvousServer(False)
+        port[0] = _HVD_SERVER.start()
+        _HVD_SERVER.init([SlotInfo(**sl) for sl in slots])
+    dist.broadcast(port, 0)
+    me = slots[rank]
+    os.environ.update(
+        HOROVOD_GLOO_RENDEZVOUS_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        HOROVOD_GLOO_RENDEZVOUS_PORT=str(int(port[0])), HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
+        HOROVOD_GLOO_IFACE=os.environ.get("GLOO_SOCKET_IFNAME", "lo"), HOROVOD_HOSTNAME=host,
+        HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(size), HOROVOD_LOCAL_RANK=str(me["local_rank"]),
+        HOROVOD_LOCAL_SIZE=str(me["local_size"]), HOROVOD_CROSS_RANK=str(me["cross_rank"]),
+        HOROVOD_CROSS_SIZE=str(me["cross_size"]))
+
+
+_HVD_SERVER = None
+
+
+class _Skip(Exception):
+    """A system that cannot run here (recorded as skipped, not failed)."""
+
+
+def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
+    """Returns (net to call, optimizer, no_sync context factory, base step fn, info)."""
+    import contextlib
+
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    info: dict = {}
+    if cfg["kind"] == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # PowerSGD under gloo: the hook issues its P/Q allreduces from future callbacks, so
+        # with several buckets their order can differ between ranks (a gloo size mismatch,
+        # seen here); one bucket keeps one order. The other DDP systems keep the defaults.
+        net = DDP(model, bucket_cap_mb=4096) if cfg["hook"] == "powersgd" else DDP(model)
+        if cfg["hook"] == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif cfg["hook"] == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+            state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
+                                     use_error_feedback=True, warm_start=True, random_seed=0)
+            net.register_comm_hook(state, ps.powerSGD_hook)
+            info["powersgd"] = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 2, "bucket_cap_mb": 4096}
+        return net, opt, net.no_sync, opt.step, info
+    if cfg["kind"] == "horovod":
+        import horovod.torch as hvd  # noqa: F401 - ImportError is handled by the caller
+
+        _horovod_rendezvous()
+        hvd.init()
+        if hvd.size() != dist.get_world_size():
+            raise _Skip(f"horovod.torch imports, but hvd.init() outside horovodrun sees size {hvd.size()} "
+                        f"instead of {dist.get_world_size()} (no gloo rendezvous server in this launch)")
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        # horovod's hooks allreduce during backward even inside skip_synchronize(), so the
+        # compute phase runs on an unhooked copy of the model with a plain optimizer.
+        import copy
+        plain = copy.deepcopy(model)
+        plain_opt = torch.optim.SGD(plain.parameters(), lr=lr, momentum=0.9)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        info["horovod"] = {"version": getattr(__import__("horovod"), "__version__", "?"), "size": hvd.size(),
+                           "controller": "gloo"}
+        return model, opt, None, (plain, plain_opt), info
+    import hipress
+
+    hipress.init()
+    kw = {}
+    if cfg["plan"]:
+        kw["plan"] = cfg["plan"]
+    opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=cfg["compression"], strategy=cfg["strategy"], **kw)
+    base = type(opt).__mro__[1]
+    info["hipress"] = {"strategy": opt._hp_strategy_name, "compressor": opt._hp_compressor.name,
+                       "hierarchical": opt._hp_hierarchical}
+    if opt._hp_plan is not None:
+        try:
+            entries = [opt._hp_plan.entry(n, p.numel()) for n, p in opt._hp_named]
+            info["plan"] = {"compressed_gradients": sum(1 for e in entries if e.compress),
+                            "gradients": len(entries),
+                            "compressed_mb": sum(4 * p.numel() for e, (_, p) in zip(entries, opt._hp_named)
+                                                 if e.compress) / 2**20}
+        except Exception as e:  # noqa: BLE001 - informational only
+            info["plan"] = {"error": str(e)}
+
+    @contextlib.contextmanager
+    def no_sync():
+        with opt.skip_synchronize():
+            yield
+
+    return model, opt, no_sync, lambda: base.step(opt), info
+
+
+def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: int) -> dict:
+    cfg = parse_system(system)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    rec = {"system": system, "model": spec.name, "np": size, "batch_per_rank": a.batch, "config": cfg,
+           "loadavg_start": os.getloadavg()[0],
+           "warmup": a.warmup, "steps": a.steps, "compute_steps": a.compute_steps, "lr": a.lr}
+    if cfg["kind"] == "horovod":
+        try:
+            import horovod.torch  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            rec.update(skipped=f"horovod.torch does not import here: {type(e).__name__}: {e}")
+            return rec
+    torch.manual_seed(a.seed)
+    model = spec.build()
+    rec["profile"] = models.profile(model)
+    try:
+        net, opt, no_sync, base_step, info = _setup(system, cfg, model, a.lr)
+    except _Skip as e:
+        rec.update(skipped=str(e))
+        return rec
+    rec.update(info)
+    g = torch.Generator().manual_seed(a.seed + 1000 * rank)
+    x, y = spec.batch(a.batch, g)
+
+    def step():
+        opt.zero_grad()
+        loss = spec.loss(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    tag = f"{index + 1}/{total} {system}"
+    nsteps = a.warmup + a.steps + a.compute_steps
+    done = 0
+    tw = 0.0
+    for _ in range(a.warmup):
+        t = time.perf_counter()
+        step()
+        tw = time.perf_counter() - t
+        done += 1
+        _progress(out, f"{tag} {done}/{nsteps}")
+    steps = a.steps
+    if a.max_seconds > 0 and a.warmup:
+        # Bound the timed phase on a slow or loaded machine: every rank uses the slowest
+        # rank's last warm-up step, so all run the same number of steps.
+        steps = int(min(a.steps, max(a.min_steps, a.max_seconds // max(_max_over_ranks(tw), 1e-6))))
+        done += a.steps - steps
+    rec["steps"] = steps
+    engine = None
+    if cfg["kind"] == "hipress":
+        from hipress.engine import get_engine
+        engine = get_engine()
+    dist.barrier()
+    c0 = engine.counters() if engine else None
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+        done += 1
+        _progress(out, f"{tag} {done}/{nsteps}")
+    elapsed = time.perf_counter() - t0
+    c1 = engine.counters() if engine else None
+    loss = float(loss.detach())
+    # compute only: forward + backward + local optimizer step, no synchronization
+    dist.barrier()
+    ctimes = []
+    if no_sync is None:    # compute on an unhooked copy (horovod)
+        import contextlib
+        net, opt = base_step
+        no_sync, base_step = contextlib.nullcontext, opt.step
+    for _ in range(a.compute_steps):
+        t = time.perf_counter()
+        opt.zero_grad()
+        with no_sync():
+            spec.loss(net(x), y).backward()
+        base_step()
+        ctimes.append(time.perf_counter() - t)
+        done += 1
+        _progress(out, f"{tag} {done}/{nsteps}")
+    opt.zero_grad()
+    dist.barrier()
+    ctimes.sort()
+    compute_local = ctimes[len(ctimes) // 2] if ctimes else float("nan")
+    elapsed_all = _gather(elapsed)
+    compute_all = _gather(compute_local)
+    step_s = max(elapsed_all) / steps
+    compute_s = sum(compute_all) / len(compute_all)
+    rec.update(
+        step_s=step_s,
+        step_s_per_rank=[e / steps for e in elapsed_all],
+        throughput=size * a.batch * steps / max(elapsed_all),
+        compute_s=compute_s,
+        compute_s_per_rank=compute_all,
+        exposed_comm_s=max(0.0, step_s - compute_s),
+        final_loss=loss,
+        loadavg_end=os.getloadavg()[0],
+        loss_finite=math.isfinite(loss),
+    )
+    if c0 is not None:
+        comp = _gather((c1["compute"]["busy_s"] - c0["compute"]["busy_s"]) / steps)
+        comm = _gather((c1["comm"]["busy_s"] - c0["comm"]["busy_s"]) / steps)
+        rec.update(compression_s=sum(comp) / len(comp), compression_s_per_rank=comp,
+                   comm_busy_s=sum(comm) / len(comm),
+                   comm_tasks_per_step=(c1["comm"]["tasks_run"] - c0["comm"]["tasks_run"]) / steps,
+                   compute_tasks_per_step=(c1["compute"]["tasks_run"] - c0["compute"]["tasks_run"]) / steps,
+                   engine_tasks_per_step=(c1["compute"]["tasks_run"] + c1["comm"]["tasks_run"]
+                                          - c0["compute"]["tasks_run"] - c0["comm"]["tasks_run"]) / steps)
+    else:
+        rec.update(compression_s=None, comm_busy_s=None)
+    return rec
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="vgg19", choices=models.NAMES)
+    p.add_argument("--systems", default="ddp,hipress-ring-onebit")
+    p.add_argument("--batch", type=int, default=0, help="per-rank batch (default: the model's)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--compute-steps", type=int, default=3)
+    p.add_argument("--max-seconds", type=float, default=0,
+                   help="cap the timed phase near this many seconds (from the last warm-up step; 0 = no cap)")
+    p.add_argument("--min-steps", type=int, default=2, help="timed steps at least, with --max-seconds")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--out", default="", help="folder for results.jsonl and progress (rank 0)")
+    a = p.parse_args(argv)
+    spec = models.get(a.model)
+    a.batch = a.batch or spec.batch_size
+    systems = [s for s in a.systems.split(",") if s]
+    for s in systems:
+        parse_system(s)
+    torch.set_num_threads(a.threads)
+    os.environ.setdefault("HIPRESS_TRANSPORT", "torch")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for i, s in enumerate(systems):
+        _progress(a.out, f"{i + 1}/{len(systems)} {s} start")
+        try:
+            rec = run_system(s, spec, a, a.out, i, len(systems))
+        except Exception:
+            # Every rank normally fails the same way; exit so the driver records it and goes on.
+            traceback.print_exc()
+            _progress(a.out, f"{i + 1}/{len(systems)} {s} failed")
+            sys.stdout.flush()
+            os._exit(3)
+        if rank == 0:
+            line = json.dumps(rec)
+            if a.out:
+                with open(os.path.join(a.out, "results.jsonl"), "a") as f:
+                    f.write(line + "\n")
+            print("RESULT " + line, flush=True)
+        # Free the previous system (DDP reducers, hooks) at the same point on every rank.
+        gc.collect()
+        dist.barrier()
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Benchmark harness (issue 9): the per-rank worker, the comparison driver's --quick path
+and a tiny convergence job each produce valid, complete output files."""
+import json
+import os
+import sys
+
+import pytest
+
+from hipress.launch import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+
+RECORD_KEYS = {"system", "model", "np", "config", "steps", "step_s", "throughput", "compute_s", "exposed_comm_s",
+               "compression_s", "final_loss"}
+
+
+def _valid_record(r, system):
+    assert RECORD_KEYS <= set(r), sorted(RECORD_KEYS - set(r))
+    assert r["system"] == system and r["np"] == 2
+    assert r["step_s"] > 0 and r["throughput"] > 0 and r["compute_s"] > 0
+    assert r["throughput"] == pytest.approx(2 * r["batch_per_rank"] / r["step_s"], rel=1e-6)
+    assert r["exposed_comm_s"] >= 0 and r["loss_finite"]
+
+
+def test_worker_emits_records_for_ddp_and_hipress(tmp_path):
+    # One DDP and one hipress system in the same processes, no cluster.
+    cmd = [sys.executable, "-m", "hipress.bench.train", "--model", "vgg19", "--systems", "ddp,hipress-ring-onebit",
+           "--warmup", "1", "--steps", "2", "--compute-steps", "1", "--out", str(tmp_path)]
+    code, logs = run(cmd, 2, timeout=240, quiet=True, env=ENV)
+    assert code == 0, "\n".join(logs)[-3000:]
+    recs = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["system"] for r in recs] == ["ddp", "hipress-ring-onebit"]
+    _valid_record(recs[0], "ddp")
+    _valid_record(recs[1], "hipress-ring-onebit")
+    assert recs[0]["compression_s"] is None                # DDP: no engine
+    assert recs[1]["compression_s"] > 0 and recs[1]["engine_tasks_per_step"] > 0
+    assert recs[1]["hipress"]["compressor"] == "onebit"
+    assert (tmp_path / "progress").read_text().strip()
+
+
+def test_parse_system_names():
+    from hipress.bench.train import parse_system
+
+    assert parse_system("hipress-ps-dgc") == {"kind": "hipress", "strategy": "ps", "compression": "dgc", "plan": None}
+    assert parse_system("hipress-ring-tbq-plan")["plan"] == "auto"
+    assert parse_system("hipress-powersgd")["compression"] == "powersgd"
+    assert parse_system("ddp-powersgd") == {"kind": "ddp", "hook": "powersgd"}
+    with pytest.raises(ValueError):
+        parse_system("hipress-ring-zip")
+
+
+def test_compare_quick_writes_json_markdown_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from hipress.bench import compare
+
+    docs = compare.main(["--quick", "--np", "2", "--bandwidth", "1gbit", "--out-dir", str(tmp_path),
+                         "--no-progress", "--timeout", "240"])
+    doc = json.loads((tmp_path / "compare-vgg19.json").read_text())
+    assert docs["vgg19"]["rows"] == doc["rows"]
+    systems = {r["system"]: r for r in doc["rows"]}
+    assert set(systems) == {"ddp", "hipress-ring-onebit"}
+    for r in systems.values():
+        assert r["throughput"] > 0 and r["bandwidth"] == "1gbit", r
+    assert systems["ddp"]["x_ddp"] == 1.0
+    assert doc["config"]["np"] == 2 and doc["cluster"]["emulated"] in (True, False)
+    assert "| ddp |" in (tmp_path / "compare-vgg19.md").read_text()
+    for name in ("compare-vgg19-throughput.png", "compare-vgg19-breakdown.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_convergence_tiny_digits_job(tmp_path):
+    pytest.importorskip("sklearn")
+    from hipress.bench import convergence
+
+    doc = convergence.main(["--task", "digits", "--algos", "onebit", "--epochs", "1", "--out-dir", str(tmp_path),
+                            "--timeout", "240"] + ([] if _has_mpl() else ["--no-plots"]))
+    run_ = doc["runs"]["onebit"]
+    assert "error" not in run_, run_.get("output_tail")
+    pts = run_["points"]
+    assert [p["epoch"] for p in pts] == [0, 1]
+    assert 0 <= pts[-1]["test_accuracy"] <= 100 and pts[-1]["wall_s"] > 0
+    assert json.loads((tmp_path / "convergence-digits.json").read_text())["rows"][0]["algorithm"] == "onebit"
+    assert (tmp_path / "convergence-digits.md").exists()
+    if _has_mpl():
+        assert (tmp_path / "convergence-digits.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _has_mpl():
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        return False
