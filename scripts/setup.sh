@@ -32,7 +32,7 @@ fi
 # Python packages. torch is pinned: a bare "torch" would pull the CUDA build (GBs).
 log "installing Python packages"
 $PY -m pip install -q "torch==2.13.0" numpy pybind11 setuptools wheel \
-  pytest pytest-timeout hypothesis scikit-learn
+  pytest pytest-timeout hypothesis scikit-learn matplotlib
 if command -v mpicxx >/dev/null; then
   $PY -m pip install -q mpi4py
 fi
