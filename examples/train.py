@@ -59,6 +59,7 @@ def main():
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--compression", default="none")
     p.add_argument("--strategy", default="ring")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (DGC carries its own: use 0)")
     p.add_argument("--seed", type=int, default=42)
     a = p.parse_args()
 
@@ -70,7 +71,7 @@ def main():
     xtr, ytr = xtr[rank::size], ytr[rank::size]  # this rank's shard
 
     model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
     opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(),  # hipress
                                        compression=a.compression, strategy=a.strategy)
     hipress.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -178,6 +178,11 @@ class Compressor:
     rate: float = 1.0
     aggregatable: bool = False
     rounds: int = 1
+    # Whether a strategy's re-encodes of merged partial sums (ring steps after the first,
+    # PS aggregators) keep per-site state. True for error feedback (a residual is linear:
+    # compensating partial sums loses nothing); False where the state is an optimizer-like
+    # momentum, which would be applied again to sums that already carry it (DGC).
+    reencode_with_state: bool = True
 
     def max_encoded_bytes(self, numel: int, shape=None) -> int:
         raise NotImplementedError

@@ -117,6 +117,10 @@ class DGC(NativeCompressor):
     """Deep gradient compression (Lin 2018): momentum correction, local accumulation,
     sampled-threshold exact top-k, momentum factor masking, warm-up density schedule."""
 
+    # Momentum correction belongs to the local gradient only: re-selecting the top-k of a
+    # merged partial sum is a plain (stateless) encode, as the paper's ring does.
+    reencode_with_state = False
+
     def __init__(self, ratio: float = 0.001, momentum: float = 0.9, sample_ratio: float = 0.01,
                  warmup_steps: int = 0, seed: int = 0):
         super().__init__("dgc", ratio=ratio, momentum=momentum, sample_ratio=sample_ratio,

@@ -70,7 +70,8 @@ class PSStrategy(Strategy):
                 acc = torch.zeros(e - s, dtype=torch.float32)
                 for src in range(n):
                     comp.decode_add(received[src][j], acc)
-                out.append(comp.encode(acc, ctx.states.get(f"{key}/aggregator", comp, e - s)))
+                st = ctx.states.get(f"{key}/aggregator", comp, e - s) if comp.reencode_with_state else None
+                out.append(comp.encode(acc, st))
             slot["bcast_out"] = frame(out)
 
         def decode():

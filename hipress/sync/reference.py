@@ -25,13 +25,14 @@ def ring(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name
         xs = [o[s:e] for o in out]
         ch = chunk_bounds(e - s, n)
 
-        def encode(r, c):
+        def encode(r, c, merged=True):
             a, b = ch[c]
-            return comp.encode(xs[r][a:b], stores[r].get(f"{key}/c{c}", comp, b - a))
+            st = None if merged and not comp.reencode_with_state else stores[r].get(f"{key}/c{c}", comp, b - a)
+            return comp.encode(xs[r][a:b], st)
 
         for step in range(n - 1):
             # Rank r sends chunk (r - step); rank r + 1 merges it into the same chunk.
-            payloads = [encode(r, (r - step) % n) for r in range(n)]
+            payloads = [encode(r, (r - step) % n, merged=step > 0) for r in range(n)]
             for r in range(n):
                 a, b = ch[(r - step) % n]
                 comp.decode_add(payloads[r], xs[(r + 1) % n][a:b])
@@ -58,7 +59,7 @@ def ps(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: 
         acc = torch.zeros(e - s, dtype=torch.float32)
         for r in range(n):
             comp.decode_add(comp.encode(out[r][s:e], stores[r].get(f"{key}/worker", comp, e - s)), acc)
-        p = comp.encode(acc, stores[a].get(f"{key}/aggregator", comp, e - s))
+        p = comp.encode(acc, stores[a].get(f"{key}/aggregator", comp, e - s) if comp.reencode_with_state else None)
         for r in range(n):
             comp.decode(p, out[r][s:e])
             if average:

@@ -17,7 +17,10 @@ finally chunks are divided by N (op=Average): decode, then aggregate, then avera
 compressed bytes are never averaged.
 
 Each rank encodes each chunk exactly once per sync (chunks (r - s) for s = 0..N-1), so
-per-chunk error-feedback state lives on that rank. Sparsifiers re-select after every
+per-chunk error-feedback state lives on that rank. Only step 0 encodes the rank's own
+gradient; the other encodes see merged partial sums and use state only where the
+compressor says that is sound (``reencode_with_state``: error feedback yes, DGC's
+momentum correction no). Sparsifiers re-select after every
 merge because step 1 encodes the merged dense chunk. Aggregatable (low-rank)
 compressors are synchronised by :mod:`hipress.sync.lowrank` instead.
 """
@@ -54,7 +57,11 @@ class RingStrategy(Strategy):
             s, e = chunks[c]
             return x[s:e]
 
-        def state(c):
+        def state(c, merged=True):
+            # Step 0 encodes this rank's own gradient; later encodes see merged partial
+            # sums and keep state only if the compressor allows it (not DGC's momentum).
+            if merged and not comp.reencode_with_state:
+                return None
             return ctx.states.get(f"{key}/c{c}", comp, chunks[c][1] - chunks[c][0])
 
         nxt, prv = (r + 1) % n, (r - 1) % n
@@ -66,7 +73,7 @@ class RingStrategy(Strategy):
             cs, cr = (r - s) % n, (r - s - 1) % n
 
             def encode(s=s, cs=cs):
-                slot[("out", s)] = comp.encode(view(cs), state(cs))
+                slot[("out", s)] = comp.encode(view(cs), state(cs, merged=s > 0))
 
             def merge(s=s, cr=cr):
                 comp.decode_add(slot.pop(("in", s)), view(cr))
