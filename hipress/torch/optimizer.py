@@ -33,7 +33,7 @@ from hipress import _C
 from hipress import compression as _compression
 from hipress import runtime
 from hipress.engine import Handle, TaskError, get_engine
-from hipress.sync import CommChain, StateStore, SyncContext, get_strategy
+from hipress.sync import CommChain, StateStore, SyncContext, chunk_bounds, get_strategy
 from hipress.compression.none import NoneCompressor
 from hipress.planner import CostModel, Overrides, Plan, make_plan
 from hipress.planner.online import profile_online
@@ -231,14 +231,7 @@ class _HipressOptimizer:
     # ------------------------------------------------------------------ submission
     def _hp_partitions(self, numel: int) -> List[Tuple[int, int]]:
         k = max(1, math.ceil(4 * numel / self._hp_partition_bytes)) if self._hp_partition_bytes else 1
-        k = min(k, max(1, numel))
-        base, extra = divmod(numel, k)
-        out, s = [], 0
-        for i in range(k):
-            e = s + base + (1 if i < extra else 0)
-            out.append((s, e))
-            s = e
-        return out
+        return chunk_bounds(numel, min(k, max(1, numel)))
 
     def _hp_build_buckets(self, bucket_bytes) -> List["_Bucket"]:
         """Tensor fusion: consecutive small gradients (in reverse parameter order, roughly
