@@ -1,25 +1,21 @@
 """examples/train.py runs unchanged under the built-in launcher, torchrun and mpirun,
 with identical results for a fixed seed (same final parameters on every rank)."""
 import os
-import re
 import shutil
 import subprocess
 import sys
 
 import pytest
+from example_run import TRAIN
+from example_run import digests as _digests
 
 from hipress.launch import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = [os.path.join(ROOT, "examples", "train.py"), "--epochs", "1"]
-DONE = re.compile(r"rank (\d)/(\d) done: test accuracy ([0-9.]+) .*? params sha256 ([0-9a-f]{16})")
+EXAMPLE = [TRAIN, "--epochs", "1"]
 
 
 def digests(text):
-    found = DONE.findall(text)
-    assert len(found) == 3, text[-3000:]
-    assert len({f[3] for f in found}) == 1, f"ranks disagree: {found}"
-    return found[0][3], float(found[0][2])
+    return _digests(text, 3)
 
 
 @pytest.fixture(scope="module")

@@ -8,20 +8,19 @@ without Horovod (one log line, hipress's own transport) always run.
 """
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from example_run import TRAIN
+from example_run import digests as _digests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_worker.py")
 # larger batches than test_example.py's run: fewer steps, same comparison, within the time budget
-EXAMPLE = [os.path.join(ROOT, "examples", "train.py"), "--epochs", "1", "--batch-size", "64"]
-DONE = re.compile(r"rank (\d)/(\d) done: test accuracy ([0-9.]+) .* params sha256 ([0-9a-f]+)")
+EXAMPLE = [TRAIN, "--epochs", "1", "--batch-size", "64"]
 
 
 def _horovod_missing():
@@ -115,13 +114,6 @@ def test_horovod_transport_all_operations_and_baselines(mode, n, hosts, tmp_path
 
 
 # ---------------------------------------------------------------------------- the example
-def _digests(text, n):
-    found = DONE.findall(text)
-    assert len(found) == n, text[-3000:]
-    assert len({f[3] for f in found}) == 1, f"ranks disagree: {found}"
-    return found[0][3], float(found[0][2])
-
-
 @pytest.fixture(scope="module")
 def local_result():
     from hipress.launch import run
