@@ -1,4 +1,4 @@
-"""Shared by the tests that run examples/train.py under different launchers."""
+"""Helpers shared by the multi-process tests (launch environments, the example's digests)."""
 import os
 import re
 
@@ -14,3 +14,19 @@ def digests(text: str, n: int):
     assert len(found) == n, text[-3000:]
     assert len({f[3] for f in found}) == 1, f"ranks disagree: {found}"
     return found[0][3], float(found[0][2])
+
+
+def clean_env(timeout_s: str, **extra) -> dict:
+    """This process's environment without any launcher's variables (so a rank never
+    inherits pytest's), with the repository importable, unbuffered output and a
+    HIPRESS_TIMEOUT_S default; extra entries override."""
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_")) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                         "MASTER_ADDR", "MASTER_PORT", "HIPRESS_TRANSPORT"):
+            del env[k]
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("HIPRESS_TIMEOUT_S", timeout_s)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from example_run import clean_env
 from example_run import TRAIN
 from example_run import digests as _digests
 
@@ -45,16 +46,7 @@ needs_horovod = pytest.mark.skipif(_horovod_missing() is not None, reason=str(_h
 
 
 def _env(**extra):
-    env = dict(os.environ)
-    for k in list(env):  # never inherit a launcher from the pytest process
-        if k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_")) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                         "MASTER_ADDR", "MASTER_PORT", "HIPRESS_TRANSPORT"):
-            del env[k]
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("HIPRESS_TIMEOUT_S", "60")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return clean_env("60", **extra)
 
 
 def horovodrun(mode, n, cmd, timeout=150, **extra):

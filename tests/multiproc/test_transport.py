@@ -20,6 +20,7 @@ import threading
 import time
 
 import pytest
+from example_run import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transport_worker.py")
@@ -32,16 +33,7 @@ def _free_port():
 
 
 def _base_env(**extra):
-    env = dict(os.environ)
-    for k in list(env):  # never inherit a launcher from the pytest process
-        if k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_")) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                         "MASTER_ADDR", "MASTER_PORT", "HIPRESS_TRANSPORT"):
-            del env[k]
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("HIPRESS_TIMEOUT_S", "30")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return clean_env("30", **extra)
 
 
 def _results(outputs, result_dir=None):
