@@ -5,24 +5,34 @@
 Steps (every rank calls it at the same point, e.g. when DistributedOptimizer is built):
   1. rank 0 looks for a cached profile for (N, strategy, device, algorithm) and tells
      everyone whether it found one (one broadcast)
-  2. if not: every rank measures T_send(m) with ring sendrecv steps of m bytes (a
-     collective ladder, so ranks stay in step) and T_enc/T_dec of the compressor;
-     rank 0 fits the curves and saves the profile to the cache
-  3. rank 0 broadcasts the profile JSON; every rank builds its cost model from it, so
+  2. if found, every rank times a 1 MB ring step; if rank 0's time is off the cached
+     T_send curve by more than 2x either way, the link has changed (another network,
+     other tc settings: the cache key cannot see them) and the profile is re-measured
+  3. if not: every rank measures T_send(m) with ring steps of m bytes exactly as
+     CaSync-Ring sends them (a comm-queue task: byte count, then payload; a collective
+     ladder, so ranks stay in step), and T_enc/T_dec of the compressor and of the
+     uncompressed path's copy/merge operators as compute-queue tasks (so the per-task
+     hand-off CaSync pays is in the curves); rank 0 fits the curves and saves them
+  4. rank 0 broadcasts the profile JSON; every rank builds its cost model from it, so
      plans are identical on all ranks (local timings differ a little between ranks)
 """
 from __future__ import annotations
 
 import json
+import statistics
 import time
+import warnings
 from typing import Optional, Sequence
 
 import torch
 
+from hipress.compression.none import NoneCompressor
 from hipress.planner.profile import (DEFAULT_LADDER, Profile, load_profile, profile_compressor, profile_path,
                                      save_profile)
 
 PLANNER_STRATEGY = {"ring": "ring", "ps": "ps_colocated"}
+TASK_TIMEOUT_S = 600
+PROBE_BYTES, PROBE_REPEATS = 1 << 20, 3
 
 
 def _broadcast_bytes(transport, data: Optional[bytes]) -> bytes:
@@ -35,22 +45,50 @@ def _broadcast_bytes(transport, data: Optional[bytes]) -> bytes:
     return bytes(buf.numpy().tobytes())
 
 
-def ring_send_once(transport):
-    """send_once(nbytes) -> seconds of one ring step (send to next, receive from previous)."""
+def ring_send_once(transport, engine=None):
+    """send_once(nbytes) -> seconds of one ring step (send to next, receive from previous),
+    run as CaSync-Ring runs it: a comm-queue task of the engine moving a byte count and
+    then the payload."""
+    from hipress.engine import get_engine
+    from hipress.sync.base import direct_exchange
+
+    engine = engine or get_engine()
     cache = {}
 
     def send_once(nbytes: int) -> float:
         if nbytes not in cache:
             cache.clear()
-            cache[nbytes] = (torch.zeros(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8))
-        out, inp = cache[nbytes]
+            cache[nbytes] = torch.zeros(nbytes, dtype=torch.uint8)
+        out = cache[nbytes]
         r, n = transport.rank, transport.size
         transport.barrier()
         t0 = time.perf_counter()
-        transport.sendrecv(out, (r + 1) % n, inp, (r - 1) % n)
+        engine.submit("profile.send", lambda: direct_exchange(transport, {(r + 1) % n: out}, {(r - 1) % n}, False),
+                      queue="comm").result(TASK_TIMEOUT_S)
         return time.perf_counter() - t0
 
     return send_once
+
+
+def run_as_task(engine=None):
+    """run(fn) for measure_codec: fn as a compute-queue task, waited for."""
+    from hipress.engine import get_engine
+
+    engine = engine or get_engine()
+    return lambda fn: engine.submit("profile.codec", fn, queue="compute").result(TASK_TIMEOUT_S)
+
+
+def _link_changed(transport, cached: Optional[Profile], send_once) -> bool:
+    """Collective. True on every rank when rank 0's 1 MB ring step is off the cached curve by > 2x."""
+    times = [send_once(PROBE_BYTES) for _ in range(PROBE_REPEATS + 1)][1:]
+    verdict = b""
+    if transport.rank == 0:
+        t, want = statistics.median(times), cached.send(PROBE_BYTES)
+        if not (want / 2 <= t <= 2 * want):
+            warnings.warn(f"hipress planner: cached profile predicts {want * 1e3:.2f} ms for a 1 MB ring step, "
+                          f"measured {t * 1e3:.2f} ms: the link changed, re-profiling")
+            verdict = b"1"
+    return bool(_broadcast_bytes(transport, verdict))
 
 
 def profile_online(compressor, transport, strategy: str, *, device: str = "cpu", cache_dir=None,
@@ -62,10 +100,13 @@ def profile_online(compressor, transport, strategy: str, *, device: str = "cpu",
     cached = None
     if transport.rank == 0 and path.exists() and not refresh:
         cached = load_profile(path, n=n, strategy=pstrat, device=device, algorithm=compressor.name)
+    send_once = ring_send_once(transport)
     have = _broadcast_bytes(transport, b"1" if cached is not None else b"")
+    if have and _link_changed(transport, cached, send_once):
+        have, cached = b"", None
     if not have:
-        prof = profile_compressor(compressor, ring_send_once(transport), n=n, strategy=pstrat, device=device,
-                                  sizes=sizes, repeats=repeats)
+        prof = profile_compressor(compressor, send_once, n=n, strategy=pstrat, device=device,
+                                  sizes=sizes, repeats=repeats, plain=NoneCompressor(), run=run_as_task())
         if transport.rank == 0:
             save_profile(prof, path)
             cached = prof

@@ -34,6 +34,7 @@ KB, MB = 1 << 10, 1 << 20
 #: 4 KB, 16 KB, ..., 64 MB (x4 steps)
 DEFAULT_LADDER: Tuple[int, ...] = tuple(4 * KB * 4 ** i for i in range(8))
 FITS = ("piecewise", "affine")
+CURVES = ("send", "enc", "dec", "enc_plain", "dec_plain")
 
 Samples = List[Tuple[float, float]]
 
@@ -64,14 +65,18 @@ def measure_send(send_once: Callable[[int], float], sizes: Sequence[int] = DEFAU
 
 
 def measure_codec(compressor, sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5, warmup: int = 1,
-                  device: str = "cpu", seed: int = 0) -> Tuple[Samples, Samples]:
+                  device: str = "cpu", seed: int = 0,
+                  run: Optional[Callable[[Callable[[], object]], object]] = None) -> Tuple[Samples, Samples]:
     """Time ``compressor.encode`` and ``compressor.decode`` on random fp32 gradients.
 
     Returns (enc, dec): enc = [(original bytes, median s)], dec = [(payload bytes,
     median s)]. sizes are bytes (rounded down to whole fp32 elements). Each timed
     call is bracketed by ``torch.cuda.synchronize`` on a CUDA device so
-    asynchronous kernels are fully counted.
+    asynchronous kernels are fully counted. ``run(fn)`` executes each timed call
+    (default: directly); a running job passes one that runs it as an engine task, so
+    the times include the hand-off to the compute queue that CaSync pays per operator.
     """
+    run = run or (lambda fn: fn())
     import torch
 
     dev = torch.device(device)
@@ -89,14 +94,14 @@ def measure_codec(compressor, sizes: Sequence[int] = DEFAULT_LADDER, repeats: in
         def run_enc():
             sync()
             t0 = time.perf_counter()
-            box["p"] = compressor.encode(grad, state)
+            box["p"] = run(lambda: compressor.encode(grad, state))
             sync()
             return time.perf_counter() - t0
 
         def run_dec():
             sync()
             t0 = time.perf_counter()
-            compressor.decode(box["p"], out)
+            run(lambda: compressor.decode(box["p"], out))
             sync()
             return time.perf_counter() - t0
 
@@ -133,18 +138,29 @@ class Profile:
     samples: Dict[str, Samples] = field(default_factory=dict)
     created: str = ""
     meta: Dict[str, object] = field(default_factory=dict)
+    # The uncompressed path's own copy / merge operators (CostModel.enc_plain/dec_plain);
+    # None in profiles measured without them: equation 1 as printed.
+    enc_plain: object = None
+    dec_plain: object = None
 
     @property
     def key(self) -> Dict[str, object]:
         return {"n": self.n, "strategy": self.strategy, "device": self.device, "algorithm": self.algorithm}
 
-    def cost_model(self, strategy: Optional[str] = None) -> CostModel:
-        return CostModel(self.send, self.enc, self.dec, self.n, strategy or self.strategy, self.category, self.rate)
+    def cost_model(self, strategy: Optional[str] = None, n: Optional[int] = None) -> CostModel:
+        """The model hipress executes: for "ring" every executed partition is N chunks."""
+        strategy, n = strategy or self.strategy, int(n or self.n)
+        return CostModel(self.send, self.enc, self.dec, n, strategy, self.category, self.rate,
+                         self.enc_plain, self.dec_plain, chunks=n if strategy == "ring" else 1)
+
+    def curves(self) -> Dict[str, object]:
+        return {k: v for k, v in (("send", self.send), ("enc", self.enc), ("dec", self.dec),
+                                  ("enc_plain", self.enc_plain), ("dec_plain", self.dec_plain)) if v is not None}
 
     def to_dict(self) -> dict:
         return {
             "format": FORMAT, "version": VERSION, "key": self.key, "category": self.category, "rate": self.rate,
-            "curves": {"send": self.send.to_dict(), "enc": self.enc.to_dict(), "dec": self.dec.to_dict()},
+            "curves": {k: v.to_dict() for k, v in self.curves().items()},
             "samples": {k: [list(p) for p in v] for k, v in self.samples.items()},
             "created": self.created, "meta": self.meta,
         }
@@ -179,8 +195,8 @@ class Profile:
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
             raise bad(f"rate must be a number > 0, got {rate!r}")
         curves = d["curves"]
-        if not isinstance(curves, dict) or set(curves) != {"send", "enc", "dec"}:
-            raise bad(f"curves must have exactly send, enc, dec; got {curves!r}")
+        if not isinstance(curves, dict) or not {"send", "enc", "dec"} <= set(curves) <= set(CURVES):
+            raise bad(f"curves must have send, enc, dec (and optionally enc_plain, dec_plain); got {curves!r}")
         try:
             built = {k: curve_from_dict(v) for k, v in curves.items()}
         except (ValueError, KeyError, TypeError) as e:
@@ -192,30 +208,40 @@ class Profile:
             raise bad(f"bad samples: {e}") from None
         return cls(key["n"], key["strategy"], key["device"], key["algorithm"], d["category"], float(rate),
                    built["send"], built["enc"], built["dec"], samples, str(d.get("created", "")),
-                   dict(d.get("meta", {}) or {}))
+                   dict(d.get("meta", {}) or {}), built.get("enc_plain"), built.get("dec_plain"))
 
 
 def build_profile(*, n: int, strategy: str, device: str, algorithm: str, category: str, rate: float,
                   send_samples: Samples, enc_samples: Samples, dec_samples: Samples,
-                  fit: str = "piecewise", meta: Optional[dict] = None) -> Profile:
-    """Fit curves to already-measured samples and wrap them in a :class:`Profile`."""
+                  fit: str = "piecewise", meta: Optional[dict] = None,
+                  plain_samples: Optional[Tuple[Samples, Samples]] = None) -> Profile:
+    """Fit curves to already-measured samples and wrap them in a :class:`Profile`.
+    plain_samples: (enc, dec) of the uncompressed path's operators, if measured."""
+    samples = {"send": list(send_samples), "enc": list(enc_samples), "dec": list(dec_samples)}
+    plain = (None, None)
+    if plain_samples is not None:
+        samples.update(enc_plain=list(plain_samples[0]), dec_plain=list(plain_samples[1]))
+        plain = tuple(fit_curve(x, fit) for x in plain_samples)
     return Profile(int(n), strategy, device, algorithm, category, float(rate),
                    fit_curve(send_samples, fit), fit_curve(enc_samples, fit), fit_curve(dec_samples, fit),
-                   {"send": list(send_samples), "enc": list(enc_samples), "dec": list(dec_samples)},
-                   time.strftime("%Y-%m-%dT%H:%M:%S"), {"fit": fit, **(meta or {})})
+                   samples, time.strftime("%Y-%m-%dT%H:%M:%S"), {"fit": fit, **(meta or {})}, *plain)
 
 
 def profile_compressor(compressor, send_once: Callable[[int], float], *, n: int, strategy: str,
                        device: str = "cpu", algorithm: Optional[str] = None,
-                       sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5, fit: str = "piecewise") -> Profile:
-    """Measure the codec on ``device`` and ``send_once`` on the ladder and fit a profile."""
-    enc, dec = measure_codec(compressor, sizes, repeats, device=device)
+                       sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5, fit: str = "piecewise",
+                       plain=None, run=None) -> Profile:
+    """Measure the codec on ``device`` and ``send_once`` on the ladder and fit a profile.
+    plain: the uncompressed path's codec (hipress's "none"), measured too when given;
+    run: how each codec call is executed (see :func:`measure_codec`)."""
+    enc, dec = measure_codec(compressor, sizes, repeats, device=device, run=run)
+    plain_samples = measure_codec(plain, sizes, repeats, device=device, run=run) if plain is not None else None
     send = measure_send(send_once, sizes, repeats)
     measured_rate = statistics.median(d / e for (e, _), (d, _) in zip(enc, dec) if e > 0)
     rate = float(getattr(compressor, "rate", measured_rate) or measured_rate)
     return build_profile(n=n, strategy=strategy, device=device, algorithm=algorithm or compressor.name,
                          category=compressor.category, rate=rate, send_samples=send, enc_samples=enc,
-                         dec_samples=dec, fit=fit,
+                         dec_samples=dec, fit=fit, plain_samples=plain_samples,
                          meta={"repeats": repeats, "measured_rate": measured_rate})
 
 

@@ -35,7 +35,7 @@ from hipress import runtime
 from hipress.engine import Handle, TaskError, get_engine
 from hipress.sync import CommChain, StateStore, SyncContext, chunk_bounds, get_strategy
 from hipress.compression.none import NoneCompressor
-from hipress.planner import CostModel, Overrides, Plan, make_plan
+from hipress.planner import Overrides, Plan, make_plan
 from hipress.planner.online import profile_online
 from hipress.sync.hierarchical import HierarchicalStrategy
 from hipress.sync.lowrank import LowRankStrategy
@@ -197,7 +197,7 @@ class _HipressOptimizer:
         # rank, so all ranks hold the same plan; N is the number of peers of the compressed sync.
         prof = profile_online(self._hp_compressor, self._hp_transport, self._hp_strategy_name)
         n_sync = len(set(runtime.hostnames())) if self._hp_hierarchical else runtime.size()
-        model = CostModel(prof.send, prof.enc, prof.dec, n_sync, prof.strategy, prof.category, prof.rate)
+        model = prof.cost_model(n=n_sync)
         return make_plan([(b.name, 4 * b.numel) for b in self._hp_buckets], model, overrides)
 
     @staticmethod

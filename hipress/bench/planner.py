@@ -1,0 +1,190 @@
+"""Planner validation on the emulated cluster: the cost model's predicted sync time of one
+gradient against the measured one (issue 7), for a ladder of gradient sizes.
+
+    python -m hipress.bench.planner --np 4 --bandwidth 1gbit --latency 0.2ms --strategy ring,ps
+
+Each rank runs in its own network namespace behind a shaped link (hipress.bench.cluster).
+On every rank: ``profile_online`` measures T_enc/T_dec of the compressor and T_send over
+the real link (a fresh profile for this run, never a cached one), the cost model plans
+every ladder size, and then each size is synchronized for real through CaSync (the same
+strategy builders DistributedOptimizer uses) three ways: the plan's choice, the best
+uncompressed K and the best compressed K. A measurement is the slowest rank's time from
+a common barrier to its result (median of ``--repeats`` after one warm-up). Rank 0
+writes ``<out-dir>/planner-validate.json`` and a markdown table with measured/predicted
+per row; the goal is every row within 25%.
+
+The second half of issue 7 (a model mixing many small and a few very large gradients:
+planned vs compress-all vs compress-none) is ``python -m hipress.bench.compare --preset
+issue7`` (the ``mixed`` model of hipress.bench.models).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from hipress.bench.common import markdown_table, write_result
+
+KB, MB = 1 << 10, 1 << 20
+DEFAULT_SIZES = "32KB,128KB,512KB,2MB,8MB,32MB,128MB"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    for unit, mult in (("KB", KB), ("MB", MB), ("GB", 1 << 30), ("B", 1)):
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(s)
+
+
+# ------------------------------------------------------------------ on every rank
+def worker(a) -> None:
+    import torch
+
+    import hipress
+    from hipress import compression
+    from hipress.engine import get_engine
+    from hipress.planner.online import PLANNER_STRATEGY, profile_online
+    from hipress.planner.plan import partition_bounds
+    from hipress.sync import base as sync_base
+    from hipress.sync.ps import PSStrategy
+    from hipress.sync.ring import RingStrategy
+
+    torch.set_num_threads(1)
+    hipress.init()
+    tr = hipress.runtime.transport()
+    rank, n = tr.rank, tr.size
+    comp = compression.get(a.algorithm)
+    none = compression.get("none")
+    engine = get_engine()
+    sizes = [parse_size(s) for s in a.sizes.split(",") if s]
+    rows, profiles = [], {}
+
+    def slowest(t: float) -> float:
+        mine = torch.tensor([t], dtype=torch.float64)
+        every = torch.empty(n, dtype=torch.float64)
+        tr.allgather(mine.view(torch.uint8), every.view(torch.uint8))
+        return float(every.max())
+
+    for strategy_name in a.strategy.split(","):
+        strategy = {"ring": RingStrategy, "ps": PSStrategy}[strategy_name]()
+        t0 = time.time()
+        prof = profile_online(comp, tr, strategy_name, cache_dir=a.profile_dir, refresh=True,
+                              repeats=a.profile_repeats)
+        profile_s = time.time() - t0
+        profiles[strategy_name] = {"profile": prof.to_dict(), "seconds": profile_s}
+        model = prof.cost_model()
+        ctx = {c: sync_base.SyncContext(engine, tr, cc, sync_base.StateStore()) for c, cc in
+               ((False, none), (True, comp))}
+        for m in sizes:
+            numel = m // 4
+            d = model.decide(m)
+            cases = {"plan": (d.compress, d.k), "orig": (False, d.k_orig), "cpr": (True, d.k_cpr)}
+            done = {}
+            for case, (cpr, k) in cases.items():
+                if (cpr, k) in done:                   # same configuration: same measurement
+                    rows.append(dict(done[(cpr, k)], case=case))
+                    continue
+                predicted = model.t_sync(m, cpr, k)
+                flat = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+                bounds = partition_bounds(numel, k)
+                times = []
+                for rep in range(a.repeats + 1):
+                    work = flat.clone()
+                    tr.barrier()
+                    t = time.perf_counter()
+                    h = strategy.build(ctx[cpr], f"g{m}.{int(cpr)}.{k}", work, bounds)
+                    if not h.wait(600):
+                        raise RuntimeError(f"sync of {m} bytes did not finish")
+                    if h.exception(0) is not None:
+                        raise RuntimeError(str(h.exception(0)))
+                    t = slowest(time.perf_counter() - t)
+                    if rep:                            # the first run is a warm-up
+                        times.append(t)
+                measured = statistics.median(times)
+                row = {"strategy": strategy_name, "model_strategy": PLANNER_STRATEGY.get(strategy_name),
+                       "bytes": m, "case": case, "compress": cpr, "k": k, "predicted_ms": 1e3 * predicted,
+                       "measured_ms": 1e3 * measured, "ratio": measured / predicted if predicted > 0 else None,
+                       "times_ms": [1e3 * x for x in times]}
+                done[(cpr, k)] = row
+                rows.append(row)
+                if rank == 0:
+                    print(f"[planner] {strategy_name} {m:>10} B {case:4s} compress={int(cpr)} K={k:<3d} "
+                          f"predicted {row['predicted_ms']:9.2f} ms measured {row['measured_ms']:9.2f} ms "
+                          f"ratio {row['ratio']:.2f}", flush=True)
+    if rank == 0:
+        with open(os.path.join(a.out_dir, "rows.json"), "w") as f:
+            json.dump({"rows": rows, "profiles": profiles}, f)
+    hipress.shutdown()
+
+
+# ------------------------------------------------------------------ driver
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--np", type=int, default=4)
+    p.add_argument("--bandwidth", default="1gbit", help="tc units; 'none' = unshaped")
+    p.add_argument("--latency", default="0.2ms")
+    p.add_argument("--algorithm", default="tbq")
+    p.add_argument("--strategy", default="ring,ps", help="comma list of ring, ps")
+    p.add_argument("--sizes", default=DEFAULT_SIZES)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile-repeats", type=int, default=3)
+    p.add_argument("--tolerance", type=float, default=0.25, help="goal: |measured/predicted - 1| <= this")
+    p.add_argument("--out-dir", default="results")
+    p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--verbose", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile-dir", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(a)
+        return {}
+    from hipress.bench.cluster import EmulatedCluster
+
+    os.makedirs(a.out_dir, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="hpplanner-") as d:
+        os.chmod(d, 0o777)
+        cmd = [sys.executable, "-m", "hipress.bench.planner", "--worker", "--out-dir", d, "--profile-dir", d,
+               "--algorithm", a.algorithm, "--strategy", a.strategy, "--sizes", a.sizes,
+               "--repeats", str(a.repeats), "--profile-repeats", str(a.profile_repeats)]
+        bw = None if a.bandwidth == "none" else a.bandwidth
+        with EmulatedCluster(np=a.np, bandwidth=bw, latency=a.latency, quiet=not a.verbose) as c:
+            cluster = {"emulated": c.emulated, "delay_method": c.delay_method, "fallback_reason": c.fallback_reason}
+            code, outputs = c.run(cmd, timeout=a.timeout, env=env, cwd=REPO)
+        if code != 0:
+            tail = "\n".join("\n".join(o.splitlines()[-20:]) for o in outputs)
+            raise SystemExit(f"planner benchmark failed (exit {code}):\n{tail}")
+        with open(os.path.join(d, "rows.json")) as f:
+            got = json.load(f)
+    rows = got["rows"]
+    for r in rows:
+        r["within"] = r["ratio"] is not None and abs(r["ratio"] - 1) <= a.tolerance
+    bad = [r for r in rows if not r["within"]]
+    title = (f"### Planner: predicted vs measured sync time, {a.np} ranks, {a.bandwidth}, latency {a.latency}, "
+             f"{a.algorithm}{'' if cluster['emulated'] else ' (NOT emulated: unshaped loopback)'}")
+    table = markdown_table([dict(r, size=f"{r['bytes'] // KB} KB" if r["bytes"] < MB else f"{r['bytes'] // MB} MB")
+                            for r in rows],
+                           ["strategy", "size", "case", "compress", "k", "predicted_ms", "measured_ms", "ratio"])
+    summary = (f"- goal: every row within {a.tolerance:.0%}: {len(rows) - len(bad)}/{len(rows)} rows "
+               f"({'met' if not bad else 'MISSED'})")
+    md = f"{title}\n\n{table}\n{summary}\n"
+    print(md)
+    base = os.path.join(a.out_dir, "planner-validate")
+    with open(base + ".md", "w") as f:
+        f.write(md)
+    write_result(base + ".json", "planner-validate", {**vars(a), "cluster": cluster}, rows,
+                 {"profiles": got["profiles"], "goal_met": not bad, "wall_s": time.time() - t0})
+    return {"rows": rows, "goal_met": not bad}
+
+
+if __name__ == "__main__":
+    main()
