@@ -5,12 +5,12 @@
 Steps (every rank calls it at the same point, e.g. when DistributedOptimizer is built):
   1. rank 0 looks for a cached profile for (N, strategy, device, algorithm) and tells
      everyone whether it found one (one broadcast)
-  2. if found, every rank times a 1 MB ring step; if rank 0's time is off the cached
+  2. if found, every rank times a 1 MB transfer (as in 3); if rank 0's time is off the cached
      T_send curve by more than 2x either way, the link has changed (another network,
      other tc settings: the cache key cannot see them) and the profile is re-measured
-  3. if not: every rank measures T_send(m) with ring steps of m bytes exactly as
-     CaSync-Ring sends them (a comm-queue task: byte count, then payload; a collective
-     ladder, so ranks stay in step), and T_enc/T_dec of the compressor and of the
+  3. if not: every rank measures T_send(m) the way the strategy sends (a collective
+     ladder, so ranks stay in step; comm-queue tasks, byte count then payload): ring
+     steps for CaSync-Ring, bulk all-to-all exchanges per peer for CaSync-PS; and T_enc/T_dec of the compressor and of the
      uncompressed path's copy/merge operators as compute-queue tasks (so the per-task
      hand-off CaSync pays is in the curves); rank 0 fits the curves and saves them
   4. rank 0 broadcasts the profile JSON; every rank builds its cost model from it, so
@@ -70,6 +70,34 @@ def ring_send_once(transport, engine=None):
     return send_once
 
 
+def bulk_send_once(transport, engine=None):
+    """send_once(nbytes) -> seconds of one CaSync-PS bulk exchange in which every rank sends
+    nbytes to every other rank, divided by the N-1 peers: the time one transfer takes under
+    PS's all-to-all traffic. Equation 1's alpha = 2(N-1) transfers then adds up to the two
+    bulk exchanges CaSync-PS runs (several flows share a host's link, which is slower
+    than one ring flow)."""
+    from hipress.engine import get_engine
+    from hipress.sync.base import direct_exchange
+
+    engine = engine or get_engine()
+    cache = {}
+
+    def send_once(nbytes: int) -> float:
+        if nbytes not in cache:
+            cache.clear()
+            cache[nbytes] = torch.zeros(nbytes, dtype=torch.uint8)
+        out = cache[nbytes]
+        r, n = transport.rank, transport.size
+        peers = [j for j in range(n) if j != r]
+        transport.barrier()
+        t0 = time.perf_counter()
+        engine.submit("profile.send", lambda: direct_exchange(transport, {j: out for j in peers}, set(peers), True),
+                      queue="comm").result(TASK_TIMEOUT_S)
+        return (time.perf_counter() - t0) / max(1, len(peers))
+
+    return send_once
+
+
 def run_as_task(engine=None):
     """run(fn) for measure_codec: fn as a compute-queue task, waited for."""
     from hipress.engine import get_engine
@@ -79,13 +107,13 @@ def run_as_task(engine=None):
 
 
 def _link_changed(transport, cached: Optional[Profile], send_once) -> bool:
-    """Collective. True on every rank when rank 0's 1 MB ring step is off the cached curve by > 2x."""
+    """Collective. True on every rank when rank 0's 1 MB transfer is off the cached curve by > 2x."""
     times = [send_once(PROBE_BYTES) for _ in range(PROBE_REPEATS + 1)][1:]
     verdict = b""
     if transport.rank == 0:
         t, want = statistics.median(times), cached.send(PROBE_BYTES)
         if not (want / 2 <= t <= 2 * want):
-            warnings.warn(f"hipress planner: cached profile predicts {want * 1e3:.2f} ms for a 1 MB ring step, "
+            warnings.warn(f"hipress planner: cached profile predicts {want * 1e3:.2f} ms for a 1 MB transfer, "
                           f"measured {t * 1e3:.2f} ms: the link changed, re-profiling")
             verdict = b"1"
     return bool(_broadcast_bytes(transport, verdict))
@@ -100,7 +128,7 @@ def profile_online(compressor, transport, strategy: str, *, device: str = "cpu",
     cached = None
     if transport.rank == 0 and path.exists() and not refresh:
         cached = load_profile(path, n=n, strategy=pstrat, device=device, algorithm=compressor.name)
-    send_once = ring_send_once(transport)
+    send_once = ring_send_once(transport) if pstrat == "ring" else bulk_send_once(transport)
     have = _broadcast_bytes(transport, b"1" if cached is not None else b"")
     if have and _link_changed(transport, cached, send_once):
         have, cached = b"", None
