@@ -51,7 +51,7 @@ class TorchDistTransport(Transport):
         self.name = f"torch/{backend}"
         self._prefix = prefix
         self._splits = 0
-        self._a2a_mode = os.environ.get("HIPRESS_TORCH_ALLTOALL", "native").strip().lower()
+        self._a2a_mode = os.environ.get("HIPRESS_TORCH_ALLTOALL", "p2p").strip().lower()
         if self._a2a_mode not in ("native", "p2p"):
             raise ValueError(f"HIPRESS_TORCH_ALLTOALL must be native or p2p, got {self._a2a_mode!r}")
         self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
