@@ -593,7 +593,9 @@ class Checker:
         if name == "has_state":
             return Sym(name, "builtin", "int32")
         if name in self.dims:
-            return Sym(name, "dim", "int32")
+            sym = Sym(name, "dim", "int32")
+            sym.role = self.dims[name]
+            return sym
         if name in self.udfs or name in REDUCERS or name in COMPARATORS:
             return Sym(name, "udf", "function")
         if name in self.fields:
