@@ -1157,7 +1157,7 @@ class CppGen(Gen):
         self.emit("Ctx c;")
         if s.view is not None:
             self.emit("const uint8_t* pin = in; const size_t pbytes = bytes;")
-            self.cur_kind, self.cur_layout, self.cur_stateful = 0, s.concat, False
+            self.cur_in_kind, self.cur_layout, self.cur_stateful = 0, s.concat, False
         env = EntryEnv("decode")
         self.stmts(s.decode.body, env, 1)
         self.emit("}", 0)
@@ -1378,7 +1378,7 @@ HPC_API int hpc_decode(const uint8_t* in, uint64_t bytes, float* out, uint64_t n
         """Reads a low-rank payload of the expected kind; its shape must be the state's (stateful entries) or
         consistent with n (decode, which takes the view from the header)."""
         layout = self.cur_layout
-        k = self.cur_kind
+        k = self.cur_in_kind
         self.emit("const Header h = read_header(pin, pbytes, kAlgoId, n);", ind)
         hint = (' + (h.kind ? " (a round payload needs the state: use encode_round/finish)" : "")'
                 if k == 0 else "")
@@ -1482,7 +1482,7 @@ HPC_API int hpc_decode(const uint8_t* in, uint64_t bytes, float* out, uint64_t n
             if layout is None:
                 self.emit("hp::FArr v_in; v_in.p = in; v_in.n = n;")
             self.emit("size_t total = 0;")
-            self.cur_kind, self.cur_layout, self.cur_stateful = kind, layout, True
+            self.cur_kind, self.cur_in_kind, self.cur_layout, self.cur_stateful = kind, kind - 1, layout, True
             self.cur_concat = s.concats[f.name]
             self.stmts(f.body, EntryEnv("encode"), 1)
             self.view_state_save()
@@ -1498,7 +1498,7 @@ HPC_API int hpc_decode(const uint8_t* in, uint64_t bytes, float* out, uint64_t n
                       "const uint64_t* lens, int nbufs) {", 0)
             self.view_state_setup("finish", need_state=True)
             self.emit("[[maybe_unused]] const float alpha = 1.0f;")
-            self.cur_kind, self.cur_layout, self.cur_stateful = len(s.rounds), s.concats[s.rounds[-1].name], True
+            self.cur_in_kind, self.cur_layout, self.cur_stateful = len(s.rounds), s.concats[s.rounds[-1].name], True
             self.stmts(s.finish.body, EntryEnv("finish"), 1)
             self.view_state_save()
             self.emit("}", 0)
