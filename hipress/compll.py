@@ -87,11 +87,11 @@ def load(spec: str, name: Optional[str] = None, *, source: Optional[str] = None,
     no-op; registering over a different compressor needs ``overwrite=True``.
     """
     from hipress.compression import registry
-    from hipress.dsl.runtime import GeneratedCompressor, GeneratedLibrary
+    from hipress.dsl.runtime import GeneratedCompressor, GeneratedLibrary, GeneratedLowRank
     s, path = build(spec, source, name)
     key = s.name.lower()
     lib = GeneratedLibrary(path, s)
-    factory = functools.partial(GeneratedCompressor, lib)
+    factory = functools.partial(GeneratedLowRank if s.view is not None else GeneratedCompressor, lib)
     factory.spec = s
     factory.library = path
     if register:

@@ -143,7 +143,7 @@ def markdown(results: Dict) -> str:
 
 GENERATED = [("onebit", "onebit", {}), ("tbq", "tbq", {"threshold": 0.01}), ("terngrad-2bit", "terngrad", {"bitwidth": 2}),
              ("terngrad-8bit", "terngrad", {"bitwidth": 8}), ("dgc-0.1%", "dgc", {"ratio": 0.001}),
-             ("graddrop-1%", "graddrop", {"ratio": 0.01})]
+             ("graddrop-1%", "graddrop", {"ratio": 0.01}), ("powersgd-r4", "powersgd", {"rank": 4})]
 
 
 def bench_generated(sizes_mb, threads: List[int], repeat: int) -> Dict:
@@ -156,12 +156,15 @@ def bench_generated(sizes_mb, threads: List[int], repeat: int) -> Dict:
         for mb in sizes_mb:
             n = int(mb * MB) // 4
             x = torch.from_numpy(np.random.default_rng(0).standard_normal(n).astype(np.float32) * 0.01)
+            shape = matrix_shape(n) if hand.category == "lowrank" else None  # PowerSGD: a near-square matrix
+            if shape is not None:
+                x = x.view(shape)
             for t in threads:
                 C.set_num_threads(t)
                 row = {"algorithm": label, "mb": mb, "threads": t}
                 for kind, c in (("hand", hand), ("gen", gen)):
-                    st = c.new_state(n)
-                    buf = torch.empty(c.max_encoded_bytes(n), dtype=torch.uint8)
+                    st = c.new_state(n, shape)
+                    buf = torch.empty(c.max_encoded_bytes(n, shape), dtype=torch.uint8)
                     out = torch.empty(n)
                     payload = c.encode(x, st, out=buf).clone()
                     row[f"{kind}_enc_s"] = best_time(lambda: c.encode(x, st, out=buf), repeat)

@@ -16,6 +16,7 @@ class TypeRef(Node):
     base: str                      # uint1..uint8, int32, float, void, "uint" (dynamic width), or a param block name
     width: Optional["Expr"] = None  # uint<width>
     array: bool = False             # T* or T[]
+    dims: Optional[List[Tuple[str, int, int]]] = None  # state float[d0][d1]: names of the view's dimensions
 
 
 # ---- expressions ---------------------------------------------------------------
@@ -111,6 +112,22 @@ class ParamField(Node):
     type: TypeRef
     name: str
     default: Optional[Expr]
+    range: Optional[Range] = None
+
+
+@dataclass
+class Range(Node):
+    """A parameter's valid range: lo < / <= value < / <= hi (either bound may be None: unbounded)."""
+    lo: Optional[float]
+    lo_open: bool
+    hi: Optional[float]
+    hi_open: bool
+
+    def text(self) -> str:
+        def num(v):
+            return "inf" if v is None else (str(int(v)) if float(v) == int(v) and abs(v) < 1e15 else repr(v))
+        return f"{'(' if self.lo_open else '['}{'-inf' if self.lo is None else num(self.lo)}, {num(self.hi)}" \
+               f"{')' if self.hi_open else ']'}"
 
 
 @dataclass
@@ -134,9 +151,19 @@ class Func(Node):
 
 
 @dataclass
+class View(Node):
+    """view rows, cols, r = rank_expr;  the gradient as a rows x cols matrix and the factors' rank r."""
+    rows: str
+    cols: str
+    rank: str
+    rank_expr: Expr
+
+
+@dataclass
 class Program(Node):
     file: str
     algorithm: Optional[AlgoDecl]
     params: List[ParamBlock]
     globals: List[Decl]
     funcs: List[Func]
+    view: Optional[View] = None

@@ -39,9 +39,10 @@ class Arr:
     length: str = "n"              # "n": as many as the gradient; "var": data dependent (filter/sort)
     sparse: bool = False           # has .index (filter/sort results)
     width: Optional[A.Expr] = None  # for elem == "uintN"
+    shape: Optional[Tuple[str, str]] = None  # length "mat": a matrix of the view's dimensions (row-major)
 
     def __str__(self):
-        return f"{self.elem}*"
+        return f"float[{self.shape[0]}][{self.shape[1]}]" if self.shape else f"{self.elem}*"
 
 
 def is_arr(t) -> bool:
@@ -113,6 +114,10 @@ class Spec:
     state_arrays: List[Sym] = field(default_factory=list)   # CompressorState buffers, in order
     state_scalars: List[Sym] = field(default_factory=list)  # CompressorState.scalars[1..]
     capacity: Optional[A.Func] = None                       # bound of the data-dependent arrays' length
+    view: Optional[A.View] = None                           # matrix view (rows, cols, rank) of low-rank specs
+    rounds: List[A.Func] = field(default_factory=list)      # encode_round0, encode_round1, ... (multi-round)
+    finish: Optional[A.Func] = None                         # decodes the sum of the last round (stateful)
+    concats: Dict[str, A.Call] = field(default_factory=dict)  # entry name -> its concat
 
     @property
     def param_names(self) -> List[str]:
@@ -209,6 +214,9 @@ class Checker:
                         self.err(f.default, f"parameter '{f.name}' is an integer; its default {v} is not")
                     if f.type.base in UINTS and not 0 <= v < (1 << UINTS[f.type.base]):
                         self.err(f.default, f"default {v} does not fit {f.type.base}")
+                if f.range is not None:
+                    self.check_range(f)
+        self.view_decl(p.view)
         self.state_arrays: List[Sym] = []
         self.state_scalars: List[Sym] = []
         for d in p.globals:
@@ -220,6 +228,8 @@ class Checker:
                 self.err(d.type, "globals must be scalars (uint1..uint8, int32, float, double); per-tensor arrays "
                                  "are declared 'state float* name;'")
             for name, init, line, col in d.names:
+                if name in self.dims:
+                    raise DSLError(f"'{name}' is a dimension of the view", self.file, line, col)
                 self.declare_global(name, ty, line, col, d.type.width)
                 if init is not None:
                     if not isinstance(init, (A.Num, A.Unary)):
@@ -227,7 +237,7 @@ class Checker:
                     const_value(init)
                     self.expr(init, {}, "const")
         for f in p.funcs:
-            if f.name in self.funcs or f.name in self.globals or f.name in self.fields:
+            if f.name in self.funcs or f.name in self.globals or f.name in self.fields or f.name in self.dims:
                 self.err(f, f"'{f.name}' is defined twice")
             if f.name in OPERATORS or f.name in MATH1 or f.name in MATH2 or f.name in REDUCERS or \
                     f.name in COMPARATORS:
@@ -240,7 +250,7 @@ class Checker:
                         "Params params)")
         # UDF signatures first (they may call each other), then bodies.
         for f in p.funcs:
-            if f.name in ("encode", "decode", "capacity"):
+            if is_entry(f.name):
                 continue
             ret = self.resolve(f.ret, f"the return type of '{f.name}'")
             if is_arr(ret) or isinstance(ret, tuple):
@@ -269,6 +279,8 @@ class Checker:
         if self.capacity is not None:
             self.check_capacity(self.capacity)
         enc = self.funcs["encode"]
+        self.concats: Dict[str, A.Call] = {}
+        self.cur_entry = "encode"
         self.encode_params = self.entry(enc, "encode", [("float", True), ("uint8", True)])
         dec = self.funcs.get("decode")
         self.concat = None
@@ -276,7 +288,13 @@ class Checker:
         self.block(enc.body, scope, "encode", None)
         if self.concat is None:
             self.err(enc, "encode must assign the payload: compressed = concat(...);")
+        self.concats["encode"] = self.concat
+        enc_concat = self.concat
+        rounds, fin = self.multi_round()
+        self.concat = enc_concat
         if dec is not None:
+            self.cur_entry = "decode"
+            self.layout_of = enc_concat
             dscope = self.entry(dec, "decode", [("uint8", True), ("float", True)])
             self.extracted = False
             self.decoded = False
@@ -285,7 +303,66 @@ class Checker:
                 self.err(dec, "decode must read the payload: extract(compressed, ...);")
             if not self.decoded:
                 self.err(dec, "decode must write the gradient: gradient = map(...) or gradient = scatter(...);")
+        self.rounds, self.finish = rounds, fin
         return self.spec(enc, dec)
+
+    def multi_round(self):
+        """encode_round0 (from the gradient), encode_round<k> (from the sum over ranks of round k-1's payloads)
+        and finish (decodes the sum of the last round): the multi-round API of aggregatable compressors."""
+        names = {f.name: f for f in self.p.funcs if is_entry(f.name) and f.name.startswith("encode_round")}
+        fin = self.funcs.get("finish")
+        if not names and fin is None:
+            return [], None
+        for name, f in names.items():
+            k = name[len("encode_round"):]
+            if not k.isdigit() or str(int(k)) != k:
+                self.err(f, f"'{name}': multi-round entries are encode_round0, encode_round1, ...")
+        if self.view is None:
+            self.err(next(iter(names.values()), fin), "multi-round entries need the matrix view: declare "
+                                                      "'view rows, cols, r = ...;'")
+        rounds = []
+        while f"encode_round{len(rounds)}" in names:
+            rounds.append(names[f"encode_round{len(rounds)}"])
+        if len(rounds) != len(names):
+            missing = f"encode_round{len(rounds)}"
+            self.err(names[sorted(names, key=lambda n: int(n[len('encode_round'):]))[-1]],
+                     f"'{missing}' is missing (rounds are numbered from 0 without gaps)")
+        if not rounds:
+            self.err(fin, "finish needs the rounds it finishes: encode_round0, encode_round1, ...")
+        if fin is None:
+            self.err(rounds[-1], "a multi-round spec needs 'void finish(uint8* sum, float* gradient, Params params)' "
+                                 "(decodes the sum of the last round)")
+        prev = None
+        for k, f in enumerate(rounds):
+            self.cur_entry = f.name
+            self.layout_of = prev
+            if k == 0:
+                scope = self.entry(f, f.name, [("float", True), ("uint8", True)])
+            else:
+                scope = self.entry(f, f.name, [("uint8", True), ("uint8", True)], roles=("payload", "output"))
+            self.concat = None
+            self.extracted = False
+            self.block(f.body, scope, "encode", None)
+            if self.concat is None:
+                self.err(f, f"{f.name} must assign its payload: compressed = concat(...);")
+            if k > 0 and not self.extracted:
+                self.err(f, f"{f.name} must read the sum of round {k - 1}: extract({f.params[0][1]}, ...);")
+            for a in self.concat.args:
+                if not (is_arr(a.ty) and self.shape_of(a.ty) is not None):
+                    self.err(a, "a round's payload is summed across ranks (combine): it holds float matrices only")
+            self.concats[f.name] = self.concat
+            prev = self.concat
+        self.cur_entry = "finish"
+        self.layout_of = prev
+        scope = self.entry(fin, "finish", [("uint8", True), ("float", True)], roles=("payload", "output"))
+        self.extracted = False
+        self.decoded = False
+        self.block(fin.body, scope, "finish", None)
+        if not self.extracted:
+            self.err(fin, f"finish must read the sum of the last round: extract({fin.params[0][1]}, ...);")
+        if not self.decoded:
+            self.err(fin, "finish must write the gradient: gradient = matmul(...) or map(...);")
+        return rounds, fin
 
     def spec(self, enc, dec) -> Spec:
         opts = {}
@@ -323,12 +400,25 @@ class Checker:
                     rate=opts.get("rate"), params=params, implicit_seed=implicit_seed, globals=self.globals,
                     udfs=self.udfs, encode=enc, decode=dec, concat=self.concat, layout=layout,
                     uses_random=self.uses_random, program=self.p, state_arrays=self.state_arrays,
-                    state_scalars=self.state_scalars, capacity=self.capacity)
+                    state_scalars=self.state_scalars, capacity=self.capacity, view=self.view,
+                    rounds=self.rounds, finish=self.finish, concats=self.concats)
 
     def state_decl(self, d: A.Decl, ty):
         """'state float* a;' (a CompressorState buffer of the gradient's size, updated in place) or
         'state int32 s;' (a CompressorState scalar); both persist per tensor across encode calls."""
-        if is_arr(ty):
+        if d.type.dims is not None:
+            if d.type.base != "float" or d.type.array:
+                self.err(d.type, "a state matrix holds floats: 'state float[d0][d1] name;'")
+            if self.view is None:
+                self.err(d.type, "a state matrix needs the matrix view: declare 'view rows, cols, r = ...;' first")
+            if len(d.type.dims) != 2:
+                self.err(d.type, "a state matrix has two dimensions: 'state float[d0][d1] name;'")
+            for dn, line, col in d.type.dims:
+                if dn not in self.dims:
+                    raise DSLError(f"'{dn}' is not a dimension of the view ({', '.join(self.dims)})", self.file,
+                                   line, col)
+            ty = self.mat((d.type.dims[0][0], d.type.dims[1][0]))
+        elif is_arr(ty):
             if ty.elem != "float":
                 self.err(d.type, "a state array holds floats: 'state float* name;'")
         elif ty not in ("int32",):
@@ -339,7 +429,9 @@ class Checker:
                 self.err(init, f"state '{name}' cannot have an initial value (new state is zero)")
             if name == "has_state":
                 raise DSLError("'has_state' is a built-in name", self.file, line, col)
-            self.declare_global(name, Arr("float", "n") if is_arr(ty) else ty, line, col)
+            if name in self.dims:
+                raise DSLError(f"'{name}' is a dimension of the view", self.file, line, col)
+            self.declare_global(name, ty if is_arr(ty) else ty, line, col)
             sym = self.globals[name]
             sym.state = True
             if is_arr(ty):
@@ -354,6 +446,76 @@ class Checker:
                                    f"[0] is the RNG counter)", self.file, line, col)
                 sym.slot = 1 + len(self.state_scalars)
                 self.state_scalars.append(sym)
+
+    def check_range(self, f: A.ParamField):
+        """'in (lo, hi]': a non-empty interval; the default, if any, must lie in it."""
+        r = f.range
+        lo = float("-inf") if r.lo is None else float(r.lo)
+        hi = float("inf") if r.hi is None else float(r.hi)
+        if not (lo < hi or lo == hi and not r.lo_open and not r.hi_open):
+            self.err(r, f"the range {r.text()} of '{f.name}' is empty")
+        if f.default is not None:
+            v = float(const_value(f.default))
+            if not in_range(v, r):
+                self.err(f.default, f"the default {const_value(f.default)} of '{f.name}' is outside its range "
+                                    f"{r.text()}")
+
+    def view_decl(self, v: Optional[A.View]):
+        """view rows, cols, r = expr;  rank expression of rows, cols, integer parameters and constants."""
+        self.view = v
+        self.dims: Dict[str, str] = {}
+        if v is None:
+            return
+        for role, name in (("rows", v.rows), ("cols", v.cols), ("rank", v.rank)):
+            if name in self.dims:
+                self.err(v, f"the view's dimensions need three different names ('{name}' twice)")
+            if name in self.fields:
+                self.err(v, f"'{name}' is a parameter; the view's dimensions need other names")
+            self.dims[name] = role
+
+        def walk(e):
+            if isinstance(e, A.Num):
+                if e.is_float:
+                    self.err(e, "the rank is an integer expression (no float constants)")
+                return
+            if isinstance(e, A.Name):
+                if e.id in (v.rows, v.cols):
+                    return
+                if e.id == v.rank:
+                    self.err(e, f"the rank '{e.id}' cannot be defined by itself")
+                if e.id not in self.fields:
+                    self.err(e, f"'{e.id}' in the rank is not a parameter, '{v.rows}' or '{v.cols}'")
+                if self.fields[e.id].type.base in FLOATS:
+                    self.err(e, f"parameter '{e.id}' is a float; the rank is an integer expression")
+                return
+            if isinstance(e, A.Binary) and e.op in ("+", "-", "*"):
+                walk(e.left)
+                walk(e.right)
+                return
+            if isinstance(e, A.Call) and e.func in ("min", "max") and not e.type_args:
+                if len(e.args) != 2:
+                    self.err(e, f"{e.func}(a, b) takes two values")
+                for a in e.args:
+                    walk(a)
+                return
+            self.err(e, "the rank may only use the view's rows and cols, integer parameters, integer constants, "
+                        "+ - * and min/max")
+        walk(v.rank_expr)
+
+    def shape_of(self, t) -> Optional[Tuple[str, str]]:
+        """Matrix shape of a float array: its own, or rows x cols for the gradient's size (with a view)."""
+        if not is_arr(t) or t.elem != "float":
+            return None
+        if t.length == "mat":
+            return t.shape
+        if t.length == "n" and self.view is not None:
+            return (self.view.rows, self.view.cols)
+        return None
+
+    def mat(self, shape) -> Arr:
+        if self.view is not None and shape == (self.view.rows, self.view.cols):
+            return Arr("float", "n")
+        return Arr("float", "mat", shape=shape)
 
     def check_capacity(self, f: A.Func):
         """int32 capacity(int32 n, P params): the most elements a data-dependent (filter/sort) array of the
@@ -373,12 +535,15 @@ class Checker:
             raise DSLError(f"global '{name}' declared twice", self.file, line, col)
         self.globals[name] = Sym(name, "global", ty, line, col, width)
 
-    def entry(self, f: A.Func, which: str, want):
+    def entry(self, f: A.Func, which: str, want, roles=("input", "output")):
         if f.ret.base != "void" or f.ret.array:
             self.err(f.ret, f"{which} returns void (its result is the '{'compressed' if which == 'encode' else 'gradient'}'"
                             " argument)")
-        sig = ("void encode(float* gradient, uint8* compressed, Params params)" if which == "encode" else
-               "void decode(uint8* compressed, float* gradient)")
+        sig = {"decode": "void decode(uint8* compressed, float* gradient)",
+               "finish": "void finish(uint8* sum, float* gradient, Params params)",
+               "encode": "void encode(float* gradient, uint8* compressed, Params params)",
+               "encode_round0": "void encode_round0(float* gradient, uint8* compressed, Params params)"}.get(
+            which, f"void {which}(uint8* sum, uint8* compressed, Params params)")
         if len(f.params) not in (2, 3):
             self.err(f, f"{which} takes 2 or 3 arguments: {sig}")
         scope = {}
@@ -389,7 +554,7 @@ class Checker:
                 base, arr = want[k]
                 if ty.base != base or not ty.array:
                     self.err(ty, f"argument {k + 1} of {which} must be {base}*: {sig}")
-                role = ("input" if k == 0 else "output")
+                role = roles[k]
                 scope[name] = Sym(name, role, Arr(base), line, col)
             else:
                 if ty.base not in self.blocks or ty.array:
@@ -427,6 +592,10 @@ class Checker:
             return self.globals[name]
         if name == "has_state":
             return Sym(name, "builtin", "int32")
+        if name in self.dims:
+            sym = Sym(name, "dim", "int32")
+            sym.role = self.dims[name]
+            return sym
         if name in self.udfs or name in REDUCERS or name in COMPARATORS:
             return Sym(name, "udf", "function")
         if name in self.fields:
@@ -475,10 +644,10 @@ class Checker:
                     self.err(s, "concat must not be inside an if")
                 self.concat_stmt(s.value, scope)
                 return
-            if sym.kind == "output" and ctx == "decode":
-                if s.op != "=" or not (isinstance(s.value, A.Call) and s.value.func in ("map", "scatter")):
-                    self.err(s, f"the gradient '{sym.name}' is written with '{sym.name} = map(...)' or "
-                                f"'{sym.name} = scatter(...)'")
+            if sym.kind == "output" and ctx in ("decode", "finish"):
+                if s.op != "=" or not (isinstance(s.value, A.Call) and s.value.func in ("map", "scatter", "matmul")):
+                    self.err(s, f"the gradient '{sym.name}' is written with '{sym.name} = map(...)', "
+                                f"'{sym.name} = scatter(...)' or '{sym.name} = matmul(...)'")
                 if self.decoded:
                     self.err(s, "the gradient is written twice")
                 if self.depth_if:
@@ -488,15 +657,28 @@ class Checker:
                 if not is_arr(vt) or vt.elem != "float" or vt.length != "n":
                     self.err(s.value, f"the decoded gradient must be a float array of the gradient's size, got {vt}")
                 return
-            if sym.kind in ("input", "params", "udf", "field", "builtin"):
+            if sym.kind in ("input", "params", "udf", "field", "builtin", "dim", "payload"):
                 self.err(s.target, f"'{sym.name}' is read-only")
-            if sym.state and ctx != "encode":
+            if sym.state and ctx not in ("encode", "finish"):
                 self.err(s.target, f"the state '{sym.name}' is updated in encode only"
                                    f"{' (decode must work from the payload alone)' if ctx == 'decode' else ''}")
-            if sym.state and is_arr(sym.ty) and not (isinstance(s.value, A.Call) and s.op == "=" and
-                                                      s.value.func in ("map", "scatter")):
-                self.err(s.value, f"the state array '{sym.name}' is updated in place: '{sym.name} = map(...);' or "
-                                  f"'{sym.name} = scatter({sym.name}, index, value);'")
+            if s.op in ("+=", "-=") and is_arr(sym.ty) and isinstance(s.value, A.Call) and \
+                    s.value.func == "matmul":  # A -= matmul(B, C): accumulate a product (PowerSGD's residual)
+                if sym.kind not in ("global", "local"):
+                    self.err(s.target, f"'{sym.name}' cannot be updated")
+                vt = self.expr(s.value, scope, ctx)
+                if self.shape_of(sym.ty) is None or self.shape_of(sym.ty) != self.shape_of(vt):
+                    self.err(s.value, f"'{sym.name} {s.op} matmul(...)' needs a product of its shape "
+                                      f"({sym.ty}), got {vt}")
+                s.accumulate = True
+                return
+            if sym.state and is_arr(sym.ty) and not (s.op == "=" and (isinstance(s.value, A.Call) and
+                                                                      s.value.func in ("map", "scatter", "matmul",
+                                                                                       "decomp") or
+                                                                      isinstance(s.value, A.Name))):
+                self.err(s.value, f"the state array '{sym.name}' is updated in place: '{sym.name} = map(...);', "
+                                  f"'{sym.name} = scatter({sym.name}, index, value);', '{sym.name} = matmul(...);', "
+                                  f"'{sym.name} = decomp({sym.name});' or copied from an array of its shape")
             if isinstance(s.value, A.Call) and s.value.func == "scatter" and len(s.value.args) == 3 and \
                     not (isinstance(s.value.args[0], A.Name) and s.value.args[0].id == s.target.id):
                 self.err(s.value, f"scatter(array, index, value) updates its array in place: write "
@@ -505,7 +687,7 @@ class Checker:
                 self.err(s.target, f"user-defined functions cannot write the global '{sym.name}' (they run in "
                                    f"parallel over elements); write it in encode or decode")
             if s.op != "=" and (is_arr(sym.ty)):
-                self.err(s, f"'{s.op}' does not apply to arrays")
+                self.err(s, f"'{s.op}' does not apply to arrays (except 'A += matmul(...)' and 'A -= matmul(...)')")
             if s.op != "=":
                 v = A.Binary(s.line, s.col, s.op[0], A.Name(s.target.line, s.target.col, s.target.id), s.value)
                 s.value = v
@@ -537,13 +719,15 @@ class Checker:
         if isinstance(s, A.ExprStmt):
             e = s.expr
             if isinstance(e, A.Call) and e.func == "extract":
-                if ctx != "decode":
-                    self.err(e, "extract is used in decode")
+                if ctx not in ("decode", "finish") and not (ctx == "encode" and self.cur_entry.startswith(
+                        "encode_round") and self.cur_entry != "encode_round0"):
+                    self.err(e, "extract is used in decode (and in finish and encode_round1, 2, ... on the summed "
+                                "payload of the previous round)")
                 if self.extracted:
                     self.err(e, "extract is called twice")
                 if self.depth_if:
                     self.err(e, "extract must not be inside an if")
-                self.extract_stmt(e, scope)
+                self.extract_stmt(e, scope, ctx)
                 return
             self.err(s, "an expression statement has no effect (assign its value or call extract)")
         self.err(s, "unsupported statement")
@@ -561,8 +745,10 @@ class Checker:
                 self.err(value, f"cannot mix the dynamic width uint<...> and a fixed width ({vt} vs {sym.ty})")
             if sym.kind == "local" and not hasattr(sym, "_assigned"):
                 sym._assigned = True
-                sym.ty = Arr(sym.ty.elem, vt.length, vt.sparse, sym.ty.width or vt.width)
-            elif sym.ty.length != vt.length:
+                sym.ty = Arr(sym.ty.elem, vt.length, vt.sparse, sym.ty.width or vt.width, vt.shape)
+            elif sym.ty.length != vt.length or sym.ty.shape != vt.shape:
+                if sym.ty.length == "mat" or vt.length == "mat":
+                    self.err(value, f"'{sym.name}' is {sym.ty}; this array is {vt}")
                 self.err(value, f"'{sym.name}' holds an array of {'the gradient size' if sym.ty.length == 'n' else 'a data dependent size'}; this one differs")
             return
         if is_arr(vt) or vt == "function" or vt is None or isinstance(vt, tuple):
@@ -593,6 +779,13 @@ class Checker:
             if words > MAX_HEADER_WORDS:
                 self.err(a, f"concat stores at most {MAX_HEADER_WORDS} scalars (the header's words); "
                             f"this is scalar number {words}")
+        if self.view is not None:  # low-rank payloads: the header's words 0, 1 and count hold rows, cols, rank
+            for a in call.args:
+                if is_arr(a.ty) and self.shape_of(a.ty) is None:
+                    self.err(a, f"a spec with a matrix view sends float matrices (or scalars), not {a.ty}")
+            if words > MAX_HEADER_WORDS - 2:
+                self.err(call, f"with a matrix view, concat stores at most {MAX_HEADER_WORDS - 2} scalars (header "
+                               f"words 0 and 1 hold rows and cols)")
         packed = [a for a in call.args if is_arr(a.ty) and (a.ty.elem == "uintN" or bits_of(a.ty.elem))]
         widths = {(a.ty.elem if a.ty.elem != "uintN" else "dyn") for a in packed}
         if len(widths) > 1:
@@ -600,18 +793,21 @@ class Checker:
                                  "(the header has one 'bits' field)")
         self.concat = call
 
-    def extract_stmt(self, call: A.Call, scope):
+    def extract_stmt(self, call: A.Call, scope, ctx="decode"):
+        src = getattr(self, "layout_of", None) or self.concat
+        who = "encode's concat" if src is self.concats.get("encode", self.concat) else \
+            f"the concat of {[k for k, v in self.concats.items() if v is src][0]}"
         if len(call.args) < 2:
-            self.err(call, "extract(compressed, v1, v2, ...) names the values of encode's concat, in order")
+            self.err(call, f"extract(compressed, v1, v2, ...) names the values of {who}, in order")
         first = call.args[0]
-        if not isinstance(first, A.Name) or self.lookup(first, first.id, scope).kind != "input":
-            self.err(first, "the first argument of extract is decode's payload argument")
+        if not isinstance(first, A.Name) or self.lookup(first, first.id, scope).kind not in ("input", "payload"):
+            self.err(first, "the first argument of extract is the entry's payload argument")
         first.sym = scope[first.id]
         first.ty = first.sym.ty
-        layout = [a.ty for a in self.concat.args]
+        layout = [a.ty for a in src.args]
         rest = call.args[1:]
         if len(rest) != len(layout):
-            self.err(call, f"extract names {len(rest)} values, encode's concat has {len(layout)}")
+            self.err(call, f"extract names {len(rest)} values, {who} has {len(layout)}")
         for a, et in zip(rest, layout):
             if not isinstance(a, A.Name):
                 self.err(a, "extract's arguments after the payload are variable names")
@@ -619,15 +815,22 @@ class Checker:
                 sym = scope.get(a.id) or self.globals[a.id]
                 if sym.kind not in ("local", "global"):
                     self.err(a, f"'{a.id}' cannot receive an extracted value")
+                if sym.state and ctx not in ("encode", "finish"):
+                    self.err(a, f"decode cannot use the state '{a.id}': it must decode any payload from the "
+                                f"payload alone")
                 st = sym.ty
                 ok = (is_arr(st) and is_arr(et) and (st.elem == et.elem or {st.elem, et.elem} <= {"uintN"})) or \
                      (is_num(st) and is_num(et) and st == et)
+                if ok and is_arr(st) and (sym.state or st.length == "mat") and self.shape_of(st) != self.shape_of(et):
+                    ok = False
                 if not ok:
-                    self.err(a, f"'{a.id}' is {tname(st)} but encode's concat has {tname(et)} at this position")
-                if is_arr(st):
-                    sym.ty = Arr(et.elem, et.length, False, et.width)
+                    self.err(a, f"'{a.id}' is {tname(st)} but {who} has {tname(et)} at this position")
+                if is_arr(st) and not sym.state:
+                    sym.ty = Arr(et.elem, et.length, False, et.width, et.shape)
             else:  # declared by extract with the concat's type
-                sym = Sym(a.id, "local", Arr(et.elem, et.length, False, et.width) if is_arr(et) else et,
+                if a.id in self.dims or a.id in self.udfs:
+                    self.err(a, f"'{a.id}' is a {'dimension of the view' if a.id in self.dims else 'function'}")
+                sym = Sym(a.id, "local", Arr(et.elem, et.length, False, et.width, et.shape) if is_arr(et) else et,
                           a.line, a.col)
                 sym.by_extract = True
                 scope[a.id] = sym
@@ -655,6 +858,11 @@ class Checker:
                             f"alone (put what it needs into concat)")
             if sym.kind == "builtin" and ctx != "encode":
                 self.err(e, f"'{e.id}' is available in encode only")
+            if sym.kind == "dim" and ctx not in ("encode", "decode", "finish"):
+                self.err(e, f"'{e.id}' is a dimension of the view, known in the entry points only")
+            if sym.kind == "payload":
+                self.err(e, f"'{e.id}' is the summed payload of the previous round: read it with "
+                            f"extract({e.id}, ...)")
             if ctx == "capacity" and sym.kind == "global":
                 self.err(e, f"capacity cannot read the global '{e.id}' (it sees only n and the parameters)")
             if ctx == "udf" and sym.kind == "params":
@@ -692,6 +900,8 @@ class Checker:
                     if not (ot.elem == "uintN" or bits_of(ot.elem)):
                         self.err(e, ".bits is the width of a packed uint array")
                     return "int32"
+                if e.attr == "T":
+                    self.err(e, "'.T' (transpose) is only allowed on an argument of matmul")
                 self.err(e, f"arrays have .size{', .index' if ot.sparse else ''}; not .{e.attr}")
             self.err(e, f"{tname(ot)} has no member '{e.attr}'")
         if isinstance(e, A.Unary):
@@ -843,8 +1053,8 @@ class Checker:
             self.err(e.args[1], f"the second argument of '{u.func.name}' receives the element index (int32)")
         if u.ret is None:
             self.err(e.args[1], f"'{u.func.name}' returns nothing; map needs a value per element")
-        if ctx == "decode" and u.randoms:
-            self.err(e.args[1], f"'{u.func.name}' draws random numbers; decode is deterministic")
+        if ctx in ("decode", "finish") and u.randoms:
+            self.err(e.args[1], f"'{u.func.name}' draws random numbers; {ctx} is deterministic")
         if u.ret == "double":
             self.err(e.args[1], f"'{u.func.name}' returns a double; arrays hold float, int32 or uintK elements")
         if u.randoms:
@@ -852,7 +1062,8 @@ class Checker:
         width = u.func.ret.width if u.ret == "uintN" else None
         if u.ret == "uintN" and ctx == "decode":
             self.err(u.func.ret, "decode cannot produce a dynamic-width array")
-        return Arr(u.ret, at.length, False, width)
+        return Arr(u.ret, at.length, False, width, at.shape if u.ret == "float" else None) \
+            if at.length != "mat" or u.ret == "float" else self.err(e.args[1], "map over a matrix gives floats")
 
     def op_map2(self, e, scope, ctx):
         """map(A, B, f): f(A[i], B[i]) for two float arrays of the gradient's size (zip)."""
@@ -984,11 +1195,57 @@ class Checker:
     def op_random(self, e, scope, ctx):  # pragma: no cover - handled in call()
         self.err(e, "random<T>(a, b)")
 
-    def op_decomp(self, e, scope, ctx):
-        self.err(e, "decomp (low-rank) is not supported by this version's code generator; PowerSGD stays "
-                    "hand-written (csrc/compress/algo_powersgd.cc)")
+    def matrix_operand(self, e, scope, ctx, what):
+        trans = isinstance(e, A.Member) and e.attr == "T"
+        t = self.expr(e.obj, scope, ctx) if trans else self.expr(e, scope, ctx)
+        if trans:
+            e.ty = t
+        sh = self.shape_of(t)
+        if sh is None:
+            self.err(e, f"{what} takes float matrices (the gradient, state matrices, matmul results), got "
+                        f"{tname(t) if t != 'function' else 'a function'}")
+        if trans and not isinstance(e.obj, A.Name):
+            self.err(e, "'.T' applies to a matrix variable")
+        if not trans and not isinstance(e, A.Name):
+            self.err(e, f"{what}'s operands are matrix variables (assign the inner product to a variable first)")
+        return ((sh[1], sh[0]) if trans else sh), trans
 
-    op_matmul = op_decomp
+    def op_matmul(self, e, scope, ctx):
+        """matmul(A, B) with A or B optionally transposed (X.T): the row-major matrix product."""
+        if self.view is None:
+            self.err(e, "matmul needs the matrix view: declare 'view rows, cols, r = ...;'")
+        if len(e.args) != 2:
+            self.err(e, "matmul(A, B) multiplies two matrices (either may be transposed: A.T)")
+        (a0, a1), ta = self.matrix_operand(e.args[0], scope, ctx, "matmul")
+        (b0, b1), tb = self.matrix_operand(e.args[1], scope, ctx, "matmul")
+        if ta and tb:
+            self.err(e, "matmul(A.T, B.T) is not supported (it is matmul(B, A) transposed)")
+        if a1 != b0:
+            self.err(e, f"matmul: inner dimensions differ ({a0} x {a1} times {b0} x {b1})")
+        e.trans = (ta, tb)
+        return self.mat((a0, b1))
+
+    def op_decomp(self, e, scope, ctx):
+        """decomp(P): Gram-Schmidt orthonormalisation of P's columns (PowerSGD)."""
+        if self.view is None:
+            self.err(e, "decomp needs the matrix view: declare 'view rows, cols, r = ...;'")
+        if len(e.args) != 1:
+            self.err(e, "decomp(P) orthonormalises the columns of one matrix")
+        sh, _ = self.matrix_operand(e.args[0], scope, ctx, "decomp")
+        if isinstance(e.args[0], A.Member):
+            self.err(e.args[0], "decomp takes a matrix variable, not a transpose")
+        return self.mat(sh)
+
+
+def is_entry(name: str) -> bool:
+    """Entry points: not user-defined functions."""
+    return name in ("encode", "decode", "capacity", "finish") or name.startswith("encode_round")
+
+
+def in_range(v: float, r: A.Range) -> bool:
+    lo = float("-inf") if r.lo is None else float(r.lo)
+    hi = float("inf") if r.hi is None else float(r.hi)
+    return (v > lo if r.lo_open else v >= lo) and (v < hi if r.hi_open else v <= hi)
 
 
 def returns(stmts) -> bool:

@@ -7,7 +7,7 @@ from typing import List
 from hipress.dsl.errors import DSLError
 
 KEYWORDS = {"param", "algorithm", "state", "void", "float", "int32", "uint1", "uint2", "uint4", "uint8", "uint",
-            "double", "if", "else", "return"}
+            "double", "if", "else", "return", "view"}
 SCALAR_TYPES = ("uint1", "uint2", "uint4", "uint8", "int32", "float", "double")
 # Longest first.
 DIGITS = "0123456789"

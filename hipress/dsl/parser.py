@@ -108,9 +108,16 @@ class Parser:
                 prog.algorithm = self.algorithm()
             elif self.at("param", "kw"):
                 prog.params.append(self.param_block())
+            elif self.at("view", "kw"):
+                if prog.view is not None:
+                    self.error("a spec has at most one 'view' declaration")
+                prog.view = self.view()
             elif self.at("state", "kw"):
                 self.i += 1
-                d = self.decl_rest(self.type_ref())
+                ty = self.type_ref()
+                if self.at("["):
+                    ty.dims = self.dims()
+                d = self.decl_rest(ty)
                 d.state = True
                 d.line, d.col = t.line, t.col
                 prog.globals.append(d)
@@ -143,6 +150,58 @@ class Parser:
         self.expect(";", "after the algorithm declaration")
         return A.AlgoDecl(t.line, t.col, name.text, opts)
 
+    def view(self) -> A.View:
+        t = self.expect("view")
+        names = [self.ident("the number of rows")]
+        for what in ("the number of columns", "the rank's name"):
+            self.expect(",", "in 'view rows, cols, r = rank;'")
+            names.append(self.ident(what))
+        self.expect("=", "after the rank's name (view rows, cols, r = rank;)")
+        e = self.expr()
+        self.expect(";", "after the view declaration")
+        return A.View(t.line, t.col, names[0].text, names[1].text, names[2].text, e)
+
+    def dims(self):
+        """[d0][d1] of a state matrix: each a name of the view (rows, cols or the rank)."""
+        out = []
+        while self.accept("["):
+            d = self.ident("a dimension of the view (its rows, cols or rank name)")
+            out.append((d.text, d.line, d.col))
+            self.expect("]", "after a dimension")
+        if len(out) > 2:
+            self.error("a state matrix has two dimensions: state float[d0][d1] name;")
+        return out
+
+    def bound(self):
+        neg = bool(self.accept("-"))
+        t = self.tok
+        if t.kind == "id" and t.text == "inf":
+            self.i += 1
+            return None, neg
+        if t.kind not in ("int", "float"):
+            self.error(f"expected a number (or inf) in a parameter range, found {self.describe(t)}")
+        self.i += 1
+        return (-t.value if neg else t.value), neg
+
+    def param_range(self) -> A.Range:
+        t = self.tok
+        if not (self.at("(") or self.at("[")):
+            self.error(f"expected '(' or '[' to open a parameter range (e.g. in (0, 1]), found {self.describe(t)}")
+        lo_open = self.tok.text == "("
+        self.i += 1
+        lo, lneg = self.bound()
+        if lo is None and not lneg:
+            self.error("the lower bound of a range is a number or -inf", t)
+        self.expect(",", "between the bounds of a range")
+        hi, hneg = self.bound()
+        if hi is None and hneg:
+            self.error("the upper bound of a range is a number or inf", t)
+        if not (self.at(")") or self.at("]")):
+            self.error(f"expected ')' or ']' to close the parameter range, found {self.describe(self.tok)}")
+        hi_open = self.tok.text == ")"
+        self.i += 1
+        return A.Range(t.line, t.col, lo, lo_open or lo is None, hi, hi_open or hi is None)
+
     def param_block(self) -> A.ParamBlock:
         t = self.expect("param")
         name = self.ident("the parameter block name")
@@ -155,7 +214,11 @@ class Parser:
             while True:
                 f = self.ident("a parameter name")
                 default = self.expr() if self.accept("=") else None
-                fields.append(A.ParamField(f.line, f.col, ty, f.text, default))
+                rng = None
+                if self.tok.kind == "id" and self.tok.text == "in":  # valid range: in (0, 1]
+                    self.i += 1
+                    rng = self.param_range()
+                fields.append(A.ParamField(f.line, f.col, ty, f.text, default, rng))
                 if not self.accept(","):
                     break
             self.expect(";", "after a parameter")

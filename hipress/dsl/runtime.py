@@ -205,3 +205,138 @@ class GeneratedCompressor(Compressor):
     def __repr__(self):
         args = ", ".join(f"{k}={v:g}" for k, v in self.params.items())
         return f"GeneratedCompressor({self.name}{', ' + args if args else ''})"
+
+
+class GeneratedLowRank(GeneratedCompressor):
+    """A generated compressor with a matrix view (``view rows, cols, r = ...;``): PowerSGD-like. State buffers
+    are sized from the view, and with ``encode_round0..`` and ``finish`` it is a multi-round, aggregatable
+    compressor (``encode_round``/``combine``/``finish``, see hipress/compression/base.py), driven by
+    hipress.sync.lowrank like the hand-written PowerSGD."""
+
+    def __init__(self, library: GeneratedLibrary, **params):
+        lib = library.lib
+        vp, u64, i32, cp = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p
+        pu64 = ctypes.POINTER(u64)
+        lib.hpc_rounds.restype = i32
+        lib.hpc_view.argtypes = [vp, u64, u64, u64, pu64, pu64, i32, cp, i32]
+        lib.hpc_kind_bytes.argtypes = [vp, u64, u64, u64, i32, pu64, cp, i32]
+        lib.hpc_encode_round.argtypes = [vp, i32, vp, vp, u64, u64, u64, u64, vp, u64, vp, vp, vp, i32, pu64, cp, i32]
+        names = ["hpc_view", "hpc_kind_bytes", "hpc_encode_round"]
+        if lib.hpc_rounds() > 0:
+            lib.hpc_finish.argtypes = [vp, vp, u64, vp, u64, u64, u64, i32, vp, vp, vp, i32, cp, i32]
+            lib.hpc_combine.argtypes = [vp, u64, vp, u64, vp, u64, pu64, cp, i32]
+            names += ["hpc_finish", "hpc_combine"]
+        for f in names:
+            getattr(lib, f).restype = i32
+        self.rounds = max(1, lib.hpc_rounds())
+        self.aggregatable = lib.hpc_rounds() > 0
+        super().__init__(library, **params)
+
+    @staticmethod
+    def _matrix(numel: int, shape):
+        """The hand-written PowerSGD's view (hipress.sync.lowrank.matrix_shape): shape[0] x the rest, n x 1."""
+        numel = int(numel)
+        if shape is None or len(shape) < 2 or numel == 0:
+            return (numel, 1 if numel else 0)
+        rows = int(shape[0])
+        return (rows, numel // rows)
+
+    def _call(self, fn, *args):
+        err = _errbuf()
+        rc = fn(*args, err, ERRLEN)
+        if rc:
+            _raise(rc, err)
+
+    def kind_bytes(self, numel: int, matrix, kind: int) -> int:
+        res = ctypes.c_uint64()
+        self._call(self._lib.lib.hpc_kind_bytes, self._pv, int(numel), int(matrix[0]), int(matrix[1]), int(kind),
+                   ctypes.byref(res))
+        return int(res.value)
+
+    def max_encoded_bytes(self, numel: int, shape=None) -> int:
+        """Single-process payload (P^ and Q) of this shape; without a shape, the largest over all matrix shapes
+        of numel elements."""
+        if shape is None:
+            return super().max_encoded_bytes(numel)
+        return self.kind_bytes(numel, self._matrix(numel, shape), 0)
+
+    def new_state(self, numel: int, shape=None) -> CompressorState:
+        m = self._matrix(numel, shape)
+        k = len(self.spec.state_arrays)
+        dims = (ctypes.c_uint64 * 3)()
+        sizes = (ctypes.c_uint64 * max(1, k))()
+        self._call(self._lib.lib.hpc_view, self._pv, int(numel), m[0], m[1], dims, sizes, k)
+        return CompressorState(self.name, numel, shape, {g.name: int(sizes[i]) for i, g in
+                                                         enumerate(self.spec.state_arrays)}, m)
+
+    def _check_state(self, state, n):
+        if not isinstance(state, CompressorState):
+            raise TypeError("state must be a CompressorState (from new_state)")
+        if state.numel != n:
+            raise ValueError(f"state was made for {state.numel} elements, the gradient has {n}")
+
+    def _run(self, rnd, g, prev, n, matrix, state, out, kind):
+        buf = out_buffer(out, self.kind_bytes(n, matrix, kind))
+        nb = ctypes.c_uint64()
+        ptrs, lens, k = self._state_ptrs(state) if state is not None else (None, None, 0)
+        self._lib.sync_threads()
+        self._call(self._lib.lib.hpc_encode_round, self._pv, int(rnd), g, prev[0], prev[1], int(n), matrix[0],
+                   matrix[1], buf.data_ptr(), buf.numel(), state.scalars.data_ptr() if state is not None else None,
+                   ptrs, lens, k, ctypes.byref(nb))
+        return buf[:nb.value]
+
+    def encode(self, grad, state: Optional[CompressorState] = None, out=None):
+        """Both rounds locally (one rank): payload P^ and Q. Without a state: a fresh one (random Q, no
+        residual), the matrix view from grad's shape."""
+        g = flat_f32(grad)
+        n = g.numel()
+        if state is not None:
+            self._check_state(state, n)
+            matrix = state.matrix
+        else:
+            matrix = self._matrix(n, tuple(grad.shape))
+        return self._run(-1, g.data_ptr(), (None, 0), n, matrix, state, out, 0)
+
+    def encode_round(self, round: int, inp, state: CompressorState, out=None):
+        if state is None:
+            raise ValueError(f"{self.name} encode_round needs a state (new_state(numel, shape))")
+        round = int(round)
+        if not 0 <= round < self.rounds or not self.aggregatable:
+            raise ValueError(f"{self.name}: round must be in [0, {self.rounds}) (then finish)")
+        n = state.numel
+        if round == 0:
+            g = flat_f32(inp)
+            self._check_state(state, g.numel())
+            return self._run(0, g.data_ptr(), (None, 0), n, state.matrix, state, out, 1)
+        self._check_state(state, n)
+        p = check_payload(inp)
+        return self._run(round, None, (p.data_ptr(), p.numel()), n, state.matrix, state, out, round + 1)
+
+    def combine(self, a, b, out=None):
+        if not self.aggregatable:
+            return super().combine(a, b, out)
+        a, b = check_payload(a), check_payload(b)
+        buf = out_buffer(out, a.numel())
+        nb = ctypes.c_uint64()
+        self._call(self._lib.lib.hpc_combine, a.data_ptr(), a.numel(), b.data_ptr(), b.numel(), buf.data_ptr(),
+                   buf.numel(), ctypes.byref(nb))
+        return buf[:nb.value]
+
+    def finish(self, payload, state: CompressorState, out, add: bool = False):
+        if not self.aggregatable:
+            return super().finish(payload, state, out, add)
+        if state is None:
+            raise ValueError(f"{self.name} finish needs the state of its rounds")
+        p = check_payload(payload)
+        flat = out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
+        target = out if flat else torch.zeros(out.numel(), dtype=torch.float32)
+        if not flat and add:
+            target.copy_(out.reshape(-1))
+        self._check_state(state, target.numel())
+        ptrs, lens, k = self._state_ptrs(state)
+        self._lib.sync_threads()
+        self._call(self._lib.lib.hpc_finish, self._pv, p.data_ptr(), p.numel(), target.data_ptr(), target.numel(),
+                   state.matrix[0], state.matrix[1], int(bool(add)), state.scalars.data_ptr(), ptrs, lens, k)
+        if target is not out:
+            out.copy_(target.view(out.shape))
+        return out

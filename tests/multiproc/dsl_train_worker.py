@@ -1,6 +1,9 @@
 """One rank of the DSL training test: loads a user spec with hipress.compll, trains a few steps.
 
-    python dsl_train_worker.py SPEC OUT_DIR STEPS
+    python dsl_train_worker.py SPEC OUT_DIR STEPS [NAME]
+
+NAME: register the spec under this name (a shipped spec such as powersgd clashes with the built-in
+of the same name); with SPEC "builtin", NAME is a built-in compressor, trained the same way.
 """
 import os
 import sys
@@ -16,11 +19,15 @@ def main():
     spec, out_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     hipress.init()
     rank = hipress.rank()
-    comp = compll.load(spec)  # compiled once (cache by hash), registered in this process
+    name = sys.argv[4] if len(sys.argv) > 4 else None
+    if spec == "builtin":
+        algo = name
+    else:
+        algo = compll.load(spec, name=name).spec.name  # compiled once (cache by hash), registered in this process
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp.spec.name)
+    opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=algo)
     g = torch.Generator().manual_seed(100 + rank)
     w = torch.randn(10, 1, generator=torch.Generator().manual_seed(5))
     losses = []

@@ -229,3 +229,55 @@ def test_generated_state_buffers_checked(dsl_sparse):
     from hipress.compression.base import CompressorState
     with pytest.raises(ValueError, match="differ"):
         gen.encode(grad(100), CompressorState("dsl_dgc", 100, None, {"accum": 100, "momentum": 100}))
+
+
+@pytest.mark.parametrize("algo", ["dgc", "graddrop"])
+def test_param_ranges_like_handwritten(dsl_sparse, algo):
+    """'double ratio = ... in (0, 1];' in the spec: the generated hpc_check_params rejects what the
+    hand-written constructor rejects, with the same message, and accepts the rest."""
+    for key in ("ratio", "sample_ratio"):
+        for bad in (0.0, -0.5, 1.0000001, 2.0):
+            with pytest.raises(ValueError, match=rf"{key} must be in \(0, 1\]") as e:
+                C.get("dsl_" + algo, error_feedback=False, **{key: bad})
+            assert str(e.value).startswith(f"dsl_{algo}: ")
+            with pytest.raises(ValueError, match=rf"{key} must be in \(0, 1\]"):
+                C.get(algo, error_feedback=False, **{key: bad})
+        for good in (1.0, 0.5, 1e-6):
+            gen = C.get("dsl_" + algo, error_feedback=False, **{key: good})
+            hand = C.get(algo, error_feedback=False, **{key: good})
+            g = grad(5000, seed=3)
+            assert torch.equal(gen.encode(g), hand.encode(g))
+
+
+def test_param_ranges_tbq_terngrad(dsl):
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match=r"threshold must be in \(0, inf\)"):
+            C.get("dsl_tbq", error_feedback=False, threshold=bad)
+        with pytest.raises(ValueError):
+            C.get("tbq", error_feedback=False, threshold=bad)
+    for bad in (0, 1, 3, 16):  # the hand-written accepts 2, 4, 8 only; so does the spec (range + width check)
+        with pytest.raises(ValueError):
+            C.get("dsl_terngrad", bitwidth=bad)
+        with pytest.raises(ValueError):
+            C.get("terngrad", bitwidth=bad)
+    for ok in (2, 4, 8):
+        C.get("dsl_terngrad", bitwidth=ok)
+
+
+def test_param_range_kinds_and_default_checked():
+    from hipress.dsl import DSLError, check
+    src = ("param P {{ {decl} }}\nfloat t;\nuint1 f(float x) {{ return x > t; }}\n"
+           "void encode(float* g, uint8* c, P p) {{ t = p.a; uint1* q = map(g, f); c = concat(q); }}")
+    lib = compll.load("ranges.cll", source=src.format(decl="float a = 0.5 in [-1, 1), b = 3 in (2, inf); "
+                                                          "int32 k = 0 in [-inf, 4];"), name="dsl_ranges_t")
+    for kw in ({"a": -1.0}, {"a": 0.999}, {"b": 2.0001}, {"b": 1e30}, {"k": -1000}, {"k": 4}):
+        lib(**kw)
+    for kw, msg in (({"a": 1.0}, r"a must be in \[-1, 1\)"), ({"a": -1.01}, r"a must be in \[-1, 1\)"),
+                    ({"b": 2.0}, r"b must be in \(2, inf\)"), ({"k": 5}, r"k must be in \(-inf, 4\]")):
+        with pytest.raises(ValueError, match=msg):
+            lib(**kw)
+    with pytest.raises(DSLError, match="outside its range") as e:
+        check(src.format(decl="float a = 2 in (0, 1];"), "t.cll")
+    assert (e.value.line, e.value.col) == (1, 21)
+    with pytest.raises(DSLError, match="is empty"):
+        check(src.format(decl="float a = 1 in (1, 1];"), "t.cll")

@@ -236,3 +236,119 @@ def test_state_misuse_errors(old, new, line, col, msg):
 def test_double_in_header_rejected():
     e = err("param P { double r = 0.5; }\nvoid encode(float* g, uint8* c, P p) { c = concat(p.r); }")
     assert (e.line, e.col) == (2, 53) and "not a double" in e.message
+
+
+LOWRANK = """param P { int32 rank = 2 in [1, 64]; }
+view rows, cols, r = min(rank, min(rows, cols));
+state float[rows][cols] m;
+state float[cols][r] q;
+state float[rows][r] p;
+float add(float a, float b) { return a + b; }
+void encode(float* gradient, uint8* compressed, P params) {
+    m = map(m, gradient, add);
+    p = matmul(m, q);
+    p = decomp(p);
+    float* Q = matmul(m.T, p);
+    m -= matmul(p, Q.T);
+    compressed = concat(p, Q);
+}
+void decode(uint8* compressed, float* gradient) {
+    extract(compressed, A, B);
+    gradient = matmul(A, B.T);
+}
+void encode_round0(float* gradient, uint8* compressed, P params) {
+    float* X = matmul(gradient, q);
+    compressed = concat(X);
+}
+void encode_round1(uint8* sum, uint8* compressed, P params) {
+    extract(sum, p);
+    float* Q = matmul(m.T, p);
+    compressed = concat(Q);
+}
+void finish(uint8* sum, float* gradient, P params) {
+    extract(sum, q);
+    gradient = matmul(p, q.T);
+}
+"""
+
+
+def test_lowrank_spec_checks():
+    s = check(LOWRANK, "t.cll")
+    assert [g.name for g in s.state_arrays] == ["m", "q", "p"] and [f.name for f in s.rounds] == \
+        ["encode_round0", "encode_round1"] and s.finish is not None and (s.view.rows, s.view.cols, s.view.rank) == \
+        ("rows", "cols", "r")
+
+
+@pytest.mark.parametrize("old,new,line,col,msg", [
+    ("p = matmul(m, q);", "p = matmul(q, m);", 9, 9, "inner dimensions differ (cols x r times rows x cols)"),
+    ("p = matmul(m, q);", "p = matmul(m.T, q.T);", 9, 9, "matmul(A.T, B.T) is not supported"),
+    ("p = matmul(m, q);", "q = matmul(m, q);", 9, 9, "is float[cols][r]; this array is float[rows][r]"),
+    ("p = matmul(m, q);", "p = matmul(m, q, q);", 9, 9, "matmul(A, B) multiplies two matrices"),
+    ("p = matmul(m, q);", "p = matmul(m, 2);", 9, 19, "matmul takes float matrices"),
+    ("p = decomp(p);", "p = decomp(p.T);", 10, 18, "not a transpose"),
+    ("m -= matmul(p, Q.T);", "m -= p;", 12, 10, "is updated in place"),
+    ("m -= matmul(p, Q.T);", "p -= matmul(p, Q.T);", 12, 10, "needs a product of its shape"),
+    ("m -= matmul(p, Q.T);", "float* z = Q.T;", 12, 18, "only allowed on an argument of matmul"),
+    ("state float[cols][r] q;", "state float[cols][rank] q;", 4, 19, "'rank' is not a dimension of the view"),
+    ("state float[cols][r] q;", "state float[cols] q;", 4, 7, "two dimensions"),
+    ("state float[cols][r] q;", "state int32[cols][r] q;", 4, 7, "a state matrix holds floats"),
+    ("view rows, cols, r = min(rank, min(rows, cols));", "view rows, cols, r = min(rank, 1.5);", 2, 32,
+     "the rank is an integer expression"),
+    ("view rows, cols, r = min(rank, min(rows, cols));", "view rows, cols, r = min(rank, n);", 2, 32,
+     "'n' in the rank is not a parameter"),
+    ("view rows, cols, r = min(rank, min(rows, cols));", "view rows, cols, rank = 2;", 2, 1,
+     "'rank' is a parameter"),
+    ("view rows, cols, r = min(rank, min(rows, cols));", "view rows, cols r = 2;", 2, 17,
+     "expected ','"),
+    ("    extract(sum, p);\n", "", 23, 1, "must read the sum of round 0"),
+    ("    extract(sum, p);", "    extract(sum, q);", 24, 18, "'q' is float[cols][r] but the concat of encode_round0 "
+     "has float[rows][r]"),
+    ("    extract(sum, q);", "    extract(sum, q, q);", 29, 5, "extract names 2 values, the concat of encode_round1 "
+     "has 1"),
+    ("    extract(compressed, A, B);", "    extract(compressed, p, B);", 16, 25, "decode cannot use the state 'p'"),
+    ("void encode_round1(", "void encode_round2(", 23, 1, "'encode_round1' is missing"),
+    ("void finish(uint8* sum, float* gradient, P params) {\n    extract(sum, q);\n    gradient = matmul(p, q.T);\n}\n",
+     "", 23, 1, "needs 'void finish(uint8* sum, float* gradient, Params params)'"),
+    ("    compressed = concat(Q);", "    compressed = concat(Q, 1.0);", 26, 28, "float matrices only"),
+    ("    float* X = matmul(gradient, q);", "    float* X = matmul(sum, q);", 20, 23, "matmul takes float matrices"),
+    ("    gradient = matmul(A, B.T);", "    gradient = matmul(A, A.T);", 17, 16,
+     "must be a float array of the gradient's size, got float[rows][rows]"),
+    ("    gradient = matmul(p, q.T);", "    gradient = matmul(q, p.T);", 30, 16,
+     "float array of the gradient's size, got float[cols][rows]"),
+    ("float add(float a, float b) { return a + b; }", "float add(float a, float b) { return a + rows; }", 6, 42,
+     "known in the entry points only"),
+    ("    extract(sum, p);", "    extract(sum, p);\n    float z = sum;", 25, 15, "read it with extract(sum, ...)"),
+])
+def test_lowrank_errors(old, new, line, col, msg):
+    assert old in LOWRANK
+    e = err(LOWRANK.replace(old, new, 1))
+    if msg:
+        assert msg in e.message, str(e)
+    assert (e.line, e.col) == (line, col), str(e)
+    assert str(e).startswith(f"t.cll:{e.line}:{e.col}: error: ")
+
+
+def test_no_view_no_matmul():
+    e = err("void encode(float* g, uint8* c) { float* x = matmul(g, g); c = concat(x); }")
+    assert (e.line, e.col) == (1, 46) and "needs the matrix view" in e.message
+    e = err("void encode(float* g, uint8* c) { float* x = decomp(g); c = concat(x); }")
+    assert "needs the matrix view" in e.message
+    e = err("void encode(float* g, uint8* c) { c = concat(1); }\nvoid finish(uint8* s, float* g) { extract(s, a); }")
+    assert (e.line, e.col) == (2, 1) and "need the matrix view" in e.message
+
+
+@pytest.mark.parametrize("decl,col,msg", [
+    ("float a = 0.5 in 0, 1;", 28, "expected '(' or '['"),
+    ("float a = 0.5 in (0 1];", 31, "expected ','"),
+    ("float a = 0.5 in (0, 1;", 33, "expected ')' or ']'"),
+    ("float a = 0.5 in (x, 1];", 29, "expected a number (or inf)"),
+    ("float a = 0.5 in (inf, 1];", 28, "lower bound of a range is a number or -inf"),
+    ("float a = 0.5 in (0, -inf];", 28, "upper bound of a range is a number or inf"),
+    ("float a = 2 in (0, 1];", 21, "outside its range (0, 1]"),
+    ("float a = 1 in (1, 1];", 26, "is empty"),
+    ("int32 a = 1 in [2, 1];", 26, "is empty"),
+])
+def test_param_range_errors(decl, col, msg):
+    e = err("param P { " + decl + " }\nvoid encode(float* g, uint8* c, P p) { c = concat(p.a); }")
+    assert (e.line, e.col) == (1, col), str(e)
+    assert msg in e.message, str(e)
