@@ -32,7 +32,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
-STRATEGIES = ("ring", "ps", "ps_colocated")
+STRATEGIES = ("ring", "ps", "ps_colocated", "casync_ring", "casync_ps")
+RING_STRATEGIES = ("ring", "casync_ring")
 CATEGORIES = ("quantization", "sparsification", "lowrank")
 
 
@@ -185,6 +186,18 @@ def sync_params(strategy: str, category: str, n: int, k: int) -> SyncParams:
     encoded, and its aggregator decodes only N-1 remote partitions). Its low-rank
     row is not given in the paper; we use beta = gamma = 1 because low-rank payloads
     are aggregated without decoding, the same reason as for the other two rows.
+
+    casync_ring     quant./spars.: 2(N-1), N,   2N-1   low-rank: 2(N-1), 1, 1
+    casync_ps       quant./spars.: 2(N-1), K+1, N+K    low-rank: 2(N-1), 1, 1
+    are hipress's CaSync-Ring and CaSync-PS as they execute (hipress.sync.ring/ps),
+    which the planner uses at run time. Ring: the paper's counts, except that all N-1
+    all-gather decodes are charged (N-1 merges + the owner's decode + N-1 all-gather
+    decodes): on a CPU they compete with the next step for the same cores. PS: co-located aggregators (alpha as ps_colocated), but a worker encodes all
+    K partitions (its own one too, the aggregator then merges it like any other) and
+    the aggregator encodes its aggregate (K + 1 encodes), and the aggregator decodes N
+    payloads and the worker decodes the K aggregates (N + K decodes). Measured on the
+    emulated cluster (docs/planner.md), the section 6.1 counts leave out about half of
+    a compressed sync's compute.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
@@ -196,14 +209,20 @@ def sync_params(strategy: str, category: str, n: int, k: int) -> SyncParams:
     if not 1 <= k <= n:
         raise ValueError(f"a round has 1..N partitions, got k={k} with N={n}")
     lowrank = category == "lowrank"
-    if strategy == "ring":
+    if strategy in ("ring", "casync_ring"):
         alpha = 2 * (n - 1)
-        return SyncParams(alpha, 1, 1) if lowrank else SyncParams(alpha, n, n)
+        if lowrank:
+            return SyncParams(alpha, 1, 1)
+        return SyncParams(alpha, n, 2 * n - 1) if strategy == "casync_ring" else SyncParams(alpha, n, n)
     if strategy == "ps":
         alpha = 2 * n
         return SyncParams(alpha, 1, 1) if lowrank else SyncParams(alpha, k + 1, n + 1)
-    alpha = 2 * (n - 1)  # ps_colocated
-    return SyncParams(alpha, 1, 1) if lowrank else SyncParams(alpha, k, n)
+    alpha = 2 * (n - 1)  # ps_colocated, casync_ps
+    if lowrank:
+        return SyncParams(alpha, 1, 1)
+    if strategy == "casync_ps":
+        return SyncParams(alpha, k + 1, n + k)
+    return SyncParams(alpha, k, n)
 
 
 def rounds(n: int, k: int) -> List[int]:

@@ -12,7 +12,8 @@ Steps (every rank calls it at the same point, e.g. when DistributedOptimizer is 
      ladder, so ranks stay in step; comm-queue tasks, byte count then payload): ring
      steps for CaSync-Ring, bulk all-to-all exchanges per peer for CaSync-PS; and T_enc/T_dec of the compressor and of the
      uncompressed path's copy/merge operators as compute-queue tasks (so the per-task
-     hand-off CaSync pays is in the curves); rank 0 fits the curves and saves them
+     hand-off CaSync pays is in the curves), all ranks at once (a barrier before each
+     call: they share the host's cores and memory as in a sync); rank 0 fits the curves and saves them
   4. rank 0 broadcasts the profile JSON; every rank builds its cost model from it, so
      plans are identical on all ranks (local timings differ a little between ranks)
 """
@@ -30,7 +31,7 @@ from hipress.compression.none import NoneCompressor
 from hipress.planner.profile import (DEFAULT_LADDER, Profile, load_profile, profile_compressor, profile_path,
                                      save_profile)
 
-PLANNER_STRATEGY = {"ring": "ring", "ps": "ps_colocated"}
+PLANNER_STRATEGY = {"ring": "casync_ring", "ps": "casync_ps"}
 TASK_TIMEOUT_S = 600
 PROBE_BYTES, PROBE_REPEATS = 1 << 20, 3
 
@@ -128,13 +129,14 @@ def profile_online(compressor, transport, strategy: str, *, device: str = "cpu",
     cached = None
     if transport.rank == 0 and path.exists() and not refresh:
         cached = load_profile(path, n=n, strategy=pstrat, device=device, algorithm=compressor.name)
-    send_once = ring_send_once(transport) if pstrat == "ring" else bulk_send_once(transport)
+    send_once = ring_send_once(transport) if pstrat == "casync_ring" else bulk_send_once(transport)
     have = _broadcast_bytes(transport, b"1" if cached is not None else b"")
     if have and _link_changed(transport, cached, send_once):
         have, cached = b"", None
     if not have:
         prof = profile_compressor(compressor, send_once, n=n, strategy=pstrat, device=device,
-                                  sizes=sizes, repeats=repeats, plain=NoneCompressor(), run=run_as_task())
+                                  sizes=sizes, repeats=repeats, plain=NoneCompressor(), run=run_as_task(),
+                                  before=transport.barrier)
         if transport.rank == 0:
             save_profile(prof, path)
             cached = prof

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hipress.planner.cost_model import (
-    CATEGORIES, STRATEGIES, AffineCurve, CostModel, PiecewiseAffineCurve, curve_from_dict,
+    CATEGORIES, RING_STRATEGIES, STRATEGIES, AffineCurve, CostModel, PiecewiseAffineCurve, curve_from_dict,
 )
 
 FORMAT = "hipress-planner-profile"
@@ -66,7 +66,8 @@ def measure_send(send_once: Callable[[int], float], sizes: Sequence[int] = DEFAU
 
 def measure_codec(compressor, sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5, warmup: int = 1,
                   device: str = "cpu", seed: int = 0,
-                  run: Optional[Callable[[Callable[[], object]], object]] = None) -> Tuple[Samples, Samples]:
+                  run: Optional[Callable[[Callable[[], object]], object]] = None,
+                  before: Optional[Callable[[], None]] = None) -> Tuple[Samples, Samples]:
     """Time ``compressor.encode`` and ``compressor.decode`` on random fp32 gradients.
 
     Returns (enc, dec): enc = [(original bytes, median s)], dec = [(payload bytes,
@@ -75,8 +76,12 @@ def measure_codec(compressor, sizes: Sequence[int] = DEFAULT_LADDER, repeats: in
     asynchronous kernels are fully counted. ``run(fn)`` executes each timed call
     (default: directly); a running job passes one that runs it as an engine task, so
     the times include the hand-off to the compute queue that CaSync pays per operator.
+    ``before()`` runs before each timed call, untimed: a running job passes a barrier,
+    so every rank runs the kernel at the same moment, sharing the host's cores and
+    memory bandwidth as during a sync.
     """
     run = run or (lambda fn: fn())
+    before = before or (lambda: None)
     import torch
 
     dev = torch.device(device)
@@ -92,6 +97,7 @@ def measure_codec(compressor, sizes: Sequence[int] = DEFAULT_LADDER, repeats: in
         box = {}
 
         def run_enc():
+            before()
             sync()
             t0 = time.perf_counter()
             box["p"] = run(lambda: compressor.encode(grad, state))
@@ -99,6 +105,7 @@ def measure_codec(compressor, sizes: Sequence[int] = DEFAULT_LADDER, repeats: in
             return time.perf_counter() - t0
 
         def run_dec():
+            before()
             sync()
             t0 = time.perf_counter()
             run(lambda: compressor.decode(box["p"], out))
@@ -148,10 +155,10 @@ class Profile:
         return {"n": self.n, "strategy": self.strategy, "device": self.device, "algorithm": self.algorithm}
 
     def cost_model(self, strategy: Optional[str] = None, n: Optional[int] = None) -> CostModel:
-        """The model hipress executes: for "ring" every executed partition is N chunks."""
+        """The model of this profile's strategy; a ring's executed partition is N chunks."""
         strategy, n = strategy or self.strategy, int(n or self.n)
         return CostModel(self.send, self.enc, self.dec, n, strategy, self.category, self.rate,
-                         self.enc_plain, self.dec_plain, chunks=n if strategy == "ring" else 1)
+                         self.enc_plain, self.dec_plain, chunks=n if strategy in RING_STRATEGIES else 1)
 
     def curves(self) -> Dict[str, object]:
         return {k: v for k, v in (("send", self.send), ("enc", self.enc), ("dec", self.dec),
@@ -230,12 +237,13 @@ def build_profile(*, n: int, strategy: str, device: str, algorithm: str, categor
 def profile_compressor(compressor, send_once: Callable[[int], float], *, n: int, strategy: str,
                        device: str = "cpu", algorithm: Optional[str] = None,
                        sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5, fit: str = "piecewise",
-                       plain=None, run=None) -> Profile:
+                       plain=None, run=None, before=None) -> Profile:
     """Measure the codec on ``device`` and ``send_once`` on the ladder and fit a profile.
     plain: the uncompressed path's codec (hipress's "none"), measured too when given;
-    run: how each codec call is executed (see :func:`measure_codec`)."""
-    enc, dec = measure_codec(compressor, sizes, repeats, device=device, run=run)
-    plain_samples = measure_codec(plain, sizes, repeats, device=device, run=run) if plain is not None else None
+    run, before: how each codec call is executed (see :func:`measure_codec`)."""
+    enc, dec = measure_codec(compressor, sizes, repeats, device=device, run=run, before=before)
+    plain_samples = (measure_codec(plain, sizes, repeats, device=device, run=run, before=before)
+                     if plain is not None else None)
     send = measure_send(send_once, sizes, repeats)
     measured_rate = statistics.median(d / e for (e, _), (d, _) in zip(enc, dec) if e > 0)
     rate = float(getattr(compressor, "rate", measured_rate) or measured_rate)
