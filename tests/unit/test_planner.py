@@ -58,6 +58,12 @@ HAND = {
     ("ps_colocated", "quantization"): (5740, 14 * 110 + 4 * 203 + 8 * 27),      # 2568
     ("ps_colocated", "sparsification"): (5740, 2568),
     ("ps_colocated", "lowrank"): (5740, 1770),
+    # hipress as executed: ring gamma = 2N-1 = 15; PS beta = K+1 = 5, gamma = N+K = 12
+    ("casync_ring", "quantization"): (5740, 14 * 110 + 8 * 203 + 15 * 27),      # 3569
+    ("casync_ring", "lowrank"): (5740, 1770),
+    ("casync_ps", "quantization"): (5740, 14 * 110 + 5 * 203 + 12 * 27),        # 2879
+    ("casync_ps", "sparsification"): (5740, 2879),
+    ("casync_ps", "lowrank"): (5740, 1770),
 }
 
 
@@ -73,7 +79,32 @@ def test_equations_hand_computed(strategy, category):
     assert m.t_cpr(1600, 4) == pytest.approx(cpr, rel=1e-12)
     # literal values, in case the table above and the code share a mistake
     assert {("ring", "quantization"): 3380, ("ps", "quantization"): 3018,
-            ("ps_colocated", "quantization"): 2568}.get((strategy, category), cpr) == cpr
+            ("ps_colocated", "quantization"): 2568, ("casync_ring", "quantization"): 3569,
+            ("casync_ps", "quantization"): 2879}.get((strategy, category), cpr) == cpr
+
+
+def test_plain_path_costs_are_charged_in_equation_1():
+    # enc_plain(m) = 1 + m/100, dec_plain(m) = 2 + m/50 at m/K = 400: 5 and 10;
+    # ps_colocated N=8, K=4: alpha=14, beta=K=4, gamma=N=8
+    m = CostModel(AffineCurve(10, 1), AffineCurve(3, 0.5), AffineCurve(2, 0.25), 8, "ps_colocated",
+                  "quantization", 0.25, AffineCurve(1, 0.01), AffineCurve(2, 0.02))
+    assert m.t_orig(1600, 4) == pytest.approx(14 * 410 + 4 * 5 + 8 * 10)
+    assert m.t_cpr(1600, 4) == pytest.approx(2568)  # equation 2 unchanged
+
+
+def test_ring_chunks_map_executed_partitions_to_paper_k():
+    # CaSync-Ring splits each executed partition into N chunks: K executed = K*N paper partitions.
+    paper = toy_model("ring", "quantization", n=4, rate=0.5)
+    executed = CostModel(paper.send, paper.enc, paper.dec, 4, "ring", "quantization", 0.5, chunks=4)
+    for k in (1, 2, 3):
+        assert executed.t_sync(4800, False, k) == pytest.approx(paper.t_orig(4800, 4 * k))
+        assert executed.t_sync(4800, True, k) == pytest.approx(paper.t_cpr(4800, 4 * k))
+    # one executed partition of 4800 bytes: 6 steps of 1200-byte chunks = 6 * send(1200)
+    assert executed.t_sync(4800, False, 1) == pytest.approx(6 * 1210)
+    d = executed.decide(4800)
+    assert d.t_orig == pytest.approx(min(executed.t_sync(4800, False, k) for k in range(1, 5)))
+    with pytest.raises(ValueError, match="chunks"):
+        CostModel(paper.send, paper.enc, paper.dec, 4, "ring", chunks=0)
 
 
 def test_rounds():
@@ -299,6 +330,27 @@ def test_profile_round_trip(tmp_path, fit):
         assert m1.decide(m) == m2.decide(m)
 
 
+def test_profile_with_plain_curves_round_trip_and_model(tmp_path):
+    plain = ([(4096, 1e-6), (1 << 20, 5e-5)], [(4096, 2e-6), (1 << 20, 9e-5)])
+    prof = make_profile(strategy="casync_ring", n=4, plain_samples=plain)
+    back = load_profile(save_profile(prof, cache_dir=tmp_path))
+    assert back.to_dict() == prof.to_dict()
+    assert back.enc_plain(1 << 20) == pytest.approx(5e-5) and back.dec_plain(4096) == pytest.approx(2e-6)
+    model = back.cost_model()
+    assert model.chunks == 4 and model.enc_plain is back.enc_plain
+    # ring, one executed partition of 4 MB: 4 chunks of 1 MB; alpha 6, beta 4, gamma 7
+    want = 6 * back.send(1 << 20) + 4 * 5e-5 + 7 * 9e-5
+    assert model.t_sync(4 << 20, False, 1) == pytest.approx(want)
+    # a profile written before the plain curves existed still loads: equation 1 as printed
+    old = prof.to_dict()
+    for k in ("enc_plain", "dec_plain"):
+        old["curves"].pop(k)
+    legacy = Profile.from_dict(old)
+    assert legacy.enc_plain is None
+    assert legacy.cost_model().t_sync(4 << 20, False, 1) == pytest.approx(6 * back.send(1 << 20))
+    assert make_profile(strategy="casync_ps").cost_model().chunks == 1
+
+
 def corrupt_variants():
     good = make_profile().to_dict()
 
@@ -322,6 +374,7 @@ def corrupt_variants():
         "curve values": mod(lambda d: d["curves"]["enc"].update(seconds=[1.0])),
         "unsorted": mod(lambda d: d["curves"]["dec"].update(sizes=[9.0, 1.0])),
         "missing send": mod(lambda d: d["curves"].pop("send")),
+        "unknown curve": mod(lambda d: d["curves"].update(extra=d["curves"]["send"])),
     }
 
 
@@ -450,3 +503,46 @@ def test_cli_units():
     assert parse_size("4KB") == 4096 and parse_size("1.5MB") == 3 * MB // 2 and parse_size("7") == 7
     assert parse_rate("10gbit") == 1.25e9 and parse_rate("56Gbps") == 7e9
     assert parse_rate("7GB/s") == 7e9 and parse_rate("12.5GBps") == 12.5e9
+
+
+# ------------------------------------------------------------------ online profiling (ranks as threads)
+def test_profile_online_reuses_cache_and_reprofiles_when_the_link_changed(tmp_path):
+    """Collective profiling over real (loopback) ranks: both ranks get rank 0's profile; a
+    second call reuses the cached file; a cached T_send curve that the link no longer
+    matches (here: 1000x too slow) is detected by the 1 MB probe and re-measured."""
+    from hipress.engine import Engine
+    from hipress.planner.online import PROBE_BYTES, profile_online
+    from hipress.transport import loopback
+
+    ladder = [4 * KB, 64 * KB, PROBE_BYTES]
+
+    def run_all():
+        out = [None, None]
+
+        def body(tr):
+            engine = Engine()  # one per rank: a shared comm queue would serialize the two ranks' steps
+            try:
+                out[tr.rank] = profile_online(QuarterCompressor(), tr, "ring", cache_dir=tmp_path, sizes=ladder,
+                                              repeats=1, engine=engine).to_dict()
+            finally:
+                engine.shutdown()
+
+        loopback.spawn(2, body, timeout_s=120)
+        return out
+
+    first = run_all()
+    assert first[0] == first[1], "ranks hold different profiles"
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and "casync_ring" in files[0].name
+    d = json.loads(files[0].read_text())
+    assert {"enc_plain", "dec_plain"} <= set(d["curves"]) and d["key"]["strategy"] == "casync_ring"
+    again = run_all()
+    assert again[0] == first[0] == again[1], "the cached profile was not reused"
+    d["curves"]["send"]["seconds"] = [t * 1000 for t in d["curves"]["send"]["seconds"]]
+    d["created"] = "stale"
+    files[0].write_text(json.dumps(d))
+    with pytest.warns(UserWarning, match="link changed"):
+        fresh = run_all()
+    assert fresh[0]["created"] != "stale" and fresh[0] == fresh[1]
+    assert fresh[0]["curves"]["send"] != d["curves"]["send"]
+    assert json.loads(files[0].read_text())["created"] != "stale"
