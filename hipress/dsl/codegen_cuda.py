@@ -113,6 +113,25 @@ class CudaGen(CppGen):
         parts.append(self.abi())
         return "\n".join(parts) + "\n"
 
+    def udf_unit(self) -> str:
+        """The parameters, the context and the __host__ __device__ user-defined functions alone (namespace
+        hpgen), compilable by a host compiler with __host__/__device__ defined away: the tests evaluate them
+        on the host against the CPU back end's functions."""
+        s = self.s
+        self.widths = []
+        self.out = []
+        for u in s.udfs.values():
+            self.udf(u)
+        udfs = list(self.out)
+        self.out = []
+        return "\n".join(['#include "compress/cuda/hp_device.h"', "#include <stdexcept>", "#include <string>",
+                          "namespace hpgen {", "namespace hp {", "using namespace ::hp;",
+                          "inline int check_bits(int64_t b, const char* what) { if (b != 1 && b != 2 && b != 4 && "
+                          "b != 8) throw std::invalid_argument(std::string(what) + \" must be 1, 2, 4 or 8\"); "
+                          "return static_cast<int>(b); }", "}  // namespace hp",
+                          self.params_struct(), self.ctx_struct(), *[self.udf_sig(u) + ";" for u in s.udfs.values()],
+                          *udfs, "}  // namespace hpgen"]) + "\n"
+
     def ctx_struct(self):
         s = self.s
         lines = ["// The scalar context of a call: host-side in encode/decode, copied by value into every kernel.",

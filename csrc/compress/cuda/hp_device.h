@@ -92,6 +92,11 @@ HPD void header_serialize(const HeaderFields& f, uint8_t* out /* 48 bytes */) {
 }
 HPD size_t packed_bytes(size_t n, int bits) { return (n * static_cast<size_t>(bits) + 7) / 8; }
 
+// Array views passed to kernels (device pointers + lengths; packed: LSB first, `bits` per code).
+struct FView { const float* p; size_t n; };
+struct IView { const int32_t* p; size_t n; };
+struct PView { const uint8_t* p; size_t n; int bits; };
+
 }  // namespace hpd
 
 namespace hp {

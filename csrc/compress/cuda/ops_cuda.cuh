@@ -572,9 +572,4 @@ inline hipress::compress::Header header_read(const uint8_t* d_in, size_t bytes, 
   return hipress::compress::read_header(d_in == nullptr ? nullptr : h, bytes, algo, n);
 }
 
-// ---- arrays of the generated code (device memory, host-side handles) ----
-struct FView { const float* p; size_t n; };
-struct IView { const int32_t* p; size_t n; };
-struct PView { const uint8_t* p; size_t n; int bits; };
-
 }  // namespace hpd
