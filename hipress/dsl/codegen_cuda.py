@@ -197,6 +197,17 @@ class CudaGen(CppGen):
             keep = f"(({self.udf_apply(pred, args, [self.elem_type(st), 'int32'], '0')}) != 0)"
         n = f"{acode}.n"
         r = e.reducer
+        if isinstance(src, A.Name) and src.sym.kind == "input" and pred is None and mapf is None and \
+                r in ("smaller", "greater", "maxabs"):
+            # What the CPU back end computes here (ops::reduce_minmax): 0 for an empty gradient, else the
+            # min / max of the non-NaN elements (+-inf if there are none); maxabs from the two.
+            f = self.functor([f"{vt} a0"], "bool operator()(size_t i, float& vf, double& vd)",
+                             f"vf = {val}; vd = 0.0; return true;")
+            st_ = f"hpd::reduce_stats({f}{{c, {self.view(acode)}}}, {n})"
+            res = {"smaller": "s.mn", "greater": "s.mx",
+                   "maxabs": "hp::fmax2(hp::m::fabs(s.mn), hp::m::fabs(s.mx))"}[r]
+            res = f"[&]{{ const hpd::Stats s = {st_}; return {n} ? {res} : 0.0f; }}()"
+            return res if e.ty == "float" else f"hp::f2i({res})"
         if r in ("sum", "mean", "count", "smaller", "greater", "maxabs"):
             vf = f"static_cast<float>(v)" if r != "maxabs" else "hp::m::fabs(static_cast<float>(v))"
             f = self.functor([f"{vt} a0"], "bool operator()(size_t i, float& vf, double& vd)",

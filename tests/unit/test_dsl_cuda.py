@@ -18,6 +18,7 @@ import ctypes
 import os
 import struct
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -183,7 +184,7 @@ def test_cuda_library_host_abi_matches_cpu(compiled):
 
 
 def test_cli_target_cuda_prints_cuda():
-    r = subprocess.run([os.environ.get("PYTHON", "python"), "-m", "hipress.compll", "--target", "cuda", "tbq"],
+    r = subprocess.run([sys.executable, "-m", "hipress.compll", "--target", "cuda", "tbq"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "__host__ __device__" in r.stdout and "hpc_encode" in r.stdout and "cudaStream_t" in r.stdout
