@@ -43,7 +43,7 @@ from typing import List
 
 from hipress.dsl import ast as A
 from hipress.dsl.checker import UINTS, Spec, is_arr
-from hipress.dsl.codegen import ABI_VERSION, FP, CppGen, EntryEnv, _ends_in_return, ctype, cxx_var_type  # noqa: F401
+from hipress.dsl.codegen import ABI_VERSION, FP, CppGen, EntryEnv, ctype, cxx_var_type
 
 _PRELUDE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prelude_cuda.cu.txt")).read()
 TARGET_CUDA = 1
@@ -209,7 +209,7 @@ class CudaGen(CppGen):
             res = f"[&]{{ const hpd::Stats s = {st_}; return {n} ? {res} : 0.0f; }}()"
             return res if e.ty == "float" else f"hp::f2i({res})"
         if r in ("sum", "mean", "count", "smaller", "greater", "maxabs"):
-            vf = f"static_cast<float>(v)" if r != "maxabs" else "hp::m::fabs(static_cast<float>(v))"
+            vf = "static_cast<float>(v)" if r != "maxabs" else "hp::m::fabs(static_cast<float>(v))"
             f = self.functor([f"{vt} a0"], "bool operator()(size_t i, float& vf, double& vd)",
                              f"if (!{keep}) return false; const auto v = {val}; vf = {vf}; "
                              f"vd = static_cast<double>(v); return true;")

@@ -352,7 +352,9 @@ def test_host_device_udfs_equal_cpu_backend(host_lib, key):
 
     def value(t):
         if t in ("float", "double"):
-            return float(rng.choice(specials)) if rng.random() < 0.2 else float(rng.standard_normal() * 10.0 ** int(rng.integers(-3, 3)))
+            if rng.random() < 0.2:
+                return float(rng.choice(specials))
+            return float(rng.standard_normal() * 10.0 ** int(rng.integers(-3, 3)))
         if t in UINTS:
             return float(rng.integers(0, 1 << UINTS[t]))
         return float(rng.integers(-300, 300))
