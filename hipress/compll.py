@@ -11,6 +11,8 @@ Command line (``python -m hipress.compll`` / ``hipress-compll``)::
     hipress-compll check SPEC...          parse and type-check, report errors as file:line:col
     hipress-compll build SPEC...          also generate and compile (prints the library path)
     hipress-compll show SPEC              print the generated C++ source
+    hipress-compll --target cuda SPEC     print the generated CUDA source (also: show --target cuda SPEC;
+                                          build --target cuda SPEC compiles it with nvcc)
     hipress-compll list                   the specs shipped with hipress
 
 The generated library is cached by content hash in $HIPRESS_COMPLL_CACHE or
@@ -62,18 +64,31 @@ def check(spec: str, source: Optional[str] = None, name: Optional[str] = None):
 def generate(spec: str, source: Optional[str] = None, name: Optional[str] = None, cuda: bool = False) -> str:
     s = check(spec, source, name)
     if cuda:
-        raise DSLError("the CUDA back end is not implemented yet (this build generates C++ for the CPU only)",
-                       s.file, 0, 0)
+        from hipress.dsl.codegen_cuda import generate_cuda
+        return generate_cuda(s)
     from hipress.dsl.codegen import generate_cpp
     return generate_cpp(s)
 
 
-def build(spec: str, source: Optional[str] = None, name: Optional[str] = None):
-    """Check, generate and compile; returns (Spec, library path)."""
+def build(spec: str, source: Optional[str] = None, name: Optional[str] = None, cuda: bool = False):
+    """Check, generate and compile; returns (Spec, library path). ``cuda``: the CUDA library
+    (hipress/dsl/codegen_cuda.py, nvcc) instead of the CPU one."""
+    s = check(spec, source, name)
+    if cuda:
+        from hipress.dsl.build import compile_cuda
+        from hipress.dsl.codegen_cuda import generate_cuda
+        return s, compile_cuda(generate_cuda(s), s.name)
     from hipress.dsl.build import compile_cpp
     from hipress.dsl.codegen import generate_cpp
-    s = check(spec, source, name)
     return s, compile_cpp(generate_cpp(s), s.name)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def load(spec: str, name: Optional[str] = None, *, source: Optional[str] = None, register: bool = True,
@@ -87,11 +102,25 @@ def load(spec: str, name: Optional[str] = None, *, source: Optional[str] = None,
     no-op; registering over a different compressor needs ``overwrite=True``.
     """
     from hipress.compression import registry
-    from hipress.dsl.runtime import GeneratedCompressor, GeneratedLibrary, GeneratedLowRank
+    from hipress.dsl.runtime import CudaLibrary, GeneratedCompressor, GeneratedLibrary, GeneratedLowRank
     s, path = build(spec, source, name)
     key = s.name.lower()
     lib = GeneratedLibrary(path, s)
-    factory = functools.partial(GeneratedLowRank if s.view is not None else GeneratedCompressor, lib)
+    if s.view is not None:
+        # Matrix views (PowerSGD-like) have no CUDA back end yet: CPU only.
+        factory = functools.partial(GeneratedLowRank, lib)
+    else:
+        # The CUDA library only where torch.cuda is available; elsewhere CPU only (CUDA tensors are then
+        # refused with a clear error by the compressor).
+        cuda_lib, why = None, "torch.cuda is not available"
+        if _cuda_available():
+            try:
+                cuda_lib = CudaLibrary(build(spec, source, name, cuda=True)[1], s)
+            except DSLError as e:
+                import warnings
+                why = f"the CUDA build failed: {e}"
+                warnings.warn(f"compll: {s.name}: CPU only, {why}")
+        factory = functools.partial(GeneratedCompressor, lib, cuda_lib, "" if cuda_lib else why)
     factory.spec = s
     factory.library = path
     if register:
@@ -112,10 +141,17 @@ def main(argv=None) -> int:
     for c in ("check", "build"):
         p = sub.add_parser(c)
         p.add_argument("specs", nargs="+")
+        if c == "build":
+            p.add_argument("--target", choices=("cpu", "cuda"), default="cpu",
+                           help="cuda: compile the CUDA library with nvcc")
     p = sub.add_parser("show")
     p.add_argument("spec")
-    p.add_argument("--cuda", action="store_true", help="CUDA source text (not implemented yet)")
+    p.add_argument("--target", choices=("cpu", "cuda"), default="cpu", help="cuda: print the generated CUDA code")
+    p.add_argument("--cuda", action="store_true", help="same as --target cuda")
     sub.add_parser("list")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith("--target"):  # `hipress-compll --target cuda SPEC`: show SPEC
+        argv = ["show"] + argv
     a = ap.parse_args(argv)
     if a.cmd == "list":
         for s in shipped_specs():
@@ -124,7 +160,7 @@ def main(argv=None) -> int:
     status = 0
     try:
         if a.cmd == "show":
-            sys.stdout.write(generate(a.spec, cuda=a.cuda))
+            sys.stdout.write(generate(a.spec, cuda=a.cuda or a.target == "cuda"))
             return 0
         for sp in a.specs:
             try:
@@ -133,7 +169,7 @@ def main(argv=None) -> int:
                     print(f"{sp}: ok (algorithm {s.name}, id {s.algo_id}, parameters: "
                           f"{', '.join(s.param_names) or 'none'})")
                 else:
-                    s, path = build(sp)
+                    s, path = build(sp, cuda=a.target == "cuda")
                     print(f"{sp}: {path}")
             except DSLError as e:
                 print(e, file=sys.stderr)

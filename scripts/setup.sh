@@ -36,6 +36,7 @@ $PY -m pip install -q "torch==2.13.0" numpy pybind11 setuptools wheel \
 if command -v mpicxx >/dev/null; then
   $PY -m pip install -q mpi4py
 fi
+$PY -m pip install -q nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-runtime==13.0.96  # nvcc for the CompLL CUDA back end (hipress/dsl/build.py NVCC_WHEELS; compile-only tests need no GPU)
 
 log "building hipress (editable; compiles csrc/ into hipress._C)"
 HIPRESS_BUILD_JOBS=${HIPRESS_BUILD_JOBS:-$(nproc)} $PY -m pip install -q --no-build-isolation -e .

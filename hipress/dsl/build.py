@@ -147,3 +147,105 @@ def compile_cpp(code: str, name: str, extra_flags: Optional[List[str]] = None) -
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return so
+
+
+# ---- CUDA back end (hipress/dsl/codegen_cuda.py) ----------------------------------------
+# nvcc is found as $HIPRESS_NVCC, `nvcc` on PATH, $CUDA_HOME/bin/nvcc, or in the pip wheels
+# below (the CUDA 13 split wheels: the nvidia-cuda-nvcc-cu12 12.9 wheel ships ptxas only, no nvcc).
+NVCC_WHEELS = ("nvidia-cuda-nvcc==13.0.88", "nvidia-cuda-crt==13.0.88", "nvidia-nvvm==13.0.88",
+               "nvidia-cuda-runtime==13.0.96")
+NVCC_INSTALL_HINT = ("install the CUDA compiler with: python -m pip install " + " ".join(NVCC_WHEELS) +
+                     "  (or set HIPRESS_NVCC to an nvcc binary)")
+CUDA_HEADERS = ("compress/cuda/ops_cuda.cuh", "compress/cuda/hp_device.h", "compress/format.h", "compress/format.cc")
+# Warnings are errors on both sides: nvcc's front end (all-warnings) and the host compiler.
+# --fmad=false: no contraction into fused multiply-adds, like the CPU back end's fp-contract=off,
+# so a float expression rounds the same on the GPU as on the CPU.
+CUDA_FLAGS = ["-std=c++17", "-O3", "--fmad=false", "-Werror", "all-warnings",
+              "-Xcompiler", "-Wall,-Wextra,-Werror,-fPIC,-fvisibility=hidden"]
+
+
+def find_nvcc() -> Optional[str]:
+    env = os.environ.get("HIPRESS_NVCC")
+    if env:
+        return env
+    p = shutil.which("nvcc")
+    if p:
+        return p
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    try:
+        import nvidia  # namespace package of NVIDIA's pip wheels
+        for d in list(getattr(nvidia, "__path__", [])):
+            for sub in ("cu13", "cuda_nvcc"):
+                c = os.path.join(d, sub, "bin", "nvcc")
+                if os.path.exists(c):
+                    return c
+    except ImportError:
+        pass
+    return None
+
+
+def require_nvcc() -> str:
+    p = find_nvcc()
+    if p is None:
+        raise DSLError("nvcc not found: " + NVCC_INSTALL_HINT, "<build>", 0, 0)
+    return p
+
+
+def nvcc_id(nvcc: str) -> str:
+    if nvcc not in _version_cache:
+        try:
+            out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=120).stdout
+            _version_cache[nvcc] = out.strip().splitlines()[-1]
+        except (OSError, IndexError, subprocess.TimeoutExpired):
+            raise DSLError(f"nvcc {nvcc!r} does not run: " + NVCC_INSTALL_HINT, "<build>", 0, 0) from None
+    return _version_cache[nvcc]
+
+
+def default_cuda_arch() -> str:
+    """$HIPRESS_CUDA_ARCH, else the current GPU's (torch), else sm_80."""
+    a = os.environ.get("HIPRESS_CUDA_ARCH")
+    if a:
+        return a
+    try:
+        import torch
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm_{major}{minor}"
+    except Exception:  # noqa: BLE001 - no usable torch/CUDA: the default arch
+        pass
+    return "sm_80"
+
+
+def compile_cuda(code: str, name: str, arch: Optional[str] = None, shared: bool = True) -> str:
+    """Compile a generated .cu with nvcc (warnings are errors); returns the cached library path
+    (shared=True, the CUDA runtime linked statically) or object path (shared=False: compile only,
+    no GPU needed). Cached by the hash of the code, nvcc, flags and the operator headers."""
+    nvcc = require_nvcc()
+    arch = arch or default_cuda_arch()
+    src = csrc_dir()
+    flags = CUDA_FLAGS + [f"-arch={arch}"]
+    content = [open(os.path.join(src, p), "rb").read() for p in CUDA_HEADERS]
+    key = _hash(code, nvcc_id(nvcc), " ".join(flags), str(shared), *content)
+    safe = "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in name)[:40]
+    out_path = os.path.join(cache_dir(), f"{safe}-cuda-{key}.{'so' if shared else 'o'}")
+    if os.path.exists(out_path):
+        return out_path
+    tmp_dir = tempfile.mkdtemp(dir=cache_dir(), prefix=".build-cuda-")
+    try:
+        cu = os.path.join(tmp_dir, f"{safe}.cu")
+        with open(cu, "w") as f:
+            f.write(code)
+        out = os.path.join(tmp_dir, os.path.basename(out_path))
+        cmd = [nvcc, *flags, f"-I{src}", *(["-shared"] if shared else ["-c"]), cu, "-o", out]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        # Warning-free means no diagnostics at all, not only a zero exit status.
+        if p.returncode != 0 or p.stderr.strip():
+            raise DSLError(f"compiling the generated CUDA code of {name} failed ({' '.join(cmd[:3])} ...):\n"
+                           f"{p.stderr[-6000:]}", "<build>", 0, 0)
+        shutil.copy(cu, out_path.rsplit(".", 1)[0] + ".cu")  # kept next to the library for inspection
+        os.replace(out, out_path)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_path

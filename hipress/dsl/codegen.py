@@ -29,6 +29,10 @@ FP = ("float", "double")
 
 
 class Gen:
+    # Namespace of the math built-ins in the expression translation (the CUDA back end
+    # uses its __host__ __device__ versions, csrc/compress/cuda/hp_device.h).
+    MATH = "std::"
+
     def __init__(self, spec: Spec):
         self.s = spec
         self.out: List[str] = []
@@ -133,22 +137,23 @@ class Gen:
             return self.conv(self.ex(a, env), a.ty, f)
         if k == "math":
             args = [self.ex(a, env) for a in e.args]
+            M = self.MATH
             ts = [a.ty for a in e.args]
             if f in ("floor", "ceil", "round", "sqrt", "exp", "log"):
-                return f"std::{f}({self.conv(args[0], ts[0], e.ty)})"
+                return f"{M}{f}({self.conv(args[0], ts[0], e.ty)})"
             if f == "abs":
-                return f"std::fabs({args[0]})" if ts[0] in FP else f"hp::iabs({args[0]})"
+                return f"{M}fabs({args[0]})" if ts[0] in FP else f"hp::iabs({args[0]})"
             if f == "signbit":
-                return f"static_cast<int64_t>(std::signbit({args[0]}))" if ts[0] in FP else \
+                return f"static_cast<int64_t>({M}signbit({args[0]}))" if ts[0] in FP else \
                     f"static_cast<int64_t>(({args[0]}) < 0)"
             if f == "isnan":
-                return f"static_cast<int64_t>(std::isnan({args[0]}))" if ts[0] in FP else "int64_t{0}"
+                return f"static_cast<int64_t>({M}isnan({args[0]}))" if ts[0] in FP else "int64_t{0}"
             if f == "pow":
-                return f"std::pow({self.conv(args[0], ts[0], e.ty)}, {self.conv(args[1], ts[1], e.ty)})"
+                return f"{M}pow({self.conv(args[0], ts[0], e.ty)}, {self.conv(args[1], ts[1], e.ty)})"
             if e.ty in FP:
                 a, b = self.conv(args[0], ts[0], e.ty), self.conv(args[1], ts[1], e.ty)
                 return f"hp::f{f}2({a}, {b})"
-            return f"std::{f}<int64_t>({args[0]}, {args[1]})"
+            return f"{M}{f}<int64_t>({args[0]}, {args[1]})"
         if k == "random":
             ctr = env.random_counter()
             lo, hi = e.args

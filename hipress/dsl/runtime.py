@@ -44,6 +44,28 @@ class GeneratedLibrary:
             self._threads = t
 
 
+class CudaLibrary:
+    """A generated CUDA library (hipress/dsl/codegen_cuda.py): the CPU ABI with device pointers
+    and a trailing cudaStream_t. Not exercised on a GPU in this repository's tests (compile-only)."""
+
+    def __init__(self, path: str, spec: Spec):
+        self.path = path
+        self.spec = spec
+        lib = ctypes.CDLL(path)
+        self.lib = lib
+        vp, u64, i32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
+        lib.hpc_abi_version.restype = i32
+        lib.hpc_target.restype = i32
+        lib.hpc_encode.argtypes = [vp, vp, u64, vp, u64, vp, vp, vp, i32, ctypes.POINTER(u64), ctypes.c_char_p, i32,
+                                   vp]
+        lib.hpc_decode.argtypes = [vp, u64, vp, u64, ctypes.c_float, i32, ctypes.c_char_p, i32, vp]
+        lib.hpc_encode.restype = i32
+        lib.hpc_decode.restype = i32
+        from hipress.dsl.codegen import ABI_VERSION
+        if lib.hpc_abi_version() != ABI_VERSION or lib.hpc_target() != 1:
+            raise RuntimeError(f"{path}: not a CUDA CompLL library of ABI version {ABI_VERSION}")
+
+
 _tls = threading.local()
 
 
@@ -104,8 +126,11 @@ class GeneratedCompressor(Compressor):
     aggregatable = False
     rounds = 1
 
-    def __init__(self, library: GeneratedLibrary, **params):
+    def __init__(self, library: GeneratedLibrary, cuda_library: Optional[CudaLibrary] = None,
+                 cuda_unavailable: str = "", **params):
         self._lib = library
+        self._cuda = cuda_library
+        self._cuda_why = cuda_unavailable
         spec = library.spec
         self.spec = spec
         self.name = spec.name
@@ -159,7 +184,76 @@ class GeneratedCompressor(Compressor):
         lens = (ctypes.c_uint64 * k)(*[b.numel() for b in bufs])
         return ptrs, lens, k
 
+    def _cuda_lib(self, what: str) -> CudaLibrary:
+        if self._cuda is None:
+            why = self._cuda_why or "torch.cuda was not available when the spec was loaded"
+            raise ValueError(f"{self.name}: {what} is a CUDA tensor, but no CUDA library was built for this "
+                             f"spec ({why}); use CPU tensors, or load the spec where CUDA is available")
+        return self._cuda
+
+    def _encode_cuda(self, grad, state, out):
+        lib = self._cuda_lib("the gradient")
+        g = grad.detach()
+        if not g.is_floating_point():
+            raise TypeError(f"gradients must be floating point, got {g.dtype}")
+        g = g.to(torch.float32).contiguous().view(-1)
+        n = g.numel()
+        need = self.max_encoded_bytes(n)
+        if out is None:
+            buf = torch.empty(need, dtype=torch.uint8, device=g.device)
+        else:
+            if out.dtype != torch.uint8 or out.device != g.device or not out.is_contiguous():
+                raise TypeError("out must be a contiguous uint8 tensor on the gradient's device")
+            buf = out.view(-1)
+            if buf.numel() < need:
+                raise ValueError(f"out has {buf.numel()} bytes, needs max_encoded_bytes = {need}")
+        ptrs, lens, k = None, None, 0
+        if state is not None:
+            for b in list(state.buffers.values())[:len(self.spec.state_arrays)]:
+                if b.device != g.device:
+                    raise ValueError(f"{self.name}: state buffers must be on {g.device} (new_state(...) then .to())")
+            ptrs, lens, k = self._state_ptrs(state)
+        nb = ctypes.c_uint64()
+        err = _errbuf()
+        stream = torch.cuda.current_stream(g.device).cuda_stream
+        with torch.cuda.device(g.device):
+            rc = lib.lib.hpc_encode(self._pv, g.data_ptr(), n, buf.data_ptr(), buf.numel(),
+                                    state.scalars.data_ptr() if state is not None else None, ptrs, lens, k,
+                                    ctypes.byref(nb), err, ERRLEN, stream)
+        if rc:
+            _raise(rc, err)
+        return buf[:nb.value]
+
+    def _decode_cuda(self, payload, out, alpha, add):
+        lib = self._cuda_lib("the output" if out.is_cuda else "the payload")
+        if not (payload.is_cuda and out.is_cuda and payload.device == out.device):
+            raise ValueError(f"{self.name}: payload and output must be on the same CUDA device")
+        if payload.dtype != torch.uint8:
+            raise TypeError("a payload is a uint8 torch.Tensor")
+        p = payload.contiguous().view(-1)
+        flat = out.dtype == torch.float32 and out.is_contiguous()
+        target = out.view(-1) if flat else torch.empty(out.numel(), dtype=torch.float32, device=out.device)
+        err = _errbuf()
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        with torch.cuda.device(out.device):
+            rc = lib.lib.hpc_decode(p.data_ptr(), p.numel(), target.data_ptr(), target.numel(),
+                                    float(alpha if flat else 1.0), int(add and flat), err, ERRLEN, stream)
+        if rc:
+            _raise(rc, err)
+        if not flat:
+            if add:
+                out.add_(target.view(out.shape).to(out.dtype), alpha=alpha)
+            else:
+                out.copy_(target.view(out.shape))
+        return out
+
     def encode(self, grad, state: Optional[CompressorState] = None, out=None):
+        if isinstance(grad, torch.Tensor) and grad.is_cuda:
+            if state is not None and not isinstance(state, CompressorState):
+                raise TypeError("state must be a CompressorState (from new_state)")
+            if state is not None and state.numel != grad.numel():
+                raise ValueError(f"state was made for {state.numel} elements, the gradient has {grad.numel()}")
+            return self._encode_cuda(grad, state, out)
         g = flat_f32(grad)
         n = g.numel()
         if state is not None:
@@ -180,6 +274,8 @@ class GeneratedCompressor(Compressor):
         return buf[:nb.value]
 
     def _decode(self, payload, out, alpha, add):
+        if (isinstance(payload, torch.Tensor) and payload.is_cuda) or (isinstance(out, torch.Tensor) and out.is_cuda):
+            return self._decode_cuda(payload, out, alpha, add)
         p = check_payload(payload)
         flat = out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
         target = out if flat else torch.empty(out.numel(), dtype=torch.float32)
@@ -230,7 +326,7 @@ class GeneratedLowRank(GeneratedCompressor):
             getattr(lib, f).restype = i32
         self.rounds = max(1, lib.hpc_rounds())
         self.aggregatable = lib.hpc_rounds() > 0
-        super().__init__(library, **params)
+        super().__init__(library, None, "the CUDA back end does not support matrix views yet", **params)
 
     @staticmethod
     def _matrix(numel: int, shape):
