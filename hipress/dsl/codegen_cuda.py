@@ -43,6 +43,7 @@ from typing import List
 
 from hipress.dsl import ast as A
 from hipress.dsl.checker import UINTS, Spec, is_arr
+from hipress.dsl.errors import DSLError
 from hipress.dsl.codegen import ABI_VERSION, FP, CppGen, EntryEnv, ctype, cxx_var_type
 
 _PRELUDE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prelude_cuda.cu.txt")).read()
@@ -87,6 +88,9 @@ class CudaGen(CppGen):
     # ---- generation ----
     def generate(self) -> str:
         s = self.s
+        if s.view is not None:
+            raise DSLError("the CUDA back end does not support matrix views (view, matmul, decomp) yet; "
+                           "this spec builds for the CPU only", s.file, s.view.line, s.view.col)
         self.widths: List[A.Expr] = []
         protos = [self.udf_sig(u) + ";" for u in s.udfs.values()]
         self.out = []
