@@ -1,6 +1,7 @@
 """End-to-end throughput comparison inside the emulated cluster (issue 9).
 
     python -m hipress.bench.compare --preset issue9            # VGG19- and ResNet50-like, 4 ranks, 1 and 10 Gbit/s
+    python -m hipress.bench.compare --preset issue7            # planner vs compress all / nothing (mixed model)
     python -m hipress.bench.compare --model vgg19 --bandwidth 1gbit,10gbit --np 4 [--systems ...] [--quick]
 
 For every bandwidth (the cluster is re-shaped with ``set_link`` between them), model
@@ -55,6 +56,11 @@ PRESETS = {
                            "hipress-ps-onebit,hipress-ring-tbq,hipress-ring-terngrad,"
                            "hipress-ps-dgc,hipress-ps-graddrop,hipress-powersgd,hipress-auto",
                    warmup=2, steps=8, compute_steps=2, repeats=1, max_seconds=8),
+    # Issue 7: the planner against compressing everything and nothing, on many small + a few huge gradients.
+    "issue7": dict(model="mixed", bandwidth="1gbit", np=4, latency="0.2ms",
+                   systems="hipress-ring-none,hipress-ring-tbq,hipress-ring-tbq-plan,"
+                           "hipress-ps-none,hipress-ps-tbq,hipress-ps-tbq-plan",
+                   warmup=2, steps=8, compute_steps=2, repeats=2, max_seconds=0),
     # Everything, all four models, three bandwidths (long: about an hour here).
     "full": dict(model="vgg19,resnet50,bert,lstm", bandwidth="1gbit,10gbit,25gbit", np=4, latency="0.2ms",
                  systems=",".join(ALL_SYSTEMS), warmup=3, steps=10, compute_steps=3, repeats=3, max_seconds=0),
@@ -276,6 +282,17 @@ def goals(model: str, rows: List[dict], bandwidths: Sequence[str]) -> List[dict]
                     ratio = b["throughput"] / tp(bw, ref)
                     out.append({"goal": f"vgg19 @ {bw}: best hipress >= {target}x {ref}",
                                 "best": b["system"], "ratio": ratio, "met": ratio >= target})
+    if model == "mixed":
+        # planned vs the better of compress-everything and compress-nothing, per bandwidth and strategy
+        for bw in bandwidths:
+            for strategy in ("ring", "ps"):
+                none, every, plan = (tp(bw, f"hipress-{strategy}-{s}") for s in ("none", "tbq", "tbq-plan"))
+                if none and every and plan:
+                    best = max(none, every)
+                    out.append({"goal": f"mixed @ {bw}, {strategy}: planned >= 0.95x the better of "
+                                        f"compress-all / compress-none (and faster than both)",
+                                "best": f"hipress-{strategy}-tbq-plan", "ratio": plan / best,
+                                "met": plan >= 0.95 * best, "faster_than_both": plan > best})
     if model == "resnet50":
         bw = next((b for b in bandwidths if by_rate[b] == 1e10), None)
         if bw and tp(bw, "ddp"):
@@ -315,7 +332,7 @@ def table(rows: List[dict]) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named configuration (flags given override it)")
-    p.add_argument("--model", help="comma list of vgg19,resnet50,bert,lstm (default vgg19)")
+    p.add_argument("--model", help="comma list of vgg19,resnet50,bert,lstm,mixed (default vgg19)")
     p.add_argument("--bandwidth", help="comma list, tc units (default 1gbit,10gbit); 'none' = unshaped")
     p.add_argument("--latency", help="one-way host-to-host delay (default 0.2ms)")
     p.add_argument("--np", type=int)

@@ -180,11 +180,13 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
                        "hierarchical": opt._hp_hierarchical}
     if opt._hp_plan is not None:
         try:
-            entries = [opt._hp_plan.entry(n, p.numel()) for n, p in opt._hp_named]
-            info["plan"] = {"compressed_gradients": sum(1 for e in entries if e.compress),
-                            "gradients": len(entries),
-                            "compressed_mb": sum(4 * p.numel() for e, (_, p) in zip(entries, opt._hp_named)
-                                                 if e.compress) / 2**20}
+            # what runs: one plan entry per bucket (fused gradients share their bucket's decision)
+            planned = [(b, opt._hp_plan.entry(b.name, b.numel)) for b in opt._hp_buckets]
+            info["plan"] = {"compressed_gradients": sum(len(b.params) for b, e in planned if e.compress),
+                            "gradients": sum(len(b.params) for b, _ in planned),
+                            "compressed_mb": sum(4 * b.numel for b, e in planned if e.compress) / 2**20,
+                            "buckets": [{"bytes": 4 * b.numel, "compress": e.compress, "k": e.k}
+                                        for b, e in planned]}
         except Exception as e:  # noqa: BLE001 - informational only
             info["plan"] = {"error": str(e)}
 

@@ -192,12 +192,13 @@ def sync_params(strategy: str, category: str, n: int, k: int) -> SyncParams:
     are hipress's CaSync-Ring and CaSync-PS as they execute (hipress.sync.ring/ps),
     which the planner uses at run time. Ring: the paper's counts, except that all N-1
     all-gather decodes are charged (N-1 merges + the owner's decode + N-1 all-gather
-    decodes): on a CPU they compete with the next step for the same cores. PS: co-located aggregators (alpha as ps_colocated), but a worker encodes all
-    K partitions (its own one too, the aggregator then merges it like any other) and
-    the aggregator encodes its aggregate (K + 1 encodes), and the aggregator decodes N
-    payloads and the worker decodes the K aggregates (N + K decodes). Measured on the
-    emulated cluster (docs/planner.md), the section 6.1 counts leave out about half of
-    a compressed sync's compute.
+    decodes): on a CPU they compete with the next step for the same cores. PS:
+    co-located aggregators (alpha as ps_colocated), but a worker encodes all K
+    partitions (its own one too, the aggregator then merges it like any other) and the
+    aggregator encodes its aggregate (K + 1 encodes); the aggregator decodes N payloads
+    and the worker decodes the K aggregates (N + K decodes). Measured on the emulated
+    cluster (docs/planner.md), the section 6.1 counts leave out about half of a
+    compressed sync's compute.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
@@ -209,7 +210,7 @@ def sync_params(strategy: str, category: str, n: int, k: int) -> SyncParams:
     if not 1 <= k <= n:
         raise ValueError(f"a round has 1..N partitions, got k={k} with N={n}")
     lowrank = category == "lowrank"
-    if strategy in ("ring", "casync_ring"):
+    if strategy in RING_STRATEGIES:
         alpha = 2 * (n - 1)
         if lowrank:
             return SyncParams(alpha, 1, 1)

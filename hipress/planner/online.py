@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from hipress.compression.none import NoneCompressor
+from hipress.planner.cost_model import RING_STRATEGIES
 from hipress.planner.profile import (DEFAULT_LADDER, Profile, load_profile, profile_compressor, profile_path,
                                      save_profile)
 
@@ -46,14 +47,24 @@ def _broadcast_bytes(transport, data: Optional[bytes]) -> bytes:
     return bytes(buf.numpy().tobytes())
 
 
-def ring_send_once(transport, engine=None):
-    """send_once(nbytes) -> seconds of one ring step (send to next, receive from previous),
-    run as CaSync-Ring runs it: a comm-queue task of the engine moving a byte count and
-    then the payload."""
+def transfer_once(transport, strategy: str, engine=None):
+    """send_once(nbytes) -> seconds of one transfer of nbytes as the strategy moves data: a
+    comm-queue task of the engine sending a byte count and then the payload.
+
+    casync_ring: one ring step (send to the next rank while receiving from the previous).
+    casync_ps: one bulk exchange in which every rank sends nbytes to every other rank,
+    divided by the N-1 peers: the time of one transfer under CaSync-PS's all-to-all
+    traffic (several flows share a host's link, which is slower than one ring flow);
+    equation 1's alpha = 2(N-1) transfers then add up to CaSync-PS's two bulk exchanges.
+    """
     from hipress.engine import get_engine
     from hipress.sync.base import direct_exchange
 
     engine = engine or get_engine()
+    r, n = transport.rank, transport.size
+    ring = strategy in RING_STRATEGIES
+    peers = [(r + 1) % n] if ring else [j for j in range(n) if j != r]
+    sources = {(r - 1) % n} if ring else set(peers)
     cache = {}
 
     def send_once(nbytes: int) -> float:
@@ -61,38 +72,9 @@ def ring_send_once(transport, engine=None):
             cache.clear()
             cache[nbytes] = torch.zeros(nbytes, dtype=torch.uint8)
         out = cache[nbytes]
-        r, n = transport.rank, transport.size
         transport.barrier()
         t0 = time.perf_counter()
-        engine.submit("profile.send", lambda: direct_exchange(transport, {(r + 1) % n: out}, {(r - 1) % n}, False),
-                      queue="comm").result(TASK_TIMEOUT_S)
-        return time.perf_counter() - t0
-
-    return send_once
-
-
-def bulk_send_once(transport, engine=None):
-    """send_once(nbytes) -> seconds of one CaSync-PS bulk exchange in which every rank sends
-    nbytes to every other rank, divided by the N-1 peers: the time one transfer takes under
-    PS's all-to-all traffic. Equation 1's alpha = 2(N-1) transfers then adds up to the two
-    bulk exchanges CaSync-PS runs (several flows share a host's link, which is slower
-    than one ring flow)."""
-    from hipress.engine import get_engine
-    from hipress.sync.base import direct_exchange
-
-    engine = engine or get_engine()
-    cache = {}
-
-    def send_once(nbytes: int) -> float:
-        if nbytes not in cache:
-            cache.clear()
-            cache[nbytes] = torch.zeros(nbytes, dtype=torch.uint8)
-        out = cache[nbytes]
-        r, n = transport.rank, transport.size
-        peers = [j for j in range(n) if j != r]
-        transport.barrier()
-        t0 = time.perf_counter()
-        engine.submit("profile.send", lambda: direct_exchange(transport, {j: out for j in peers}, set(peers), True),
+        engine.submit("profile.send", lambda: direct_exchange(transport, {j: out for j in peers}, sources, not ring),
                       queue="comm").result(TASK_TIMEOUT_S)
         return (time.perf_counter() - t0) / max(1, len(peers))
 
@@ -132,7 +114,7 @@ def profile_online(compressor, transport, strategy: str, *, device: str = "cpu",
     cached = None
     if transport.rank == 0 and path.exists() and not refresh:
         cached = load_profile(path, n=n, strategy=pstrat, device=device, algorithm=compressor.name)
-    send_once = (ring_send_once if pstrat == "casync_ring" else bulk_send_once)(transport, engine)
+    send_once = transfer_once(transport, pstrat, engine)
     have = _broadcast_bytes(transport, b"1" if cached is not None else b"")
     if have and _link_changed(transport, cached, send_once):
         have, cached = b"", None
