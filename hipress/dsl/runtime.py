@@ -16,6 +16,11 @@ _c_double_p = ctypes.POINTER(ctypes.c_double)
 
 
 class GeneratedLibrary:
+    """A generated CPU library (hipress/dsl/codegen.py) loaded with ctypes."""
+
+    #: extra trailing arguments of hpc_encode / hpc_decode (none on the CPU)
+    EXTRA_ARGS: tuple = ()
+
     def __init__(self, path: str, spec: Spec):
         self.path = path
         self.spec = spec
@@ -27,14 +32,19 @@ class GeneratedLibrary:
         lib.hpc_set_num_threads.argtypes = [i32]
         lib.hpc_check_params.argtypes = [vp, ctypes.c_char_p, i32]
         lib.hpc_max_encoded_bytes.argtypes = [vp, u64, ctypes.POINTER(u64), ctypes.c_char_p, i32]
-        lib.hpc_encode.argtypes = [vp, vp, u64, vp, u64, vp, vp, vp, i32, ctypes.POINTER(u64), ctypes.c_char_p, i32]
-        lib.hpc_decode.argtypes = [vp, u64, vp, u64, ctypes.c_float, i32, ctypes.c_char_p, i32]
+        lib.hpc_encode.argtypes = [vp, vp, u64, vp, u64, vp, vp, vp, i32, ctypes.POINTER(u64), ctypes.c_char_p, i32,
+                                   *self.EXTRA_ARGS]
+        lib.hpc_decode.argtypes = [vp, u64, vp, u64, ctypes.c_float, i32, ctypes.c_char_p, i32, *self.EXTRA_ARGS]
         for f in ("hpc_check_params", "hpc_max_encoded_bytes", "hpc_encode", "hpc_decode"):
             getattr(lib, f).restype = i32
         from hipress.dsl.codegen import ABI_VERSION
-        if lib.hpc_abi_version() != ABI_VERSION:
-            raise RuntimeError(f"{path}: ABI version {lib.hpc_abi_version()}, expected {ABI_VERSION}")
+        if lib.hpc_abi_version() != ABI_VERSION or not self._right_target():
+            raise RuntimeError(f"{path}: not a {type(self).__name__} of CompLL ABI version {ABI_VERSION} "
+                               f"(it has version {lib.hpc_abi_version()})")
         self._threads = None
+
+    def _right_target(self) -> bool:
+        return True
 
     def sync_threads(self):
         from hipress import compression
@@ -44,26 +54,15 @@ class GeneratedLibrary:
             self._threads = t
 
 
-class CudaLibrary:
+class CudaLibrary(GeneratedLibrary):
     """A generated CUDA library (hipress/dsl/codegen_cuda.py): the CPU ABI with device pointers
     and a trailing cudaStream_t. Not exercised on a GPU in this repository's tests (compile-only)."""
 
-    def __init__(self, path: str, spec: Spec):
-        self.path = path
-        self.spec = spec
-        lib = ctypes.CDLL(path)
-        self.lib = lib
-        vp, u64, i32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
-        lib.hpc_abi_version.restype = i32
-        lib.hpc_target.restype = i32
-        lib.hpc_encode.argtypes = [vp, vp, u64, vp, u64, vp, vp, vp, i32, ctypes.POINTER(u64), ctypes.c_char_p, i32,
-                                   vp]
-        lib.hpc_decode.argtypes = [vp, u64, vp, u64, ctypes.c_float, i32, ctypes.c_char_p, i32, vp]
-        lib.hpc_encode.restype = i32
-        lib.hpc_decode.restype = i32
-        from hipress.dsl.codegen import ABI_VERSION
-        if lib.hpc_abi_version() != ABI_VERSION or lib.hpc_target() != 1:
-            raise RuntimeError(f"{path}: not a CUDA CompLL library of ABI version {ABI_VERSION}")
+    EXTRA_ARGS = (ctypes.c_void_p,)
+
+    def _right_target(self) -> bool:
+        self.lib.hpc_target.restype = ctypes.c_int
+        return self.lib.hpc_target() == 1
 
 
 _tls = threading.local()

@@ -14,7 +14,9 @@ hipress.init()
 model = nn.Linear(50, 50)
 opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), coordinator=True)
-t0 = None
+# A survivor may already fail in step 0: the victim leaves once its own step 0 is done,
+# possibly before a survivor's last transfer of step 0 has reached it.
+t0 = time.time()
 try:
     for step in range(100):
         if step == 1 and hipress.rank() == victim:
