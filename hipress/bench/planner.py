@@ -49,7 +49,7 @@ def worker(a) -> None:
     import hipress
     from hipress import compression
     from hipress.engine import get_engine
-    from hipress.planner.online import PLANNER_STRATEGY, profile_online
+    from hipress.planner.online import PLANNER_STRATEGY, profile_online, slowest
     from hipress.planner.plan import partition_bounds
     from hipress.sync import base as sync_base
     from hipress.sync.ps import PSStrategy
@@ -58,19 +58,14 @@ def worker(a) -> None:
     torch.set_num_threads(1)
     hipress.init()
     tr = hipress.runtime.transport()
-    rank, n = tr.rank, tr.size
+    rank = tr.rank
     comp = compression.get(a.algorithm)
     none = compression.get("none")
     engine = get_engine()
     sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     rows, profiles = [], {}
 
-    def slowest(t: float) -> float:
-        mine = torch.tensor([t], dtype=torch.float64)
-        every = torch.empty(n, dtype=torch.float64)
-        tr.allgather(mine.view(torch.uint8), every.view(torch.uint8))
-        return float(every.max())
-
+    slowest_rank = slowest(tr)
     for strategy_name in a.strategy.split(","):
         strategy = {"ring": RingStrategy, "ps": PSStrategy}[strategy_name]()
         t0 = time.time()
@@ -103,7 +98,7 @@ def worker(a) -> None:
                         raise RuntimeError(f"sync of {m} bytes did not finish")
                     if h.exception(0) is not None:
                         raise RuntimeError(str(h.exception(0)))
-                    t = slowest(time.perf_counter() - t)
+                    t = slowest_rank(time.perf_counter() - t)
                     if rep:                            # the first run is a warm-up
                         times.append(t)
                 measured = statistics.median(times)

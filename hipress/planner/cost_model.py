@@ -18,6 +18,12 @@ most N partitions; a round of k partitions costs equation 1 or 2 evaluated with
 partition size m/K and the round's own beta(k)/gamma(k) (only CaSync-PS's beta
 depends on k). For K <= N this is exactly equations 1 and 2.
 
+hipress's own strategies as they execute ("casync_ring", "casync_ps", the models used at
+run time) are not rows of that table: :meth:`CostModel.t_sync` evaluates the critical path
+of the task graph hipress.sync builds (the same alpha/beta/gamma structure, counted from
+the executed graph, plus the memory passes and task hand-offs the paper's equations leave
+out; see :func:`executed_ring` and :func:`executed_ps`).
+
 Curves are plain callables of bytes -> seconds. Two kinds are provided:
   * :class:`AffineCurve`  a + b*m  (Hockney model: fixed cost + bytes / throughput);
   * :class:`PiecewiseAffineCurve`  linear interpolation through measured points of a
@@ -29,11 +35,13 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-STRATEGIES = ("ring", "ps", "ps_colocated", "casync_ring", "casync_ps")
-RING_STRATEGIES = ("ring", "casync_ring")
+PAPER_STRATEGIES = ("ring", "ps", "ps_colocated")
+EXECUTED_STRATEGIES = ("casync_ring", "casync_ps")
+STRATEGIES = PAPER_STRATEGIES + EXECUTED_STRATEGIES
 CATEGORIES = ("quantization", "sparsification", "lowrank")
 
 
@@ -94,7 +102,7 @@ class PiecewiseAffineCurve:
     Below the smallest size the time is the smallest measured time (a latency
     floor: a smaller message or kernel is never modelled as cheaper than the
     smallest one measured). Above the largest size the last segment's slope is
-    extended. Points are made non-decreasing (running maximum) when fitted, so
+    extended. Points are made non-decreasing when fitted (see :meth:`fit`), so
     measurement noise cannot make a larger transfer look cheaper.
     """
 
@@ -123,16 +131,21 @@ class PiecewiseAffineCurve:
 
     @classmethod
     def fit(cls, sizes: Sequence[float], seconds: Sequence[float]) -> "PiecewiseAffineCurve":
+        """Through the median of each size, made non-decreasing by isotonic regression
+        (adjacent violators pooled into their mean): one slow outlier at a small size
+        lowers its neighbours' excess instead of lifting every larger size to it."""
         xs, ys = _check_samples(sizes, seconds, need=1)
         pts: Dict[float, List[float]] = {}
         for x, y in zip(xs, ys):
             pts.setdefault(x, []).append(y)
         ux = sorted(pts)
-        uy, run = [], 0.0
+        blocks: List[List[float]] = []  # [mean, count] of pooled runs
         for x in ux:
-            v = sorted(pts[x])[len(pts[x]) // 2]
-            run = max(run, v)
-            uy.append(run)
+            blocks.append([statistics.median(pts[x]), 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
+                blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+        uy = [m for m, c in blocks for _ in range(c)]
         return cls(tuple(ux), tuple(uy))
 
     def to_dict(self) -> dict:
@@ -187,21 +200,9 @@ def sync_params(strategy: str, category: str, n: int, k: int) -> SyncParams:
     row is not given in the paper; we use beta = gamma = 1 because low-rank payloads
     are aggregated without decoding, the same reason as for the other two rows.
 
-    casync_ring     quant./spars.: 2(N-1), N,   2N-1   low-rank: 2(N-1), 1, 1
-    casync_ps       quant./spars.: 2(N-1), K+1, N+K    low-rank: 2(N-1), 1, 1
-    are hipress's CaSync-Ring and CaSync-PS as they execute (hipress.sync.ring/ps),
-    which the planner uses at run time. Ring: the paper's counts, except that all N-1
-    all-gather decodes are charged (N-1 merges + the owner's decode + N-1 all-gather
-    decodes): on a CPU they compete with the next step for the same cores. PS:
-    co-located aggregators (alpha as ps_colocated), but a worker encodes all K
-    partitions (its own one too, the aggregator then merges it like any other) and the
-    aggregator encodes its aggregate (K + 1 encodes); the aggregator decodes N payloads
-    and the worker decodes the K aggregates (N + K decodes). Measured on the emulated
-    cluster (docs/planner.md), the section 6.1 counts leave out about half of a
-    compressed sync's compute.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    if strategy not in PAPER_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {PAPER_STRATEGIES}")
     if category not in CATEGORIES:
         raise ValueError(f"unknown compression category {category!r}; expected one of {CATEGORIES}")
     n, k = int(n), int(k)
@@ -210,20 +211,14 @@ def sync_params(strategy: str, category: str, n: int, k: int) -> SyncParams:
     if not 1 <= k <= n:
         raise ValueError(f"a round has 1..N partitions, got k={k} with N={n}")
     lowrank = category == "lowrank"
-    if strategy in RING_STRATEGIES:
+    if strategy == "ring":
         alpha = 2 * (n - 1)
-        if lowrank:
-            return SyncParams(alpha, 1, 1)
-        return SyncParams(alpha, n, 2 * n - 1) if strategy == "casync_ring" else SyncParams(alpha, n, n)
+        return SyncParams(alpha, 1, 1) if lowrank else SyncParams(alpha, n, n)
     if strategy == "ps":
         alpha = 2 * n
         return SyncParams(alpha, 1, 1) if lowrank else SyncParams(alpha, k + 1, n + 1)
-    alpha = 2 * (n - 1)  # ps_colocated, casync_ps
-    if lowrank:
-        return SyncParams(alpha, 1, 1)
-    if strategy == "casync_ps":
-        return SyncParams(alpha, k + 1, n + k)
-    return SyncParams(alpha, k, n)
+    alpha = 2 * (n - 1)  # ps_colocated
+    return SyncParams(alpha, 1, 1) if lowrank else SyncParams(alpha, k, n)
 
 
 def rounds(n: int, k: int) -> List[int]:
@@ -232,6 +227,85 @@ def rounds(n: int, k: int) -> List[int]:
         raise ValueError(f"need K >= 1 and N >= 1, got K={k}, N={n}")
     q, rem = divmod(k, n)
     return [n] * q + ([rem] if rem else [])
+
+
+# ------------------------------------------------------------- hipress as executed
+def _zero(m: float) -> float:
+    return 0.0
+
+
+@dataclass(frozen=True)
+class ExecutedOps:
+    """The operators one executed sync is made of. send(p): one transfer of p bytes (for
+    CaSync-PS the per-peer share of a bulk exchange with N aggregators; send_one: with
+    one aggregator); enc(m): encode m fp32 bytes; dec(p):
+    decode or merge an encoded payload of p bytes; copy(m): a memory pass over m bytes;
+    task: the hand-off of one compute task; rate: payload bytes per fp32 byte."""
+
+    send: Curve
+    send_one: Curve
+    enc: Curve
+    dec: Curve
+    copy: Curve
+    task: float
+    rate: float
+
+
+def executed_ring(op: ExecutedOps, m: float, n: int, k: int) -> float:
+    """Critical path of CaSync-Ring (hipress.sync.ring) for m bytes in k partitions.
+
+    Each partition of x = m/k bytes is N chunks of c = x/N; one rank's tasks per partition:
+    reduce-scatter steps s = 0..N-2: encode(c), sendrecv(p), merge(p); encode the owned
+    chunk and decode it in place; all-gather steps: N-1 sendrecv(p) in a chain, each
+    followed by a decode(p) that overlaps the next step; average (a pass over x).
+    Comm tasks run in submission order (CommChain), so partitions follow each other on
+    the link; a partition's first encode runs during the previous partition's steps,
+    and the last decode and the average of one partition during the next one's first step:
+
+        T = [o + E]  +  k * [2(N-1) S + (N-1)(2o + E + D) + D]  +  [o + D]  +  [o + pass(x)]
+
+    with S = send(p), E = enc(c), D = dec(p), o = task (the bracketed ends are the first
+    encode, the last all-gather decode and the last average). Ranks are symmetric, so
+    one rank's critical path is the sync's. alpha = 2(N-1), beta = N, gamma = N+1 per
+    partition in the paper's terms, the other N-2 all-gather decodes hidden behind steps.
+    """
+    c = m / k / n
+    p = op.rate * c
+    s, e, d, o = op.send(p), op.enc(c), op.dec(p), op.task
+    per_partition = 2 * (n - 1) * s + (n - 1) * (2 * o + e + d) + d
+    last_decode = o + d if n > 1 else 0.0
+    return (o + e) + k * per_partition + last_decode + o + op.copy(m / k)
+
+
+def executed_ps(op: ExecutedOps, m: float, n: int, k: int) -> float:
+    """Critical path of CaSync-PS (hipress.sync.ps, co-located aggregators) for m bytes in k
+    partitions of x = m/k bytes, p = payload bytes of one, q = ceil(k/N) partitions on the
+    busiest aggregator (owners are balanced by bytes). Three compute tasks, two exchanges:
+
+        encode     o + k E(x) + pass(k p)                 k encodes, framed per aggregator
+        gather     (N-1) S(q p)                           the busiest aggregator hears q p from each peer
+        aggregate  o + q [pass(x) + N D(p) + E(x)] + pass(q p)   zero, N merges, re-encode, frame
+        bcast      (N-1) S(q p)                           it sends its q aggregates to every peer
+        decode     o + k D(p) + pass(m)                   decode every partition, divide by N
+
+    S interpolates between send_one (one aggregator) and send (N) in the number of
+    aggregators A = min(k, N). Every exchange waits for the slowest rank, so the phases
+    add up. In the paper's terms
+    alpha = 2(N-1), beta = k + q, gamma = k + qN (Table 3's co-located row is k, N: the own
+    partition is neither encoded nor decoded there); send is the per-peer share of a bulk
+    exchange, so (N-1) S is one exchange.
+    """
+    x = m / k
+    p = op.rate * x
+    q = -(-k // n)
+    e, d, o = op.enc(x), op.dec(p), op.task
+    t = o + k * e + op.copy(k * p)
+    share = (min(k, n) - 1) / (n - 1) if n > 1 else 1.0
+    s_one, s_all = op.send_one(q * p), op.send(q * p)
+    t += 2 * (n - 1) * (s_one + share * (s_all - s_one))
+    t += o + q * (op.copy(x) + n * d + e) + op.copy(q * p)
+    t += o + k * d + op.copy(m)
+    return t
 
 
 # -------------------------------------------------------------------------- the model
@@ -258,22 +332,28 @@ class Decision:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Equations 1 and 2 for one cluster shape and one compression algorithm.
+    """The sync time of one gradient for one cluster shape and compression algorithm.
 
-    send(m): seconds to send m bytes between two peers; enc(m): seconds to encode m
-    fp32 bytes; dec(m): seconds to decode an m-byte *compressed* payload.
+    send(m): seconds of one transfer of m bytes between two peers; enc(m): seconds to
+    encode m fp32 bytes; dec(m): seconds to decode an m-byte *compressed* payload.
     n: workers (ring) or aggregators (ps); rate: compressed / original bytes.
 
-    Two extensions fit the model to what hipress executes (both default to the paper):
-    enc_plain / dec_plain: the cost of the uncompressed path's own encode (a copy into
-    the send buffer) and decode (merge-add) operators, charged in equation 1 with the
-    same beta / gamma. The paper's equation 1 is the case of zero curves; measured
-    profiles fill them in, because on a CPU a merge of m bytes is not free next to T_send.
-    chunks: paper partitions per *executed* partition. The paper's K for CaSync-Ring
-    counts ring chunks (K = N is the classic ring); hipress's ring splits every
-    executed partition into N chunks, so a profile for "ring" sets chunks = N and the
-    K of :meth:`decide` / :meth:`t_sync` (what the plan and the optimizer execute) is
-    evaluated as K * N paper partitions, i.e. K rounds of N.
+    Paper strategies ("ring", "ps", "ps_colocated"): equations 1 and 2 with
+    :func:`sync_params`, K counting the paper's partitions (ring chunks for "ring").
+
+    Executed strategies ("casync_ring", "casync_ps"): the critical path of the task
+    graph hipress.sync builds for K *executed* partitions (:func:`executed_ring`,
+    :func:`executed_ps`), which also needs
+      enc_plain / dec_plain: the uncompressed path's operators (hipress synchronizes
+          uncompressed gradients through the identity codec: encode is a view, decode
+          a copy or merge-add); dec_plain(m) also prices any memory pass over m bytes
+          (framing copies, zero fills, the final divide by N);
+      task_s: the engine's hand-off of one compute task (submit, run, completion);
+      send_one: CaSync-PS's T_send with a single aggregator (send: with N); with A
+          aggregators the model interpolates linearly in A (the bytes on the busiest
+          link are the same, the number of messages posted is not).
+    Curves left out (profiles measured before they existed) cost nothing; send_one
+    defaults to send.
     """
 
     send: Curve
@@ -285,33 +365,32 @@ class CostModel:
     rate: float = 1.0 / 16
     enc_plain: Optional[Curve] = None
     dec_plain: Optional[Curve] = None
-    chunks: int = 1
+    task_s: float = 0.0
+    send_one: Optional[Curve] = None
 
     def __post_init__(self):
-        sync_params(self.strategy, self.category, self.n, 1)  # validates
+        if self.strategy in EXECUTED_STRATEGIES:
+            if self.category == "lowrank":
+                raise ValueError(f"{self.strategy} models single-round compressors; low-rank (multi-round) "
+                                 f"compressors are synchronized by hipress.sync.lowrank, which has no model")
+            sync_params("ring", self.category, self.n, 1)  # validates category and n
+        else:
+            sync_params(self.strategy, self.category, self.n, 1)  # validates
         if not (math.isfinite(self.rate) and self.rate > 0):
             raise ValueError(f"rate must be a positive finite number, got {self.rate}")
-        if int(self.chunks) < 1:
-            raise ValueError(f"chunks must be >= 1, got {self.chunks}")
+        if not (math.isfinite(self.task_s) and self.task_s >= 0):
+            raise ValueError(f"task_s must be a finite number >= 0, got {self.task_s}")
 
     def params(self, k: int) -> SyncParams:
         return sync_params(self.strategy, self.category, self.n, k)
 
     def t_orig(self, m: float, k: int) -> float:
-        """Equation 1, with ceil(K/N) sequential rounds when K > N."""
+        """Equation 1, with ceil(K/N) sequential rounds when K > N (paper strategies)."""
         part = m / k
-        total = 0.0
-        for kb in rounds(self.n, k):
-            p = self.params(kb)
-            total += p.alpha * self.send(part)
-            if self.enc_plain is not None:
-                total += p.beta * self.enc_plain(part)
-            if self.dec_plain is not None:
-                total += p.gamma * self.dec_plain(part)
-        return total
+        return sum(self.params(kb).alpha * self.send(part) for kb in rounds(self.n, k))
 
     def t_cpr(self, m: float, k: int) -> float:
-        """Equation 2, with ceil(K/N) sequential rounds when K > N."""
+        """Equation 2, with ceil(K/N) sequential rounds when K > N (paper strategies)."""
         part, r = m / k, self.rate
         total = 0.0
         for kb in rounds(self.n, k):
@@ -320,14 +399,22 @@ class CostModel:
         return total
 
     def t_sync(self, m: float, compress: bool, k: int) -> float:
-        """Predicted time of m bytes synchronized in k *executed* partitions (see ``chunks``)."""
-        pieces = int(k) * int(self.chunks)
-        return self.t_cpr(m, pieces) if compress else self.t_orig(m, pieces)
+        """Predicted time of m bytes synchronized (compressed or not) in K partitions: the
+        executed graph for casync_* strategies, equation 1 or 2 for the paper's."""
+        if self.strategy not in EXECUTED_STRATEGIES:
+            return self.t_cpr(m, k) if compress else self.t_orig(m, k)
+        copy, one = self.dec_plain or _zero, self.send_one or self.send
+        if compress:
+            op = ExecutedOps(self.send, one, self.enc, self.dec, copy, self.task_s, self.rate)
+        else:
+            op = ExecutedOps(self.send, one, self.enc_plain or _zero, copy, copy, self.task_s, 1.0)
+        run = executed_ring if self.strategy == "casync_ring" else executed_ps
+        return run(op, m, self.n, int(k))
 
     def decide(self, m: float, k_max: Optional[int] = None, allow_compress: bool = True,
                k_min: int = 1) -> Decision:
         """Minimise over compress in {False, True} and K in k_min..k_max (default N).
-        K counts executed partitions (see ``chunks``; with chunks = 1, the paper's K).
+        K counts executed partitions for casync_* strategies, the paper's K otherwise.
 
         Exhaustive over K: the range is small (tens), and with piecewise curves or
         K > N rounds the cost is not convex in K, so a convex search could miss the

@@ -10,10 +10,13 @@ Steps (every rank calls it at the same point, e.g. when DistributedOptimizer is 
      other tc settings: the cache key cannot see them) and the profile is re-measured
   3. if not: every rank measures T_send(m) the way the strategy sends (a collective
      ladder, so ranks stay in step; comm-queue tasks, byte count then payload): ring
-     steps for CaSync-Ring, bulk all-to-all exchanges per peer for CaSync-PS; and T_enc/T_dec of the compressor and of the
-     uncompressed path's copy/merge operators as compute-queue tasks (so the per-task
-     hand-off CaSync pays is in the curves), all ranks at once (a barrier before each
-     call: they share the host's cores and memory as in a sync); rank 0 fits the curves and saves them
+     steps for CaSync-Ring, bulk all-to-all exchanges per peer for CaSync-PS (and the
+     same exchanges with a single aggregator, whose fewer messages cost less); T_enc/T_dec
+     of the compressor and of the uncompressed path's copy/merge operators, all ranks at
+     once (a barrier before each call: they share the host's cores and memory as in a
+     sync); and the hand-off of an empty compute task. Every sample is the slowest
+     rank's time (an exchange waits for the slowest rank). Rank 0 fits the curves and
+     saves them
   4. rank 0 broadcasts the profile JSON; every rank builds its cost model from it, so
      plans are identical on all ranks (local timings differ a little between ranks)
 """
@@ -28,13 +31,13 @@ from typing import Optional, Sequence
 import torch
 
 from hipress.compression.none import NoneCompressor
-from hipress.planner.cost_model import RING_STRATEGIES
 from hipress.planner.profile import (DEFAULT_LADDER, Profile, load_profile, profile_compressor, profile_path,
                                      save_profile)
 
 PLANNER_STRATEGY = {"ring": "casync_ring", "ps": "casync_ps"}
 TASK_TIMEOUT_S = 600
 PROBE_BYTES, PROBE_REPEATS, PROBE_NOISE_S = 1 << 20, 3, 0.5e-3
+CHAIN_BYTES = 1 << 20
 
 
 def _broadcast_bytes(transport, data: Optional[bytes]) -> bytes:
@@ -47,24 +50,51 @@ def _broadcast_bytes(transport, data: Optional[bytes]) -> bytes:
     return bytes(buf.numpy().tobytes())
 
 
-def transfer_once(transport, strategy: str, engine=None):
+def slowest(transport):
+    """Collective reduce(seconds) -> the largest of every rank's seconds."""
+    def reduce(t: float) -> float:
+        every = torch.empty(transport.size, dtype=torch.float64)
+        transport.allgather(torch.tensor([float(t)], dtype=torch.float64).view(torch.uint8), every.view(torch.uint8))
+        return float(every.max())
+
+    return reduce
+
+
+def transfer_once(transport, strategy: str, engine=None, aggregators: Optional[int] = None):
     """send_once(nbytes) -> seconds of one transfer of nbytes as the strategy moves data: a
     comm-queue task of the engine sending a byte count and then the payload.
 
     casync_ring: one ring step (send to the next rank while receiving from the previous).
-    casync_ps: one bulk exchange in which every rank sends nbytes to every other rank,
-    divided by the N-1 peers: the time of one transfer under CaSync-PS's all-to-all
-    traffic (several flows share a host's link, which is slower than one ring flow);
-    equation 1's alpha = 2(N-1) transfers then add up to CaSync-PS's two bulk exchanges.
+    casync_ps: CaSync-PS's two bulk exchanges with ``aggregators`` = A aggregator ranks
+    (default N): a gather (every rank sends nbytes to every aggregator) and a broadcast
+    (every aggregator sends nbytes to every rank), divided by 2(N-1): an aggregator's link
+    carries (N-1) nbytes each way per exchange whatever A is, so this is the time of one
+    transfer under that traffic (several flows share a host's link, slower than one ring
+    flow, and fewer aggregators post fewer messages); equation 1's alpha = 2(N-1)
+    transfers then add up to the two exchanges.
+
+    The task runs as many transfers back to back as one sync makes (2(N-1) ring steps, the
+    two PS exchanges) and the time is divided among them: ranks leave the barrier before
+    it at different moments, and a sync pays that skew once, not once per step. A ring
+    step of CHAIN_BYTES or more is timed alone (the skew is lost in it).
     """
     from hipress.engine import get_engine
     from hipress.sync.base import direct_exchange
 
     engine = engine or get_engine()
     r, n = transport.rank, transport.size
-    ring = strategy in RING_STRATEGIES
-    peers = [(r + 1) % n] if ring else [j for j in range(n) if j != r]
-    sources = {(r - 1) % n} if ring else set(peers)
+    reduce = slowest(transport)
+    if strategy == "casync_ring":
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        plan = [([nxt], {prv}, False)] * (2 * (n - 1))
+        per_transfer, chained = 1, lambda nbytes: nbytes < CHAIN_BYTES
+    else:
+        aggs = range(aggregators or n)
+        others = [j for j in range(n) if j != r]
+        gather = ([a for a in aggs if a != r], set(others) if r in aggs else set(), True)
+        bcast = (others if r in aggs else [], {a for a in aggs if a != r}, True)
+        plan = [gather, bcast]
+        per_transfer, chained = max(1, n - 1), lambda nbytes: True
     cache = {}
 
     def send_once(nbytes: int) -> float:
@@ -72,21 +102,35 @@ def transfer_once(transport, strategy: str, engine=None):
             cache.clear()
             cache[nbytes] = torch.zeros(nbytes, dtype=torch.uint8)
         out = cache[nbytes]
+        steps = plan if chained(nbytes) else plan[:1]
+
+        def transfers():
+            for dsts, srcs, bulk in steps:
+                direct_exchange(transport, {j: out for j in dsts}, srcs, bulk)
+
         transport.barrier()
         t0 = time.perf_counter()
-        engine.submit("profile.send", lambda: direct_exchange(transport, {j: out for j in peers}, sources, not ring),
-                      queue="comm").result(TASK_TIMEOUT_S)
-        return (time.perf_counter() - t0) / max(1, len(peers))
+        engine.submit("profile.send", transfers, queue="comm").result(TASK_TIMEOUT_S)
+        return reduce(time.perf_counter() - t0) / (len(steps) * per_transfer)
 
     return send_once
 
 
-def run_as_task(engine=None):
-    """run(fn) for measure_codec: fn as a compute-queue task, waited for."""
+def task_once(transport, engine=None):
+    """task_once() -> seconds of one empty compute task, submitted and waited for (all ranks
+    at once, the slowest rank's time): the hand-off CaSync pays per compute task."""
     from hipress.engine import get_engine
 
     engine = engine or get_engine()
-    return lambda fn: engine.submit("profile.codec", fn, queue="compute").result(TASK_TIMEOUT_S)
+    reduce = slowest(transport)
+
+    def once() -> float:
+        transport.barrier()
+        t0 = time.perf_counter()
+        engine.submit("profile.task", lambda: None, queue="compute").result(TASK_TIMEOUT_S)
+        return reduce(time.perf_counter() - t0)
+
+    return once
 
 
 def _link_changed(transport, cached: Optional[Profile], send_once) -> bool:
@@ -119,9 +163,11 @@ def profile_online(compressor, transport, strategy: str, *, device: str = "cpu",
     if have and _link_changed(transport, cached, send_once):
         have, cached = b"", None
     if not have:
+        one = transfer_once(transport, pstrat, engine, aggregators=1) if pstrat == "casync_ps" else None
         prof = profile_compressor(compressor, send_once, n=n, strategy=pstrat, device=device,
-                                  sizes=sizes, repeats=repeats, plain=NoneCompressor(), run=run_as_task(engine),
-                                  before=transport.barrier)
+                                  sizes=sizes, repeats=repeats, plain=NoneCompressor(), before=transport.barrier,
+                                  reduce=slowest(transport), task_once=task_once(transport, engine),
+                                  send_one_once=one)
         if transport.rank == 0:
             save_profile(prof, path)
             cached = prof

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hipress.planner.cost_model import (
-    CATEGORIES, RING_STRATEGIES, STRATEGIES, AffineCurve, CostModel, PiecewiseAffineCurve, curve_from_dict,
+    CATEGORIES, STRATEGIES, AffineCurve, CostModel, PiecewiseAffineCurve, curve_from_dict,
 )
 
 FORMAT = "hipress-planner-profile"
@@ -34,7 +34,7 @@ KB, MB = 1 << 10, 1 << 20
 #: 4 KB, 16 KB, ..., 64 MB (x4 steps)
 DEFAULT_LADDER: Tuple[int, ...] = tuple(4 * KB * 4 ** i for i in range(8))
 FITS = ("piecewise", "affine")
-CURVES = ("send", "enc", "dec", "enc_plain", "dec_plain")
+CURVES = ("send", "enc", "dec", "enc_plain", "dec_plain", "send_one")
 
 Samples = List[Tuple[float, float]]
 
@@ -44,6 +44,11 @@ class ProfileError(ValueError):
 
 
 # --------------------------------------------------------------------------- measuring
+def _repeats(nbytes: float, repeats: int) -> int:
+    """Sizes below 1 MB cost milliseconds and scatter most: three times the repeats."""
+    return 3 * repeats if nbytes < MB else repeats
+
+
 def _median_time(fn: Callable[[], float], repeats: int, warmup: int) -> float:
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -54,10 +59,11 @@ def _median_time(fn: Callable[[], float], repeats: int, warmup: int) -> float:
 
 def measure_send(send_once: Callable[[int], float], sizes: Sequence[int] = DEFAULT_LADDER,
                  repeats: int = 5, warmup: int = 1) -> Samples:
-    """[(nbytes, median seconds)] of ``send_once(nbytes)`` for each size."""
+    """[(nbytes, median seconds)] of ``send_once(nbytes)`` for each size (``repeats`` runs,
+    three times as many below 1 MB, after ``warmup``)."""
     out = []
     for s in sizes:
-        t = _median_time(lambda: float(send_once(int(s))), repeats, warmup)
+        t = _median_time(lambda: float(send_once(int(s))), _repeats(s, repeats), warmup)
         if not (math.isfinite(t) and t >= 0):
             raise ValueError(f"send_once({s}) returned {t!r}, expected seconds >= 0")
         out.append((float(s), t))
@@ -65,23 +71,21 @@ def measure_send(send_once: Callable[[int], float], sizes: Sequence[int] = DEFAU
 
 
 def measure_codec(compressor, sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5, warmup: int = 1,
-                  device: str = "cpu", seed: int = 0,
-                  run: Optional[Callable[[Callable[[], object]], object]] = None,
-                  before: Optional[Callable[[], None]] = None) -> Tuple[Samples, Samples]:
+                  device: str = "cpu", seed: int = 0, before: Optional[Callable[[], None]] = None,
+                  reduce: Optional[Callable[[float], float]] = None) -> Tuple[Samples, Samples]:
     """Time ``compressor.encode`` and ``compressor.decode`` on random fp32 gradients.
 
     Returns (enc, dec): enc = [(original bytes, median s)], dec = [(payload bytes,
-    median s)]. sizes are bytes (rounded down to whole fp32 elements). Each timed
+    median s)] (``repeats`` runs, three times as many below 1 MB). sizes are bytes (rounded down to whole fp32 elements). Each timed
     call is bracketed by ``torch.cuda.synchronize`` on a CUDA device so
-    asynchronous kernels are fully counted. ``run(fn)`` executes each timed call
-    (default: directly); a running job passes one that runs it as an engine task, so
-    the times include the hand-off to the compute queue that CaSync pays per operator.
-    ``before()`` runs before each timed call, untimed: a running job passes a barrier,
-    so every rank runs the kernel at the same moment, sharing the host's cores and
-    memory bandwidth as during a sync.
+    asynchronous kernels are fully counted. ``before()`` runs before each timed call,
+    untimed, and ``reduce(seconds)`` turns each timing into the sample: a running job
+    passes a barrier, so every rank runs the kernel at the same moment (sharing the
+    host's cores and memory bandwidth as during a sync), and the maximum over ranks,
+    because a sync waits for its slowest rank at every exchange.
     """
-    run = run or (lambda fn: fn())
     before = before or (lambda: None)
+    reduce = reduce or (lambda t: t)
     import torch
 
     dev = torch.device(device)
@@ -100,21 +104,21 @@ def measure_codec(compressor, sizes: Sequence[int] = DEFAULT_LADDER, repeats: in
             before()
             sync()
             t0 = time.perf_counter()
-            box["p"] = run(lambda: compressor.encode(grad, state))
+            box["p"] = compressor.encode(grad, state)
             sync()
-            return time.perf_counter() - t0
+            return reduce(time.perf_counter() - t0)
 
         def run_dec():
             before()
             sync()
             t0 = time.perf_counter()
-            run(lambda: compressor.decode(box["p"], out))
+            compressor.decode(box["p"], out)
             sync()
-            return time.perf_counter() - t0
+            return reduce(time.perf_counter() - t0)
 
-        enc.append((float(4 * numel), _median_time(run_enc, repeats, warmup)))
+        enc.append((float(4 * numel), _median_time(run_enc, _repeats(4 * numel, repeats), warmup)))
         payload_bytes = float(box["p"].numel() * box["p"].element_size())
-        dec.append((payload_bytes, _median_time(run_dec, repeats, warmup)))
+        dec.append((payload_bytes, _median_time(run_dec, _repeats(4 * numel, repeats), warmup)))
     return enc, dec
 
 
@@ -145,31 +149,33 @@ class Profile:
     samples: Dict[str, Samples] = field(default_factory=dict)
     created: str = ""
     meta: Dict[str, object] = field(default_factory=dict)
-    # The uncompressed path's own copy / merge operators (CostModel.enc_plain/dec_plain);
-    # None in profiles measured without them: equation 1 as printed.
+    # The uncompressed path's own copy / merge operators (CostModel.enc_plain/dec_plain)
+    # and the engine's hand-off of one compute task (CostModel.task_s); None / 0 in
+    # profiles measured without them.
     enc_plain: object = None
     dec_plain: object = None
+    task_s: float = 0.0
+    # CaSync-PS: T_send with a single aggregator (CostModel.send_one); None: as send.
+    send_one: object = None
 
     @property
     def key(self) -> Dict[str, object]:
         return {"n": self.n, "strategy": self.strategy, "device": self.device, "algorithm": self.algorithm}
 
     def cost_model(self, strategy: Optional[str] = None, n: Optional[int] = None) -> CostModel:
-        """The model of this profile's strategy; a ring's executed partition is N chunks."""
-        strategy, n = strategy or self.strategy, int(n or self.n)
-        return CostModel(self.send, self.enc, self.dec, n, strategy, self.category, self.rate,
-                         self.enc_plain, self.dec_plain, chunks=n if strategy in RING_STRATEGIES else 1)
+        """The model of this profile's strategy (or another one, on the same curves)."""
+        return CostModel(self.send, self.enc, self.dec, int(n or self.n), strategy or self.strategy,
+                         self.category, self.rate, self.enc_plain, self.dec_plain, self.task_s, self.send_one)
 
     def curves(self) -> Dict[str, object]:
-        return {k: v for k, v in (("send", self.send), ("enc", self.enc), ("dec", self.dec),
-                                  ("enc_plain", self.enc_plain), ("dec_plain", self.dec_plain)) if v is not None}
+        return {k: getattr(self, k) for k in CURVES if getattr(self, k) is not None}
 
     def to_dict(self) -> dict:
         return {
             "format": FORMAT, "version": VERSION, "key": self.key, "category": self.category, "rate": self.rate,
             "curves": {k: v.to_dict() for k, v in self.curves().items()},
             "samples": {k: [list(p) for p in v] for k, v in self.samples.items()},
-            "created": self.created, "meta": self.meta,
+            "task_s": self.task_s, "created": self.created, "meta": self.meta,
         }
 
     @classmethod
@@ -203,11 +209,16 @@ class Profile:
             raise bad(f"rate must be a number > 0, got {rate!r}")
         curves = d["curves"]
         if not isinstance(curves, dict) or not {"send", "enc", "dec"} <= set(curves) <= set(CURVES):
-            raise bad(f"curves must have send, enc, dec (and optionally enc_plain, dec_plain); got {curves!r}")
+            raise bad(f"curves must have send, enc, dec (and optionally enc_plain, dec_plain, send_one); "
+                      f"got {curves!r}")
         try:
             built = {k: curve_from_dict(v) for k, v in curves.items()}
         except (ValueError, KeyError, TypeError) as e:
             raise bad(f"bad curve: {e}") from None
+        task_s = d.get("task_s", 0.0)
+        if isinstance(task_s, bool) or not isinstance(task_s, (int, float)) or not (
+                math.isfinite(task_s) and task_s >= 0):
+            raise bad(f"task_s must be a number >= 0, got {task_s!r}")
         samples = d.get("samples", {})
         try:
             samples = {str(k): [(float(a), float(b)) for a, b in v] for k, v in samples.items()}
@@ -215,41 +226,57 @@ class Profile:
             raise bad(f"bad samples: {e}") from None
         return cls(key["n"], key["strategy"], key["device"], key["algorithm"], d["category"], float(rate),
                    built["send"], built["enc"], built["dec"], samples, str(d.get("created", "")),
-                   dict(d.get("meta", {}) or {}), built.get("enc_plain"), built.get("dec_plain"))
+                   dict(d.get("meta", {}) or {}), built.get("enc_plain"), built.get("dec_plain"), float(task_s),
+                   built.get("send_one"))
 
 
 def build_profile(*, n: int, strategy: str, device: str, algorithm: str, category: str, rate: float,
                   send_samples: Samples, enc_samples: Samples, dec_samples: Samples,
                   fit: str = "piecewise", meta: Optional[dict] = None,
-                  plain_samples: Optional[Tuple[Samples, Samples]] = None) -> Profile:
+                  plain_samples: Optional[Tuple[Samples, Samples]] = None, task_s: float = 0.0,
+                  send_one_samples: Optional[Samples] = None) -> Profile:
     """Fit curves to already-measured samples and wrap them in a :class:`Profile`.
-    plain_samples: (enc, dec) of the uncompressed path's operators, if measured."""
+    plain_samples: (enc, dec) of the uncompressed path's operators, if measured;
+    task_s: the measured hand-off of one compute task; send_one_samples: CaSync-PS's
+    transfers with a single aggregator, if measured."""
     samples = {"send": list(send_samples), "enc": list(enc_samples), "dec": list(dec_samples)}
+    send_one = None
+    if send_one_samples is not None:
+        samples["send_one"] = list(send_one_samples)
+        send_one = fit_curve(send_one_samples, fit)
     plain = (None, None)
     if plain_samples is not None:
         samples.update(enc_plain=list(plain_samples[0]), dec_plain=list(plain_samples[1]))
         plain = tuple(fit_curve(x, fit) for x in plain_samples)
     return Profile(int(n), strategy, device, algorithm, category, float(rate),
                    fit_curve(send_samples, fit), fit_curve(enc_samples, fit), fit_curve(dec_samples, fit),
-                   samples, time.strftime("%Y-%m-%dT%H:%M:%S"), {"fit": fit, **(meta or {})}, *plain)
+                   samples, time.strftime("%Y-%m-%dT%H:%M:%S"), {"fit": fit, **(meta or {})}, *plain, float(task_s),
+                   send_one)
 
 
 def profile_compressor(compressor, send_once: Callable[[int], float], *, n: int, strategy: str,
                        device: str = "cpu", algorithm: Optional[str] = None,
                        sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5, fit: str = "piecewise",
-                       plain=None, run=None, before=None) -> Profile:
+                       plain=None, before=None, reduce=None,
+                       task_once: Optional[Callable[[], float]] = None,
+                       send_one_once: Optional[Callable[[int], float]] = None) -> Profile:
     """Measure the codec on ``device`` and ``send_once`` on the ladder and fit a profile.
     plain: the uncompressed path's codec (hipress's "none"), measured too when given;
-    run, before: how each codec call is executed (see :func:`measure_codec`)."""
-    enc, dec = measure_codec(compressor, sizes, repeats, device=device, run=run, before=before)
-    plain_samples = (measure_codec(plain, sizes, repeats, device=device, run=run, before=before)
+    before, reduce: around each codec call (see :func:`measure_codec`); task_once() ->
+    seconds of one empty compute task, measured too when given (median of 4 * repeats);
+    send_one_once: CaSync-PS's transfers with a single aggregator, measured too when given."""
+    enc, dec = measure_codec(compressor, sizes, repeats, device=device, before=before, reduce=reduce)
+    plain_samples = (measure_codec(plain, sizes, repeats, device=device, before=before, reduce=reduce)
                      if plain is not None else None)
+    task_s = _median_time(task_once, 4 * repeats, 2) if task_once is not None else 0.0
     send = measure_send(send_once, sizes, repeats)
+    send_one = measure_send(send_one_once, sizes, repeats) if send_one_once is not None else None
     measured_rate = statistics.median(d / e for (e, _), (d, _) in zip(enc, dec) if e > 0)
     rate = float(getattr(compressor, "rate", measured_rate) or measured_rate)
     return build_profile(n=n, strategy=strategy, device=device, algorithm=algorithm or compressor.name,
                          category=compressor.category, rate=rate, send_samples=send, enc_samples=enc,
-                         dec_samples=dec, fit=fit, plain_samples=plain_samples,
+                         dec_samples=dec, fit=fit, plain_samples=plain_samples, task_s=task_s,
+                         send_one_samples=send_one,
                          meta={"repeats": repeats, "measured_rate": measured_rate})
 
 

@@ -39,8 +39,14 @@ def test_sync_params_rejects_bad_input():
         sync_params("ring", "pruning", 4, 1)
     with pytest.raises(ValueError, match="1..N"):
         sync_params("ps", "quantization", 4, 5)
+    with pytest.raises(ValueError, match="strategy"):  # hipress's strategies are not table rows
+        sync_params("casync_ring", "quantization", 4, 1)
     with pytest.raises(ValueError):
         CostModel(AffineCurve(0, 1), AffineCurve(0, 1), AffineCurve(0, 1), n=0)
+    with pytest.raises(ValueError, match="low-rank"):
+        CostModel(AffineCurve(0, 1), AffineCurve(0, 1), AffineCurve(0, 1), 4, "casync_ps", "lowrank")
+    with pytest.raises(ValueError, match="task_s"):
+        CostModel(AffineCurve(0, 1), AffineCurve(0, 1), AffineCurve(0, 1), 4, "casync_ps", task_s=-1)
 
 
 # ------------------------------------------------------------------ equations 1 and 2
@@ -58,12 +64,6 @@ HAND = {
     ("ps_colocated", "quantization"): (5740, 14 * 110 + 4 * 203 + 8 * 27),      # 2568
     ("ps_colocated", "sparsification"): (5740, 2568),
     ("ps_colocated", "lowrank"): (5740, 1770),
-    # hipress as executed: ring gamma = 2N-1 = 15; PS beta = K+1 = 5, gamma = N+K = 12
-    ("casync_ring", "quantization"): (5740, 14 * 110 + 8 * 203 + 15 * 27),      # 3569
-    ("casync_ring", "lowrank"): (5740, 1770),
-    ("casync_ps", "quantization"): (5740, 14 * 110 + 5 * 203 + 12 * 27),        # 2879
-    ("casync_ps", "sparsification"): (5740, 2879),
-    ("casync_ps", "lowrank"): (5740, 1770),
 }
 
 
@@ -79,32 +79,69 @@ def test_equations_hand_computed(strategy, category):
     assert m.t_cpr(1600, 4) == pytest.approx(cpr, rel=1e-12)
     # literal values, in case the table above and the code share a mistake
     assert {("ring", "quantization"): 3380, ("ps", "quantization"): 3018,
-            ("ps_colocated", "quantization"): 2568, ("casync_ring", "quantization"): 3569,
-            ("casync_ps", "quantization"): 2879}.get((strategy, category), cpr) == cpr
+            ("ps_colocated", "quantization"): 2568}.get((strategy, category), cpr) == cpr
 
 
-def test_plain_path_costs_are_charged_in_equation_1():
-    # enc_plain(m) = 1 + m/100, dec_plain(m) = 2 + m/50 at m/K = 400: 5 and 10;
-    # ps_colocated N=8, K=4: alpha=14, beta=K=4, gamma=N=8
-    m = CostModel(AffineCurve(10, 1), AffineCurve(3, 0.5), AffineCurve(2, 0.25), 8, "ps_colocated",
-                  "quantization", 0.25, AffineCurve(1, 0.01), AffineCurve(2, 0.02))
-    assert m.t_orig(1600, 4) == pytest.approx(14 * 410 + 4 * 5 + 8 * 10)
-    assert m.t_cpr(1600, 4) == pytest.approx(2568)  # equation 2 unchanged
+# ------------------------------------------------------------------ hipress as executed
+# send(m) = 10 + m, send_one(m) = 5 + m, enc(m) = 3 + m/2, dec(m) = 2 + m/4, copy = dec_plain(m) = 1 + m/100,
+# enc_plain = 0.5, task = 0.25, N = 4, r = 1/4
+def executed_model(strategy, n=4, **kw):
+    args = dict(enc_plain=AffineCurve(0.5, 0), dec_plain=AffineCurve(1, 0.01), task_s=0.25,
+                send_one=AffineCurve(5, 1))
+    args.update(kw)
+    return CostModel(AffineCurve(10, 1), AffineCurve(3, 0.5), AffineCurve(2, 0.25), n, strategy,
+                     "quantization", 0.25, **args)
 
 
-def test_ring_chunks_map_executed_partitions_to_paper_k():
-    # CaSync-Ring splits each executed partition into N chunks: K executed = K*N paper partitions.
-    paper = toy_model("ring", "quantization", n=4, rate=0.5)
-    executed = CostModel(paper.send, paper.enc, paper.dec, 4, "ring", "quantization", 0.5, chunks=4)
-    for k in (1, 2, 3):
-        assert executed.t_sync(4800, False, k) == pytest.approx(paper.t_orig(4800, 4 * k))
-        assert executed.t_sync(4800, True, k) == pytest.approx(paper.t_cpr(4800, 4 * k))
-    # one executed partition of 4800 bytes: 6 steps of 1200-byte chunks = 6 * send(1200)
-    assert executed.t_sync(4800, False, 1) == pytest.approx(6 * 1210)
-    d = executed.decide(4800)
-    assert d.t_orig == pytest.approx(min(executed.t_sync(4800, False, k) for k in range(1, 5)))
-    with pytest.raises(ValueError, match="chunks"):
-        CostModel(paper.send, paper.enc, paper.dec, 4, "ring", chunks=0)
+def test_executed_ring_hand_computed():
+    ring = executed_model("casync_ring")
+    # m = 3200, K = 2: partition 1600, chunk c = 400, payload p = 100: S = 110, E = 203, D = 27
+    # per partition 2*3*110 + 3*(2*0.25 + 203 + 27) + 27 = 1378.5
+    # (0.25 + 203) + 2*1378.5 + (0.25 + 27) + 0.25 + copy(1600) = 17
+    assert ring.t_sync(3200, True, 2) == pytest.approx(3004.75)
+    # uncompressed: p = c = 400: S = 410, E = enc_plain = 0.5, D = copy(400) = 5
+    # per partition 6*410 + 3*(0.5 + 0.5 + 5) + 5 = 2483; 0.75 + 2*2483 + 5.25 + 0.25 + 17
+    assert ring.t_sync(3200, False, 2) == pytest.approx(4989.25)
+    # one rank: encode the owned chunk and decode it, average: 203.25 + 27 + 0.25 + copy(400)
+    assert executed_model("casync_ring", n=1).t_sync(400, True, 1) == pytest.approx(235.5)
+
+
+def test_executed_ps_hand_computed():
+    ps = executed_model("casync_ps")
+    # m = 3200, K = 2 (q = 1, A = 2 aggregators): x = 1600, p = 400, E = 803, D = 102
+    # encode 0.25 + 2*803 + copy(800)                             = 1615.25
+    # exchanges 2*3*(send_one(400) + (A-1)/(N-1)*(send - send_one)) = 6*(405 + 5/3) = 2440
+    # aggregate 0.25 + (copy(1600) + 4*102 + 803) + copy(400)      = 1233.25
+    # decode 0.25 + 2*102 + copy(3200)                             = 237.25
+    assert ps.t_sync(3200, True, 2) == pytest.approx(5525.75)
+    # K = 6 > N: q = 2 partitions on the busiest aggregator, A = 4: x = 400, p = 100, E = 203, D = 27
+    # 0.25 + 6*203 + copy(600) = 1225.25; 6*send(200) = 1260; 0.25 + 2*(5 + 108 + 203) + copy(200) = 635.25;
+    # 0.25 + 6*27 + copy(2400) = 187.25
+    assert ps.t_sync(2400, True, 6) == pytest.approx(3307.75)
+    # without a single-aggregator curve the all-to-all one is used for every A
+    assert executed_model("casync_ps", send_one=None).t_sync(3200, True, 2) == pytest.approx(5525.75 + 6 * 5 * 2 / 3)
+
+
+def test_executed_model_of_a_legacy_profile_charges_only_its_curves():
+    # no plain curves, no task hand-off: ring uncompressed is its 2(N-1) steps per partition
+    ring = executed_model("casync_ring", enc_plain=None, dec_plain=None, task_s=0.0, send_one=None)
+    assert ring.t_sync(3200, False, 1) == pytest.approx(6 * send_toy(800))
+
+
+def send_toy(m):
+    return 10 + m
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 12), strategy=st.sampled_from(["casync_ring", "casync_ps"]), m=st.integers(4, 1 << 30),
+       k_extra=st.integers(0, 12), task=st.floats(0, 1e-3))
+def test_executed_optimum_equals_exhaustive(n, strategy, m, k_extra, task):
+    model = executed_model(strategy, n=n, task_s=task)
+    k_max = n + k_extra
+    d = model.decide(m, k_max=k_max)
+    cands = [(model.t_sync(m, c, k), c, k) for c in (False, True) for k in range(1, k_max + 1)]
+    t, c, k = min(cands)
+    assert (d.t_best, d.compress, d.k) == (t, c, k)
 
 
 def test_rounds():
@@ -263,7 +300,8 @@ def test_measure_send_with_fake_transport_and_fit():
 
     samples = measure_send(send_once, DEFAULT_LADDER, repeats=3, warmup=1)
     assert [s for s, _ in samples] == [float(s) for s in DEFAULT_LADDER]
-    assert len(calls) == 4 * len(DEFAULT_LADDER)
+    # one warm-up each; 3 repeats from 1 MB on, 9 below
+    assert len(calls) == sum(1 + (9 if s < MB else 3) for s in DEFAULT_LADDER)
     c = fit_curve(samples, "affine")
     assert (c.a, c.b) == (pytest.approx(12e-6, rel=1e-6), pytest.approx(1 / 3e9, rel=1e-6))
     p = fit_curve(samples, "piecewise")
@@ -275,10 +313,14 @@ def test_measure_send_with_fake_transport_and_fit():
 def test_piecewise_curve_floor_monotone_and_extrapolation():
     c = PiecewiseAffineCurve.fit([100, 200, 400, 400], [5.0, 4.0, 8.0, 10.0])
     assert c.sizes == (100.0, 200.0, 400.0)
-    assert c.seconds == (5.0, 5.0, 10.0)  # running max; median of the duplicate 400s is 10
-    assert c(10) == 5.0                   # floor below the ladder
-    assert c(300) == pytest.approx(7.5)
-    assert c(600) == pytest.approx(15.0)  # last slope extended
+    assert c.seconds == (4.5, 4.5, 9.0)   # 5 > 4 pooled into their mean; median of the two 400s is 9
+    assert c(10) == 4.5                   # floor below the ladder
+    assert c(300) == pytest.approx(6.75)
+    assert c(600) == pytest.approx(13.5)  # last slope extended
+    # one slow outlier at the smallest size is pooled with its neighbours, not a floor for all sizes
+    o = PiecewiseAffineCurve.fit([1, 2, 3, 4, 5], [9.0, 1.0, 1.0, 1.0, 10.0])
+    assert o.seconds == (3.0, 3.0, 3.0, 3.0, 10.0)
+    assert list(o.seconds) == sorted(o.seconds)
     with pytest.raises(ValueError):
         PiecewiseAffineCurve((2.0, 1.0), (1.0, 2.0))
 
@@ -330,25 +372,30 @@ def test_profile_round_trip(tmp_path, fit):
         assert m1.decide(m) == m2.decide(m)
 
 
-def test_profile_with_plain_curves_round_trip_and_model(tmp_path):
+def test_profile_with_executed_curves_round_trip_and_model(tmp_path):
     plain = ([(4096, 1e-6), (1 << 20, 5e-5)], [(4096, 2e-6), (1 << 20, 9e-5)])
-    prof = make_profile(strategy="casync_ring", n=4, plain_samples=plain)
+    one = [(4096, 5e-6), (1 << 20, 1e-4)]
+    prof = make_profile(strategy="casync_ps", n=4, plain_samples=plain, task_s=3e-5, send_one_samples=one)
     back = load_profile(save_profile(prof, cache_dir=tmp_path))
     assert back.to_dict() == prof.to_dict()
     assert back.enc_plain(1 << 20) == pytest.approx(5e-5) and back.dec_plain(4096) == pytest.approx(2e-6)
+    assert back.send_one(1 << 20) == pytest.approx(1e-4) and back.task_s == 3e-5
     model = back.cost_model()
-    assert model.chunks == 4 and model.enc_plain is back.enc_plain
-    # ring, one executed partition of 4 MB: 4 chunks of 1 MB; alpha 6, beta 4, gamma 7
-    want = 6 * back.send(1 << 20) + 4 * 5e-5 + 7 * 9e-5
-    assert model.t_sync(4 << 20, False, 1) == pytest.approx(want)
-    # a profile written before the plain curves existed still loads: equation 1 as printed
+    assert (model.task_s, model.send_one, model.dec_plain) == (3e-5, back.send_one, back.dec_plain)
+    # the same curves in the hand-written formula
+    from hipress.planner.cost_model import ExecutedOps, executed_ps
+    ops = ExecutedOps(back.send, back.send_one, back.enc, back.dec, back.dec_plain, 3e-5, back.rate)
+    assert model.t_sync(8 << 20, True, 3) == pytest.approx(executed_ps(ops, 8 << 20, 4, 3))
+    # a profile written before these curves existed still loads; what it lacks costs nothing
     old = prof.to_dict()
-    for k in ("enc_plain", "dec_plain"):
+    for k in ("enc_plain", "dec_plain", "send_one"):
         old["curves"].pop(k)
+    old.pop("task_s")
     legacy = Profile.from_dict(old)
-    assert legacy.enc_plain is None
-    assert legacy.cost_model().t_sync(4 << 20, False, 1) == pytest.approx(6 * back.send(1 << 20))
-    assert make_profile(strategy="casync_ps").cost_model().chunks == 1
+    assert (legacy.enc_plain, legacy.send_one, legacy.task_s) == (None, None, 0.0)
+    lm = legacy.cost_model()
+    bare = ExecutedOps(back.send, back.send, back.enc, back.dec, lambda m: 0.0, 0.0, back.rate)
+    assert lm.t_sync(8 << 20, True, 3) == pytest.approx(executed_ps(bare, 8 << 20, 4, 3))
 
 
 def corrupt_variants():
@@ -375,6 +422,7 @@ def corrupt_variants():
         "unsorted": mod(lambda d: d["curves"]["dec"].update(sizes=[9.0, 1.0])),
         "missing send": mod(lambda d: d["curves"].pop("send")),
         "unknown curve": mod(lambda d: d["curves"].update(extra=d["curves"]["send"])),
+        "bad task_s": mod(lambda d: d.update(task_s=-1)),
     }
 
 
@@ -516,13 +564,13 @@ def test_profile_online_reuses_cache_and_reprofiles_when_the_link_changed(tmp_pa
 
     ladder = [4 * KB, 64 * KB, PROBE_BYTES]
 
-    def run_all():
+    def run_all(strategy="ring"):
         out = [None, None]
 
         def body(tr):
             engine = Engine()  # one per rank: a shared comm queue would serialize the two ranks' steps
             try:
-                out[tr.rank] = profile_online(QuarterCompressor(), tr, "ring", cache_dir=tmp_path, sizes=ladder,
+                out[tr.rank] = profile_online(QuarterCompressor(), tr, strategy, cache_dir=tmp_path, sizes=ladder,
                                               repeats=1, engine=engine).to_dict()
             finally:
                 engine.shutdown()
@@ -532,10 +580,13 @@ def test_profile_online_reuses_cache_and_reprofiles_when_the_link_changed(tmp_pa
 
     first = run_all()
     assert first[0] == first[1], "ranks hold different profiles"
-    files = list(tmp_path.glob("*.json"))
-    assert len(files) == 1 and "casync_ring" in files[0].name
+    files = list(tmp_path.glob("*casync_ring.json"))
+    assert len(files) == 1
     d = json.loads(files[0].read_text())
-    assert {"enc_plain", "dec_plain"} <= set(d["curves"]) and d["key"]["strategy"] == "casync_ring"
+    assert set(d["curves"]) == {"send", "enc", "dec", "enc_plain", "dec_plain"}
+    assert d["key"]["strategy"] == "casync_ring" and d["task_s"] > 0
+    ps = run_all("ps")  # CaSync-PS also measures its exchanges with a single aggregator
+    assert ps[0] == ps[1] and ps[0]["key"]["strategy"] == "casync_ps" and "send_one" in ps[0]["curves"]
     again = run_all()
     assert again[0] == first[0] == again[1], "the cached profile was not reused"
     d["curves"]["send"]["seconds"] = [t * 1000 for t in d["curves"]["send"]["seconds"]]
