@@ -8,10 +8,11 @@ On every rank: ``profile_online`` measures T_enc/T_dec of the compressor and T_s
 the real link (a fresh profile for this run, never a cached one), the cost model plans
 every ladder size, and then each size is synchronized for real through CaSync (the same
 strategy builders DistributedOptimizer uses) three ways: the plan's choice, the best
-uncompressed K and the best compressed K. A measurement is the slowest rank's time from
-a common barrier to its result (median of ``--repeats`` after one warm-up). Rank 0
-writes ``<out-dir>/planner-validate.json`` and a markdown table with measured/predicted
-per row; the goal is every row within 25%.
+uncompressed K and the best compressed K, the configurations interleaved round by round.
+A measurement is the slowest rank's time from a common barrier to its result (median of
+``--repeats``, default 7, three times as many below 1 MB as in the profile, after one
+warm-up). Rank 0 writes ``<out-dir>/planner-validate.json`` and a markdown table with
+measured/predicted per row; the goal is every row within 25%.
 
 The second half of issue 7 (a model mixing many small and a few very large gradients:
 planned vs compress-all vs compress-none) is ``python -m hipress.bench.compare --preset
@@ -50,6 +51,7 @@ def worker(a) -> None:
     from hipress import compression
     from hipress.engine import get_engine
     from hipress.planner.online import PLANNER_STRATEGY, profile_online, slowest
+    from hipress.planner.profile import repeats_for
     from hipress.planner.plan import partition_bounds
     from hipress.sync import base as sync_base
     from hipress.sync.ps import PSStrategy
@@ -76,42 +78,47 @@ def worker(a) -> None:
         model = prof.cost_model()
         ctx = {c: sync_base.SyncContext(engine, tr, cc, sync_base.StateStore()) for c, cc in
                ((False, none), (True, comp))}
+        # Distinct configurations (size, compress, K) of the plan's choice and the best of each branch.
+        cases, configs = [], {}
         for m in sizes:
-            numel = m // 4
             d = model.decide(m)
-            cases = {"plan": (d.compress, d.k), "orig": (False, d.k_orig), "cpr": (True, d.k_cpr)}
-            done = {}
-            for case, (cpr, k) in cases.items():
-                if (cpr, k) in done:                   # same configuration: same measurement
-                    rows.append(dict(done[(cpr, k)], case=case))
-                    continue
-                predicted = model.t_sync(m, cpr, k)
-                flat = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-                bounds = partition_bounds(numel, k)
-                times = []
-                for rep in range(a.repeats + 1):
-                    work = flat.clone()
-                    tr.barrier()
-                    t = time.perf_counter()
-                    h = strategy.build(ctx[cpr], f"g{m}.{int(cpr)}.{k}", work, bounds)
-                    if not h.wait(600):
-                        raise RuntimeError(f"sync of {m} bytes did not finish")
-                    if h.exception(0) is not None:
-                        raise RuntimeError(str(h.exception(0)))
-                    t = slowest_rank(time.perf_counter() - t)
-                    if rep:                            # the first run is a warm-up
+            for case, (cpr, k) in (("plan", (d.compress, d.k)), ("orig", (False, d.k_orig)), ("cpr", (True, d.k_cpr))):
+                cases.append((m, case, cpr, k))
+                configs.setdefault((m, cpr, k), [])
+        inputs = {m: torch.randn(m // 4, generator=torch.Generator().manual_seed(rank)) for m in sizes}
+
+        def sync_once(m, cpr, k) -> float:
+            work = inputs[m].clone()
+            tr.barrier()
+            t = time.perf_counter()
+            h = strategy.build(ctx[cpr], f"g{m}.{int(cpr)}.{k}", work, partition_bounds(m // 4, k))
+            if not h.wait(600):
+                raise RuntimeError(f"sync of {m} bytes did not finish")
+            if h.exception(0) is not None:
+                raise RuntimeError(str(h.exception(0)))
+            return slowest_rank(time.perf_counter() - t)
+
+        # Interleaved: each round runs every configuration once (round 0 is a warm-up), so a
+        # transient disturbance of the shared machine spreads over configurations instead of
+        # landing on all repeats of one.
+        for rep in range(max(repeats_for(m, a.repeats) for m in sizes) + 1):
+            for (m, cpr, k), times in configs.items():
+                if rep <= repeats_for(m, a.repeats):
+                    t = sync_once(m, cpr, k)
+                    if rep:
                         times.append(t)
-                measured = statistics.median(times)
-                row = {"strategy": strategy_name, "model_strategy": PLANNER_STRATEGY.get(strategy_name),
-                       "bytes": m, "case": case, "compress": cpr, "k": k, "predicted_ms": 1e3 * predicted,
-                       "measured_ms": 1e3 * measured, "ratio": measured / predicted if predicted > 0 else None,
-                       "times_ms": [1e3 * x for x in times]}
-                done[(cpr, k)] = row
-                rows.append(row)
-                if rank == 0:
-                    print(f"[planner] {strategy_name} {m:>10} B {case:4s} compress={int(cpr)} K={k:<3d} "
-                          f"predicted {row['predicted_ms']:9.2f} ms measured {row['measured_ms']:9.2f} ms "
-                          f"ratio {row['ratio']:.2f}", flush=True)
+        for m, case, cpr, k in cases:
+            times, predicted = configs[(m, cpr, k)], model.t_sync(m, cpr, k)
+            measured = statistics.median(times)
+            row = {"strategy": strategy_name, "model_strategy": PLANNER_STRATEGY.get(strategy_name),
+                   "bytes": m, "case": case, "compress": cpr, "k": k, "predicted_ms": 1e3 * predicted,
+                   "measured_ms": 1e3 * measured, "ratio": measured / predicted if predicted > 0 else None,
+                   "times_ms": [1e3 * x for x in times]}
+            rows.append(row)
+            if rank == 0:
+                print(f"[planner] {strategy_name} {m:>10} B {case:4s} compress={int(cpr)} K={k:<3d} "
+                      f"predicted {row['predicted_ms']:9.2f} ms measured {row['measured_ms']:9.2f} ms "
+                      f"ratio {row['ratio']:.2f}", flush=True)
     if rank == 0:
         with open(os.path.join(a.out_dir, "rows.json"), "w") as f:
             json.dump({"rows": rows, "profiles": profiles}, f)
@@ -127,8 +134,8 @@ def main(argv=None) -> dict:
     p.add_argument("--algorithm", default="tbq")
     p.add_argument("--strategy", default="ring,ps", help="comma list of ring, ps")
     p.add_argument("--sizes", default=DEFAULT_SIZES)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--profile-repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--profile-repeats", type=int, default=5)
     p.add_argument("--tolerance", type=float, default=0.25, help="goal: |measured/predicted - 1| <= this")
     p.add_argument("--out-dir", default="results")
     p.add_argument("--timeout", type=float, default=1200)

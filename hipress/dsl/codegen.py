@@ -691,7 +691,8 @@ class CppGen(Gen):
             bits = str(UINTS[out_t.elem]) if out_t.elem in UINTS else self.width(out_t.width)
             if out_t.elem == "uintN":
                 self.widths.append(out_t.width)
-            first = self.s.concat.args[0] if self.s.concat.args else None
+            # the payload's first array lies right after the header (scalars go into header words)
+            first = next((a for a in self.s.concat.args if is_arr(a.ty)), None) if self.s.concat else None
             direct = (env.which == "encode" and isinstance(first, A.Name) and sym is not None and
                       first.id == sym.name and getattr(first.sym, "kind", "") == "local")
             at = "out + kHeaderBytes" if direct else "nullptr"

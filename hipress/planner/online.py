@@ -148,7 +148,7 @@ def _link_changed(transport, cached: Optional[Profile], send_once) -> bool:
 
 
 def profile_online(compressor, transport, strategy: str, *, device: str = "cpu", cache_dir=None,
-                   refresh: bool = False, sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 3,
+                   refresh: bool = False, sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5,
                    engine=None) -> Profile:
     """Collective: returns the same Profile on every rank (see module docstring).
     engine: whose queues run the timed operators (default: the process-wide engine)."""

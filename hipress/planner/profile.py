@@ -33,6 +33,10 @@ VERSION = 1
 KB, MB = 1 << 10, 1 << 20
 #: 4 KB, 16 KB, ..., 64 MB (x4 steps)
 DEFAULT_LADDER: Tuple[int, ...] = tuple(4 * KB * 4 ** i for i in range(8))
+#: transfers are measured up to this size: they are bandwidth-bound long before it, the
+#: fitted curve extends its last slope beyond, and a bulk exchange of 64 MB per peer is the
+#: longest step of profiling
+SEND_LADDER_MAX = 16 * MB
 FITS = ("piecewise", "affine")
 CURVES = ("send", "enc", "dec", "enc_plain", "dec_plain", "send_one")
 
@@ -44,7 +48,7 @@ class ProfileError(ValueError):
 
 
 # --------------------------------------------------------------------------- measuring
-def _repeats(nbytes: float, repeats: int) -> int:
+def repeats_for(nbytes: float, repeats: int) -> int:
     """Sizes below 1 MB cost milliseconds and scatter most: three times the repeats."""
     return 3 * repeats if nbytes < MB else repeats
 
@@ -60,14 +64,22 @@ def _median_time(fn: Callable[[], float], repeats: int, warmup: int) -> float:
 def measure_send(send_once: Callable[[int], float], sizes: Sequence[int] = DEFAULT_LADDER,
                  repeats: int = 5, warmup: int = 1) -> Samples:
     """[(nbytes, median seconds)] of ``send_once(nbytes)`` for each size (``repeats`` runs,
-    three times as many below 1 MB, after ``warmup``)."""
-    out = []
-    for s in sizes:
-        t = _median_time(lambda: float(send_once(int(s))), _repeats(s, repeats), warmup)
-        if not (math.isfinite(t) and t >= 0):
-            raise ValueError(f"send_once({s}) returned {t!r}, expected seconds >= 0")
-        out.append((float(s), t))
-    return out
+    three times as many below 1 MB, after ``warmup``). The sizes are interleaved, one run
+    of each per round: a network slows down for seconds at a time (other traffic, a busy
+    host), and a slow spell should blur the whole curve a little rather than lift one
+    size's every run."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    runs: Dict[int, List[float]] = {int(s): [] for s in sizes}
+    for rnd in range(warmup + max(repeats_for(s, repeats) for s in runs)):
+        for s, got in runs.items():
+            if rnd < warmup + repeats_for(s, repeats):
+                t = float(send_once(s))
+                if not (math.isfinite(t) and t >= 0):
+                    raise ValueError(f"send_once({s}) returned {t!r}, expected seconds >= 0")
+                if rnd >= warmup:
+                    got.append(t)
+    return [(float(s), statistics.median(got)) for s, got in runs.items()]
 
 
 def measure_codec(compressor, sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5, warmup: int = 1,
@@ -116,9 +128,9 @@ def measure_codec(compressor, sizes: Sequence[int] = DEFAULT_LADDER, repeats: in
             sync()
             return reduce(time.perf_counter() - t0)
 
-        enc.append((float(4 * numel), _median_time(run_enc, _repeats(4 * numel, repeats), warmup)))
+        enc.append((float(4 * numel), _median_time(run_enc, repeats_for(4 * numel, repeats), warmup)))
         payload_bytes = float(box["p"].numel() * box["p"].element_size())
-        dec.append((payload_bytes, _median_time(run_dec, _repeats(4 * numel, repeats), warmup)))
+        dec.append((payload_bytes, _median_time(run_dec, repeats_for(4 * numel, repeats), warmup)))
     return enc, dec
 
 
@@ -260,7 +272,8 @@ def profile_compressor(compressor, send_once: Callable[[int], float], *, n: int,
                        plain=None, before=None, reduce=None,
                        task_once: Optional[Callable[[], float]] = None,
                        send_one_once: Optional[Callable[[int], float]] = None) -> Profile:
-    """Measure the codec on ``device`` and ``send_once`` on the ladder and fit a profile.
+    """Measure the codec on ``device`` and ``send_once`` on the ladder (up to SEND_LADDER_MAX)
+    and fit a profile.
     plain: the uncompressed path's codec (hipress's "none"), measured too when given;
     before, reduce: around each codec call (see :func:`measure_codec`); task_once() ->
     seconds of one empty compute task, measured too when given (median of 4 * repeats);
@@ -269,8 +282,9 @@ def profile_compressor(compressor, send_once: Callable[[int], float], *, n: int,
     plain_samples = (measure_codec(plain, sizes, repeats, device=device, before=before, reduce=reduce)
                      if plain is not None else None)
     task_s = _median_time(task_once, 4 * repeats, 2) if task_once is not None else 0.0
-    send = measure_send(send_once, sizes, repeats)
-    send_one = measure_send(send_one_once, sizes, repeats) if send_one_once is not None else None
+    send_sizes = [s for s in sizes if s <= SEND_LADDER_MAX] or list(sizes)[:1]
+    send = measure_send(send_once, send_sizes, repeats)
+    send_one = measure_send(send_one_once, send_sizes, repeats) if send_one_once is not None else None
     measured_rate = statistics.median(d / e for (e, _), (d, _) in zip(enc, dec) if e > 0)
     rate = float(getattr(compressor, "rate", measured_rate) or measured_rate)
     return build_profile(n=n, strategy=strategy, device=device, algorithm=algorithm or compressor.name,
