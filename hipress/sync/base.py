@@ -116,30 +116,21 @@ class StateStore:
 
 
 def direct_exchange(transport, payloads: Dict[int, torch.Tensor], recv_from, bulk: bool) -> Dict[int, torch.Tensor]:
-    """Moves payloads now, over the transport, with sizes exchanged first.
+    """Moves payloads now, over the transport; receivers learn the sizes from the transport
+    (payload sizes vary with the gradient for sparsifiers).
 
-    bulk=False: exactly one destination and one source (a ring step): two sendrecv.
-    bulk=True: one alltoallv of byte counts, then one alltoallv of the payloads (zero
-    bytes to and from every peer not named). Every rank of the transport must make the
-    same kind of call at the same point.
+    bulk=False: exactly one destination and one source (a ring step): one sendrecv_alloc.
+    bulk=True: one alltoallv_alloc (zero bytes to and from every peer not named). Every
+    rank of the transport must make the same kind of call at the same point.
     """
     n = transport.size
     if not bulk:
         (dst, payload), = payloads.items()
         (src,) = recv_from
-        n_out = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
-        n_in = torch.empty(8, dtype=torch.uint8)
-        transport.sendrecv(n_out, dst, n_in, src)
-        buf = torch.empty(int(n_in.view(torch.int64)[0]), dtype=torch.uint8)
-        transport.sendrecv(payload, dst, buf, src)
-        return {src: buf}
+        return {src: transport.sendrecv_alloc(payload, dst, src)}
     segs = [payloads[j].reshape(-1) if j in payloads else torch.empty(0, dtype=torch.uint8) for j in range(n)]
     send_counts = [x.numel() for x in segs]
-    counts_in = torch.empty(8 * n, dtype=torch.uint8)
-    transport.alltoallv(torch.tensor(send_counts, dtype=torch.int64).view(torch.uint8), [8] * n, counts_in, [8] * n)
-    recv_counts = counts_in.view(torch.int64).tolist()
-    recv = torch.empty(sum(recv_counts), dtype=torch.uint8)
-    transport.alltoallv(torch.cat(segs), send_counts, recv, recv_counts)
+    recv, recv_counts = transport.alltoallv_alloc(torch.cat(segs), send_counts)
     out, off = {}, 0
     for j, c in enumerate(recv_counts):
         if j in recv_from:

@@ -2,14 +2,17 @@
 NCCL and in-process threads (loopback).
 
 Every buffer is a 1-D, contiguous ``torch.uint8`` tensor (CPU; CUDA where the backend
-allows). The caller owns and sizes every buffer; a transport never allocates the
-result of an operation.
+allows). The caller owns and sizes every buffer, except in the two ``*_alloc`` operations,
+which exist for payloads whose size only the sender knows (sparsified gradients): they
+move the sizes with the data in one protocol instead of a separate exchange.
 
 Operations (all ranks of the transport call the collectives in the same order):
 
     send(buf, dst, tag=0)             recv(buf, src, tag=0)        # caller sizes buf exactly
     sendrecv(send_buf, dst, recv_buf, src)                          # one ring step
     alltoallv(send_buf, send_counts, recv_buf, recv_counts)         # the bulk step
+    sendrecv_alloc(send_buf, dst, src) -> recv_buf                  # ... receive size not known:
+    alltoallv_alloc(send_buf, send_counts) -> recv_buf, recv_counts # the transport allocates
     allgather(send_buf, recv_buf)     allgatherv(send_buf, recv_buf, recv_counts)
     broadcast(buf, root)              barrier()
     split(color, key=None)            subgroup(ranks)               # sub-transports
@@ -242,6 +245,34 @@ class Transport(abc.ABC):
         if ns or nr:
             self._raw_sendrecv(send_buf if ns else None, dst, recv_buf if nr else None, src, op)
 
+    def sendrecv_alloc(self, send_buf: torch.Tensor, dst: int, src: int) -> torch.Tensor:
+        """A ring step whose receive size is not known in advance: send ``send_buf`` to ``dst``
+        and return what ``src`` sent, in a buffer this call allocates (on ``send_buf``'s device).
+
+        The sizes travel first, then the payload: two backend exchanges, with or without
+        checking (a caller exchanging a byte count over checked ``sendrecv`` pays four)."""
+        op = f"sendrecv_alloc(dst={dst}, src={src})"
+        self._ensure_open(op)
+        self._check_peer(op, dst, "dst")
+        self._check_peer(op, src, "src")
+        bad = self._check_buf(op, "send_buf", send_buf)
+        if bad:
+            raise self._err(op, bad, [dst, src])
+        if dst == self._rank or src == self._rank:
+            if dst == src == self._rank:
+                return send_buf.clone()
+            raise self._err(op, "sendrecv with self on one side only is not supported", [dst, src])
+        ns = send_buf.numel()
+        hs, hr = self._header(ns, send_buf), self._header(0, send_buf)
+        self._raw_sendrecv(hs, dst, hr, src, op)
+        nr = self._header_value(hr)
+        if nr < 0:
+            raise self._err(op, f"rank {src} announced {nr} bytes", [src])
+        recv_buf = torch.empty(nr, dtype=torch.uint8, device=send_buf.device)
+        if ns or nr:
+            self._raw_sendrecv(send_buf if ns else None, dst, recv_buf if nr else None, src, op)
+        return recv_buf
+
     def _header(self, n: int, like: torch.Tensor) -> torch.Tensor:
         h = torch.frombuffer(bytearray(_HDR.pack(n)), dtype=torch.uint8).clone()
         return h.to(like.device) if like.device.type != "cpu" else h
@@ -284,6 +315,40 @@ class Transport(abc.ABC):
         elif problems:
             raise self._err(op, "; ".join(problems))
         self._raw_alltoallv(send_buf, sc, recv_buf, rc, op)
+
+    def alltoallv_alloc(self, send_buf: torch.Tensor, send_counts: Sequence[int]):
+        """The bulk step when receivers do not know what they get: rank i sends
+        ``send_counts[j]`` bytes to each rank j; returns ``(recv_buf, recv_counts)``, the
+        segments from rank 0, 1, ... back to back in a buffer this call allocates.
+
+        Two backend collectives: the counts (with checking, the all-gather that validates
+        every rank's arguments carries them), then the payloads."""
+        op = "alltoallv_alloc"
+        self._ensure_open(op)
+        n = self._size
+        problems = []
+        sc = self._counts(send_counts, "send_counts", problems)
+        bad = self._check_buf(op, "send_buf", send_buf)
+        if bad:
+            problems.append(bad)
+        elif sum(sc) > send_buf.numel():
+            problems.append(f"send_counts sum to {sum(sc)} bytes but send_buf holds {send_buf.numel()}")
+        if problems:
+            sc = [0] * n
+        if self.check:
+            rows = self._meta_gather(op, [0 if problems else 1] + sc)
+            self._raise_local_or_remote(op, problems, rows)
+            rc = [rows[i][1 + self._rank] for i in range(n)]
+        elif problems:
+            raise self._err(op, "; ".join(problems))
+        else:
+            counts_in = self._meta_device(torch.empty(8 * n, dtype=torch.uint8))
+            self._raw_alltoallv(self._meta_device(torch.tensor(sc, dtype=torch.int64).view(torch.uint8)), [8] * n,
+                                counts_in, [8] * n, op)
+            rc = counts_in.cpu().view(torch.int64).tolist()
+        recv_buf = torch.empty(sum(rc), dtype=torch.uint8, device=send_buf.device)
+        self._raw_alltoallv(send_buf, sc, recv_buf, rc, op)
+        return recv_buf, rc
 
     def allgather(self, send_buf: torch.Tensor, recv_buf: torch.Tensor) -> None:
         """``recv_buf[i*m:(i+1)*m]`` = rank i's ``send_buf`` (m bytes, the same on every rank)."""

@@ -66,6 +66,17 @@ def check_sendrecv_ring(t: Transport) -> None:
             _eq(f"sendrecv shift {shift} k {k}", t, buf, pattern(50 + 10 * src + k, size_of(src)))
 
 
+def check_sendrecv_alloc(t: Transport) -> None:
+    """Ring steps whose receivers do not know the size: sizes differ per sender (zero included)."""
+    n, r = t.size, t.rank
+    for shift in (1, -1):
+        dst, src = (r + shift) % n, (r - shift) % n
+        for k in range(len(SIZES)):
+            size_of = lambda rank: SIZES[(k + 2 * rank) % len(SIZES)]  # noqa: E731
+            got = t.sendrecv_alloc(pattern(70 + 10 * r + k, size_of(r)), dst, src)
+            _eq(f"sendrecv_alloc shift {shift} k {k}", t, got, pattern(70 + 10 * src + k, size_of(src)))
+
+
 def _a2a_counts(n: int, scale: int, variant: int) -> List[List[int]]:
     """counts[i][j]: bytes rank i sends to rank j; uneven, with zeros (self included)."""
     if variant == 0:
@@ -90,6 +101,23 @@ def check_alltoallv(t: Transport) -> None:
             want = torch.cat([pattern(10_000 + 100 * i + r + scale, rc[i]) for i in range(n)]
                              + [torch.full((3,), 255, dtype=torch.uint8)])
             _eq(f"alltoallv scale {scale} variant {variant} counts {counts}", t, recv, want)
+
+
+def check_alltoallv_alloc(t: Transport) -> None:
+    """alltoallv where receivers learn the counts from the transport."""
+    n, r = t.size, t.rank
+    for scale in (1, 1000, 300_001):
+        for variant in range(4):
+            counts = _a2a_counts(n, scale, variant)
+            sc = counts[r]
+            send = torch.cat([pattern(20_000 + 100 * r + j + scale, sc[j]) for j in range(n)]
+                             + [torch.full((2,), 7, dtype=torch.uint8)])  # longer than the counts: tail not sent
+            got, rc = t.alltoallv_alloc(send, sc)
+            want_rc = [counts[i][r] for i in range(n)]
+            if rc != want_rc:
+                raise AssertionError(f"alltoallv_alloc: rank {r} got counts {rc}, want {want_rc}")
+            want = torch.cat([pattern(20_000 + 100 * i + r + scale, want_rc[i]) for i in range(n)])
+            _eq(f"alltoallv_alloc scale {scale} variant {variant}", t, got, want)
 
 
 def check_allgather(t: Transport) -> None:
@@ -208,6 +236,11 @@ def check_mismatch_errors(t: Transport) -> None:
         elif r == 1:
             _expect_error(f"recv {sent}B into {room}B", t, lambda: t.recv(torch.zeros(room, dtype=torch.uint8), 0, tag=k),
                           True, f"rank 0 sent {sent} bytes")
+    # alltoallv_alloc: the last rank's counts overrun its buffer -> every rank raises
+    bad_sc = [2] * n
+    _expect_error("alltoallv_alloc counts overrun", t,
+                  lambda: t.alltoallv_alloc(torch.zeros(2 * n - (1 if r == n - 1 else 0), dtype=torch.uint8), bad_sc),
+                  True, "invalid arguments" if r != n - 1 else "send_counts sum")
     # ... and a correct exchange after all that still delivers the right bytes
     check_alltoallv_small(t)
     if r == 0:
@@ -233,7 +266,9 @@ def check_alltoallv_small(t: Transport) -> None:
 CHECKS: Dict[str, Callable[[Transport], None]] = {
     "send_recv": check_send_recv,
     "sendrecv_ring": check_sendrecv_ring,
+    "sendrecv_alloc": check_sendrecv_alloc,
     "alltoallv": check_alltoallv,
+    "alltoallv_alloc": check_alltoallv_alloc,
     "allgather": check_allgather,
     "allgatherv": check_allgatherv,
     "broadcast": check_broadcast,
