@@ -4,15 +4,18 @@ gradient against the measured one (issue 7), for a ladder of gradient sizes.
     python -m hipress.bench.planner --np 4 --bandwidth 1gbit --latency 0.2ms --strategy ring,ps
 
 Each rank runs in its own network namespace behind a shaped link (hipress.bench.cluster).
-On every rank: ``profile_online`` measures T_enc/T_dec of the compressor and T_send over
-the real link (a fresh profile for this run, never a cached one), the cost model plans
-every ladder size, and then each size is synchronized for real through CaSync (the same
-strategy builders DistributedOptimizer uses) three ways: the plan's choice, the best
-uncompressed K and the best compressed K, the configurations interleaved round by round.
-A measurement is the slowest rank's time from a common barrier to its result (median of
-``--repeats``, default 7, three times as many below 1 MB as in the profile, after one
-warm-up). Rank 0 writes ``<out-dir>/planner-validate.json`` and a markdown table with
-measured/predicted per row; the goal is every row within 25%.
+On every rank, per strategy: ``profile_online`` measures T_enc/T_dec of the compressor and
+T_send over the real link (fresh, never cached); the first profile's model picks, for every
+ladder size, three configurations to run for real through CaSync (the same strategy
+builders DistributedOptimizer uses): the plan's choice, the best uncompressed K and the
+best compressed K. Then ``--rounds`` rounds of (a new profile, every configuration once,
+three times below 1 MB): this VM's speed drifts by tens of percent over tens of seconds,
+and alternating the profile with the syncs it predicts exposes both to the same drift.
+The prediction comes from the pooled profile (per size, the median of the rounds); a
+measurement is the slowest rank's time from a common barrier to its result, the median
+over the rounds (the first sync of each configuration is a warm-up). Rank 0 writes
+``<out-dir>/planner-validate.json`` and a markdown table with measured/predicted per row;
+the goal is every row within 25%.
 
 The second half of issue 7 (a model mixing many small and a few very large gradients:
 planned vs compress-all vs compress-none) is ``python -m hipress.bench.compare --preset
@@ -43,6 +46,22 @@ def parse_size(s: str) -> int:
     return int(s)
 
 
+def pooled_profile(profiles):
+    """One profile from several taken over time: per curve and size the median of the rounds'
+    medians, and the median task hand-off."""
+    from hipress.planner.profile import build_profile
+
+    first = profiles[0]
+    med = {key: [(size, statistics.median(p.samples[key][i][1] for p in profiles))
+                 for i, (size, _) in enumerate(pts)] for key, pts in first.samples.items()}
+    plain = (med["enc_plain"], med["dec_plain"]) if "enc_plain" in med else None
+    return build_profile(n=first.n, strategy=first.strategy, device=first.device, algorithm=first.algorithm,
+                         category=first.category, rate=first.rate, send_samples=med["send"],
+                         enc_samples=med["enc"], dec_samples=med["dec"], plain_samples=plain,
+                         task_s=statistics.median(p.task_s for p in profiles),
+                         send_one_samples=med.get("send_one"), meta={"rounds": len(profiles)})
+
+
 # ------------------------------------------------------------------ on every rank
 def worker(a) -> None:
     import torch
@@ -70,22 +89,13 @@ def worker(a) -> None:
     slowest_rank = slowest(tr)
     for strategy_name in a.strategy.split(","):
         strategy = {"ring": RingStrategy, "ps": PSStrategy}[strategy_name]()
-        t0 = time.time()
-        prof = profile_online(comp, tr, strategy_name, cache_dir=a.profile_dir, refresh=True,
-                              repeats=a.profile_repeats)
-        profile_s = time.time() - t0
-        profiles[strategy_name] = {"profile": prof.to_dict(), "seconds": profile_s}
-        model = prof.cost_model()
         ctx = {c: sync_base.SyncContext(engine, tr, cc, sync_base.StateStore()) for c, cc in
                ((False, none), (True, comp))}
-        # Distinct configurations (size, compress, K) of the plan's choice and the best of each branch.
-        cases, configs = [], {}
-        for m in sizes:
-            d = model.decide(m)
-            for case, (cpr, k) in (("plan", (d.compress, d.k)), ("orig", (False, d.k_orig)), ("cpr", (True, d.k_cpr))):
-                cases.append((m, case, cpr, k))
-                configs.setdefault((m, cpr, k), [])
         inputs = {m: torch.randn(m // 4, generator=torch.Generator().manual_seed(rank)) for m in sizes}
+
+        def profile_round():
+            return profile_online(comp, tr, strategy_name, cache_dir=a.profile_dir, refresh=True,
+                                  repeats=a.profile_repeats)
 
         def sync_once(m, cpr, k) -> float:
             work = inputs[m].clone()
@@ -98,15 +108,32 @@ def worker(a) -> None:
                 raise RuntimeError(str(h.exception(0)))
             return slowest_rank(time.perf_counter() - t)
 
-        # Interleaved: each round runs every configuration once (round 0 is a warm-up), so a
-        # transient disturbance of the shared machine spreads over configurations instead of
-        # landing on all repeats of one.
-        for rep in range(max(repeats_for(m, a.repeats) for m in sizes) + 1):
+        t0 = time.time()
+        taken = [profile_round()]
+        # Distinct configurations (size, compress, K): the plan's choice and the best of each
+        # branch, as the first profile decides them.
+        cases, configs, warm = [], {}, set()
+        for m in sizes:
+            d = taken[0].cost_model().decide(m)
+            for case, (cpr, k) in (("plan", (d.compress, d.k)), ("orig", (False, d.k_orig)), ("cpr", (True, d.k_cpr))):
+                cases.append((m, case, cpr, k))
+                configs.setdefault((m, cpr, k), [])
+        # Rounds of (profile, then every configuration once or, below 1 MB, three times): this
+        # VM's speed drifts by tens of percent over tens of seconds, and alternating the
+        # profile with the syncs it predicts exposes both to the same drift. The first sync of
+        # each configuration is a warm-up.
+        for rnd in range(a.rounds):
+            if rnd:
+                taken.append(profile_round())
             for (m, cpr, k), times in configs.items():
-                if rep <= repeats_for(m, a.repeats):
+                for _ in range(repeats_for(m, 1)):
                     t = sync_once(m, cpr, k)
-                    if rep:
+                    if (m, cpr, k) in warm:
                         times.append(t)
+                    warm.add((m, cpr, k))
+        prof = pooled_profile(taken)
+        profiles[strategy_name] = {"profile": prof.to_dict(), "seconds": time.time() - t0, "rounds": a.rounds}
+        model = prof.cost_model()
         for m, case, cpr, k in cases:
             times, predicted = configs[(m, cpr, k)], model.t_sync(m, cpr, k)
             measured = statistics.median(times)
@@ -134,8 +161,8 @@ def main(argv=None) -> dict:
     p.add_argument("--algorithm", default="tbq")
     p.add_argument("--strategy", default="ring,ps", help="comma list of ring, ps")
     p.add_argument("--sizes", default=DEFAULT_SIZES)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--profile-repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=7, help="rounds of (profile, every configuration once)")
+    p.add_argument("--profile-repeats", type=int, default=1, help="repeats of each profile round")
     p.add_argument("--tolerance", type=float, default=0.25, help="goal: |measured/predicted - 1| <= this")
     p.add_argument("--out-dir", default="results")
     p.add_argument("--timeout", type=float, default=1200)
@@ -157,7 +184,7 @@ def main(argv=None) -> dict:
         os.chmod(d, 0o777)
         cmd = [sys.executable, "-m", "hipress.bench.planner", "--worker", "--out-dir", d, "--profile-dir", d,
                "--algorithm", a.algorithm, "--strategy", a.strategy, "--sizes", a.sizes,
-               "--repeats", str(a.repeats), "--profile-repeats", str(a.profile_repeats)]
+               "--rounds", str(a.rounds), "--profile-repeats", str(a.profile_repeats)]
         bw = None if a.bandwidth == "none" else a.bandwidth
         with EmulatedCluster(np=a.np, bandwidth=bw, latency=a.latency, quiet=not a.verbose) as c:
             cluster = {"emulated": c.emulated, "delay_method": c.delay_method, "fallback_reason": c.fallback_reason}

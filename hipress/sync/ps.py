@@ -1,9 +1,10 @@
 """CaSync-PS with aggregators co-located on the workers (paper 000 §3.1, §5.1).
 
 For a gradient split into K partitions, each partition has one aggregator rank,
-chosen the first time the partition is seen (least bytes assigned so far, ties to the
-lowest rank) and kept after that, so aggregator-side state stays on one rank. All
-ranks make the same choice because they submit gradients in the same order.
+chosen the first time the partition is seen (K <= N partitions on K distinct ranks, the
+least loaded by bytes assigned so far; see :meth:`PSStrategy.owners`) and kept after
+that, so aggregator-side state stays on one rank. All ranks make the same choice
+because they submit gradients in the same order.
 
   1. encode   (compute) every partition with the worker's state; payloads for the
               same aggregator are framed into one segment
@@ -35,23 +36,34 @@ class PSStrategy(Strategy):
         self._owner: Dict[str, int] = {}
         self._load: List[int] = []
 
-    def owner(self, key: str, nbytes: int, size: int) -> int:
-        if key not in self._owner:
-            if len(self._load) != size:
-                self._load = [0] * size
-            a = min(range(size), key=lambda j: (self._load[j], j))
-            self._load[a] += nbytes
-            self._owner[key] = a
-        return self._owner[key]
+    def owners(self, parts: Sequence[Tuple[str, int]], size: int) -> List[int]:
+        """The aggregator of each (key, bytes) partition of one gradient. A new partition goes
+        to the rank holding the fewest of this gradient's partitions, among those the one with
+        the fewest bytes assigned so far (ties to the lowest rank): a gradient's K <= N
+        partitions land on K distinct aggregators, which then work in parallel, and the load
+        balances across gradients."""
+        if len(self._load) != size:
+            self._load = [0] * size
+        mine = [0] * size
+        for key, _ in parts:
+            if key in self._owner:
+                mine[self._owner[key]] += 1
+        for key, nbytes in parts:
+            if key not in self._owner:
+                a = min(range(size), key=lambda j: (mine[j], self._load[j], j))
+                self._load[a] += nbytes
+                mine[a] += 1
+                self._owner[key] = a
+        return [self._owner[key] for key, _ in parts]
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
         n, r = ctx.size, ctx.rank
-        comp, tr = ctx.compressor, ctx.transport
+        comp = ctx.compressor
         parts = [(f"{tensor_name}/p{i}", s, e) for i, (s, e) in enumerate(bounds) if e > s]
         if not parts:
             return ctx.compute(f"done.{tensor_name}", lambda: None, deps)
-        owners = [self.owner(key, 4 * (e - s), n) for key, s, e in parts]
+        owners = self.owners([(key, 4 * (e - s)) for key, s, e in parts], n)
         aggregators = sorted(set(owners))
         mine = [i for i, a in enumerate(owners) if a == r]
         slot = {"gather_in": {}, "bcast_in": {}}

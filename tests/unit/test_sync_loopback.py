@@ -113,3 +113,17 @@ def test_coordinator_lowrank_identical():
     coord, _ = run_strategy("lowrank", factory, grads, [(0, 1024)], coordinator=True)
     for a, b in zip(direct, coord):
         assert torch.equal(a, b)
+
+
+def test_ps_owners_spread_a_gradients_partitions_over_distinct_aggregators():
+    from hipress.sync.ps import PSStrategy
+
+    ps = PSStrategy()
+    assert ps.owners([("big/p0", 1000)], 4) == [0]        # rank 0 now carries 1000 bytes
+    assert ps.owners([("small/p0", 10)], 4) == [1]
+    # the least loaded rank (2) would take both partitions by bytes alone; distinct ranks first
+    assert ps.owners([("g/p0", 100), ("g/p1", 100)], 4) == [2, 3]
+    assert ps.owners([("g/p0", 100), ("g/p1", 100)], 4) == [2, 3]  # kept once chosen
+    # K > N: ceil(K/N) partitions on the busiest aggregator, every rank used
+    got = ps.owners([(f"h/p{i}", 10) for i in range(6)], 4)
+    assert sorted(got.count(r) for r in range(4)) == [1, 1, 2, 2]
