@@ -8,10 +8,10 @@ The transport drives the ``ProcessGroup`` object directly (``pg.send``, ``pg.all
 ``PrefixStore`` that only their members construct; nothing is registered in torch's
 global group table and non-members never have to take part.
 
-alltoallv: gloo's native ``alltoall_base`` (uneven splits and zeros are fine in the
-torch versions tested) unless ``HIPRESS_TORCH_ALLTOALL=p2p`` selects the portable
-one made of concurrent sends and receives (used automatically if the native one is
-refused by the backend). allgatherv is always made of sends and receives.
+alltoallv: concurrent point-to-point sends and receives by default (gloo's
+``alltoall_base`` moved a 16 MB 2-rank exchange at half the link rate on the emulated
+cluster); ``HIPRESS_TORCH_ALLTOALL=native`` selects ``alltoall_base`` (falling back to
+point-to-point if the backend refuses it). allgatherv is always made of sends and receives.
 
 Errors from the backend (a peer that closed its connection, gloo's own timeout) come back
 as :class:`TransportError` naming the operation and the peers involved.
