@@ -289,17 +289,8 @@ class Transport(abc.ABC):
         self._ensure_open(op)
         n = self._size
         problems = []
-        sc = self._counts(send_counts, "send_counts", problems)
-        rc = self._counts(recv_counts, "recv_counts", problems)
-        for what, t in (("send_buf", send_buf), ("recv_buf", recv_buf)):
-            bad = self._check_buf(op, what, t)
-            if bad:
-                problems.append(bad)
-        if not problems:
-            if sum(sc) > send_buf.numel():
-                problems.append(f"send_counts sum to {sum(sc)} bytes but send_buf holds {send_buf.numel()}")
-            if sum(rc) > recv_buf.numel():
-                problems.append(f"recv_counts sum to {sum(rc)} bytes but recv_buf holds {recv_buf.numel()}")
+        sc = self._segments(op, "send", send_buf, send_counts, problems)
+        rc = self._segments(op, "recv", recv_buf, recv_counts, problems)
         if problems:
             sc = rc = [0] * n
         if self.check:
@@ -327,12 +318,7 @@ class Transport(abc.ABC):
         self._ensure_open(op)
         n = self._size
         problems = []
-        sc = self._counts(send_counts, "send_counts", problems)
-        bad = self._check_buf(op, "send_buf", send_buf)
-        if bad:
-            problems.append(bad)
-        elif sum(sc) > send_buf.numel():
-            problems.append(f"send_counts sum to {sum(sc)} bytes but send_buf holds {send_buf.numel()}")
+        sc = self._segments(op, "send", send_buf, send_counts, problems)
         if problems:
             sc = [0] * n
         if self.check:
@@ -451,6 +437,17 @@ class Transport(abc.ABC):
         if any(x < 0 for x in c):
             problems.append(f"{what} has negative entries: {c}")
             return [0] * self._size
+        return c
+
+    def _segments(self, op: str, side: str, buf, counts, problems: list) -> List[int]:
+        """Validated per-rank byte counts of one side ("send"/"recv") of an alltoallv and its
+        buffer; what is wrong goes to ``problems``."""
+        c = self._counts(counts, f"{side}_counts", problems)
+        bad = self._check_buf(op, f"{side}_buf", buf)
+        if bad:
+            problems.append(bad)
+        elif sum(c) > buf.numel():
+            problems.append(f"{side}_counts sum to {sum(c)} bytes but {side}_buf holds {buf.numel()}")
         return c
 
     def _raise_local_or_remote(self, op: str, problems: list, rows: List[List[int]]) -> None:
