@@ -236,11 +236,12 @@ def _zero(m: float) -> float:
 
 @dataclass(frozen=True)
 class ExecutedOps:
-    """The operators one executed sync is made of. send(p): one transfer of p bytes (for
-    CaSync-PS the per-peer share of a bulk exchange with N aggregators; send_one: with
-    one aggregator); enc(m): encode m fp32 bytes; dec(p):
-    decode or merge an encoded payload of p bytes; copy(m): a memory pass over m bytes;
-    task: the hand-off of one compute task; rate: payload bytes per fp32 byte."""
+    """The operators one executed sync is made of, as seconds.
+
+    send(p): one transfer of p bytes (for CaSync-PS the per-peer share of a bulk exchange
+    with N aggregators; send_one: with one aggregator); enc(m): encode m fp32 bytes;
+    dec(p): decode or merge an encoded payload of p bytes; copy(m): a memory pass over m
+    bytes; task: the hand-off of one compute task; rate: payload bytes per fp32 byte."""
 
     send: Curve
     send_one: Curve
@@ -289,11 +290,10 @@ def executed_ps(op: ExecutedOps, m: float, n: int, k: int) -> float:
         decode     o + k D(p) + pass(m)                   decode every partition, divide by N
 
     S interpolates between send_one (one aggregator) and send (N) in the number of
-    aggregators A = min(k, N). Every exchange waits for the slowest rank, so the phases
-    add up. In the paper's terms
-    alpha = 2(N-1), beta = k + q, gamma = k + qN (Table 3's co-located row is k, N: the own
-    partition is neither encoded nor decoded there); send is the per-peer share of a bulk
-    exchange, so (N-1) S is one exchange.
+    aggregators A = min(k, N); send is the per-peer share of a bulk exchange, so (N-1) S
+    is one exchange. Every exchange waits for the slowest rank, so the phases add up. In
+    the paper's terms alpha = 2(N-1), beta = k + q, gamma = k + qN (Table 3's co-located
+    row is k, N: the own partition is neither encoded nor decoded there).
     """
     x = m / k
     p = op.rate * x
