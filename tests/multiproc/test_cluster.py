@@ -111,13 +111,23 @@ def shaped():
 @pytest.mark.parametrize("rate_mbit", [200, 1000])
 def test_bandwidth_within_15_percent(shaped, rate_mbit):
     shaped.set_link(bandwidth=f"{rate_mbit}mbit", latency=0)
-    fwd = measure_bandwidth(shaped, seconds=2, src=0, dst=1)
-    print(f"\nset {rate_mbit} Mbit/s: measured {fwd:.1f} Mbit/s host0->host1 (TCP goodput)")
-    assert abs(fwd - rate_mbit) / rate_mbit <= 0.15, (rate_mbit, fwd)
+    assert_goodput_near(shaped, rate_mbit, 0, 1, seconds=2)
     if rate_mbit == 200:  # the other direction is shaped too (host1 uplink, host0 downlink)
-        back = measure_bandwidth(shaped, seconds=1, src=1, dst=0)
-        print(f"set {rate_mbit} Mbit/s: measured {back:.1f} Mbit/s host1->host0")
-        assert abs(back - rate_mbit) / rate_mbit <= 0.15, (rate_mbit, back)
+        assert_goodput_near(shaped, rate_mbit, 1, 0, seconds=1)
+
+
+def assert_goodput_near(cluster, rate_mbit, src, dst, seconds, tries=3):
+    """TCP goodput src -> dst within 15% of the set rate. Never above it (the shaper's cap is
+    checked on every try); below it a try may be retried: on a 2-core machine a busy moment
+    of the other processes starves the sender (846 Mbit/s at 1 Gbit/s seen once in CI)."""
+    got = []
+    for _ in range(tries):
+        got.append(measure_bandwidth(cluster, seconds=seconds, src=src, dst=dst))
+        print(f"\nset {rate_mbit} Mbit/s: measured {got[-1]:.1f} Mbit/s host{src}->host{dst} (TCP goodput)")
+        assert got[-1] <= 1.15 * rate_mbit, (rate_mbit, got)
+        if abs(got[-1] - rate_mbit) / rate_mbit <= 0.15:
+            return
+    raise AssertionError(f"set {rate_mbit} Mbit/s, measured {got} Mbit/s host{src}->host{dst}: all below 85%")
 
 
 @needs_netns
