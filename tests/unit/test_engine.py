@@ -203,7 +203,8 @@ def test_deferred_task_completes_from_another_thread(engine):
     d = engine.submit_deferred("bulk.send", posted.append, deps=[a])
     after = engine.submit("decode", lambda: "ran", deps=[d])
     deadline = time.time() + 5
-    while not posted and time.time() < deadline:
+    # the work appends the completion and then returns: only then is the task "posted"
+    while (not posted or d.state != "posted") and time.time() < deadline:
         time.sleep(0.001)
     assert posted and d.state == "posted" and not after.poll()
     threading.Thread(target=posted[0].done).start()
