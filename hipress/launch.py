@@ -4,12 +4,12 @@
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1
 and a free MASTER_PORT, so hipress.init() finds it; OMP_NUM_THREADS, unless set, is the
-cores divided among the ranks (as torchrun does: several ranks each running
-a full-width OpenMP pool oversubscribe the cores, and idle OpenMP threads spin for
-milliseconds after every parallel op, stalling the communication threads; a 64 KB
-exchange between two ranks on two cores took 5-8 ms instead of 0.3 ms). Output lines are prefixed with
-the rank. If any rank fails, the others are stopped and the launcher exits with that
-rank's code; Ctrl-C or --timeout stop every rank. Nothing is left running.
+cores divided among the ranks (as torchrun does: several ranks each running a full-width
+OpenMP pool oversubscribe the cores, and idle OpenMP threads spin for milliseconds after
+every parallel op, stalling the communication threads; a 64 KB exchange between two ranks
+on two cores took 5-8 ms instead of 0.3 ms). Output lines are prefixed with the rank. If
+any rank fails, the others are stopped and the launcher exits with that rank's code; Ctrl-C
+or --timeout stop every rank. Nothing is left running.
 """
 from __future__ import annotations
 

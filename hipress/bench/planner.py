@@ -112,7 +112,7 @@ def worker(a) -> None:
         taken = [profile_round()]
         # Distinct configurations (size, compress, K): the plan's choice and the best of each
         # branch, as the first profile decides them.
-        cases, configs, warm = [], {}, set()
+        cases, configs = [], {}
         for m in sizes:
             d = taken[0].cost_model().decide(m)
             for case, (cpr, k) in (("plan", (d.compress, d.k)), ("orig", (False, d.k_orig)), ("cpr", (True, d.k_cpr))):
@@ -126,16 +126,12 @@ def worker(a) -> None:
             if rnd:
                 taken.append(profile_round())
             for (m, cpr, k), times in configs.items():
-                for _ in range(repeats_for(m, 1)):
-                    t = sync_once(m, cpr, k)
-                    if (m, cpr, k) in warm:
-                        times.append(t)
-                    warm.add((m, cpr, k))
+                times.extend(sync_once(m, cpr, k) for _ in range(repeats_for(m, 1)))
         prof = pooled_profile(taken)
         profiles[strategy_name] = {"profile": prof.to_dict(), "seconds": time.time() - t0, "rounds": a.rounds}
         model = prof.cost_model()
         for m, case, cpr, k in cases:
-            times, predicted = configs[(m, cpr, k)], model.t_sync(m, cpr, k)
+            times, predicted = configs[(m, cpr, k)][1:], model.t_sync(m, cpr, k)  # [0]: the warm-up
             measured = statistics.median(times)
             row = {"strategy": strategy_name, "model_strategy": PLANNER_STRATEGY.get(strategy_name),
                    "bytes": m, "case": case, "compress": cpr, "k": k, "predicted_ms": 1e3 * predicted,
