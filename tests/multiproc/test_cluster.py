@@ -254,7 +254,15 @@ def test_cli_signal_tears_down(sig, expected):
         daemons = [d for d in procs_with("--delay-daemon") if d in inside]
         assert len(daemons) == 2
         p.send_signal(sig)
-        out, _ = p.communicate(timeout=30)
+        try:
+            out, _ = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # say where teardown stuck (seen once in CI, never reproduced)
+            ps = subprocess.run(["ps", "-eo", "pid,pgid,stat,etime,args"], capture_output=True, text=True).stdout
+            p.send_signal(signal.SIGUSR1)  # the CLI dumps its Python stacks (faulthandler)
+            time.sleep(1)
+            p.kill()
+            out, _ = p.communicate()
+            raise AssertionError(f"the CLI did not exit within 30 s of signal {sig}; its output:\n{out}\n{ps}")
     finally:
         if p.poll() is None:
             p.kill()
