@@ -18,7 +18,11 @@ be installed (``bash scripts/install_horovod.sh``); :func:`available` says wheth
 """
 from __future__ import annotations
 
+import itertools
+import time
 from typing import Optional
+
+import torch
 
 __all__ = ["BASELINES", "available", "init_horovod", "horovod_optimizer", "broadcast_initial_state"]
 
@@ -70,9 +74,24 @@ def horovod_optimizer(optimizer, model=None, compression: str = "none", named_pa
                                     backward_passes_per_step=backward_passes_per_step, op=ops[op], **kwargs)
 
 
+_barriers = itertools.count()
+
+
+def _sleeping_barrier(hvd) -> None:
+    """Waits for every rank, sleeping between polls. Horovod's own waits spin (sched_yield):
+    with more ranks than cores the ranks already waiting starve one still busy (a lazy
+    torch import took 31 s instead of 2 s under three spinning ranks on 2 cores, and
+    Horovod's gloo controller then timed out)."""
+    h = hvd.allgather_async(torch.zeros(1), name=f"hipress.baseline.barrier.{next(_barriers)}")
+    while not hvd.poll(h):
+        time.sleep(1e-3)
+    hvd.synchronize(h)
+
+
 def broadcast_initial_state(model, optimizer=None, root_rank: int = 0) -> None:
     """Rank ``root_rank``'s parameters (and optimizer state) on every rank."""
     hvd = init_horovod()
+    _sleeping_barrier(hvd)  # the broadcasts below then wait (spinning) only briefly
     hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
     if optimizer is not None:
         hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
