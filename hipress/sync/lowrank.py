@@ -30,35 +30,54 @@ def matrix_shape(shape: Optional[Sequence[int]], numel: int) -> Tuple[int, int]:
 
 
 class LowRankStrategy(Strategy):
+    """``segments`` (keyword of build): the matrices a fused buffer holds, as
+    (offset, numel, shape) each. Their payloads of one round travel as one exchange (their
+    concatenation) and are summed matrix by matrix: the same sums, bit for bit, as one sync
+    per matrix, at one exchange per round per bucket instead of per matrix (as DDP's
+    PowerSGD hook batches a bucket's P and Q factors). Without it the buffer is one matrix
+    of ``shape``."""
+
     name = "lowrank"
 
     def __init__(self, average: bool = True):
         self.average = average
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
-              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), shape=None, **kw) -> Handle:
+              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), shape=None,
+              segments: Optional[Sequence[Tuple[int, int, Optional[Sequence[int]]]]] = None, **kw) -> Handle:
         comp, n = ctx.compressor, ctx.size
-        numel = flat.numel()
-        if numel == 0:
+        if flat.numel() == 0:
             return ctx.compute(f"done.{tensor_name}", lambda: None, deps)
-        # The whole tensor is one matrix: low-rank factors of partitions would be a different algorithm.
-        rows_cols = matrix_shape(shape, numel)
-        state = ctx.states.get(f"{tensor_name}/lowrank", comp, numel, rows_cols)
+        # Each matrix is whole: low-rank factors of partitions would be a different algorithm.
+        segments = [(0, flat.numel(), shape)] if segments is None else [sg for sg in segments if sg[1] > 0]
+        if sum(numel for _, numel, _ in segments) > flat.numel() or any(o < 0 for o, _, _ in segments):
+            raise ValueError(f"{tensor_name}: segments {segments} do not fit a buffer of {flat.numel()} elements")
+        keys = [f"{tensor_name}/lowrank"] if len(segments) == 1 else \
+            [f"{tensor_name}/lowrank/{i}" for i in range(len(segments))]
+        states = [ctx.states.get(key, comp, numel, matrix_shape(sh, numel))
+                  for key, (_, numel, sh) in zip(keys, segments)]
+        views = [flat[off:off + numel] for off, numel, _ in segments]
         slot = {}
         prev = list(deps)
         for k in range(comp.rounds):
             def encode(k=k):
-                inp = flat if k == 0 else slot.pop("sum")
-                slot["mine"] = comp.encode_round(k, inp, state)
+                inputs = views if k == 0 else slot.pop("sums")
+                parts = [comp.encode_round(k, inp, st) for inp, st in zip(inputs, states)]
+                slot["sizes"] = [p.numel() for p in parts]  # the same on every rank (same shapes)
+                slot["mine"] = parts[0] if len(parts) == 1 else torch.cat(parts)
 
-            got = {}  # src -> payload of this round
+            got = {}  # src -> concatenated payloads of this round
 
             def combine(got=got):
-                parts = [got.pop(r) for r in range(n)]
-                acc = parts[0].clone()
-                for p in parts[1:]:
-                    comp.combine(acc, p, out=acc)
-                slot["sum"] = acc
+                sizes = slot.pop("sizes")
+                per_rank = [got.pop(r).split(sizes) for r in range(n)]
+                sums = []
+                for i in range(len(sizes)):  # rank order: every rank holds bit-identical sums
+                    acc = per_rank[0][i].clone()
+                    for r in range(1, n):
+                        comp.combine(acc, per_rank[r][i], out=acc)
+                    sums.append(acc)
+                slot["sums"] = sums
 
             enc = ctx.compute(f"encode.{tensor_name}.r{k}", encode, prev)
             g = ctx.exchange(f"allgather.{tensor_name}.r{k}", {dst: (lambda: slot["mine"]) for dst in range(n)},
@@ -67,7 +86,8 @@ class LowRankStrategy(Strategy):
             prev = [ctx.compute(f"combine.{tensor_name}.r{k}", combine, [g])]
 
         def finish():
-            comp.finish(slot.pop("sum"), state, flat)
+            for payload, st, view in zip(slot.pop("sums"), states, views):
+                comp.finish(payload, st, view)
             if self.average:
                 flat.div_(n)
 

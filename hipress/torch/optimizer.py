@@ -56,7 +56,7 @@ class _Bucket:
     (also how fp16/bf16 and non-CPU gradients are handled).
     """
 
-    __slots__ = ("params", "name", "offsets", "numel", "shape", "in_place", "flat")
+    __slots__ = ("params", "name", "offsets", "numel", "shape", "segments", "in_place", "flat")
 
     def __init__(self, params):
         self.params = params
@@ -69,6 +69,8 @@ class _Bucket:
         self.numel = off
         p0 = params[0][1]
         self.shape = tuple(p0.shape) if len(params) == 1 else (off,)
+        # where each gradient lies, with its shape (a low-rank sync compresses each matrix whole)
+        self.segments = [(o, p.numel(), tuple(p.shape)) for o, (_, p) in zip(self.offsets, params)]
         self.in_place = len(params) == 1 and p0.dtype == torch.float32 and p0.device.type == "cpu"
         self.flat = None if self.in_place else torch.zeros(off, dtype=torch.float32)
 
@@ -236,9 +238,9 @@ class _HipressOptimizer:
     def _hp_build_buckets(self, bucket_bytes) -> List["_Bucket"]:
         """Tensor fusion: consecutive small gradients (in reverse parameter order, roughly
         the order backward produces them) share one buffer of up to bucket_bytes, synced as
-        one gradient; larger ones, and every gradient of a multi-round (low-rank)
-        compressor, which needs each matrix whole, get a bucket of their own."""
-        fuse = bool(bucket_bytes) and self._hp_compressor.rounds == 1
+        one gradient (a low-rank compressor still compresses each matrix of it whole); larger
+        ones get a bucket of their own."""
+        fuse = bool(bucket_bytes)
         groups, cur, cur_bytes = [], [], 0
         for name, p in reversed(self._hp_named):
             if not p.requires_grad:
@@ -297,7 +299,7 @@ class _HipressOptimizer:
         else:
             sync, ctx = self._hp_compressed
             bounds = self._hp_partitions(flat.numel())
-        h = sync.build(ctx, bucket.name, flat, bounds, shape=bucket.shape)
+        h = sync.build(ctx, bucket.name, flat, bounds, shape=bucket.shape, segments=bucket.segments)
         if not bucket.in_place:
             h = ctx.compute(f"unpack.{bucket.name}", bucket.unpack, [h], nbytes=4 * flat.numel())
         self._hp_handles[bucket.name] = h
@@ -396,7 +398,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     compression="auto" means TBQ with plan="auto".
     bucket_bytes: tensor fusion: gradients smaller than this share buffers of up to this
     size, synced (and planned, compressed, partitioned) as one (None or 0: every gradient
-    alone; always alone with multi-round compressors such as PowerSGD).
+    alone); multi-round compressors such as PowerSGD still compress each matrix whole and
+    fuse only the exchanges.
     coordinator: batch all communication through the global coordinator on rank 0
     (hipress.coordinator); None reads HIPRESS_COORDINATOR (default off).
     Returns the same optimizer object, whose class is now a subclass of its old class.

@@ -64,8 +64,12 @@ def check_against_reference(results, np):
                                        **(cfg.get("kwargs", {}) if b["compressed"] else {}))
                 grads = [[results[r][c]["steps"][step]["local"][p] for p in b["params"]] for r in range(np)]
                 local = [torch.cat([g.reshape(-1) for g in gs]) for gs in grads]
-                if comp.rounds > 1:
-                    want = reference.lowrank(local, comp, stores, name, tuple(grads[0][0].shape))
+                if comp.rounds > 1:  # a fused bucket: each matrix on its own
+                    offsets = [0]
+                    for g in grads[0][:-1]:
+                        offsets.append(offsets[-1] + g.numel())
+                    segments = [(o, g.numel(), tuple(g.shape)) for o, g in zip(offsets, grads[0])]
+                    want = reference.lowrank(local, comp, stores, name, None, segments=segments)
                 elif cfg["strategy"] == "ring":
                     want = reference.ring(local, comp, stores, name, bounds)
                 else:

@@ -115,6 +115,71 @@ def test_coordinator_lowrank_identical():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_lowrank_fused_bucket_equals_one_sync_per_matrix(n):
+    """A buffer of several matrices (a 1-D bias among them) in one low-rank sync: one
+    exchange per round, and per matrix bit for bit what syncing it alone gives, over two
+    steps (warm-started Q and error feedback carried); both equal the reference."""
+    shapes = [(16, 8), (16,), (4, 3, 5), (1, 1), (0, 7), (9, 2)]
+    numels = [int(torch.tensor(sh).prod()) for sh in shapes]
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    segments = list(zip(offsets, numels, shapes))
+    total = sum(numels)
+    steps = [[torch.randn(total, generator=torch.Generator().manual_seed(10 * s + r)) for r in range(n)]
+             for s in range(2)]
+    comp = lambda: compression.get("powersgd", rank=2)  # noqa: E731
+    fused, alone, exchanges = [None] * n, [None] * n, [0] * n
+
+    def body(tr):
+        eng = Engine()
+        try:
+            ctx_f, ctx_a = (SyncContext(eng, tr, comp(), StateStore()) for _ in range(2))
+            strat = LowRankStrategy()
+            got_f, got_a = [], []
+            for grads in steps:
+                flat = grads[tr.rank].clone()
+                strat.build(ctx_f, "b", flat, [(0, total)], segments=segments).result(timeout=30)
+                got_f.append(flat)
+                one = grads[tr.rank].clone()
+                for i, (off, numel, sh) in enumerate(segments):
+                    strat.build(ctx_a, f"m{i}", one[off:off + numel], [(0, numel)], shape=sh).result(timeout=30)
+                got_a.append(one)
+            fused[tr.rank], alone[tr.rank] = got_f, got_a
+        finally:
+            eng.shutdown()
+
+    loopback.spawn(n, body, timeout_s=60)
+    stores = [StateStore() for _ in range(n)]
+    for s, grads in enumerate(steps):
+        want = reference.lowrank(grads, comp(), stores, "b", None, segments=segments)
+        for r in range(n):
+            assert torch.equal(fused[r][s], alone[r][s]), (s, r)
+            torch.testing.assert_close(fused[r][s], want[r], rtol=1e-6, atol=1e-6)
+        assert not torch.equal(fused[0][s], torch.stack(grads).mean(0))  # it did compress
+
+
+def test_lowrank_fused_bucket_exchanges_once_per_round():
+    class Counting(SyncContext):
+        names = []
+
+        def exchange(self, name, *a, **kw):
+            Counting.names.append(name)
+            return super().exchange(name, *a, **kw)
+
+    def body(tr):
+        eng = Engine()
+        try:
+            ctx = Counting(eng, tr, compression.get("powersgd", rank=2), StateStore())
+            flat = torch.randn(3 * 64)
+            LowRankStrategy().build(ctx, "b", flat, [(0, 192)], segments=[(0, 64, (8, 8)), (64, 64, (64,)), (128, 64, (4, 16))]
+                       ).result(timeout=30)
+        finally:
+            eng.shutdown()
+
+    loopback.spawn(2, body, timeout_s=60)
+    assert sorted(set(Counting.names)) == ["allgather.b.r0", "allgather.b.r1"] and len(Counting.names) == 4
+
+
 def test_ps_owners_spread_a_gradients_partitions_over_distinct_aggregators():
     from hipress.sync.ps import PSStrategy
 
