@@ -237,10 +237,15 @@ class _HipressOptimizer:
 
     def _hp_build_buckets(self, bucket_bytes) -> List["_Bucket"]:
         """Tensor fusion: consecutive small gradients (in reverse parameter order, roughly
-        the order backward produces them) share one buffer of up to bucket_bytes, synced as
-        one gradient (a low-rank compressor still compresses each matrix of it whole); larger
-        ones get a bucket of their own."""
+        the order backward produces them) share one buffer, synced as one gradient, until
+        what one exchange of it sends reaches bucket_bytes; gradients of bucket_bytes or
+        more get a bucket of their own (synced in place, no copy). What is sent is the
+        gradient itself, except with a multi-round (low-rank) compressor, whose exchanges
+        carry only the factors (each matrix of the bucket is still compressed whole): a
+        ResNet50-like model's 161 gradients then make one bucket rather than 8 (4 ranks
+        on 2 cores: 0.59-0.64 s per step instead of 0.69-0.77)."""
         fuse = bool(bucket_bytes)
+        comp = self._hp_compressor
         groups, cur, cur_bytes = [], [], 0
         for name, p in reversed(self._hp_named):
             if not p.requires_grad:
@@ -249,11 +254,12 @@ class _HipressOptimizer:
             if not fuse or nbytes >= bucket_bytes:
                 groups.append([(name, p)])
                 continue
-            if cur and cur_bytes + nbytes > bucket_bytes:
+            sent = comp.max_encoded_bytes(p.numel(), tuple(p.shape)) if comp.rounds > 1 else nbytes
+            if cur and cur_bytes + sent > bucket_bytes:
                 groups.append(cur)
                 cur, cur_bytes = [], 0
             cur.append((name, p))
-            cur_bytes += nbytes
+            cur_bytes += sent
         if cur:
             groups.append(cur)
         return [_Bucket(g) for g in groups]
@@ -396,10 +402,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     compresses only where the cost model says it pays and picks the partition count;
     a hipress.planner.Overrides pins thresholds on top of "auto"; a Plan is used as is.
     compression="auto" means TBQ with plan="auto".
-    bucket_bytes: tensor fusion: gradients smaller than this share buffers of up to this
-    size, synced (and planned, compressed, partitioned) as one (None or 0: every gradient
-    alone); multi-round compressors such as PowerSGD still compress each matrix whole and
-    fuse only the exchanges.
+    bucket_bytes: tensor fusion: gradients smaller than this share buffers, synced (and
+    planned, compressed, partitioned) as one, until an exchange of the buffer sends this
+    many bytes (None or 0: every gradient alone). Multi-round compressors such as PowerSGD
+    send only factors, so more gradients share a buffer; each matrix is compressed whole.
     coordinator: batch all communication through the global coordinator on rank 0
     (hipress.coordinator); None reads HIPRESS_COORDINATOR (default off).
     Returns the same optimizer object, whose class is now a subclass of its old class.

@@ -99,3 +99,20 @@ def test_state_dict_carries_compressor_state(model):
     opt2 = wrap(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1)), compression="none")
     opt2.load_state_dict(sd)
     assert opt2.state_dict()["hipress"] == sd["hipress"]
+
+
+def test_buckets_fill_by_bytes_sent():
+    """A bucket fills until one exchange of it sends bucket_bytes: the gradients themselves
+    uncompressed, only the factors with PowerSGD; a gradient of bucket_bytes or more is
+    always alone (synced in place)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(512, 512, bias=False), *[nn.Linear(64, 64, bias=False) for _ in range(8)])
+
+    def layout(**kw):
+        return sorted([n for n, _ in b.params] for b in wrap(m, bucket_bytes=64 << 10, **kw)._hp_buckets)
+
+    # 64x64 fp32 = 16 KiB: four fill a 64 KiB bucket; the 1 MiB matrix is alone
+    assert layout(compression="none") == [["0.weight"], ["4.weight", "3.weight", "2.weight", "1.weight"],
+                                          ["8.weight", "7.weight", "6.weight", "5.weight"]]
+    # PowerSGD rank 4 sends 48 + 4*4*(64+64) bytes per 64x64 matrix: all eight fit one bucket
+    assert layout(compression="powersgd") == [["0.weight"], [f"{i}.weight" for i in range(8, 0, -1)]]
