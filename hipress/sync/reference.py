@@ -71,51 +71,26 @@ def lowrank(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], n
             average: bool = True, segments=None) -> List[torch.Tensor]:
     """Multi-round aggregatable compressors: per round every rank encodes, payloads are
     summed in rank order, and the last sum is decoded on every rank. segments: the
-    (offset, numel, shape) of each matrix of a fused buffer, each synced on its own."""
+    (offset, numel, shape) of each matrix of a fused buffer, each synced on its own
+    (default: the whole buffer is one matrix of ``shape``)."""
+    from hipress.sync.lowrank import matrix_shape
+
+    n = len(grads)
     out = [g.detach().float().clone().view(-1) for g in grads]
-    if segments is None:
-        return _lowrank_matrix(out, comp, [st.get(f"{name}/lowrank", comp, out[0].numel(),
-                                                  _matrix(shape, out[0].numel())) for st in stores], average)
+    segments = [(0, out[0].numel(), shape)] if segments is None else segments
     segments = [sg for sg in segments if sg[1] > 0]
     for i, (off, numel, sh) in enumerate(segments):
         key = f"{name}/lowrank" if len(segments) == 1 else f"{name}/lowrank/{i}"
-        parts = _lowrank_matrix([o[off:off + numel].clone() for o in out], comp,
-                                [st.get(key, comp, numel, _matrix(sh, numel)) for st in stores], average)
-        for o, part in zip(out, parts):
-            o[off:off + numel] = part
-    return out
-
-
-def _matrix(shape, numel):
-    from hipress.sync.lowrank import matrix_shape
-
-    return matrix_shape(shape, numel)
-
-
-def _lowrank_matrix(out: List[torch.Tensor], comp, states, average: bool) -> List[torch.Tensor]:
-    n = len(out)
-    if out[0].numel() == 0:
-        return out
-    total = None
-    for k in range(comp.rounds):
-        payloads = [comp.encode_round(k, out[r] if k == 0 else total.clone(), states[r]) for r in range(n)]
-        total = payloads[0].clone()
-        for p in payloads[1:]:
-            comp.combine(total, p, out=total)
-    for r in range(n):
-        comp.finish(total.clone(), states[r], out[r])
-        if average:
-            out[r].div_(n)
-    return out
-    states = [st.get(f"{name}/lowrank", comp, numel, matrix_shape(shape, numel)) for st in stores]
-    total = None
-    for k in range(comp.rounds):
-        payloads = [comp.encode_round(k, out[r] if k == 0 else total.clone(), states[r]) for r in range(n)]
-        total = payloads[0].clone()
-        for p in payloads[1:]:
-            comp.combine(total, p, out=total)
-    for r in range(n):
-        comp.finish(total.clone(), states[r], out[r])
-        if average:
-            out[r].div_(n)
+        states = [st.get(key, comp, numel, matrix_shape(sh, numel)) for st in stores]
+        parts = [o[off:off + numel] for o in out]
+        total = None
+        for k in range(comp.rounds):
+            payloads = [comp.encode_round(k, parts[r] if k == 0 else total.clone(), states[r]) for r in range(n)]
+            total = payloads[0].clone()
+            for p in payloads[1:]:
+                comp.combine(total, p, out=total)
+        for r in range(n):
+            comp.finish(total.clone(), states[r], parts[r])
+            if average:
+                parts[r].div_(n)
     return out
