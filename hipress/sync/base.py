@@ -215,5 +215,6 @@ class Strategy:
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
-        """Extra keywords carry tensor facts some strategies need (``shape`` for low-rank)."""
+        """Extra keywords carry tensor facts some strategies need (low-rank: ``shape``, or
+        ``segments``, the (offset, numel, shape) of each matrix of a fused buffer)."""
         raise NotImplementedError

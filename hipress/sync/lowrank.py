@@ -50,7 +50,7 @@ class LowRankStrategy(Strategy):
             return ctx.compute(f"done.{tensor_name}", lambda: None, deps)
         # Each matrix is whole: low-rank factors of partitions would be a different algorithm.
         segments = [(0, flat.numel(), shape)] if segments is None else [sg for sg in segments if sg[1] > 0]
-        if sum(numel for _, numel, _ in segments) > flat.numel() or any(o < 0 for o, _, _ in segments):
+        if any(off < 0 or off + numel > flat.numel() for off, numel, _ in segments):
             raise ValueError(f"{tensor_name}: segments {segments} do not fit a buffer of {flat.numel()} elements")
         keys = [f"{tensor_name}/lowrank"] if len(segments) == 1 else \
             [f"{tensor_name}/lowrank/{i}" for i in range(len(segments))]

@@ -56,7 +56,7 @@ class _Bucket:
     (also how fp16/bf16 and non-CPU gradients are handled).
     """
 
-    __slots__ = ("params", "name", "offsets", "numel", "shape", "segments", "in_place", "flat")
+    __slots__ = ("params", "name", "offsets", "numel", "segments", "in_place", "flat")
 
     def __init__(self, params):
         self.params = params
@@ -68,7 +68,6 @@ class _Bucket:
             off += p.numel()
         self.numel = off
         p0 = params[0][1]
-        self.shape = tuple(p0.shape) if len(params) == 1 else (off,)
         # where each gradient lies, with its shape (a low-rank sync compresses each matrix whole)
         self.segments = [(o, p.numel(), tuple(p.shape)) for o, (_, p) in zip(self.offsets, params)]
         self.in_place = len(params) == 1 and p0.dtype == torch.float32 and p0.device.type == "cpu"
@@ -305,7 +304,7 @@ class _HipressOptimizer:
         else:
             sync, ctx = self._hp_compressed
             bounds = self._hp_partitions(flat.numel())
-        h = sync.build(ctx, bucket.name, flat, bounds, shape=bucket.shape, segments=bucket.segments)
+        h = sync.build(ctx, bucket.name, flat, bounds, segments=bucket.segments)
         if not bucket.in_place:
             h = ctx.compute(f"unpack.{bucket.name}", bucket.unpack, [h], nbytes=4 * flat.numel())
         self._hp_handles[bucket.name] = h

@@ -51,6 +51,12 @@ def check_exact_average(results, np):
                                                msg=lambda m: f"{cfg_res['config']} rank {r} {name}: {m}")
 
 
+def segments_of(tensors):
+    """(offset, numel, shape) of each tensor of a fused bucket."""
+    offsets = [sum(t.numel() for t in tensors[:i]) for i in range(len(tensors))]
+    return [(o, t.numel(), tuple(t.shape)) for o, t in zip(offsets, tensors)]
+
+
 def check_against_reference(results, np):
     """Every bucket (fused gradients, or one gradient) equals the sequential reference of
     its strategy run on the same local gradients, with state carried across steps."""
@@ -65,11 +71,7 @@ def check_against_reference(results, np):
                 grads = [[results[r][c]["steps"][step]["local"][p] for p in b["params"]] for r in range(np)]
                 local = [torch.cat([g.reshape(-1) for g in gs]) for gs in grads]
                 if comp.rounds > 1:  # a fused bucket: each matrix on its own
-                    offsets = [0]
-                    for g in grads[0][:-1]:
-                        offsets.append(offsets[-1] + g.numel())
-                    segments = [(o, g.numel(), tuple(g.shape)) for o, g in zip(offsets, grads[0])]
-                    want = reference.lowrank(local, comp, stores, name, None, segments=segments)
+                    want = reference.lowrank(local, comp, stores, name, None, segments=segments_of(grads[0]))
                 elif cfg["strategy"] == "ring":
                     want = reference.ring(local, comp, stores, name, bounds)
                 else:
@@ -165,23 +167,31 @@ def test_local_aggregation_uncompressed(tmp_path, np, hosts):
 
 def test_local_aggregation_compresses_across_hosts_only(tmp_path):
     """4 ranks on 2 hosts: host sums are exact (one fp32 add each), then the
-    compressed ring runs over the two host roots, then everything is shared."""
+    compressed sync (ring TBQ; low-rank PowerSGD over fused buckets) runs over the two
+    host roots, then everything is shared."""
     np = 4
-    configs = [{"compression": "tbq", "strategy": "ring", "kwargs": {"threshold": 0.01}, "steps": 2}]
+    configs = [{"compression": "tbq", "strategy": "ring", "kwargs": {"threshold": 0.01}, "steps": 2},
+               {"compression": "powersgd", "strategy": "ring", "kwargs": ALGORITHMS["powersgd"], "steps": 2}]
     results = launch(tmp_path, np, configs, hosts=2)
-    comp = compression.get("tbq", threshold=0.01)
-    stores = [StateStore() for _ in range(2)]
-    res = results[0][0]
-    for step in range(2):
-        for b in res["buckets"]:
-            name, bounds = b["name"], b["bounds"]
-            local = [torch.cat([results[r][0]["steps"][step]["local"][p].reshape(-1) for p in b["params"]])
-                     for r in range(np)]
-            host_sums = [local[0] + local[1], local[2] + local[3]]
-            want = reference.ring(host_sums, comp, stores, name, bounds, average=False)[0] / np
-            for r in range(np):
-                got = torch.cat([results[r][0]["steps"][step]["synced"][p].reshape(-1) for p in b["params"]])
-                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name} rank {r}: {m}")
+    for c, cfg in enumerate(configs):
+        comp = compression.get(cfg["compression"], **cfg["kwargs"])
+        stores = [StateStore() for _ in range(2)]
+        res = results[0][c]
+        for step in range(2):
+            for b in res["buckets"]:
+                name, bounds = b["name"], b["bounds"]
+                grads = [[results[r][c]["steps"][step]["local"][p] for p in b["params"]] for r in range(np)]
+                local = [torch.cat([g.reshape(-1) for g in gs]) for gs in grads]
+                host_sums = [local[0] + local[1], local[2] + local[3]]
+                if comp.rounds > 1:
+                    want = reference.lowrank(host_sums, comp, stores, name, None, average=False,
+                                             segments=segments_of(grads[0]))[0] / np
+                else:
+                    want = reference.ring(host_sums, comp, stores, name, bounds, average=False)[0] / np
+                for r in range(np):
+                    got = torch.cat([results[r][c]["steps"][step]["synced"][p].reshape(-1) for p in b["params"]])
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7,
+                                               msg=lambda m: f"{cfg['compression']} {name} rank {r}: {m}")
 
 
 def test_planned_selective_compression(tmp_path, monkeypatch):
