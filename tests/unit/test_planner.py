@@ -1,6 +1,7 @@
 """Selective compression and partitioning planner (paper section 3.3): formulas, optimum,
 Fig. 14 reproduction, profiling/caching, plans and the CLI. No C++ core or GPU needed."""
 import json
+import warnings
 
 import pytest
 import torch
@@ -554,11 +555,12 @@ def test_cli_units():
 
 
 # ------------------------------------------------------------------ online profiling (ranks as threads)
-def test_profile_online_reuses_cache_and_reprofiles_when_the_link_changed(tmp_path):
+def test_profile_online_reuses_cache_and_reprofiles_when_the_link_changed(tmp_path, monkeypatch):
     """Collective profiling over real (loopback) ranks: both ranks get rank 0's profile; a
     second call reuses the cached file; a cached T_send curve that the link no longer
     matches (here: 1000x too slow) is detected by the 1 MB probe and re-measured."""
     from hipress.engine import Engine
+    from hipress.planner import online
     from hipress.planner.online import PROBE_BYTES, profile_online
     from hipress.transport import loopback
 
@@ -589,7 +591,12 @@ def test_profile_online_reuses_cache_and_reprofiles_when_the_link_changed(tmp_pa
     assert d["key"]["strategy"] == "casync_ring" and d["task_s"] > 0
     ps = run_all("ps")  # CaSync-PS also measures its exchanges with a single aggregator
     assert ps[0] == ps[1] and ps[0]["key"]["strategy"] == "casync_ps" and "send_one" in ps[0]["curves"]
-    again = run_all()
+    # the probe runs, but how far off it may be is widened: a loopback "link" is scheduling
+    # noise (a loaded 2-core machine measured it > 2x off twice); the rule itself is tested
+    # deterministically in test_link_change_needs_two_probe_rounds_off
+    with monkeypatch.context() as mp:
+        mp.setattr(online, "PROBE_NOISE_S", 10.0)
+        again = run_all()
     assert again[0] == first[0] == again[1], "the cached profile was not reused"
     d["curves"]["send"]["seconds"] = [t * 1000 for t in d["curves"]["send"]["seconds"]]
     d["created"] = "stale"
@@ -599,3 +606,39 @@ def test_profile_online_reuses_cache_and_reprofiles_when_the_link_changed(tmp_pa
     assert fresh[0]["created"] != "stale" and fresh[0] == fresh[1]
     assert fresh[0]["curves"]["send"] != d["curves"]["send"]
     assert json.loads(files[0].read_text())["created"] != "stale"
+
+
+@pytest.mark.parametrize("rounds_ms,changed,probed", [([1.0, 1.0], False, 1),     # as cached
+                                                       ([2.9, 1.0], False, 2),     # one busy round: no change
+                                                       ([1.0, 3.5], False, 1),
+                                                       ([2.9, 3.5], True, 2),      # off by > 2x twice
+                                                       ([0.3, 0.4], True, 2)])     # faster by > 2x twice
+def test_link_change_needs_two_probe_rounds_off(rounds_ms, changed, probed):
+    """The 1 MB probe's rule, with scripted transfer times (cached: 1 ms): a change is
+    declared, on every rank, only when two probe rounds in a row are off by more than 2x."""
+    from hipress.planner import online
+    from hipress.transport import loopback
+
+    class Cached:
+        def send(self, nbytes):
+            assert nbytes == online.PROBE_BYTES
+            return 1e-3
+
+    per_round = online.PROBE_REPEATS + 1
+    verdicts = {}
+
+    def body(tr):
+        calls = []
+
+        def send_once(nbytes):  # the warm-up and the repeats of each round take that round's time
+            calls.append(nbytes)
+            return rounds_ms[min((len(calls) - 1) // per_round, len(rounds_ms) - 1)] * 1e-3
+
+        verdicts[tr.rank] = (online._link_changed(tr, Cached() if tr.rank == 0 else None, send_once),
+                             len(calls) // per_round)
+
+    with warnings.catch_warnings(record=True) as caught:  # here: catch_warnings is not thread-safe
+        warnings.simplefilter("always")
+        loopback.spawn(2, body, timeout_s=30)
+    assert verdicts[0] == verdicts[1] == (changed, probed)  # rank 1 follows rank 0's verdict
+    assert sum("link changed" in str(w.message) for w in caught) == int(changed)  # rank 0 says it once
