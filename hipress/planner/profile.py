@@ -90,11 +90,12 @@ def measure_codec(compressor, sizes: Sequence[int] = DEFAULT_LADDER, repeats: in
     Returns (enc, dec): enc = [(original bytes, median s)], dec = [(payload bytes,
     median s)] (``repeats`` runs, three times as many below 1 MB). sizes are bytes
     (rounded down to whole fp32 elements). Each timed call is bracketed by
-    ``torch.cuda.synchronize`` on a CUDA device so asynchronous kernels are fully counted. ``before()`` runs before each timed call,
-    untimed, and ``reduce(seconds)`` turns each timing into the sample: a running job
-    passes a barrier, so every rank runs the kernel at the same moment (sharing the
-    host's cores and memory bandwidth as during a sync), and the maximum over ranks,
-    because a sync waits for its slowest rank at every exchange.
+    ``torch.cuda.synchronize`` on a CUDA device so asynchronous kernels are fully
+    counted. ``before()`` runs before each timed call, untimed, and ``reduce(seconds)``
+    turns each timing into the sample: a running job passes a barrier, so every rank runs
+    the kernel at the same moment (sharing the host's cores and memory bandwidth as during
+    a sync), and the maximum over ranks, because a sync waits for its slowest rank at
+    every exchange.
     """
     before = before or (lambda: None)
     reduce = reduce or (lambda t: t)

@@ -171,8 +171,8 @@ def test_lowrank_fused_bucket_exchanges_once_per_round():
         try:
             ctx = Counting(eng, tr, compression.get("powersgd", rank=2), StateStore())
             flat = torch.randn(3 * 64)
-            LowRankStrategy().build(ctx, "b", flat, [(0, 192)], segments=[(0, 64, (8, 8)), (64, 64, (64,)), (128, 64, (4, 16))]
-                       ).result(timeout=30)
+            segments = [(0, 64, (8, 8)), (64, 64, (64,)), (128, 64, (4, 16))]
+            LowRankStrategy().build(ctx, "b", flat, [(0, 192)], segments=segments).result(timeout=30)
         finally:
             eng.shutdown()
 
