@@ -140,6 +140,8 @@ setup(
     python_requires=">=3.9",
     install_requires=["numpy"],
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "mpi4py"]},
-    entry_points={"console_scripts": ["hipress-compll = hipress.compll:main"]},
+    entry_points={"console_scripts": ["hipress-compll = hipress.compll:main"],
+                  # transports outside the core register themselves (hipress.comm.transport)
+                  "hipress.transports": ["horovod = horovod_ext:backend"]},
     zip_safe=False,
 )

@@ -31,12 +31,12 @@ _HOROVODRUN_OMPI_FINGERPRINT = {"OMPI_MCA_orte_tag_output": "1", "OMPI_MCA_pml":
 
 def started_by_horovodrun(env: Optional[Mapping[str, str]] = None) -> bool:
     """True when this process looks like a worker started by ``horovodrun`` (either mode)."""
+    from hipress import config
+
     env = os.environ if env is None else env
-    forced = env.get("HIPRESS_HOROVODRUN", "").strip().lower()
-    if forced in ("1", "true", "yes", "on"):
-        return True
-    if forced in ("0", "false", "no", "off"):
-        return False
+    forced = config.get("HIPRESS_HOROVODRUN", env)
+    if forced is not None:
+        return forced
     if env.get("HOROVOD_RANK") is not None and env.get("HOROVOD_SIZE") is not None:
         return True  # gloo mode (and Horovod's other non-MPI launchers)
     if env.get("OMPI_COMM_WORLD_SIZE") is not None:
@@ -64,3 +64,49 @@ def unavailable_reason() -> Optional[str]:
 
 def available() -> bool:
     return unavailable_reason() is None
+
+
+# ---------------------------------------------------------------------------- transport plugin
+_warned = False
+
+
+def _claims(launch) -> bool:
+    """horovodrun started the job and horovod.torch imports; else say once (rank 0) why not."""
+    global _warned
+    if launch.launcher == "explicit" or not started_by_horovodrun():
+        return False
+    reason = unavailable_reason()
+    if reason is None:
+        return True
+    if not _warned and launch.rank == 0:
+        import logging
+
+        logging.getLogger("hipress").warning("hipress: started by horovodrun but the Horovod transport is unavailable "
+                                             "(%s); using hipress's own transport instead", reason)
+    _warned = True
+    return False
+
+
+def _connect(launch, timeout: float):
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"the horovod transport was asked for but {reason}")
+    from horovod_ext.transport import HorovodTransport
+
+    t = HorovodTransport.world(timeout_s=timeout)
+    if launch.launcher != "single" and (t.rank, t.size) != (launch.rank, launch.size):
+        t.close()
+        raise RuntimeError(f"Horovod says rank {t.rank} of {t.size} but the {launch.launcher} launch says "
+                           f"rank {launch.rank} of {launch.size}")
+    return t
+
+
+def _backend():
+    from hipress.comm.transport import Backend
+
+    return Backend("horovod", _connect, claims=_claims, priority=30)
+
+
+#: hipress's transport registry loads this through the ``hipress.transports`` entry point
+#: (setup.py), so no module of hipress imports horovod_ext.
+backend = _backend()

@@ -42,7 +42,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hipress.transport.base import Transport, TransportError, displacements
+from hipress import config
+from hipress.comm.transport.base import Transport, TransportError, displacements
 
 __all__ = ["HorovodTransport", "horovod_info"]
 
@@ -153,7 +154,7 @@ class HorovodTransport(Transport):
         self._p2p_seq: Dict[tuple, int] = {}
         self._splits = 0
         self._broken: Optional[str] = None
-        # what Horovod says about this process (hipress.runtime groups by hostname; they agree)
+        # what Horovod says about this process (hipress.comm.world groups by hostname; they agree)
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.cross_rank, self.cross_size = hvd.cross_rank(), hvd.cross_size()
 
@@ -164,7 +165,7 @@ class HorovodTransport(Transport):
         """A transport over all Horovod ranks (collective: every rank calls it)."""
         hvd = _init_horovod()
         n = hvd.size()
-        mode = (p2p or os.environ.get("HIPRESS_HOROVOD_P2P", "auto")).strip().lower()
+        mode = (p2p or config.get("HIPRESS_HOROVOD_P2P")).strip().lower()
         if mode not in ("auto", "pairs", "collective"):
             raise ValueError(f"HIPRESS_HOROVOD_P2P must be auto, pairs or collective, got {mode!r}")
         if mode == "auto":

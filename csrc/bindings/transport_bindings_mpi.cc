@@ -1,4 +1,4 @@
-// Python face of the native MPI transport (hipress/transport/mpi.py wraps it).
+// Python face of the native MPI transport (hipress/comm/transport/mpi.py wraps it).
 // Buffers arrive as (address, bytes); every call that waits releases the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -17,7 +17,7 @@ void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
 HIPRESS_BINDINGS(transport_mpi, m) {
   // Raised as MpiTransportError(op, message, peers): the Python layer turns it into
-  // hipress.transport.base.TransportError.
+  // hipress.comm.transport.base.TransportError.
   static py::exception<hipress::mpi::TransportError> exc(m, "MpiTransportError", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {

@@ -23,7 +23,7 @@ import statistics
 import time
 
 from hipress.bench.common import markdown_table, write_result
-from hipress.coordinator.planner import Msg, SlotPlanner
+from hipress.comm.coordinator.planner import Msg, SlotPlanner
 
 
 def bert_large_gradients() -> list:

@@ -71,14 +71,15 @@ def worker(a) -> None:
     from hipress.engine import get_engine
     from hipress.planner.online import PLANNER_STRATEGY, profile_online, slowest
     from hipress.planner.profile import repeats_for
-    from hipress.planner.plan import partition_bounds
+    from hipress.comm.exchange import open_exchanges
+    from hipress.planner.plan import chunk_bounds
     from hipress.sync import base as sync_base
     from hipress.sync.ps import PSStrategy
     from hipress.sync.ring import RingStrategy
 
     torch.set_num_threads(1)
     hipress.init()
-    tr = hipress.runtime.transport()
+    tr = hipress.comm.world.transport()
     rank = tr.rank
     comp = compression.get(a.algorithm)
     none = compression.get("none")
@@ -87,9 +88,10 @@ def worker(a) -> None:
     rows, profiles = [], {}
 
     slowest_rank = slowest(tr)
+    exchange = open_exchanges(engine).world
     for strategy_name in a.strategy.split(","):
         strategy = {"ring": RingStrategy, "ps": PSStrategy}[strategy_name]()
-        ctx = {c: sync_base.SyncContext(engine, tr, cc, sync_base.StateStore()) for c, cc in
+        ctx = {c: sync_base.SyncContext(engine, exchange, cc, sync_base.StateStore()) for c, cc in
                ((False, none), (True, comp))}
         inputs = {m: torch.randn(m // 4, generator=torch.Generator().manual_seed(rank)) for m in sizes}
 
@@ -101,7 +103,7 @@ def worker(a) -> None:
             work = inputs[m].clone()
             tr.barrier()
             t = time.perf_counter()
-            h = strategy.build(ctx[cpr], f"g{m}.{int(cpr)}.{k}", work, partition_bounds(m // 4, k))
+            h = strategy.build(ctx[cpr], f"g{m}.{int(cpr)}.{k}", work, chunk_bounds(m // 4, max(1, min(k, m // 4))))
             if not h.wait(600):
                 raise RuntimeError(f"sync of {m} bytes did not finish")
             if h.exception(0) is not None:

@@ -93,7 +93,7 @@ def _worker_torch(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from hipress.transport.torch_dist import TorchDistTransport
+    from hipress.comm.transport.torch_dist import TorchDistTransport
 
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), n, rank == 0,
@@ -154,7 +154,7 @@ def _worker_mpi(args) -> None:
     import torch
     from mpi4py import MPI
 
-    from hipress.transport.mpi import MpiTransport
+    from hipress.comm.transport.mpi import MpiTransport
 
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
@@ -213,7 +213,7 @@ def _worker_mpi(args) -> None:
 def _run_loopback(args) -> dict:
     import torch
 
-    from hipress.transport import loopback
+    from hipress.comm.transport import loopback
 
     n = args.ranks
     out = {}
@@ -294,7 +294,7 @@ def _run_torch(args) -> dict:
 def _run_mpi(args) -> dict:
     if shutil.which("mpirun") is None:
         return {"transport": "mpi", "skipped": "mpirun not found"}
-    from hipress.transport import mpi as hmpi
+    from hipress.comm.transport import mpi as hmpi
 
     if not hmpi.available():
         return {"transport": "mpi", "skipped": "hipress built without MPI"}

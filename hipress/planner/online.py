@@ -80,7 +80,7 @@ def transfer_once(transport, strategy: str, engine=None, aggregators: Optional[i
     step of CHAIN_BYTES or more is timed alone (the skew is lost in it).
     """
     from hipress.engine import get_engine
-    from hipress.sync.base import direct_exchange
+    from hipress.comm.exchange import transfer
 
     engine = engine or get_engine()
     r, n = transport.rank, transport.size
@@ -107,7 +107,7 @@ def transfer_once(transport, strategy: str, engine=None, aggregators: Optional[i
 
         def transfers():
             for dsts, srcs, bulk in steps:
-                direct_exchange(transport, {j: out for j in dsts}, srcs, bulk)
+                transfer(transport, {j: out for j in dsts}, srcs, pairwise=not bulk)
 
         transport.barrier()
         t0 = time.perf_counter()

@@ -66,21 +66,22 @@ class PlanEntry:
         return self.t_cpr if self.compress else self.t_orig
 
     def bounds(self, numel: int) -> Bounds:
-        return partition_bounds(numel, self.k)
+        return chunk_bounds(numel, max(1, min(self.k, numel)))
 
 
-def partition_bounds(numel: int, k: int) -> Bounds:
-    """K contiguous (start, end) element ranges covering [0, numel); sizes differ by at most 1.
-
-    K is capped at numel (no empty partitions) and floored at 1.
-    """
-    numel, k = int(numel), int(k)
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    k = max(1, min(k, numel)) if numel else 1
-    base, extra = divmod(numel, k)
+def chunk_bounds(n: int, parts: int) -> Bounds:
+    """Splits range(n) into ``parts`` contiguous (start, end) ranges whose sizes differ by at
+    most one (the first n % parts get the extra element); some are empty when n < parts
+    (a ring needs exactly one chunk per rank). Callers that want no empty partition cap
+    ``parts`` at n (:meth:`PlanEntry.bounds`)."""
+    n, parts = int(n), int(parts)
+    if parts <= 0:
+        raise ValueError(f"parts must be positive, got {parts}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    base, extra = divmod(n, parts)
     out, s = [], 0
-    for i in range(k):
+    for i in range(parts):
         e = s + base + (1 if i < extra else 0)
         out.append((s, e))
         s = e

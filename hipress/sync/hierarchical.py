@@ -8,16 +8,15 @@ For one gradient, on every rank:
      with compression, sum) over one rank per host
   3. local broadcast of the host root's result
   4. divide by the world size (op=Average)
-All comm tasks of both levels share one CommChain, so each rank still issues its
-communication in submission order (see hipress.sync.base).
+Both levels communicate through the exchanges of their groups (hipress.comm.exchange),
+which keep one order of communication per rank, or let the global coordinator schedule it.
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from hipress.compression.none import NoneCompressor
 from hipress.engine import Handle
 from hipress.sync.base import Strategy, SyncContext
 from hipress.sync.ring import RingStrategy
@@ -26,21 +25,17 @@ from hipress.sync.ring import RingStrategy
 class HierarchicalStrategy(Strategy):
     name = "hierarchical"
 
-    def __init__(self, cross: Strategy, local_ctx: SyncContext, cross_ctx, world_size: int, average: bool = True):
-        """cross: a strategy built with average=False; cross_ctx: None on ranks that are
-        not their host's first rank."""
+    def __init__(self, cross: Strategy, local_ctx: SyncContext, cross_ctx: Optional[SyncContext], world_size: int,
+                 average: bool = True):
+        """cross: a strategy built with average=False; local_ctx: uncompressed, over this
+        host's ranks; cross_ctx: over one rank per host, None on ranks that are not their
+        host's first rank."""
         self.cross = cross
         self.local_ctx = local_ctx
         self.cross_ctx = cross_ctx
         self.world_size = world_size
         self.average = average
         self.local_ring = RingStrategy(average=False)
-
-    @staticmethod
-    def contexts(engine, local_transport, cross_transport, compressor, states, chain, is_host_root: bool):
-        local = SyncContext(engine, local_transport, NoneCompressor(), states, chain)
-        cross = SyncContext(engine, cross_transport, compressor, states, chain) if is_host_root else None
-        return local, cross
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
@@ -50,13 +45,7 @@ class HierarchicalStrategy(Strategy):
         if self.cross_ctx is not None and self.cross_ctx.size > 1:
             h = [self.cross.build(self.cross_ctx, tensor_name, flat, bounds, h, **kw)]
         if self.local_ctx.size > 1:
-            lt = self.local_ctx.transport
-
-            def share():
-                if flat.numel():
-                    lt.broadcast(flat.view(torch.uint8), 0)
-
-            h = [self.local_ctx.comm(f"bcast.{tensor_name}@local", share, h)]
+            h = [self.local_ctx.exchange.broadcast(f"bcast.{tensor_name}@local", flat, 0, h)]
         n = self.world_size
 
         def finish():

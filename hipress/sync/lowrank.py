@@ -80,9 +80,9 @@ class LowRankStrategy(Strategy):
                 slot["sums"] = sums
 
             enc = ctx.compute(f"encode.{tensor_name}.r{k}", encode, prev)
-            g = ctx.exchange(f"allgather.{tensor_name}.r{k}", {dst: (lambda: slot["mine"]) for dst in range(n)},
-                             {src: (lambda buf, src=src, got=got: got.__setitem__(src, buf)) for src in range(n)},
-                             [enc])
+            g = ctx.exchange.allgather(f"allgather.{tensor_name}.r{k}", lambda: slot["mine"],
+                                       {src: (lambda buf, src=src, got=got: got.__setitem__(src, buf))
+                                        for src in range(n)}, [enc])
             prev = [ctx.compute(f"combine.{tensor_name}.r{k}", combine, [g])]
 
         def finish():

@@ -101,9 +101,9 @@ class PSStrategy(Strategy):
         gather_sink, bcast_sink = sink("gather_in"), sink("bcast_in")
         enc = ctx.compute(f"encode.{tensor_name}", encode, deps, nbytes=4 * flat.numel())
         # Every worker sends to every aggregator of this gradient; aggregators hear from all.
-        g = ctx.exchange(f"gather.{tensor_name}", {a: (lambda a=a: slot["gather_out"].pop(a)) for a in aggregators},
-                         {src: gather_sink(src) for src in range(n)} if mine else {}, [enc])
+        g = ctx.exchange.bulk(f"gather.{tensor_name}", {a: (lambda a=a: slot["gather_out"].pop(a)) for a in aggregators},
+                              {src: gather_sink(src) for src in range(n)} if mine else {}, [enc])
         agg = ctx.compute(f"aggregate.{tensor_name}", aggregate, [g]) if mine else g
-        b = ctx.exchange(f"bcast.{tensor_name}", {dst: (lambda: slot["bcast_out"]) for dst in range(n)} if mine else {},
-                         {a: bcast_sink(a) for a in aggregators}, [agg])
+        b = ctx.exchange.bulk(f"bcast.{tensor_name}", {dst: (lambda: slot["bcast_out"]) for dst in range(n)} if mine else {},
+                              {a: bcast_sink(a) for a in aggregators}, [agg])
         return ctx.compute(f"decode.{tensor_name}", decode, [b], nbytes=4 * flat.numel())

@@ -11,7 +11,8 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from hipress.sync.base import StateStore, chunk_bounds
+from hipress.planner.plan import chunk_bounds
+from hipress.sync.base import StateStore
 
 
 def ring(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: str,

@@ -31,7 +31,8 @@ from typing import Sequence, Tuple
 import torch
 
 from hipress.engine import Handle
-from hipress.sync.base import Strategy, SyncContext, chunk_bounds
+from hipress.planner.plan import chunk_bounds
+from hipress.sync.base import Strategy, SyncContext
 
 
 class RingStrategy(Strategy):
@@ -79,8 +80,8 @@ class RingStrategy(Strategy):
                 comp.decode_add(slot.pop(("in", s)), view(cr))
 
             enc = ctx.compute(f"encode.{key}.rs{s}", encode, last_compute, nbytes=4 * x.numel() // n)
-            sr = ctx.exchange(f"sendrecv.{key}.rs{s}", {nxt: lambda s=s: slot.pop(("out", s))},
-                              {prv: lambda buf, s=s: slot.__setitem__(("in", s), buf)}, [enc], bulk=False)
+            sr = ctx.exchange.sendrecv(f"sendrecv.{key}.rs{s}", lambda s=s: slot.pop(("out", s)), nxt,
+                                       lambda buf, s=s: slot.__setitem__(("in", s), buf), prv, [enc])
             last_compute = [ctx.compute(f"merge.{key}.rs{s}", merge, [sr], nbytes=4 * x.numel() // n)]
 
         # All-gather of the encoded owned chunks.
@@ -102,8 +103,8 @@ class RingStrategy(Strategy):
             def decode(t=t, c=c_in):
                 comp.decode(slot.pop(("dec", t)), view(c))
 
-            prev = ctx.exchange(f"sendrecv.{key}.ag{t}", {nxt: lambda t=t: slot.pop(("fwd", t))}, {prv: received},
-                                [prev], bulk=False)
+            prev = ctx.exchange.sendrecv(f"sendrecv.{key}.ag{t}", lambda t=t: slot.pop(("fwd", t)), nxt,
+                                         received, prv, [prev])
             finals.append(ctx.compute(f"decode.{key}.ag{t}", decode, [prev], nbytes=4 * x.numel() // n))
 
         def finish():

@@ -6,11 +6,11 @@ from typing import Iterable, Tuple, Union
 
 import torch
 
-from hipress import runtime
+from hipress.comm import world
 
 
 def _broadcast_tensor_(t: torch.Tensor, root_rank: int) -> None:
-    tr = runtime.transport()
+    tr = world.transport()
     src = t.detach()
     host = src.to("cpu").contiguous()
     buf = host.view(-1).view(torch.uint8) if host.numel() else torch.empty(0, dtype=torch.uint8)
@@ -23,14 +23,14 @@ def _broadcast_tensor_(t: torch.Tensor, root_rank: int) -> None:
 def broadcast_parameters(params: Union[dict, Iterable[Tuple[str, torch.Tensor]], Iterable[torch.Tensor]],
                          root_rank: int = 0) -> None:
     """Copies parameters (a state_dict, named_parameters() or a list) from root_rank to all ranks."""
-    runtime.init()
+    world.init()
     if isinstance(params, dict):
         items = sorted(params.items())
     else:
         items = list(params)
         if items and not isinstance(items[0], tuple):
             items = [(str(i), p) for i, p in enumerate(items)]
-    if runtime.size() == 1:
+    if world.size() == 1:
         return
     for _, p in items:
         if not isinstance(p, torch.Tensor):
@@ -40,11 +40,11 @@ def broadcast_parameters(params: Union[dict, Iterable[Tuple[str, torch.Tensor]],
 
 def broadcast_object(obj, root_rank: int = 0):
     """Returns root_rank's obj on every rank (serialised with torch.save; trusted peers only)."""
-    runtime.init()
-    if runtime.size() == 1:
+    world.init()
+    if world.size() == 1:
         return obj
-    tr = runtime.transport()
-    if runtime.rank() == root_rank:
+    tr = world.transport()
+    if world.rank() == root_rank:
         bio = io.BytesIO()
         torch.save(obj, bio)
         payload = torch.frombuffer(bytearray(bio.getvalue()), dtype=torch.uint8)
@@ -52,17 +52,17 @@ def broadcast_object(obj, root_rank: int = 0):
     else:
         n = torch.zeros(1, dtype=torch.int64)
     tr.broadcast(n.view(torch.uint8), root_rank)
-    if runtime.rank() != root_rank:
+    if world.rank() != root_rank:
         payload = torch.empty(int(n[0]), dtype=torch.uint8)
     tr.broadcast(payload, root_rank)
-    if runtime.rank() == root_rank:
+    if world.rank() == root_rank:
         return obj
     return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Makes every rank's optimizer state (and hipress compressor state) equal to root_rank's."""
-    runtime.init()
-    if runtime.size() == 1:
+    world.init()
+    if world.size() == 1:
         return
     optimizer.load_state_dict(broadcast_object(optimizer.state_dict(), root_rank))

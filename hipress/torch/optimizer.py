@@ -22,30 +22,25 @@ compressed gradients are never averaged.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-import os
 import zlib
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from hipress import _C
+from hipress import _C, config
 from hipress import compression as _compression
-from hipress import runtime
-from hipress.engine import Handle, TaskError, get_engine
-from hipress.sync import CommChain, StateStore, SyncContext, chunk_bounds, get_strategy
+from hipress.comm import world
+from hipress.comm.exchange import open_exchanges
 from hipress.compression.none import NoneCompressor
-from hipress.planner import Overrides, Plan, make_plan
+from hipress.engine import Handle, get_engine
+from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
 from hipress.planner.online import profile_online
-from hipress.sync.hierarchical import HierarchicalStrategy
-from hipress.sync.lowrank import LowRankStrategy
+from hipress.sync import StateStore, make_sync, resolve_strategy, use_local_aggregation
 
 Average = "average"
 Sum = "sum"
-
-
-def _timeout_s() -> float:
-    return float(os.environ.get("HIPRESS_TIMEOUT_S", "60"))
 
 
 class _Bucket:
@@ -112,51 +107,65 @@ def _resolve_named_parameters(optimizer, named_parameters) -> List[Tuple[str, to
     return [(by_id[id(p)], p) for p in params]
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The choices of one ``DistributedOptimizer`` (see its docstring), checked on creation."""
+
+    compression: object = "none"          # algorithm name or Compressor instance
+    compression_kwargs: dict = dataclasses.field(default_factory=dict)
+    strategy: str = "ring"
+    backward_passes_per_step: int = 1
+    op: str = Average
+    partition_bytes: Optional[int] = 64 << 20
+    local_aggregation: object = "auto"
+    plan: object = None
+    coordinator: Optional[bool] = None    # None: HIPRESS_COORDINATOR
+    bucket_bytes: Optional[int] = 1 << 20
+
+    def __post_init__(self):
+        if self.backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {self.backward_passes_per_step}")
+        if self.op not in (Average, Sum):
+            raise ValueError(f"op must be hipress.Average or hipress.Sum, got {self.op!r}")
+        if self.local_aggregation not in ("auto", True, False):
+            raise ValueError(f"local_aggregation must be 'auto', True or False, got {self.local_aggregation!r}")
+        if self.compression == "auto":  # TBQ, compressed only where the planner says it pays
+            object.__setattr__(self, "compression", "tbq")
+            object.__setattr__(self, "plan", self.plan if self.plan is not None else "auto")
+        if self.coordinator is None:
+            object.__setattr__(self, "coordinator", config.get("HIPRESS_COORDINATOR"))
+
+
 class _HipressOptimizer:
     """Methods mixed into the dynamic subclass (see module docstring)."""
 
-    def _hipress_setup(self, named, compression, strategy, backward_passes_per_step, op, partition_bytes,
-                       local_aggregation, plan, coordinator, bucket_bytes, compression_kwargs):
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        if op not in (Average, Sum):
-            raise ValueError(f"op must be hipress.Average or hipress.Sum, got {op!r}")
-        runtime.init()
-        self._hp_transport = runtime.transport()
-        self._hp_compressor = _compression.get(compression, **compression_kwargs) if isinstance(compression, str) \
-            else compression
-        if strategy == "auto":
-            # Paper §5.3: equal for quantization and low-rank; PS avoids the ring's
-            # repeated re-sparsification of partial sums.
-            strategy = "ps" if getattr(self._hp_compressor, "category", "") == "sparsification" else "ring"
-        average = op == Average
-        self._hp_average = average
-        if coordinator is None:
-            coordinator = os.environ.get("HIPRESS_COORDINATOR", "0").strip().lower() in ("1", "true", "on", "yes")
-        if coordinator and local_aggregation is True:
-            raise ValueError("local_aggregation=True cannot be combined with the coordinator yet; "
-                             "use one or the other")
-        self._hp_hierarchical = False if coordinator else self._hp_use_local_aggregation(local_aggregation)
-        self._hp_executor = None
-        if coordinator and self._hp_transport.size > 1:
-            from hipress import coordinator as _coordinator
-            self._hp_executor = _coordinator.start(self._hp_transport)
-        self._hp_strategy_name = strategy
+    def _hipress_setup(self, named, options: Options):
+        world.init()
+        self._hp_transport = world.transport()
+        comp = options.compression
+        self._hp_compressor = _compression.get(comp, **options.compression_kwargs) if isinstance(comp, str) else comp
+        self._hp_strategy_name = resolve_strategy(options.strategy, self._hp_compressor)
+        self._hp_average = options.op == Average
+        self._hp_hierarchical = use_local_aggregation(options.local_aggregation, world.hostnames())
+        engine = get_engine()
+        exchanges = open_exchanges(engine, coordinated=options.coordinator)
         self._hp_states = StateStore()
-        self._hp_chain = CommChain()
-        # (sync strategy, its context) for compressed and for plain gradients; they share
-        # one comm chain, so communication keeps one order per rank.
-        self._hp_compressed = self._hp_make_sync(self._hp_compressor)
-        self._hp_plain = self._hp_make_sync(NoneCompressor()) if plan is not None else self._hp_compressed
-        self._hp_strategy, self._hp_ctx = self._hp_compressed[0], self._hp_compressed[1]
+
+        def sync_for(compressor):
+            return make_sync(engine, exchanges, compressor, self._hp_strategy_name, self._hp_states,
+                             self._hp_average, self._hp_hierarchical, world.size(), world.local_rank() == 0)
+
+        # Compressed and plain gradients share the exchanges, so communication keeps one order per rank.
+        self._hp_compressed = sync_for(self._hp_compressor)
+        self._hp_plain = sync_for(NoneCompressor()) if options.plan is not None else self._hp_compressed
+        self._hp_engine = engine
         self._hp_named = named
-        self._hp_buckets = self._hp_build_buckets(bucket_bytes)
+        self._hp_buckets = self._hp_build_buckets(options.bucket_bytes)
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
-        self._hp_plan = self._hp_make_plan(plan) if plan is not None else None
-        self._hp_named = named
+        self._hp_plan = self._hp_make_plan(options.plan) if options.plan is not None else None
         self._hp_names = {id(p): n for n, p in named}
-        self._hp_passes = backward_passes_per_step
-        self._hp_partition_bytes = partition_bytes
+        self._hp_passes = options.backward_passes_per_step
+        self._hp_partition_bytes = options.partition_bytes
         self._hp_counts: Dict[int, int] = {}
         self._hp_taken: set = set()  # ids of parameters whose gradient is in a bucket this step
         self._hp_handles: Dict[str, Handle] = {}
@@ -164,26 +173,11 @@ class _HipressOptimizer:
         self._hp_synchronized = False
         # Timeline row 2 shows when each gradient became ready, next to the queues.
         self._hp_mark_ns = _C.now_ns()
-        if self._hp_ctx.engine.timeline_enabled:
-            self._hp_ctx.engine.timeline_row(2, "backward (gradient ready)")
+        if engine.timeline_enabled:
+            engine.timeline_row(2, "backward (gradient ready)")
         self._hp_check_same_parameters()
         self._hp_hooks = [p.register_post_accumulate_grad_hook(self._hp_on_grad)
                           for _, p in named if p.requires_grad]
-
-    def _hp_make_sync(self, compressor):
-        """(strategy, context) that synchronises gradients with this compressor."""
-        inner_average = self._hp_average and not self._hp_hierarchical
-        # Multi-round aggregatable compressors (PowerSGD) sum in compressed form instead.
-        inner = (LowRankStrategy(average=inner_average) if compressor.rounds > 1
-                 else get_strategy(self._hp_strategy_name, average=inner_average))
-        engine = get_engine()
-        if not self._hp_hierarchical:
-            return inner, SyncContext(engine, self._hp_transport, compressor, self._hp_states, self._hp_chain,
-                                      executor=self._hp_executor)
-        local_ctx, cross_ctx = HierarchicalStrategy.contexts(
-            engine, runtime.local_transport(), runtime.cross_transport(), compressor, self._hp_states,
-            self._hp_chain, runtime.local_rank() == 0)
-        return HierarchicalStrategy(inner, local_ctx, cross_ctx, runtime.size(), self._hp_average), local_ctx
 
     def _hp_make_plan(self, plan):
         """plan: a Plan, "auto" (profile now, collectively), or an Overrides."""
@@ -197,21 +191,9 @@ class _HipressOptimizer:
         # Profiled over the world ring (its slowest link is the one that matters), by every
         # rank, so all ranks hold the same plan; N is the number of peers of the compressed sync.
         prof = profile_online(self._hp_compressor, self._hp_transport, self._hp_strategy_name)
-        n_sync = len(set(runtime.hostnames())) if self._hp_hierarchical else runtime.size()
+        n_sync = len(set(world.hostnames())) if self._hp_hierarchical else world.size()
         model = prof.cost_model(n=n_sync)
         return make_plan([(b.name, 4 * b.numel) for b in self._hp_buckets], model, overrides)
-
-    @staticmethod
-    def _hp_use_local_aggregation(mode) -> bool:
-        """auto: when some ranks share a host AND there are several hosts (on a single
-        host the whole sync would be uncompressed). True: whenever some ranks share a
-        host. Decided from the hostnames of all ranks, so every rank decides the same."""
-        if mode not in ("auto", True, False):
-            raise ValueError(f"local_aggregation must be 'auto', True or False, got {mode!r}")
-        hosts = len(set(runtime.hostnames()))
-        if mode is False or hosts == runtime.size():
-            return False
-        return mode is True or hosts > 1
 
     # ------------------------------------------------------------------ checks
     def _hp_check_same_parameters(self):
@@ -232,7 +214,7 @@ class _HipressOptimizer:
     # ------------------------------------------------------------------ submission
     def _hp_partitions(self, numel: int) -> List[Tuple[int, int]]:
         k = max(1, math.ceil(4 * numel / self._hp_partition_bytes)) if self._hp_partition_bytes else 1
-        return chunk_bounds(numel, min(k, max(1, numel)))
+        return chunk_bounds(numel, max(1, min(k, numel)))
 
     def _hp_build_buckets(self, bucket_bytes) -> List["_Bucket"]:
         """Tensor fusion: consecutive small gradients (in reverse parameter order, roughly
@@ -268,8 +250,8 @@ class _HipressOptimizer:
             return
         key = id(p)
         now = _C.now_ns()
-        if self._hp_ctx.engine.timeline_enabled:
-            self._hp_ctx.engine.timeline_slice(2, f"grad.{self._hp_names[key]}", self._hp_mark_ns, now)
+        if self._hp_engine.timeline_enabled:
+            self._hp_engine.timeline_slice(2, f"grad.{self._hp_names[key]}", self._hp_mark_ns, now)
         self._hp_mark_ns = now
         if key in self._hp_taken:
             raise RuntimeError(
@@ -299,14 +281,14 @@ class _HipressOptimizer:
         flat = bucket.flat
         if self._hp_plan is not None:
             entry = self._hp_plan.entry(bucket.name, flat.numel())
-            sync, ctx = self._hp_compressed if entry.compress else self._hp_plain
+            sync = self._hp_compressed if entry.compress else self._hp_plain
             bounds = entry.bounds(flat.numel())
         else:
-            sync, ctx = self._hp_compressed
+            sync = self._hp_compressed
             bounds = self._hp_partitions(flat.numel())
-        h = sync.build(ctx, bucket.name, flat, bounds, segments=bucket.segments)
+        h = sync.build(bucket.name, flat, bounds, segments=bucket.segments)
         if not bucket.in_place:
-            h = ctx.compute(f"unpack.{bucket.name}", bucket.unpack, [h], nbytes=4 * flat.numel())
+            h = sync.ctx.compute(f"unpack.{bucket.name}", bucket.unpack, [h], nbytes=4 * flat.numel())
         self._hp_handles[bucket.name] = h
 
     # ------------------------------------------------------------------ public API
@@ -322,7 +304,7 @@ class _HipressOptimizer:
             for _, p in bucket.params:
                 if id(p) not in self._hp_taken:
                     self._hp_take(p)  # unused this step: zeros, so every rank runs the same collectives
-        deadline = _timeout_s()
+        deadline = config.get("HIPRESS_TIMEOUT_S")
         errors = []
         for name, h in self._hp_handles.items():
             if h is None:
@@ -406,7 +388,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     many bytes (None or 0: every gradient alone). Multi-round compressors such as PowerSGD
     send only factors, so more gradients share a buffer; each matrix is compressed whole.
     coordinator: batch all communication through the global coordinator on rank 0
-    (hipress.coordinator); None reads HIPRESS_COORDINATOR (default off).
+    (hipress.comm.coordinator); None reads HIPRESS_COORDINATOR (default off).
     Returns the same optimizer object, whose class is now a subclass of its old class.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -417,12 +399,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     base = optimizer.__class__
     cls = type(base.__name__, (base,), {k: v for k, v in _HipressOptimizer.__dict__.items()
                                         if not k.startswith("__")} | {"__module__": base.__module__})
+    options = Options(compression, compression_kwargs, strategy, backward_passes_per_step, op, partition_bytes,
+                      local_aggregation, plan, coordinator, bucket_bytes)
     optimizer.__class__ = cls
     try:
-        if compression == "auto":
-            compression, plan = "tbq", (plan if plan is not None else "auto")
-        optimizer._hipress_setup(named, compression, strategy, backward_passes_per_step, op, partition_bytes,
-                                 local_aggregation, plan, coordinator, bucket_bytes, compression_kwargs)
+        optimizer._hipress_setup(named, options)
     except Exception:
         optimizer.__class__ = base
         raise

@@ -1,7 +1,7 @@
 """One rank of the Horovod tests (started by test_horovod.py under ``horovodrun``).
 
   --mode checks    hipress.init() must pick the Horovod transport by itself; rank, size and
-                   local rank agree with Horovod's; every check of hipress.transport.testing
+                   local rank agree with Horovod's; every check of hipress.comm.transport.testing
                    runs on the world transport, on the local/cross groups (``--fake-hosts K``
                    makes hipress see K hosts, so new process sets are registered), and on a
                    second world transport without pair process sets (sendrecv as alltoall)
@@ -32,37 +32,37 @@ def emit(d):
 
 
 def mode_checks(args):
-    from hipress import runtime
-    from hipress.transport.testing import run_checks
+    from hipress.comm import world
+    from hipress.comm.transport.testing import run_checks
     from horovod_ext.transport import HorovodTransport, horovod_info
 
     t0 = time.time()
-    runtime.init()
-    world = runtime.transport()
+    world.init()
+    wt = world.transport()
     info = horovod_info()
-    rank, size = runtime.rank(), runtime.size()
-    out = {"rank": rank, "size": size, "transport": world.name, "launcher": runtime.launch_info().launcher,
+    rank, size = world.rank(), world.size()
+    out = {"rank": rank, "size": size, "transport": wt.name, "launcher": world.launch_info().launcher,
            "horovod": info, "init_s": round(time.time() - t0, 3)}
-    if not isinstance(world, HorovodTransport):
-        raise SystemExit(f"rank {rank}: expected the Horovod transport, got {world!r}")
+    if not isinstance(wt, HorovodTransport):
+        raise SystemExit(f"rank {rank}: expected the Horovod transport, got {wt!r}")
     if (rank, size) != (info["rank"], info["size"]):
         raise SystemExit(f"rank {rank}/{size}: Horovod says {info['rank']}/{info['size']}")
-    if not args.fake_hosts and (runtime.local_rank(), runtime.local_size()) != (info["local_rank"], info["local_size"]):
-        raise SystemExit(f"rank {rank}: local rank {runtime.local_rank()}/{runtime.local_size()} but Horovod says "
+    if not args.fake_hosts and (world.local_rank(), world.local_size()) != (info["local_rank"], info["local_size"]):
+        raise SystemExit(f"rank {rank}: local rank {world.local_rank()}/{world.local_size()} but Horovod says "
                          f"{info['local_rank']}/{info['local_size']}")
-    out["checks"] = run_checks(world)
-    loc, cross = runtime.local_transport(), runtime.cross_transport()
-    out["grouping"] = [runtime.local_rank(), runtime.local_size(), runtime.cross_rank(), runtime.cross_size()]
+    out["checks"] = run_checks(wt)
+    loc, cross = world.local_transport(), world.cross_transport()
+    out["grouping"] = [world.local_rank(), world.local_size(), world.cross_rank(), world.cross_size()]
     out["local_checks"] = run_checks(loc, ["alltoallv", "allgatherv", "broadcast", "sendrecv_ring"])
-    world.barrier()
+    wt.barrier()
     out["cross_checks"] = run_checks(cross, ["alltoallv", "allgather", "sendrecv_ring"])
-    world.barrier()
+    wt.barrier()
     # no pair process sets: sendrecv is an alltoall over the transport (ring steps only)
     coll = HorovodTransport.world(p2p="collective")
     out["collective_checks"] = run_checks(coll, ["sendrecv_ring", "alltoallv", "broadcast", "barrier"], errors=False)
     coll.close()
     out["total_s"] = round(time.time() - t0, 3)
-    runtime.shutdown()
+    world.shutdown()
     if args.baseline:
         out.update(baseline())
     emit(out)

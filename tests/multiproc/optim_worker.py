@@ -78,7 +78,9 @@ def main():
             with opt.skip_synchronize():
                 opt.step()
             steps.append({"local": local, "synced": synced})
-        owners = {**getattr(opt._hp_plain[0], "_owner", {}), **getattr(opt._hp_compressed[0], "_owner", {})}
+        # PS aggregators (with local aggregation: those of the cross-host strategy)
+        owners = {k: v for sync in (opt._hp_plain, opt._hp_compressed)
+                  for k, v in getattr(getattr(sync.strategy, "cross", sync.strategy), "_owner", {}).items()}
         buckets = []
         for b in opt._hp_buckets:
             if opt._hp_plan is not None:
@@ -87,7 +89,9 @@ def main():
                 bounds, compressed = opt._hp_partitions(b.numel), True
             buckets.append({"name": b.name, "params": [n for n, _ in b.params], "bounds": bounds,
                             "compressed": compressed})
-        results.append({"config": cfg, "steps": steps, "owners": owners, "buckets": buckets})
+        results.append({"config": cfg, "steps": steps, "owners": owners, "buckets": buckets,
+                        "hierarchical": opt._hp_hierarchical,
+                        "coordinated": type(opt._hp_compressed.ctx.exchange).__name__ == "CoordinatedExchange"})
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     hipress.shutdown()
 

@@ -130,10 +130,10 @@ import sys
 sys.modules["horovod"] = None          # horovod (and horovod.torch) cannot be imported
 import hipress
 hipress.init()
-print("TRANSPORT", hipress.runtime.transport().name, flush=True)
-hipress.runtime.shutdown()
+print("TRANSPORT", hipress.comm.world.transport().name, flush=True)
+hipress.comm.world.shutdown()
 hipress.init()                         # a second init says nothing more
-hipress.runtime.shutdown()
+hipress.comm.world.shutdown()
 """
 
 

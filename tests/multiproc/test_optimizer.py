@@ -165,15 +165,22 @@ def test_local_aggregation_uncompressed(tmp_path, np, hosts):
     check_exact_average(launch(tmp_path, np, configs, hosts=hosts), np)
 
 
-def test_local_aggregation_compresses_across_hosts_only(tmp_path):
+@pytest.mark.parametrize("coordinator", [False, True])
+def test_local_aggregation_compresses_across_hosts_only(tmp_path, coordinator):
     """4 ranks on 2 hosts: host sums are exact (one fp32 add each), then the
-    compressed sync (ring TBQ; low-rank PowerSGD over fused buckets) runs over the two
-    host roots, then everything is shared."""
+    compressed sync (ring TBQ; PS DGC; low-rank PowerSGD over fused buckets) runs over the
+    two host roots, then everything is shared; with the global coordinator on, all three
+    levels go through it (host ring, cross-host sync, host broadcast)."""
     np = 4
     configs = [{"compression": "tbq", "strategy": "ring", "kwargs": {"threshold": 0.01}, "steps": 2},
+               {"compression": "dgc", "strategy": "ps", "kwargs": ALGORITHMS["dgc"], "steps": 2},
                {"compression": "powersgd", "strategy": "ring", "kwargs": ALGORITHMS["powersgd"], "steps": 2}]
+    for cfg in configs:
+        cfg["coordinator"] = coordinator
     results = launch(tmp_path, np, configs, hosts=2)
     for c, cfg in enumerate(configs):
+        assert all(results[r][c]["hierarchical"] for r in range(np))
+        assert all(results[r][c]["coordinated"] == coordinator for r in range(np))
         comp = compression.get(cfg["compression"], **cfg["kwargs"])
         stores = [StateStore() for _ in range(2)]
         res = results[0][c]
@@ -186,8 +193,11 @@ def test_local_aggregation_compresses_across_hosts_only(tmp_path):
                 if comp.rounds > 1:
                     want = reference.lowrank(host_sums, comp, stores, name, None, average=False,
                                              segments=segments_of(grads[0]))[0] / np
-                else:
+                elif cfg["strategy"] == "ring":
                     want = reference.ring(host_sums, comp, stores, name, bounds, average=False)[0] / np
+                else:
+                    owners = [res["owners"][f"{name}/p{i}"] for i, (s, e) in enumerate(bounds) if e > s]
+                    want = reference.ps(host_sums, comp, stores, name, bounds, owners, average=False)[0] / np
                 for r in range(np):
                     got = torch.cat([results[r][c]["steps"][step]["synced"][p].reshape(-1) for p in b["params"]])
                     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7,

@@ -1,6 +1,6 @@
 """Multi-process transport tests: real processes, real sockets, exact bytes.
 
-Drivers (each runs hipress.transport.testing's one body of checks on every rank):
+Drivers (each runs hipress.comm.transport.testing's one body of checks on every rank):
   * torch.distributed/gloo, launched three ways: torchrun-style env (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT), explicit init(rank=, size=, ...), and horovodrun's gloo env
     (HOROVOD_* + an HTTP rendezvous key-value server like Horovod's);

@@ -1,7 +1,7 @@
 """One rank of a multi-process transport test (started by test_transport.py, directly or
-under mpirun). Discovers its launch with hipress.runtime.init(), then:
+under mpirun). Discovers its launch with hipress.comm.world.init(), then:
 
-  --mode checks   runs every check of hipress.transport.testing on the world transport,
+  --mode checks   runs every check of hipress.comm.transport.testing on the world transport,
                   verifies local/cross grouping (``--fake-hosts K`` puts ranks on K pretend
                   hosts through HIPRESS_HOSTNAME) and runs checks on the local/cross groups
   --mode kill     loops large alltoallv; rank --victim SIGKILLs itself in the middle of one
@@ -52,23 +52,23 @@ def main():
 
     import torch
 
-    from hipress import runtime
-    from hipress.transport.base import TransportError
-    from hipress.transport.testing import pattern, run_checks
+    from hipress.comm import world
+    from hipress.comm.transport.base import TransportError
+    from hipress.comm.transport.testing import pattern, run_checks
 
     t0 = time.time()
     if args.explicit:
         r, n, addr, port = args.explicit
-        runtime.init(rank=int(r), size=int(n), master_addr=addr, master_port=int(port))
+        world.init(rank=int(r), size=int(n), master_addr=addr, master_port=int(port))
     else:
-        runtime.init()
-    runtime.init()  # idempotent
-    world = runtime.transport()
-    rank, size = runtime.rank(), runtime.size()
-    out = {"rank": rank, "size": size, "transport": world.name, "launcher": runtime.launch_info().launcher,
+        world.init()
+    world.init()  # idempotent
+    wt = world.transport()
+    rank, size = world.rank(), world.size()
+    out = {"rank": rank, "size": size, "transport": wt.name, "launcher": world.launch_info().launcher,
            "init_s": round(time.time() - t0, 3)}
-    if args.expect_transport and not world.name.startswith(args.expect_transport):
-        raise SystemExit(f"rank {rank}: expected the {args.expect_transport} transport, got {world.name}")
+    if args.expect_transport and not wt.name.startswith(args.expect_transport):
+        raise SystemExit(f"rank {rank}: expected the {args.expect_transport} transport, got {wt.name}")
 
     if args.mode == "checks":
         K = args.fake_hosts or 1
@@ -78,21 +78,21 @@ def main():
         cross = [q for q in range(size) if host_members(q).index(q) == lr]  # my local_rank, one per host
         exp = {"local_rank": lr, "local_size": len(host_members(rank)),
                "cross_rank": cross.index(rank), "cross_size": len(cross)}
-        got = {"local_rank": runtime.local_rank(), "local_size": runtime.local_size(),
-               "cross_rank": runtime.cross_rank(), "cross_size": runtime.cross_size()}
+        got = {"local_rank": world.local_rank(), "local_size": world.local_size(),
+               "cross_rank": world.cross_rank(), "cross_size": world.cross_size()}
         if got != exp:
             raise SystemExit(f"rank {rank}: host grouping {got} != expected {exp}")
         out["grouping"] = got
-        out["checks"] = run_checks(world)
-        loc, cross = runtime.local_transport(), runtime.cross_transport()
+        out["checks"] = run_checks(wt)
+        loc, cross = world.local_transport(), world.cross_transport()
         assert (loc.rank, loc.size) == (got["local_rank"], got["local_size"]), (loc, got)
         assert (cross.rank, cross.size) == (got["cross_rank"], got["cross_size"]), (cross, got)
         # every host runs the local checks together, then every cross group its own
         out["local_checks"] = run_checks(loc, ["alltoallv", "allgatherv", "broadcast"])
-        world.barrier()
+        wt.barrier()
         out["cross_checks"] = run_checks(cross, ["alltoallv", "sendrecv_ring"])
-        world.barrier()
-        runtime.shutdown()
+        wt.barrier()
+        world.shutdown()
         emit(out)
         return 0
 
@@ -101,21 +101,21 @@ def main():
     send = torch.cat([pattern(rank * 10 + j, c) for j, c in enumerate(counts)])
     recv = torch.empty(sum(counts), dtype=torch.uint8)
     for _ in range(2):
-        world.alltoallv(send, counts, recv, counts)
-    world.barrier()
+        wt.alltoallv(send, counts, recv, counts)
+    wt.barrier()
     if rank == args.victim:
         if args.mode == "kill":
             # die while the collective is in flight
             threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
             while True:
-                world.alltoallv(send, counts, recv, counts)
+                wt.alltoallv(send, counts, recv, counts)
         else:
             emit(dict(out, hanging=True))
             time.sleep(3600)
     t1 = time.time()
     try:
         while True:
-            world.alltoallv(send, counts, recv, counts)
+            wt.alltoallv(send, counts, recv, counts)
             if time.time() - t1 > 120:
                 raise SystemExit(f"rank {rank}: no error after 120 s")
     except TransportError as e:

@@ -2,8 +2,8 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hipress.coordinator import protocol as P
-from hipress.coordinator.planner import Msg, SlotPlanner
+from hipress.comm.coordinator import protocol as P
+from hipress.comm.coordinator.planner import Msg, SlotPlanner
 
 msgs_strategy = st.integers(2, 9).flatmap(lambda n: st.tuples(
     st.just(n),

@@ -127,9 +127,10 @@ def test_loopback_lowrank_strategy_matches_reference(gen):
     """LowRankStrategy over the in-process transport (3 ranks as threads) with the generated PowerSGD equals
     the sequential reference."""
     from hipress.engine import Engine
+    from hipress.comm.exchange import CommChain, DirectExchange
     from hipress.sync import SyncContext
     from hipress.sync.lowrank import LowRankStrategy
-    from hipress.transport import loopback
+    from hipress.comm.transport import loopback
 
     shape, nr = (40, 12), 3
     grads = [grad(shape, seed=50 + r).view(-1) for r in range(nr)]
@@ -138,7 +139,7 @@ def test_loopback_lowrank_strategy_matches_reference(gen):
     def body(tr):
         eng = Engine()
         try:
-            ctx = SyncContext(eng, tr, gen(rank=2), StateStore())
+            ctx = SyncContext(eng, DirectExchange(eng, tr, CommChain()), gen(rank=2), StateStore())
             out = []
             for _ in range(2):
                 flat = grads[tr.rank].clone()

@@ -12,7 +12,7 @@ from hipress.planner import (
     AffineCurve, CostModel, PiecewiseAffineCurve, SyncParams, rounds, sync_params,
 )
 from hipress.planner.__main__ import main as cli_main, parse_rate, parse_size
-from hipress.planner.plan import Overrides, make_plan, partition_bounds, plan_one
+from hipress.planner.plan import Overrides, PlanEntry, chunk_bounds, make_plan, plan_one
 from hipress.planner.profile import (
     DEFAULT_LADDER, Profile, ProfileError, build_profile, default_profile_dir, fit_curve, load_or_profile,
     load_profile, measure_codec, measure_send, profile_path, save_profile,
@@ -472,8 +472,8 @@ def test_load_or_profile_reuses_cache(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ plans
 @settings(max_examples=200, deadline=None)
 @given(numel=st.integers(0, 10 ** 7), k=st.integers(1, 64))
-def test_partition_bounds(numel, k):
-    b = partition_bounds(numel, k)
+def test_plan_entry_bounds(numel, k):
+    b = PlanEntry("g", 4 * numel, True, k, 0.0, k, 0.0, k).bounds(numel)
     assert len(b) == (max(1, min(k, numel)) if numel else 1)
     assert b[0][0] == 0 and b[-1][1] == numel
     assert all(e0 == s1 for (_, e0), (s1, _) in zip(b, b[1:]))
@@ -518,7 +518,7 @@ def test_plan_bounds_for_optimizer():
     assert len(b) == 16 and b[-1][1] == numel
     assert plan.compress("fc", numel)
     # unknown name: planned on the fly from numel
-    assert plan.bounds("bias", 100) == partition_bounds(100, plan_one("bias", 400, model).k)
+    assert plan.bounds("bias", 100) == chunk_bounds(100, plan_one("bias", 400, model).k)
     assert "bias" in plan
     # tiny tensors never get empty partitions
     assert plan.bounds("one", 1) == [(0, 1)]
@@ -562,7 +562,7 @@ def test_profile_online_reuses_cache_and_reprofiles_when_the_link_changed(tmp_pa
     from hipress.engine import Engine
     from hipress.planner import online
     from hipress.planner.online import PROBE_BYTES, profile_online
-    from hipress.transport import loopback
+    from hipress.comm.transport import loopback
 
     ladder = [4 * KB, 64 * KB, PROBE_BYTES]
 
@@ -617,7 +617,7 @@ def test_link_change_needs_two_probe_rounds_off(rounds_ms, changed, probed):
     """The 1 MB probe's rule, with scripted transfer times (cached: 1 ms): a change is
     declared, on every rank, only when two probe rounds in a row are off by more than 2x."""
     from hipress.planner import online
-    from hipress.transport import loopback
+    from hipress.comm.transport import loopback
 
     class Cached:
         def send(self, nbytes):

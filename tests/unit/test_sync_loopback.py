@@ -4,12 +4,14 @@ import torch
 
 from hipress import compression
 from hipress.compression.none import NoneCompressor
-from hipress.coordinator import Executor
+from hipress.comm.coordinator import Executor
 from hipress.sync.lowrank import LowRankStrategy
 from hipress.engine import Engine
-from hipress.sync import StateStore, SyncContext, get_strategy, reference
-from hipress.sync.base import chunk_bounds, frame, unframe
-from hipress.transport import loopback
+from hipress.comm.exchange import CommChain, CoordinatedExchange, DirectExchange
+from hipress.sync import STRATEGIES, StateStore, SyncContext, reference
+from hipress.planner.plan import chunk_bounds
+from hipress.sync.base import frame, unframe
+from hipress.comm.transport import loopback
 
 
 def grads_for(n_ranks, numel, seed=0):
@@ -26,8 +28,10 @@ def run_strategy(strategy, comp_factory, grads, bounds, name="w", coordinator=Fa
         ex = Executor(tr.split(0, key=tr.rank), batch_bytes=1 << 12) if coordinator else None
         try:
             st = StateStore()
-            strat = LowRankStrategy() if strategy == "lowrank" else get_strategy(strategy)
-            ctx = SyncContext(eng, tr, comp_factory(), st, executor=ex)
+            strat = LowRankStrategy() if strategy == "lowrank" else STRATEGIES[strategy]()
+            exchange = CoordinatedExchange(eng, ex, range(tr.size)) if coordinator else \
+                DirectExchange(eng, tr, CommChain())
+            ctx = SyncContext(eng, exchange, comp_factory(), st)
             out = []
             for _ in range(steps):
                 flat = grads[tr.rank].clone()
@@ -133,7 +137,8 @@ def test_lowrank_fused_bucket_equals_one_sync_per_matrix(n):
     def body(tr):
         eng = Engine()
         try:
-            ctx_f, ctx_a = (SyncContext(eng, tr, comp(), StateStore()) for _ in range(2))
+            chain = CommChain()
+            ctx_f, ctx_a = (SyncContext(eng, DirectExchange(eng, tr, chain), comp(), StateStore()) for _ in range(2))
             strat = LowRankStrategy()
             got_f, got_a = [], []
             for grads in steps:
@@ -159,17 +164,17 @@ def test_lowrank_fused_bucket_equals_one_sync_per_matrix(n):
 
 
 def test_lowrank_fused_bucket_exchanges_once_per_round():
-    class Counting(SyncContext):
+    class Counting(DirectExchange):
         names = []
 
-        def exchange(self, name, *a, **kw):
+        def _exchange(self, name, *a, **kw):
             Counting.names.append(name)
-            return super().exchange(name, *a, **kw)
+            return super()._exchange(name, *a, **kw)
 
     def body(tr):
         eng = Engine()
         try:
-            ctx = Counting(eng, tr, compression.get("powersgd", rank=2), StateStore())
+            ctx = SyncContext(eng, Counting(eng, tr, CommChain()), compression.get("powersgd", rank=2), StateStore())
             flat = torch.randn(3 * 64)
             segments = [(0, 64, (8, 8)), (64, 64, (64,)), (128, 64, (4, 16))]
             LowRankStrategy().build(ctx, "b", flat, [(0, 192)], segments=segments).result(timeout=30)

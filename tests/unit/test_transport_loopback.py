@@ -1,15 +1,15 @@
 """Transport checks on the in-process loopback transport (N ranks as threads), the failure
 semantics of the interface, and runtime launch discovery. The byte-exact checks are the
-same functions the multi-process gloo and MPI tests run (hipress.transport.testing)."""
+same functions the multi-process gloo and MPI tests run (hipress.comm.transport.testing)."""
 import time
 
 import pytest
 import torch
 
-from hipress import runtime
-from hipress.transport import loopback
-from hipress.transport.base import TransportError
-from hipress.transport.testing import CHECKS, run_checks
+from hipress.comm import world
+from hipress.comm.transport import loopback
+from hipress.comm.transport.base import TransportError
+from hipress.comm.transport.testing import CHECKS, run_checks
 
 
 @pytest.mark.timeout(60)
@@ -151,9 +151,9 @@ LAUNCH_VARS = ["OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_
 def clean_env(monkeypatch):
     for k in LAUNCH_VARS:
         monkeypatch.delenv(k, raising=False)
-    runtime.shutdown()
+    world.shutdown()
     yield monkeypatch
-    runtime.shutdown()
+    world.shutdown()
 
 
 @pytest.mark.parametrize("env,expect", [
@@ -167,36 +167,36 @@ def clean_env(monkeypatch):
     ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, ("mpi", 1, 2, None)),
 ])
 def test_detect_launch(env, expect):
-    info = runtime.detect_launch(env)
+    info = world.detect_launch(env)
     assert (info.launcher, info.rank, info.size, info.local_rank) == expect
 
 
 def test_detect_launch_explicit_overrides_env():
-    info = runtime.detect_launch({"RANK": "1", "WORLD_SIZE": "2"}, rank=0, size=3, master_addr="a", master_port=7)
+    info = world.detect_launch({"RANK": "1", "WORLD_SIZE": "2"}, rank=0, size=3, master_addr="a", master_port=7)
     assert (info.launcher, info.rank, info.size, info.master_addr, info.master_port) == ("explicit", 0, 3, "a", 7)
     with pytest.raises(ValueError):
-        runtime.detect_launch({}, rank=0)
+        world.detect_launch({}, rank=0)
 
 
 def test_runtime_single_process(clean_env):
-    assert not runtime.is_initialized()
+    assert not world.is_initialized()
     with pytest.raises(RuntimeError, match="init"):
-        runtime.rank()
-    runtime.init()
-    runtime.init()  # idempotent
-    assert (runtime.rank(), runtime.size(), runtime.local_rank(), runtime.local_size(),
-            runtime.cross_rank(), runtime.cross_size()) == (0, 1, 0, 1, 0, 1)
-    t = runtime.transport()
+        world.rank()
+    world.init()
+    world.init()  # idempotent
+    assert (world.rank(), world.size(), world.local_rank(), world.local_size(),
+            world.cross_rank(), world.cross_size()) == (0, 1, 0, 1, 0, 1)
+    t = world.transport()
     assert t.name == "loopback" and t.size == 1
     run_checks(t)
-    runtime.shutdown()
-    assert not runtime.is_initialized()
+    world.shutdown()
+    assert not world.is_initialized()
 
 
 def test_runtime_torch_single_process(clean_env):
     clean_env.setenv("HIPRESS_TRANSPORT", "torch")
-    runtime.init()
-    t = runtime.transport()
+    world.init()
+    t = world.transport()
     assert t.name == "torch/gloo" and (t.rank, t.size) == (0, 1)
     run_checks(t)
 
@@ -204,18 +204,18 @@ def test_runtime_torch_single_process(clean_env):
 def test_runtime_rejects_unknown_transport(clean_env):
     clean_env.setenv("HIPRESS_TRANSPORT", "carrier-pigeon")
     with pytest.raises(ValueError, match="carrier-pigeon"):
-        runtime.init()
-    assert not runtime.is_initialized()
+        world.init()
+    assert not world.is_initialized()
 
 
 def test_runtime_with_given_transport(clean_env):
     t = loopback.LoopbackTransport(loopback.LoopbackWorld(1), 0)
-    runtime.init(transport=t)
-    assert runtime.transport() is t and runtime.size() == 1
+    world.init(transport=t)
+    assert world.transport() is t and world.size() == 1
 
 
 def test_timeout_env(monkeypatch):
-    from hipress.transport.base import default_timeout_s
+    from hipress.comm.transport.base import default_timeout_s
 
     monkeypatch.setenv("HIPRESS_TIMEOUT_S", "2.5")
     assert default_timeout_s() == 2.5
@@ -227,7 +227,7 @@ def test_timeout_env(monkeypatch):
 def test_nccl_is_import_safe_and_clearly_unavailable_without_cuda(clean_env):
     import torch
 
-    from hipress.transport import nccl
+    from hipress.comm.transport import nccl
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present: covered by GPU tests")
@@ -238,5 +238,5 @@ def test_nccl_is_import_safe_and_clearly_unavailable_without_cuda(clean_env):
         nccl.NcclTransport.create(boot)
     clean_env.setenv("HIPRESS_TRANSPORT", "nccl")
     with pytest.raises(TransportError, match="CUDA is not available"):
-        runtime.init()
-    assert not runtime.is_initialized()
+        world.init()
+    assert not world.is_initialized()

@@ -42,11 +42,12 @@ which may assume validated, consistent arguments, zero-length segments included.
 from __future__ import annotations
 
 import abc
-import os
 import struct
 from typing import List, Optional, Sequence
 
 import torch
+
+from hipress import config
 
 __all__ = ["Transport", "TransportError", "default_timeout_s", "default_check", "MAX_TAG"]
 
@@ -75,19 +76,12 @@ class TransportError(RuntimeError):
 
 
 def default_timeout_s() -> float:
-    """``HIPRESS_TIMEOUT_S`` (seconds) or 60; <= 0 is rejected (no wait may be unbounded)."""
-    raw = os.environ.get("HIPRESS_TIMEOUT_S", "60")
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ValueError(f"HIPRESS_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
-    if v <= 0:
-        raise ValueError(f"HIPRESS_TIMEOUT_S must be > 0, got {raw!r}")
-    return v
+    """``HIPRESS_TIMEOUT_S`` (seconds, > 0: no wait may be unbounded)."""
+    return config.get("HIPRESS_TIMEOUT_S")
 
 
 def default_check() -> bool:
-    return os.environ.get("HIPRESS_TRANSPORT_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+    return config.get("HIPRESS_TRANSPORT_CHECK")
 
 
 _HDR = struct.Struct("<q")  # point-to-point header: payload size in bytes

@@ -27,7 +27,8 @@ import os
 import time
 from typing import Optional
 
-from hipress.transport.base import Transport, TransportError
+from hipress import config
+from hipress.comm.transport.base import Transport, TransportError
 
 __all__ = ["NcclTransport", "available", "unavailable_reason"]
 
@@ -41,7 +42,7 @@ class _UniqueId(ctypes.Structure):
 
 
 def _candidates():
-    env = os.environ.get("HIPRESS_NCCL_LIBRARY")
+    env = config.get("HIPRESS_NCCL_LIBRARY")
     if env:
         yield env
     try:
@@ -269,3 +270,21 @@ class NcclTransport(Transport):
                 self._lib.ncclCommDestroy(self._comm)
             self._comm = ctypes.c_void_p(0)
         self.boot.close()
+
+
+def _connect(launch, timeout: float) -> NcclTransport:
+    from hipress.comm import rendezvous
+    from hipress.comm.transport.torch_dist import TorchDistTransport
+
+    boot = TorchDistTransport.create(launch.rank, launch.size, backend="gloo", timeout_s=timeout,
+                                     store=rendezvous.store(launch, timeout))
+    try:
+        return NcclTransport.create(boot, timeout_s=timeout)
+    except BaseException:
+        boot.close()
+        raise
+
+
+from hipress.comm.transport import Backend, register  # noqa: E402 - the registry imports this module
+
+register(Backend("nccl", _connect))  # never chosen by itself: ask for it by name

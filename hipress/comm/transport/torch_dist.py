@@ -19,13 +19,13 @@ as :class:`TransportError` naming the operation and the peers involved.
 from __future__ import annotations
 
 import datetime
-import os
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-from hipress.transport.base import Transport, TransportError, displacements
+from hipress import config
+from hipress.comm.transport.base import Transport, TransportError, displacements
 
 __all__ = ["TorchDistTransport"]
 
@@ -51,9 +51,7 @@ class TorchDistTransport(Transport):
         self.name = f"torch/{backend}"
         self._prefix = prefix
         self._splits = 0
-        self._a2a_mode = os.environ.get("HIPRESS_TORCH_ALLTOALL", "p2p").strip().lower()
-        if self._a2a_mode not in ("native", "p2p"):
-            raise ValueError(f"HIPRESS_TORCH_ALLTOALL must be native or p2p, got {self._a2a_mode!r}")
+        self._a2a_mode = config.get("HIPRESS_TORCH_ALLTOALL")
         self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     # ------------------------------------------------------------------ construction
@@ -62,7 +60,7 @@ class TorchDistTransport(Transport):
                backend: str = "gloo", timeout_s: Optional[float] = None, check: Optional[bool] = None,
                store=None) -> "TorchDistTransport":
         """Rendezvous through a TCPStore (rank 0 hosts it) and build a process group."""
-        from hipress.transport.base import default_timeout_s
+        from hipress.comm.transport.base import default_timeout_s
 
         timeout = default_timeout_s() if timeout_s is None else float(timeout_s)
         if store is None:
@@ -256,3 +254,22 @@ class TorchDistTransport(Transport):
                     shut()
                 except Exception:  # noqa: BLE001 - best effort
                     pass
+
+
+def _connect(launch, timeout: float) -> TorchDistTransport:
+    from hipress.comm import rendezvous
+
+    if dist.is_available() and dist.is_initialized():
+        return TorchDistTransport.from_default_group(timeout_s=timeout)
+    backend = config.get("HIPRESS_TORCH_BACKEND")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("HIPRESS_TORCH_BACKEND=nccl but CUDA is not available")
+    return TorchDistTransport.create(launch.rank, launch.size, backend=backend, timeout_s=timeout,
+                                     store=rendezvous.store(launch, timeout))
+
+
+from hipress.comm.transport import Backend, register  # noqa: E402 - the registry imports this module
+
+# Claims a job whose torch.distributed is already up; also the registry's fallback.
+register(Backend("torch", _connect, claims=lambda launch: dist.is_available() and dist.is_initialized(),
+                 priority=10))

@@ -1,6 +1,6 @@
 """In-process transport: N ranks as N threads of one process (for fast tests).
 
-    from hipress.transport import loopback
+    from hipress.comm.transport import loopback
     results = loopback.spawn(4, lambda t: t.rank * 10)   # [0, 10, 20, 30]
 
 Like gloo's ``test/base_test.h::spawn()``: every thread gets its own :class:`LoopbackTransport`
@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from hipress.transport.base import Transport, TransportError
+from hipress.comm.transport.base import Transport, TransportError
 
 __all__ = ["LoopbackWorld", "LoopbackTransport", "spawn"]
 
@@ -235,3 +235,15 @@ def spawn(n: int, fn: Callable[[LoopbackTransport], object], timeout_s: Optional
         e.loopback_rank = r
         raise e
     return results
+
+
+def _connect(launch, timeout: float) -> "LoopbackTransport":
+    if launch.size != 1:
+        raise ValueError(f"the loopback transport runs all ranks in one process (loopback.spawn); "
+                         f"it cannot connect {launch.size} processes")
+    return LoopbackTransport(LoopbackWorld(1), 0, timeout)
+
+
+from hipress.comm.transport import Backend, register  # noqa: E402 - the registry imports this module
+
+register(Backend("loopback", _connect, claims=lambda launch: launch.size == 1, priority=0))

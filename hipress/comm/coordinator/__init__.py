@@ -12,18 +12,23 @@ import atexit
 import threading
 from typing import List
 
-from hipress.coordinator.executor import Executor, message_key
-from hipress.coordinator.planner import Msg, Slot, SlotPlanner
+from hipress.comm.coordinator.executor import Executor, message_key
+from hipress.comm.coordinator.planner import Msg, Slot, SlotPlanner
 
 _lock = threading.Lock()
 _executors: List[Executor] = []
 
 
 def start(world_transport, **kw) -> Executor:
-    """Collective: starts an executor over a private duplicate of world_transport."""
+    """Collective: starts an executor over a private duplicate of world_transport; it
+    stops at ``world.shutdown()`` (before the transports close) or at exit."""
+    from hipress.comm import world
+
     private = world_transport.split(0, key=world_transport.rank)
     ex = Executor(private, **kw)
     with _lock:
+        if not _executors:
+            world.on_shutdown(shutdown_all)
         _executors.append(ex)
     return ex
 

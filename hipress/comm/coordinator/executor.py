@@ -29,7 +29,6 @@ Self-messages (src == dst) never touch the network.
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
 import random
 import threading
@@ -38,21 +37,17 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from hipress.coordinator import protocol as P
-from hipress.coordinator.planner import Msg, SlotPlanner
+from hipress import config
+from hipress.comm.coordinator import protocol as P
+from hipress.comm.coordinator.planner import Msg, SlotPlanner
 
 
 def message_key(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    return default if raw in (None, "") else float(raw)
-
-
-class Exchange:
-    """One deferred exchange: sends {dst: payload}, receives {src: sink(payload)}."""
+class PostedExchange:
+    """One posted exchange: sends {dst: payload}, receives {src: sink(payload)}."""
 
     __slots__ = ("name", "key", "sends", "sinks", "completion", "left")
 
@@ -67,20 +62,20 @@ class Executor:
         self.tr = transport
         self.rank, self.n = transport.rank, transport.size
         self.batch_bytes = int(batch_bytes if batch_bytes is not None
-                               else _env_float("HIPRESS_BATCH_BYTES", 4 << 20))
-        timeout_ms = batch_timeout_ms if batch_timeout_ms is not None else _env_float("HIPRESS_BATCH_TIMEOUT_MS", 0.0)
+                               else config.get("HIPRESS_BATCH_BYTES"))
+        timeout_ms = batch_timeout_ms if batch_timeout_ms is not None else config.get("HIPRESS_BATCH_TIMEOUT_MS")
         self.max_entries = max_entries
         self.idle_max_s = idle_max_s
         self.frame = P.frame_bytes(max_entries)
-        self._posted: "queue.Queue[Exchange]" = queue.Queue()
+        self._posted: "queue.Queue[PostedExchange]" = queue.Queue()
         self._closing = threading.Event()
         self._error: Optional[str] = None
         self.stats = {"slots": 0, "idle_slots": 0, "bytes": 0, "messages": 0, "plan_s": 0.0}
         # Receiver side: (src, key) -> exchange waiting for it, and payloads that came first.
-        self._expect: Dict[Tuple[int, int], Exchange] = {}
+        self._expect: Dict[Tuple[int, int], PostedExchange] = {}
         self._early: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._outbox: List[Tuple[int, int, torch.Tensor, Exchange]] = []  # (key, dst, payload, ex) to report
-        self._reported: Dict[Tuple[int, int], Tuple[torch.Tensor, Exchange]] = {}  # (dst, key) -> payload
+        self._outbox: List[Tuple[int, int, torch.Tensor, PostedExchange]] = []  # (key, dst, payload, ex) to report
+        self._reported: Dict[Tuple[int, int], Tuple[torch.Tensor, PostedExchange]] = {}  # (dst, key) -> payload
         # Job token: rank 0 draws it, everyone learns it; every frame must carry it.
         tok = torch.tensor([random.getrandbits(62) if self.rank == 0 else 0], dtype=torch.int64)
         self.tr.broadcast(tok.view(torch.uint8), 0)
@@ -96,7 +91,7 @@ class Executor:
     # ------------------------------------------------------------------ posting side
     def post(self, name: str, sends: Dict[int, torch.Tensor], sinks: Dict[int, Callable], completion) -> None:
         """Called on the comm queue thread by a deferred task."""
-        ex = Exchange(name, message_key(name), sends, sinks, completion)
+        ex = PostedExchange(name, message_key(name), sends, sinks, completion)
         if self._error is not None:
             completion.fail(f"coordinated exchange '{name}' cannot run: {self._error}")
             return
@@ -144,7 +139,7 @@ class Executor:
         ex.sinks[src](payload)
         self._progress(ex)
 
-    def _progress(self, ex: Exchange) -> None:
+    def _progress(self, ex: PostedExchange) -> None:
         ex.left -= 1
         if ex.left == 0:
             ex.completion.done()
@@ -237,7 +232,7 @@ class Executor:
         self.stats["messages"] += len(sends)
         return "busy"
 
-    def _pending_exchanges(self) -> List[Exchange]:
+    def _pending_exchanges(self) -> List[PostedExchange]:
         seen = {id(e): e for e in self._expect.values()}
         seen.update({id(e): e for _, _, _, e in self._outbox})
         seen.update({id(e): e for _, e in self._reported.values()})

@@ -1,7 +1,7 @@
 """One body of transport checks, run by every driver (loopback threads, gloo processes,
 mpirun processes): each check moves known bytes and asserts the exact bytes received.
 
-    from hipress.transport.testing import run_checks
+    from hipress.comm.transport.testing import run_checks
     run_checks(transport)            # raises AssertionError naming the check, rank and bytes
 
 Every check is collective: all ranks of the transport must call it together.
@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from hipress.transport.base import Transport, TransportError
+from hipress.comm.transport.base import Transport, TransportError
 
 __all__ = ["pattern", "CHECKS", "ERROR_CHECKS", "run_checks"]
 

@@ -18,10 +18,10 @@ end the job, e.g. with :meth:`abort`). Buffers must be CPU memory unless
 from __future__ import annotations
 
 import atexit
-import os
 from typing import Optional
 
-from hipress.transport.base import Transport, TransportError
+from hipress import config
+from hipress.comm.transport.base import Transport, TransportError
 
 __all__ = ["MpiTransport", "available"]
 
@@ -52,7 +52,7 @@ def _ensure_mpi_initialized():
     global _atexit_registered
     C = _core()
     mpi4py_comm = None
-    if os.environ.get("HIPRESS_MPI4PY", "1") != "0":
+    if config.get("HIPRESS_MPI4PY"):
         try:
             from mpi4py import MPI  # noqa: F401  (initializes MPI, THREAD_MULTIPLE by default)
 
@@ -76,8 +76,8 @@ class MpiTransport(Transport):
         super().__init__(comm.rank, comm.size, timeout_s, check)
         self._comm = comm
         self._C = _core()
-        self._force_p2p = os.environ.get("HIPRESS_MPI_ALLTOALL", "native").strip().lower() == "p2p"
-        self._cuda_aware = os.environ.get("HIPRESS_MPI_CUDA_AWARE", "0") == "1"
+        self._force_p2p = config.get("HIPRESS_MPI_ALLTOALL") == "p2p"
+        self._cuda_aware = config.get("HIPRESS_MPI_CUDA_AWARE")
 
     @classmethod
     def world(cls, timeout_s: Optional[float] = None, check: Optional[bool] = None) -> "MpiTransport":
@@ -154,3 +154,16 @@ class MpiTransport(Transport):
     @property
     def broken(self) -> bool:
         return self._comm.broken
+
+
+def _connect(launch, timeout: float) -> MpiTransport:
+    t = MpiTransport.world(timeout_s=timeout)
+    if launch.launcher != "single" and (t.rank, t.size) != (launch.rank, launch.size):
+        raise RuntimeError(f"MPI says rank {t.rank} of {t.size} but the {launch.launcher} launch says "
+                           f"rank {launch.rank} of {launch.size}")
+    return t
+
+
+from hipress.comm.transport import Backend, register  # noqa: E402 - the registry imports this module
+
+register(Backend("mpi", _connect, claims=lambda launch: launch.is_mpi and available(), priority=20))

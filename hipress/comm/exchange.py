@@ -1,0 +1,207 @@
+"""How a CaSync strategy moves bytes: the send and recv primitives as engine tasks.
+
+A strategy sees an :class:`Exchange` over some group of ranks (the world, the ranks of
+this host, or one rank per host) and never a transport. Every operation submits one comm
+task and returns its engine handle; payloads are produced when the task runs (``sends``
+are callables) and handed to ``sinks`` when they arrive.
+
+    sendrecv(name, send, dst, sink, src, deps)   one ring step: to dst, from src
+    bulk(name, sends, sinks, deps)               {dst: send()} out, {src: sink(payload)} in
+    allgather(name, send, sinks, deps)           send() to every rank, sinks from every rank
+    broadcast(name, buf, root, deps)             root's buf into every rank's buf, in place
+
+Two implementations:
+
+* :class:`DirectExchange` runs each operation on the comm queue as transport calls. The
+  transports match messages in call order and each rank has one comm thread, so every rank
+  must issue its communication in the same order: a :class:`CommChain` makes each comm task
+  depend on the one submitted before it (submission order is the same on every rank, because
+  gradients are submitted in backward-hook order and missing ones in bucket order). The
+  exchanges of one rank's groups share one chain.
+* :class:`CoordinatedExchange` posts each operation to the global coordinator's executor
+  (hipress.comm.coordinator), which batches the messages of all ranks into slots over
+  non-conflicting links. Messages are matched by a key derived from the operation's name
+  and its occurrence, so no chain is needed. Group ranks are translated to world ranks, so
+  the coordinator serves the local and cross groups of local aggregation too.
+
+:func:`open_exchanges` makes the world, local and cross exchanges of this process.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from hipress.engine import Engine, Handle
+
+__all__ = ["Exchange", "DirectExchange", "CoordinatedExchange", "CommChain", "Exchanges", "open_exchanges",
+           "transfer"]
+
+Send = Callable[[], torch.Tensor]
+Sink = Callable[[torch.Tensor], None]
+
+
+class CommChain:
+    """Orders comm tasks by submission (see the module docstring)."""
+
+    def __init__(self):
+        self.last: Optional[Handle] = None
+
+    def deps(self, extra: Sequence[Handle]) -> List[Handle]:
+        return list(extra) + ([self.last] if self.last is not None else [])
+
+    def push(self, h: Handle) -> Handle:
+        self.last = h
+        return h
+
+
+class Exchange(abc.ABC):
+    """Communication of one group of ranks, as engine tasks (see the module docstring)."""
+
+    def __init__(self, engine: Engine, rank: int, size: int):
+        self.engine = engine
+        self.rank = rank
+        self.size = size
+
+    @abc.abstractmethod
+    def _exchange(self, name: str, sends: Dict[int, Send], sinks: Dict[int, Sink], deps: Sequence[Handle],
+                  pairwise: bool) -> Handle:
+        """pairwise: exactly one destination and one source (a ring step)."""
+
+    @abc.abstractmethod
+    def broadcast(self, name: str, buf: torch.Tensor, root: int, deps: Sequence[Handle] = ()) -> Handle:
+        """Copies root's ``buf`` (contiguous) into every rank's ``buf``."""
+
+    def sendrecv(self, name: str, send: Send, dst: int, sink: Sink, src: int, deps: Sequence[Handle] = ()) -> Handle:
+        return self._exchange(name, {dst: send}, {src: sink}, deps, pairwise=True)
+
+    def bulk(self, name: str, sends: Dict[int, Send], sinks: Dict[int, Sink], deps: Sequence[Handle] = ()) -> Handle:
+        """Every rank of the group calls it; a rank may send to and hear from any subset."""
+        return self._exchange(name, sends, sinks, deps, pairwise=False)
+
+    def allgather(self, name: str, send: Send, sinks: Dict[int, Sink], deps: Sequence[Handle] = ()) -> Handle:
+        """send() goes to every rank (itself included); sinks[src] takes src's payload."""
+        payload: dict = {}
+
+        def once():  # evaluated once, whatever the number of destinations
+            if "p" not in payload:
+                payload["p"] = send()
+            return payload["p"]
+
+        return self.bulk(name, {dst: once for dst in range(self.size)}, sinks, deps)
+
+
+def transfer(transport, payloads: Dict[int, torch.Tensor], recv_from, pairwise: bool) -> Dict[int, torch.Tensor]:
+    """Moves payloads now, over the transport; receivers learn the sizes from the transport
+    (payload sizes vary with the gradient for sparsifiers). Returns {src: payload}.
+
+    pairwise: exactly one destination and one source (a ring step): one sendrecv_alloc.
+    Otherwise one alltoallv_alloc (zero bytes to and from every peer not named). Every rank
+    of the transport must make the same kind of call at the same point.
+    """
+    if pairwise:
+        (dst, payload), = payloads.items()
+        (src,) = recv_from
+        return {src: transport.sendrecv_alloc(payload, dst, src)}
+    segs = [payloads[j].reshape(-1) if j in payloads else torch.empty(0, dtype=torch.uint8)
+            for j in range(transport.size)]
+    recv, recv_counts = transport.alltoallv_alloc(torch.cat(segs), [x.numel() for x in segs])
+    out, off = {}, 0
+    for j, c in enumerate(recv_counts):
+        if j in recv_from:
+            out[j] = recv[off:off + c]
+        off += c
+    return out
+
+
+class DirectExchange(Exchange):
+    """Transport calls on the comm queue, chained in submission order."""
+
+    def __init__(self, engine: Engine, transport, chain: CommChain):
+        super().__init__(engine, transport.rank, transport.size)
+        self.transport = transport
+        self.chain = chain
+
+    def _comm(self, name: str, fn: Callable[[], None], deps: Sequence[Handle]) -> Handle:
+        return self.chain.push(self.engine.submit(name, fn, queue="comm", deps=self.chain.deps(deps)))
+
+    def _exchange(self, name, sends, sinks, deps, pairwise):
+        tr = self.transport
+
+        def run():
+            got = transfer(tr, {d: f() for d, f in sends.items()}, set(sinks), pairwise)
+            for src, buf in got.items():
+                sinks[src](buf)
+
+        return self._comm(name, run, deps)
+
+    def broadcast(self, name, buf, root, deps=()):
+        tr = self.transport
+
+        def run():
+            if buf.numel():
+                tr.broadcast(buf.view(-1).view(torch.uint8), root)
+
+        return self._comm(name, run, deps)
+
+
+class CoordinatedExchange(Exchange):
+    """Messages scheduled by the global coordinator; ``members`` maps group ranks to world ranks."""
+
+    def __init__(self, engine: Engine, executor, members: Sequence[int]):
+        me = executor.rank
+        if me not in members:
+            raise ValueError(f"world rank {me} is not a member of the group {list(members)}")
+        super().__init__(engine, list(members).index(me), len(members))
+        self.executor = executor
+        self.members = list(members)
+        self._occurrence: Dict[str, int] = {}
+
+    def _exchange(self, name, sends, sinks, deps, pairwise):
+        occ = self._occurrence.get(name, 0)  # the same sequence of names on every rank of the group
+        self._occurrence[name] = occ + 1
+        key_name = f"{name}#{occ}"
+        ex, world = self.executor, self.members
+
+        def post(completion):
+            ex.post(key_name, {world[d]: f() for d, f in sends.items()},
+                    {world[s]: sink for s, sink in sinks.items()}, completion)
+
+        return self.engine.submit_deferred(name, post, queue="comm", deps=deps)
+
+    def broadcast(self, name, buf, root, deps=()):
+        flat = buf.view(-1).view(torch.uint8)
+        if self.rank == root:
+            sends = {d: (lambda: flat) for d in range(self.size) if d != root}
+            sinks: Dict[int, Sink] = {}
+        else:
+            sends, sinks = {}, {root: flat.copy_}
+        return self._exchange(name, sends, sinks, deps, pairwise=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchanges:
+    """This process's exchanges: over all ranks, the ranks of its host, one rank per host."""
+
+    world: Exchange
+    local: Exchange
+    cross: Exchange
+    coordinated: bool
+
+
+def open_exchanges(engine: Engine, coordinated: bool = False) -> Exchanges:
+    """Collective when coordinated (starts the executor over the world). Needs ``world.init()``."""
+    from hipress.comm import world
+
+    if coordinated and world.size() > 1:
+        from hipress.comm import coordinator
+
+        ex = coordinator.start(world.transport())
+        make = {g: CoordinatedExchange(engine, ex, world.members(g)) for g in ("world", "local", "cross")}
+        return Exchanges(make["world"], make["local"], make["cross"], True)
+    chain = CommChain()  # one order for all of this rank's communication
+    return Exchanges(DirectExchange(engine, world.transport(), chain),
+                     DirectExchange(engine, world.local_transport(), chain),
+                     DirectExchange(engine, world.cross_transport(), chain), False)

@@ -1,0 +1,213 @@
+"""The world: who am I, how many are we, which transports connect us.
+
+    from hipress.comm import world
+    world.init()                   # discovers the launch (hipress.comm.launch); idempotent, collective
+    world.rank(), world.size(), world.local_rank(), world.local_size(), world.cross_rank(), world.cross_size()
+    world.transport()              # the world transport (hipress.comm.transport.Transport)
+    world.local_transport()        # ranks on this host;   world.cross_transport(): one rank per host
+    world.members("local")         # world ranks of a group, in the group's rank order
+    world.shutdown()
+
+Transport: ``init(transport=...)`` (a name or a Transport object), else the registry's choice
+(:func:`hipress.comm.transport.choose`: ``HIPRESS_TRANSPORT``, else the backend the launch calls
+for). If torch.distributed is already initialized, the torch transport wraps its default group.
+
+Hosts: ranks are grouped by hostname (``HIPRESS_HOSTNAME`` overrides ``socket.gethostname()``),
+exchanged with an allgather: hosts are ordered by their lowest rank, ``local_rank`` is the
+position among the ranks of the same host, ``cross_rank`` the position among the ranks with
+the same local_rank (one per host). Timeouts: ``HIPRESS_TIMEOUT_S``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+from typing import Callable, List, Optional, Union
+
+from hipress import config
+from hipress.comm.launch import LaunchInfo, detect_launch
+
+__all__ = ["init", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size",
+           "cross_rank", "cross_size", "transport", "local_transport", "cross_transport",
+           "launch_info", "hostnames", "members", "on_shutdown"]
+
+
+# ---------------------------------------------------------------------------- state
+@dataclasses.dataclass
+class _State:
+    launch: LaunchInfo
+    world: object
+    local: object
+    cross: object
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostnames: list
+    local_members: list   # world ranks of this host, in local rank order
+    cross_members: list   # world ranks with this local_rank, in cross rank order
+
+
+_lock = threading.RLock()
+_state: Optional[_State] = None
+_shutdown_hooks: List[Callable[[], None]] = []
+
+
+def is_initialized() -> bool:
+    return _state is not None
+
+
+def _get() -> _State:
+    s = _state
+    if s is None:
+        raise RuntimeError("hipress is not initialized: call hipress.init() first")
+    return s
+
+
+def rank() -> int:
+    return _get().rank
+
+
+def size() -> int:
+    return _get().size
+
+
+def local_rank() -> int:
+    return _get().local_rank
+
+
+def local_size() -> int:
+    return _get().local_size
+
+
+def cross_rank() -> int:
+    return _get().cross_rank
+
+
+def cross_size() -> int:
+    return _get().cross_size
+
+
+def transport():
+    """The world transport."""
+    return _get().world
+
+
+def local_transport():
+    """Transport over the ranks of this host (rank there = local_rank)."""
+    return _get().local
+
+
+def cross_transport():
+    """Transport over the ranks with this rank's local_rank, one per host (rank there = cross_rank)."""
+    return _get().cross
+
+
+def launch_info() -> LaunchInfo:
+    return _get().launch
+
+
+def hostnames() -> list:
+    """Hostname of every rank, as exchanged at init."""
+    return list(_get().hostnames)
+
+
+def members(group: str) -> List[int]:
+    """World ranks of ``group`` ("world", "local" or "cross"), in that group's rank order."""
+    s = _get()
+    if group == "world":
+        return list(range(s.size))
+    if group == "local":
+        return list(s.local_members)
+    if group == "cross":
+        return list(s.cross_members)
+    raise ValueError(f"group must be 'world', 'local' or 'cross', got {group!r}")
+
+
+def init(rank: Optional[int] = None, size: Optional[int] = None, master_addr: Optional[str] = None,
+         master_port: Optional[int] = None, transport: Union[str, object, None] = None,
+         timeout_s: Optional[float] = None) -> None:
+    """Discover the launch, connect the ranks, group them by host. Idempotent: a second
+    call returns at once (its arguments are ignored). Collective: every rank calls it."""
+    global _state
+    with _lock:
+        if _state is not None:
+            return
+        from hipress.comm import transport as transports
+
+        timeout = config.get("HIPRESS_TIMEOUT_S") if timeout_s is None else float(timeout_s)
+        if isinstance(transport, transports.Transport):
+            world = transport
+            launch = LaunchInfo("explicit", world.rank, world.size)
+        else:
+            launch = detect_launch(None, rank, size, master_addr, master_port)
+            if not 0 <= launch.rank < launch.size:
+                raise ValueError(f"rank {launch.rank} is not in [0, {launch.size}) ({launch.launcher} launch)")
+            world = transports.choose(transport, launch).create(launch, timeout)
+        try:
+            _state = _group_by_host(world, launch)
+        except BaseException:
+            world.close()
+            raise
+
+
+def on_shutdown(hook: Callable[[], None]) -> None:
+    """Runs ``hook`` (once) at the next :func:`shutdown`, before the transports close:
+    what rides on them (the coordinator's executors) stops first."""
+    _shutdown_hooks.append(hook)
+
+
+def shutdown() -> None:
+    """Close the transports; ``init`` may be called again afterwards."""
+    global _state
+    while _shutdown_hooks:
+        _shutdown_hooks.pop(0)()
+    with _lock:
+        s, _state = _state, None
+        if s is None:
+            return
+        for t in (s.cross, s.local, s.world):
+            try:
+                t.close()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+
+
+# ---------------------------------------------------------------------------- hosts
+def _hostname() -> str:
+    return config.get("HIPRESS_HOSTNAME") or socket.gethostname()
+
+
+def _group_by_host(world, launch: LaunchInfo) -> _State:
+    import torch
+
+    n = world.size
+    if n == 1:
+        return _State(launch, world, world, world, 0, 1, 0, 1, 0, 1, [_hostname()], [0], [0])
+    raw = _hostname().encode()[:255]
+    mine = torch.zeros(256, dtype=torch.uint8)
+    mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    mine = mine.to(_buffer_device(world))
+    allb = torch.empty(256 * n, dtype=torch.uint8, device=mine.device)
+    world.allgather(mine, allb)
+    allb = allb.cpu()
+    names = [bytes(allb[i * 256:(i + 1) * 256].tolist()).rstrip(b"\0").decode(errors="replace") for i in range(n)]
+    hosts = list(dict.fromkeys(names))  # first appearance = lowest rank
+    me = world.rank
+    host_of = [hosts.index(h) for h in names]
+    local_of = [sum(1 for q in range(r) if host_of[q] == host_of[r]) for r in range(n)]
+    lr = local_of[me]
+    ls = host_of.count(host_of[me])
+    cross_members = [r for r in range(n) if local_of[r] == lr]
+    cr, cs = cross_members.index(me), len(cross_members)
+    local = world.split(host_of[me], key=me)
+    cross = world.split(lr, key=me)
+    local_members = [r for r in range(n) if host_of[r] == host_of[me]]
+    return _State(launch, world, local, cross, me, n, lr, ls, cr, cs, names, local_members, cross_members)
+
+
+def _buffer_device(world):
+    dev = getattr(world, "device", None)
+    return dev if dev is not None else "cpu"

@@ -1,0 +1,74 @@
+"""Which task graph synchronizes a gradient: the one place that turns the user's choices
+(strategy name, compressor, local aggregation) into a strategy bound to its context.
+
+* ``strategy``: "ring" (CaSync-Ring), "ps" (CaSync-PS) or "auto": PS for sparsifiers (it
+  avoids the ring's re-sparsification of partial sums at every hop), ring otherwise (paper
+  §5.3: equal for quantization and low-rank).
+* multi-round aggregatable compressors (PowerSGD) always use the low-rank strategy.
+* local aggregation wraps the chosen strategy (hierarchical: uncompressed on the host,
+  compressed across hosts).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Tuple
+
+import torch
+
+from hipress.comm.exchange import Exchanges
+from hipress.compression.base import Compressor
+from hipress.compression.none import NoneCompressor
+from hipress.engine import Engine, Handle
+from hipress.sync.base import StateStore, Strategy, SyncContext
+from hipress.sync.hierarchical import HierarchicalStrategy
+from hipress.sync.lowrank import LowRankStrategy
+from hipress.sync.ps import PSStrategy
+from hipress.sync.ring import RingStrategy
+
+STRATEGIES = {"ring": RingStrategy, "ps": PSStrategy}
+
+
+def resolve_strategy(name: str, compressor: Compressor) -> str:
+    """The strategy name "auto" stands for with this compressor; checks the name."""
+    if name == "auto":
+        return "ps" if compressor.category == "sparsification" else "ring"
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; expected one of {sorted(STRATEGIES)} or 'auto'")
+    return name
+
+
+def use_local_aggregation(mode, hostnames: Sequence[str]) -> bool:
+    """auto: when some ranks share a host AND there are several hosts (on a single host the
+    whole sync would be uncompressed). True: whenever some ranks share a host. Decided from
+    the hostnames of all ranks, so every rank decides the same."""
+    if mode not in ("auto", True, False):
+        raise ValueError(f"local_aggregation must be 'auto', True or False, got {mode!r}")
+    hosts = len(set(hostnames))
+    if mode is False or hosts == len(hostnames):
+        return False
+    return mode is True or hosts > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Sync:
+    """A strategy bound to the context it emits tasks into."""
+
+    strategy: Strategy
+    ctx: SyncContext
+
+    def build(self, name: str, flat: torch.Tensor, bounds: Sequence[Tuple[int, int]], **kw) -> Handle:
+        return self.strategy.build(self.ctx, name, flat, bounds, **kw)
+
+
+def make_sync(engine: Engine, exchanges: Exchanges, compressor: Compressor, strategy: str, states: StateStore,
+              average: bool, hierarchical: bool, world_size: int, is_host_root: bool) -> Sync:
+    """The sync of gradients compressed with ``compressor`` (see the module docstring).
+    Syncs made from the same ``exchanges`` keep one order of communication per rank."""
+    inner_average = average and not hierarchical
+    inner = (LowRankStrategy(average=inner_average) if compressor.rounds > 1
+             else STRATEGIES[resolve_strategy(strategy, compressor)](average=inner_average))
+    if not hierarchical:
+        return Sync(inner, SyncContext(engine, exchanges.world, compressor, states))
+    local_ctx = SyncContext(engine, exchanges.local, NoneCompressor(), states)
+    cross_ctx = SyncContext(engine, exchanges.cross, compressor, states) if is_host_root else None
+    return Sync(HierarchicalStrategy(inner, local_ctx, cross_ctx, world_size, average), local_ctx)
