@@ -142,6 +142,10 @@ class _HipressOptimizer:
     def _hipress_setup(self, named, options: Options):
         world.init()
         self._hp_transport = world.transport()
+        device = getattr(self._hp_transport, "device", None)
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"the {self._hp_transport.name} transport moves {torch.device(device).type} buffers only, "
+                             f"but hipress's gradient payloads are CPU tensors; use HIPRESS_TRANSPORT=torch or mpi")
         comp = options.compression
         self._hp_compressor = _compression.get(comp, **options.compression_kwargs) if isinstance(comp, str) else comp
         self._hp_strategy_name = resolve_strategy(options.strategy, self._hp_compressor)

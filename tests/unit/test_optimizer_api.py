@@ -116,3 +116,23 @@ def test_buckets_fill_by_bytes_sent():
                                           ["8.weight", "7.weight", "6.weight", "5.weight"]]
     # PowerSGD rank 4 sends 48 + 4*4*(64+64) bytes per 64x64 matrix: all eight fit one bucket
     assert layout(compression="powersgd") == [["0.weight"], [f"{i}.weight" for i in range(8, 0, -1)]]
+
+
+def test_transport_that_cannot_carry_cpu_payloads_is_refused(model):
+    """A world transport on a CUDA device (NCCL) cannot move hipress's CPU payloads: the
+    optimizer says so up front instead of failing inside the first step."""
+    from hipress.comm import world
+    from hipress.comm.transport import loopback
+
+    class CudaOnly(loopback.LoopbackTransport):
+        name = "cuda-only"
+        device = "cuda:0"
+
+    world.shutdown()
+    world.init(transport=CudaOnly(loopback.LoopbackWorld(1), 0))
+    try:
+        with pytest.raises(ValueError, match="cuda-only transport moves cuda buffers only"):
+            wrap(model)
+        assert not hasattr(torch.optim.SGD, "_hipress_setup")
+    finally:
+        world.shutdown()
