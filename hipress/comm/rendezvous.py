@@ -15,7 +15,7 @@ import urllib.request
 from typing import Optional
 
 from hipress import config
-from hipress.comm.launch import LaunchInfo
+from hipress.comm.discovery import LaunchInfo
 from hipress.comm.transport.base import TransportError
 from hipress.comm.transport.mpi import available as with_mpi
 

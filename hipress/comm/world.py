@@ -1,7 +1,7 @@
 """The world: who am I, how many are we, which transports connect us.
 
     from hipress.comm import world
-    world.init()                   # discovers the launch (hipress.comm.launch); idempotent, collective
+    world.init()                   # discovers the launch (hipress.comm.discovery); idempotent, collective
     world.rank(), world.size(), world.local_rank(), world.local_size(), world.cross_rank(), world.cross_size()
     world.transport()              # the world transport (hipress.comm.transport.Transport)
     world.local_transport()        # ranks on this host;   world.cross_transport(): one rank per host
@@ -25,7 +25,7 @@ import threading
 from typing import Callable, List, Optional, Union
 
 from hipress import config
-from hipress.comm.launch import LaunchInfo, detect_launch
+from hipress.comm.discovery import LaunchInfo, detect_launch
 
 __all__ = ["init", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "transport", "local_transport", "cross_transport",

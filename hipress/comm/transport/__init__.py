@@ -23,7 +23,7 @@ import importlib
 from typing import Callable, Dict, List, Optional
 
 from hipress import config
-from hipress.comm.launch import LaunchInfo
+from hipress.comm.discovery import LaunchInfo
 from hipress.comm.transport.base import MAX_TAG, Transport, TransportError
 
 __all__ = ["Backend", "MAX_TAG", "Transport", "TransportError", "backend", "names", "register", "choose"]
