@@ -63,6 +63,7 @@ def _setting(name: str):
     from hipress import config
     return config.get(name)
 
+
 # ------------------------------------------------------------------ units
 
 
