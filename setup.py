@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def _flag(name):
-    value = os.environ.get(name, "auto").strip().lower()
+    value = (os.environ.get(name) or "auto").strip().lower()  # empty = unset, as in hipress.config
     if value not in ("auto", "0", "1"):
         sys.exit(f"{name} must be auto, 0 or 1 (got {value!r})")
     return value

@@ -13,6 +13,7 @@ what every variable means.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
@@ -36,25 +37,34 @@ def _bool(raw: str) -> bool:
     raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
 
 
-def _positive_float(raw: str) -> float:
-    v = float(raw)
-    if not v > 0:
-        raise ValueError("expected a number > 0")
+def _number(convert: Callable[[str], Any], raw: str, ok: Callable[[Any], bool], expected: str):
+    try:
+        v = convert(raw)
+    except ValueError:
+        v = None
+    if v is None or not ok(v):
+        raise ValueError(f"expected {expected}")
     return v
+
+
+def _positive_float(raw: str) -> float:  # also no inf: no wait may be unbounded
+    return _number(float, raw, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
 
 
 def _nonneg_float(raw: str) -> float:
-    v = float(raw)
-    if not v >= 0:
-        raise ValueError("expected a number >= 0")
-    return v
+    return _number(float, raw, lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0")
+
+
+def _int(raw: str) -> int:
+    return _number(int, raw, lambda v: True, "an integer")
+
+
+def _positive_int(raw: str) -> int:
+    return _number(int, raw, lambda v: v > 0, "an integer > 0")
 
 
 def _nonneg_int(raw: str) -> int:
-    v = int(raw)
-    if v < 0:
-        raise ValueError("expected an integer >= 0")
-    return v
+    return _number(int, raw, lambda v: v >= 0, "an integer >= 0")
 
 
 def _text(raw: str) -> str:
@@ -80,6 +90,7 @@ class Var:
     meaning: str
     group: str = "run"         # run: read by the package at run time; build: setup.py/scripts; test: the test suite
     shown_default: Optional[str] = None  # how the README shows the default, when it is computed
+    empty_is_value: bool = False  # an empty value is passed on (HIPRESS_MARCH: no -march); else it means unset
 
     @property
     def kind(self) -> str:
@@ -87,7 +98,8 @@ class Var:
         if options:
             return "|".join(options)
         return {_bool: "bool", _positive_float: "seconds > 0" if self.name.endswith("_S") else "number > 0",
-                _nonneg_float: "number >= 0", _nonneg_int: "integer >= 0", _text: "text"}.get(self.parse, "text")
+                _nonneg_float: "number >= 0", _int: "integer", _positive_int: "integer > 0",
+                _nonneg_int: "integer >= 0", _text: "text"}.get(self.parse, "text")
 
 
 _V = Var
@@ -123,13 +135,18 @@ VARIABLES: Sequence[Var] = (
        shown_default="the route's source address"),
     _V("HIPRESS_COORDINATOR", _bool, False,
        "route all gradient communication through the global coordinator on rank 0 (`docs/coordinator.md`)"),
-    _V("HIPRESS_BATCH_BYTES", _nonneg_int, 4 << 20, "coordinator: bytes per link and slot"),
+    _V("HIPRESS_BATCH_BYTES", _nonneg_int, 4 << 20, "coordinator: bytes per link and slot",
+       shown_default="4194304 (4 MiB)"),
     _V("HIPRESS_BATCH_TIMEOUT_MS", _nonneg_float, 0.0, "coordinator: how long a small batch may wait"),
     _V("HIPRESS_BATCH_COMPUTE_BYTES", _nonneg_int, 256 << 10,
-       "partitions up to this size run their encode/merge/decode tasks in batches"),
-    _V("HIPRESS_COMPRESS_THREADS", _nonneg_int, 1, "threads of the CompLL kernels (0: all cores)"),
+       "partitions up to this size run their encode/merge/decode tasks in batches",
+       shown_default="262144 (256 KiB)"),
+    _V("HIPRESS_COMPRESS_THREADS", _int, 1,
+       "threads of the CompLL kernels (<= 0: all hardware threads); read by the C++ pool "
+       "(`csrc/compress/thread_pool.cc`) and checked when `hipress.compression` imports"),
     _V("HIPRESS_TIMELINE", _text, None,
-       "path of a Chrome trace of every engine task; `{rank}` in it is replaced by the rank",
+       "path of a Chrome trace of every engine task (one row per queue, plus gradient-ready events); "
+       "`{rank}` in it is replaced by the rank (the launcher's, or `init()`'s)",
        shown_default="off"),
     _V("HIPRESS_PROFILE_DIR", _text, None, "where `plan=\"auto\"` caches its profiles",
        shown_default="~/.cache/hipress/profiles"),
@@ -141,27 +158,34 @@ VARIABLES: Sequence[Var] = (
        shown_default="PATH, CUDA_HOME, pip wheels"),
     _V("HIPRESS_CUDA_ARCH", _text, None, "CUDA architecture of DSL-generated kernels (e.g. `sm_90`)",
        shown_default="the GPU's, else sm_80"),
-    _V("HIPRESS_NP", _nonneg_int, 4, "default `-np` of `hipress.launch` and the cluster bench"),
+    _V("HIPRESS_NP", _positive_int, 4, "default `-np` of `hipress.launch` and `hipress.bench.cluster`"),
     _V("HIPRESS_CLUSTER_FALLBACK", _bool, False,
        "emulated cluster: run ranks as plain local processes (no network namespaces)"),
-    _V("HIPRESS_CLUSTER_DELAY", _choice("", "netem", "nfqueue"), "",
-       "emulated cluster: force the packet-delay method", shown_default="netem where the kernel has it"),
+    _V("HIPRESS_CLUSTER_DELAY", _choice("auto", "netem", "nfqueue", "none"), "auto",
+       "emulated cluster: packet-delay method (`auto`: netem where the kernel has it, else an NFQUEUE "
+       "daemon where iptables is installed; `none`: latency is not emulated)"),
     # ------------------------------------------------------------------ build
     _V("HIPRESS_WITH_CUDA", _choice("auto", "0", "1"), "auto",
        "compile `csrc/**/*.cu`; auto = nvcc found and torch is a CUDA build", group="build"),
     _V("HIPRESS_WITH_MPI", _choice("auto", "0", "1"), "auto",
        "compile `csrc/**/*_mpi.cc`; auto = `mpicxx` found", group="build"),
-    _V("HIPRESS_MARCH", _text, "native", "target CPU of the kernels (`-march`; empty: none)", group="build"),
-    _V("HIPRESS_BUILD_JOBS", _nonneg_int, None, "parallel compile jobs", group="build", shown_default="nproc"),
+    _V("HIPRESS_MARCH", _text, "native",
+       "target CPU (`-march`; empty: none) of the native core, and of DSL-generated kernels at run time",
+       group="build", empty_is_value=True),
+    _V("HIPRESS_BUILD_JOBS", _positive_int, None,
+       "parallel compile jobs of setup.py and `scripts/install_horovod.sh`", group="build", shown_default="nproc"),
     _V("HIPRESS_WITH_HOROVOD", _bool, False, "`scripts/setup.sh` also installs Horovod", group="build"),
-    _V("HIPRESS_SKIP_APT", _bool, False, "`scripts/setup.sh` installs no system packages", group="build"),
+    _V("HIPRESS_SKIP_APT", _bool, False,
+       "`scripts/setup.sh` and `scripts/install_horovod.sh` install no system packages (apt-get)", group="build"),
     _V("HIPRESS_WHEEL_CACHE", _text, None, "where `scripts/install_horovod.sh` keeps the Horovod wheel",
        group="build", shown_default="~/.cache/hipress/wheels"),
-    _V("HIPRESS_HOROVOD_NICE", _nonneg_int, 10, "niceness of the Horovod build", group="build"),
+    _V("HIPRESS_HOROVOD_NICE", _int, 10, "niceness of the Horovod build (`nice -n`)", group="build"),
     # ------------------------------------------------------------------ tests
-    _V("HIPRESS_TEST_RESULT_DIR", _text, None, "where multi-process test workers write their results",
+    _V("HIPRESS_TEST_RESULT_DIR", _text, None, "where the multi-process test workers (transport, Horovod) also write their results as files",
        group="test", shown_default="stdout only"),
     _V("HIPRESS_SKIP_CUDA_COMPILE", _bool, False, "skip the CUDA compile-only tests when nvcc is missing",
+       group="test"),
+    _V("HIPRESS_TEST_CUDA_ARCH", _text, "sm_80", "the one CUDA architecture the compile-only tests build for",
        group="test"),
 )
 _BY_NAME: Dict[str, Var] = {v.name: v for v in VARIABLES}
@@ -174,8 +198,8 @@ def get(name: str, env: Optional[Mapping[str, str]] = None) -> Any:
     except KeyError:
         raise KeyError(f"{name} is not a hipress setting; known: {', '.join(sorted(_BY_NAME))}") from None
     raw = (os.environ if env is None else env).get(name)
-    if raw is None or (raw.strip() == "" and not (var.parse is _text and var.default is not None)):
-        return var.default  # empty counts as unset, except for text that may be empty on purpose (HIPRESS_MARCH)
+    if raw is None or (raw.strip() == "" and not var.empty_is_value):
+        return var.default
     try:
         return var.parse(raw)
     except ValueError as e:
@@ -191,7 +215,8 @@ def markdown_table(group: str) -> str:
         default = v.shown_default if v.shown_default is not None else v.default
         if isinstance(default, bool):
             default = "1" if default else "0"
-        rows.append(f"| `{v.name}` | {v.kind} | {default if default not in ('', None) else 'unset'} | {v.meaning} |")
+        kind = v.kind.replace("|", "\\|")  # a bare | would split the cell
+        rows.append(f"| `{v.name}` | {kind} | {default if default not in ('', None) else 'unset'} | {v.meaning} |")
     return "\n".join(rows)
 
 

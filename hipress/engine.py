@@ -13,11 +13,10 @@ task's name and the original message.
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 from typing import Any, Callable, Iterable, Optional, Union
 
-from hipress import _C
+from hipress import _C, config
 
 QUEUES = {"compute": 0, "comm": 1}
 EngineShutdownError = _C.EngineShutdownError
@@ -203,13 +202,25 @@ _lock = threading.Lock()
 _engine: Optional[Engine] = None
 
 
+def _timeline_rank() -> int:
+    """This process's rank, the timeline's pid: hipress's world rank once ``hipress.init()``
+    ran (``init(rank=...)`` included), else the rank the launcher set (mpirun, torchrun,
+    horovodrun; see :mod:`hipress.comm.launch`), else 0."""
+    from hipress.comm import world  # imported here: the comm seam sits above the engine
+    from hipress.comm.launch import detect_launch
+
+    if world.is_initialized():
+        return world.rank()
+    return detect_launch().rank
+
+
 def get_engine() -> Engine:
     """The process-wide engine, created on first use; HIPRESS_TIMELINE=path enables the timeline."""
     global _engine
     with _lock:
         if _engine is None or _engine.is_shut_down:
-            path = os.environ.get("HIPRESS_TIMELINE") or None
-            rank = int(os.environ.get("HIPRESS_RANK", os.environ.get("RANK", "0")) or 0)
+            path = config.get("HIPRESS_TIMELINE") or None
+            rank = _timeline_rank() if path else 0
             if path and "{rank}" in path:
                 path = path.format(rank=rank)
             _engine = Engine(path, rank)

@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from hipress import config
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -125,7 +127,7 @@ def run(cmd: Sequence[str], np: int, timeout: Optional[float] = None, env: Optio
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hipress.launch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-np", "--np", type=int, default=int(os.environ.get("HIPRESS_NP", "4")), help="number of ranks")
+    ap.add_argument("-np", "--np", type=int, default=config.get("HIPRESS_NP"), help="number of ranks")
     ap.add_argument("--timeout", type=float, default=None, help="seconds before every rank is stopped")
     ap.add_argument("--hosts", type=int, default=1, help="pretend the ranks are spread over this many hosts")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")

@@ -11,11 +11,22 @@ PY=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 
 log() { printf '[setup] %s\n' "$*"; }
+# A boolean setting, read as hipress.config reads booleans (the package cannot be imported
+# before it is built): 1/true/yes/on or 0/false/no/off in any case; unset or empty = DEFAULT.
+is_on() {  # is_on NAME DEFAULT
+  local v
+  read -r v <<< "${!1:-}"  # trims surrounding blanks
+  case "${v:-$2}" in
+    [Tt][Rr][Uu][Ee] | [Yy][Ee][Ss] | [Oo][Nn] | 1) return 0 ;;
+    [Ff][Aa][Ll][Ss][Ee] | [Nn][Oo] | [Oo][Ff][Ff] | 0) return 1 ;;
+    *) printf '%s=%s: expected one of 1, true, yes, on, 0, false, no, off\n' "$1" "$v" >&2; exit 2 ;;
+  esac
+}
 
 # System packages: OpenMPI (mpirun + headers for the native MPI transport),
 # iproute2 (ip netns / tc) and iptables (packet delay where the kernel has no netem)
 # for the emulated cluster benchmark.
-if [ "${HIPRESS_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
+if ! is_on HIPRESS_SKIP_APT 0 && command -v apt-get >/dev/null; then
   need=()
   command -v mpicxx >/dev/null || need+=(libopenmpi-dev openmpi-bin)
   command -v ip >/dev/null || need+=(iproute2)
@@ -42,7 +53,7 @@ log "building hipress (editable; compiles csrc/ into hipress._C)"
 HIPRESS_BUILD_JOBS=${HIPRESS_BUILD_JOBS:-$(nproc)} $PY -m pip install -q --no-build-isolation -e .
 $PY -c "import hipress, hipress._C as C; print('[setup] hipress', hipress.__version__, '| mpi:', C.with_mpi, '| cuda:', C.with_cuda)"
 
-if [ "${HIPRESS_WITH_HOROVOD:-0}" = 1 ]; then
+if is_on HIPRESS_WITH_HOROVOD 0; then
   # Optional: without Horovod, hipress works and the horovodrun tests skip, saying why.
   bash scripts/install_horovod.sh || log "WARNING: Horovod could not be installed; horovodrun tests will skip"
 fi

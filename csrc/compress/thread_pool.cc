@@ -14,8 +14,12 @@ namespace {
 class Pool {
  public:
   Pool() {
+    // As in hipress.config's table: unset or empty = 1, n <= 0 = all hardware threads
+    // (hipress.compression rejects a value that is not an integer before the pool is used).
     const char* env = std::getenv("HIPRESS_COMPRESS_THREADS");
-    threads_ = env ? std::atoi(env) : 1;
+    char* end = nullptr;
+    long n = env ? std::strtol(env, &end, 10) : 1;
+    threads_ = (env && end != env) ? static_cast<int>(n) : 1;
     if (threads_ <= 0) threads_ = hw();
   }
   ~Pool() { stop_workers(); }

@@ -11,7 +11,8 @@
 namespace hipress::compress {
 
 // Threads used by parallel_for (the caller counts as one). Default 1, or the
-// HIPRESS_COMPRESS_THREADS environment variable. n <= 0 means all hardware threads.
+// HIPRESS_COMPRESS_THREADS environment variable (unset or empty: 1). n <= 0 means all
+// hardware threads.
 void set_num_threads(int n);
 int num_threads();
 

@@ -24,7 +24,8 @@ left by a killed earlier run (owner pid dead) are removed first. Without root or
 processes on loopback, unshaped, with a warning.
 
 This module imports only the standard library, so it can run as a script
-(the delay daemon does).
+(the delay daemon does); settings are read through hipress.config (standard library only
+too) when first needed.
 """
 from __future__ import annotations
 
@@ -55,6 +56,13 @@ _STALE_RE = re.compile(rf"^{PREFIX}(\d+)-")
 _counter = itertools.count()
 
 Number = Union[int, float]
+
+
+def _setting(name: str):
+    """``hipress.config.get(name)``, imported late: the delay daemon runs this file as a script."""
+    from hipress import config
+    return config.get(name)
+
 
 # ------------------------------------------------------------------ units
 
@@ -163,7 +171,7 @@ def cleanup_stale(verbose: bool = True) -> List[str]:
 
 
 def _netns_usable() -> Tuple[bool, str]:
-    if os.environ.get("HIPRESS_CLUSTER_FALLBACK", "") not in ("", "0"):
+    if _setting("HIPRESS_CLUSTER_FALLBACK"):
         return False, "HIPRESS_CLUSTER_FALLBACK is set"
     if not sys.platform.startswith("linux"):
         return False, "not Linux"
@@ -389,8 +397,8 @@ class EmulatedCluster:
 
     # ---- shaping
     def _delay_backend(self) -> Optional[str]:
-        forced = os.environ.get("HIPRESS_CLUSTER_DELAY", "")
-        if forced in ("netem", "nfqueue", "none"):
+        forced = _setting("HIPRESS_CLUSTER_DELAY")
+        if forced != "auto":
             return None if forced == "none" else forced
         if _sh(["tc", "-n", self.switch_ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
                check=False).returncode == 0:
@@ -825,7 +833,7 @@ def main(argv=None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` shows where a run is stuck
     ap = argparse.ArgumentParser(prog="python -m hipress.bench.cluster", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-np", "--np", type=int, default=int(os.environ.get("HIPRESS_NP", "4")), help="number of hosts")
+    ap.add_argument("-np", "--np", type=int, default=_setting("HIPRESS_NP"), help="number of hosts")
     ap.add_argument("--bandwidth", default=None, help="per-host rate each way, e.g. 1gbit, 200mbit (default: unshaped)")
     ap.add_argument("--latency", default=None, help="one-way host-to-host delay, e.g. 0.2ms (RTT = 2x)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds before every rank is stopped (exit 124)")

@@ -38,6 +38,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from hipress import config
 from hipress.bench import models
 
 DDP_SYSTEMS = ("ddp", "ddp-fp16", "ddp-powersgd")
@@ -90,7 +91,7 @@ def _horovod_rendezvous() -> None:
     import socket
 
     rank, size = dist.get_rank(), dist.get_world_size()
-    host = os.environ.get("HIPRESS_HOSTNAME") or socket.gethostname()
+    host = config.get("HIPRESS_HOSTNAME") or socket.gethostname()
     hosts: list = [None] * size
     dist.all_gather_object(hosts, host)
     order = list(dict.fromkeys(hosts))

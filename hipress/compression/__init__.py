@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from hipress import _C
+from hipress import _C, config
 from hipress.compression.base import CATEGORIES, Compressor, CompressorState
 from hipress.compression.error_feedback import ErrorFeedback
 from hipress.compression.native import (BUILTIN_IDS, DGC, TBQ, GradDrop, NativeCompressor, OneBit, PayloadError,
@@ -28,9 +28,14 @@ from hipress.compression.registry import available, get, register
 
 HEADER_BYTES = _C.compress_header_bytes
 
+# The C++ pool reads HIPRESS_COMPRESS_THREADS itself on first use (csrc/compress/thread_pool.cc,
+# same meaning); parsed here as well so that a value that is not an integer fails now, naming
+# the variable, instead of being read as the default.
+config.get("HIPRESS_COMPRESS_THREADS")
+
 
 def set_num_threads(n: int) -> None:
-    """Threads used by the native kernels (default 1 or $HIPRESS_COMPRESS_THREADS; <= 0: all cores).
+    """Threads used by the native kernels (default: ``HIPRESS_COMPRESS_THREADS``, else 1; <= 0: all cores).
     Results are bit-identical for any thread count."""
     _C.compress_set_num_threads(int(n))
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from hipress import config
 from hipress.planner.cost_model import (
     CATEGORIES, STRATEGIES, AffineCurve, CostModel, PiecewiseAffineCurve, curve_from_dict,
 )
@@ -297,7 +298,7 @@ def profile_compressor(compressor, send_once: Callable[[int], float], *, n: int,
 
 # ------------------------------------------------------------------------------ caching
 def default_profile_dir() -> Path:
-    return Path(os.environ.get("HIPRESS_PROFILE_DIR") or Path.home() / ".cache" / "hipress" / "profiles")
+    return Path(config.get("HIPRESS_PROFILE_DIR") or Path.home() / ".cache" / "hipress" / "profiles")
 
 
 def _safe(s: str) -> str:

@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 
+from hipress import config
+
 
 def launch_rank():
     for k in ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "RANK"):
@@ -31,7 +33,7 @@ def emit(d):
     may interleave the output lines of different ranks)."""
     line = json.dumps(d)
     print("RESULT " + line, flush=True)
-    where = os.environ.get("HIPRESS_TEST_RESULT_DIR")
+    where = config.get("HIPRESS_TEST_RESULT_DIR")
     if where:
         with open(os.path.join(where, f"rank{d['rank']}.json"), "w") as f:
             f.write(line)

@@ -173,6 +173,35 @@ def test_timeline_is_chrome_trace(tmp_path):
     assert min(enc["ts"] + enc["dur"], snd["ts"] + snd["dur"]) > max(enc["ts"], snd["ts"])  # overlapped
 
 
+LAUNCHERS = {  # the variables each launcher sets for rank 2 of 4
+    "mpirun": {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2"},
+    "torchrun": {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2"},
+    "horovodrun": {"HOROVOD_RANK": "2", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "2"},
+    "mpich": {"PMI_RANK": "2", "PMI_SIZE": "4"},
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_process_engine_timeline_pid_is_the_launch_rank(tmp_path, launcher):
+    """get_engine() with HIPRESS_TIMELINE names the trace and sets its pid from the rank the
+    launcher gave (mpirun sets no RANK), without hipress.init()."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "HOROVOD_", "HIPRESS_")) and k not in ("RANK", "WORLD_SIZE")}
+    env.update(LAUNCHERS[launcher], HIPRESS_TIMELINE=str(tmp_path / "tl.{rank}.json"))
+    code = ("import hipress\n"
+            "e = hipress.get_engine()\n"
+            "e.submit('encode.w', lambda: None).wait(5)\n"
+            "hipress.engine.shutdown_engine()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tl.2.json"]
+    events = json.loads((tmp_path / "tl.2.json").read_text())
+    assert {ev["pid"] for ev in events if ev["ph"] == "X"} == {2}
+
+
 def test_bad_arguments(engine):
     with pytest.raises(ValueError, match="unknown queue"):
         engine.submit("x", lambda: None, queue="gpu")
