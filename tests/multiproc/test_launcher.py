@@ -6,31 +6,18 @@ import sys
 import time
 
 import pytest
-from example_run import ROOT, clean_env
+from example_run import ROOT, clean_env, procs_with
 
 from hipress.launch import run
 
 PY = sys.executable
 
 
-def _procs_with(marker):
-    found = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(d))
-            except OSError:
-                pass
-    return found
-
-
 def _gone(marker, within=5.0):
     deadline = time.time() + within
-    while _procs_with(marker) and time.time() < deadline:
+    while procs_with(marker) and time.time() < deadline:
         time.sleep(0.05)
-    return not _procs_with(marker)
+    return not procs_with(marker)
 
 
 @pytest.mark.timeout(60)
@@ -68,9 +55,9 @@ def test_cli_signal_stops_every_rank(sig, expected):
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 20
-        while time.time() < deadline and len(_procs_with(marker)) < 3:  # the CLI itself + 2 ranks
+        while time.time() < deadline and len(procs_with(marker)) < 3:  # the CLI itself + 2 ranks
             time.sleep(0.05)
-        assert len(_procs_with(marker)) == 3, "ranks did not start"
+        assert len(procs_with(marker)) == 3, "ranks did not start"
         p.send_signal(sig)
         out, _ = p.communicate(timeout=20)
     finally:
