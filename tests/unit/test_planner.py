@@ -473,7 +473,7 @@ def test_load_or_profile_reuses_cache(tmp_path, monkeypatch):
 @settings(max_examples=200, deadline=None)
 @given(numel=st.integers(0, 10 ** 7), k=st.integers(1, 64))
 def test_plan_entry_bounds(numel, k):
-    b = PlanEntry("g", 4 * numel, True, k, 0.0, k, 0.0, k).bounds(numel)
+    b = PlanEntry(True, k, 0.0, k, 0.0, k, name="g", nbytes=4 * numel).bounds(numel)
     assert len(b) == (max(1, min(k, numel)) if numel else 1)
     assert b[0][0] == 0 and b[-1][1] == numel
     assert all(e0 == s1 for (_, e0), (s1, _) in zip(b, b[1:]))
