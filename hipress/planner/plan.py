@@ -1,6 +1,6 @@
 """Per-gradient plans: compress or not, and K partitions, from the cost model.
 
-    model = CostModel(send, enc, dec, n=16, strategy="ps_colocated", category="quantization", rate=1/16)
+    model = CostModel(send, enc, dec, n=16, strategy="paper_ps_colocated", category="quantization", rate=1/16)
     plan = make_plan([("fc.weight", 411041792), ("fc.bias", 16384)], model,
                      Overrides(min_compress_bytes=1 << 20, force={"fc.bias": False}))
     plan["fc.weight"].compress, plan["fc.weight"].k
