@@ -12,36 +12,11 @@ import argparse
 import hashlib
 import time
 
-import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 
 import hipress  # hipress
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 4 * 4, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-def load(seed):
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
-    y = torch.tensor(d.target, dtype=torch.long)
-    perm = torch.from_numpy(np.random.RandomState(seed).permutation(len(y)))
-    x, y = x[perm], y[perm]
-    return (x[:1500], y[:1500]), (x[1500:], y[1500:])
+from hipress.bench.models import DigitsCNN, digits_data  # a small CNN; sklearn's digits, shuffled by seed
 
 
 def accuracy(model, x, y):
@@ -67,10 +42,10 @@ def main():
     rank, size = hipress.rank(), hipress.size()
     torch.manual_seed(a.seed)
     torch.set_num_threads(1)
-    (xtr, ytr), (xte, yte) = load(a.seed)
+    (xtr, ytr), (xte, yte) = digits_data(a.seed)
     xtr, ytr = xtr[rank::size], ytr[rank::size]  # this rank's shard
 
-    model = Net()
+    model = DigitsCNN()
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
     opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(),  # hipress
                                        compression=a.compression, strategy=a.strategy)

@@ -8,28 +8,21 @@ cores divided among the ranks (as torchrun does: several ranks each running a fu
 OpenMP pool oversubscribe the cores, and idle OpenMP threads spin for milliseconds after
 every parallel op, stalling the communication threads; a 64 KB exchange between two ranks
 on two cores took 5-8 ms instead of 0.3 ms). Output lines are prefixed with the rank. If
-any rank fails, the others are stopped and the launcher exits with that rank's code; Ctrl-C
-or --timeout stop every rank. Nothing is left running.
+any rank fails, the others are stopped and the launcher exits with that rank's code (128 + N
+for a rank killed by signal N); Ctrl-C, SIGTERM, SIGHUP or --timeout (exit 124) stop every
+rank. Nothing is left running. The supervision is hipress.supervise's, shared with
+hipress.bench.cluster.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from hipress import config
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hipress.supervise import Terminated, free_port, restore_signals, supervise, terminate_on_signals
 
 
 def rank_env(rank: int, size: int, port: int, base: Optional[Dict[str, str]] = None,
@@ -48,80 +41,21 @@ def rank_env(rank: int, size: int, port: int, base: Optional[Dict[str, str]] = N
     return env
 
 
-def _pump(stream, prefix: str, sink, lines: List[str]):
-    for line in iter(stream.readline, ""):
-        lines.append(line)
-        sink.write(prefix + line)
-        sink.flush()
-    stream.close()
-
-
-def _stop(procs: Sequence[subprocess.Popen], grace: float = 3.0):
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.time() + grace
-    for p in procs:
-        while p.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-
-
 def run(cmd: Sequence[str], np: int, timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
         quiet: bool = False, cwd: Optional[str] = None, hosts: int = 1):
     """Runs cmd as np ranks; returns (exit code, [output lines per rank]).
 
-    Exit code: 0 if all ranks succeeded, else the first failing rank's code
-    (124 on timeout). Every rank is stopped before this returns.
+    Exit code: 0 if all ranks succeeded, else the first failing rank's code (128 + N for
+    a rank killed by signal N; 124 on timeout). Every rank is stopped before this returns
+    (hipress.supervise).
     """
     if np < 1:
         raise ValueError(f"-np must be >= 1, got {np}")
     if not 1 <= hosts <= np:
         raise ValueError(f"--hosts must be in [1, np={np}], got {hosts}")
     port = free_port()
-    procs, pumps, outputs = [], [], [[] for _ in range(np)]
-    sink = open(os.devnull, "w") if quiet else sys.stdout
-    try:
-        for r in range(np):
-            p = subprocess.Popen(list(cmd), env=rank_env(r, np, port, env, hosts), stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=cwd)
-            procs.append(p)
-            t = threading.Thread(target=_pump, args=(p.stdout, f"[{r}] ", sink, outputs[r]), daemon=True)
-            t.start()
-            pumps.append(t)
-        deadline = None if timeout is None else time.time() + timeout
-        code = 0
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                code = failed[0][1]
-                if not quiet:
-                    print(f"[launch] rank {failed[0][0]} exited with {code}; stopping the others", file=sys.stderr)
-                break
-            if all(c == 0 for c in codes):
-                break
-            if deadline is not None and time.time() > deadline:
-                code = 124
-                if not quiet:
-                    print(f"[launch] timeout after {timeout} s; stopping all ranks", file=sys.stderr)
-                break
-            time.sleep(0.05)
-    finally:
-        _stop(procs)
-        for t in pumps:
-            t.join(timeout=5)
-        if quiet:
-            sink.close()
-    return code, ["".join(o) for o in outputs]
+    return supervise(lambda r, **io: subprocess.Popen(list(cmd), env=rank_env(r, np, port, env, hosts), cwd=cwd, **io),
+                     np, timeout, quiet=quiet, tag="launch")
 
 
 def main(argv=None) -> int:
@@ -134,10 +68,15 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not a.command:
         ap.error("no command given (e.g. python -m hipress.launch -np 4 python train.py)")
+    old = terminate_on_signals()
     try:
         code, _ = run(a.command, a.np, a.timeout, hosts=a.hosts)
     except KeyboardInterrupt:
         return 130
+    except Terminated as t:
+        return t.code
+    finally:
+        restore_signals(old)
     return code
 
 

@@ -230,7 +230,7 @@ class HorovodTransport(Transport):
     # ------------------------------------------------------------------ collectives
     def _raw_alltoallv(self, send_buf, send_counts, recv_buf, recv_counts, op):
         n = self._size
-        sd, rd = displacements(send_counts), displacements(recv_counts)
+        sd = displacements(send_counts)
         if n == 1:
             if recv_counts[0]:
                 recv_buf[:recv_counts[0]].copy_(send_buf[:send_counts[0]])
@@ -256,8 +256,14 @@ class HorovodTransport(Transport):
             if tr:
                 recv_buf[:tr].copy_(out)
             return
+        self._place(out, recv_buf, recv_counts)
+
+    def _place(self, out: torch.Tensor, recv_buf: torch.Tensor, recv_counts) -> None:
+        """Copies out, the ranks' segments in process-set order, into recv_buf at the displacements
+        of recv_counts (rank order)."""
+        rd = displacements(recv_counts)
         off = 0
-        for s in range(n):
+        for s in range(self._size):
             i = self._of_set_rank[s]
             c = recv_counts[i]
             if c:
@@ -292,14 +298,7 @@ class HorovodTransport(Transport):
         out = self._gather(op, send_buf)
         if out.numel() != sum(recv_counts):
             raise self._err(op, f"Horovod gathered {out.numel()} bytes, expected {sum(recv_counts)}", self._others())
-        rd = displacements(recv_counts)
-        off = 0
-        for s in range(n):
-            i = self._of_set_rank[s]
-            c = recv_counts[i]
-            if c:
-                recv_buf[rd[i]:rd[i] + c].copy_(out[off:off + c])
-            off += c
+        self._place(out, recv_buf, recv_counts)
 
     def _raw_broadcast(self, buf, root, op):
         peers = [root] if self._rank != root else self._others()

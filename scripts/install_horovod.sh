@@ -27,17 +27,8 @@ PY=${PYTHON:-python3}
 HVD_VERSION=0.28.1
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 log() { printf '[install_horovod] %s\n' "$*"; }
-# A boolean setting, read as hipress.config reads booleans (the package cannot be imported
-# before it is built): 1/true/yes/on or 0/false/no/off in any case; unset or empty = DEFAULT.
-is_on() {  # is_on NAME DEFAULT
-  local v
-  read -r v <<< "${!1:-}"  # trims surrounding blanks
-  case "${v:-$2}" in
-    [Tt][Rr][Uu][Ee] | [Yy][Ee][Ss] | [Oo][Nn] | 1) return 0 ;;
-    [Ff][Aa][Ll][Ss][Ee] | [Nn][Oo] | [Oo][Ff][Ff] | 0) return 1 ;;
-    *) printf '%s=%s: expected one of 1, true, yes, on, 0, false, no, off\n' "$1" "$v" >&2; exit 2 ;;
-  esac
-}
+# shellcheck source=scripts/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 if "$PY" -c 'import horovod.torch' >/dev/null 2>&1; then
   log "horovod.torch already imports ($("$PY" -c 'import horovod; print(horovod.__version__)')); nothing to do"
@@ -67,19 +58,7 @@ install_cached() {
 
 if ! install_cached; then
   # Prerequisites: OpenMPI headers/launcher and cmake >= 3.13.
-  if ! is_on HIPRESS_SKIP_APT 0 && command -v apt-get >/dev/null; then
-    need=()
-    command -v mpicxx >/dev/null || need+=(libopenmpi-dev openmpi-bin)
-    command -v cmake >/dev/null || need+=(cmake)
-    command -v g++ >/dev/null || need+=(g++)
-    command -v make >/dev/null || need+=(make)
-    if [ ${#need[@]} -gt 0 ]; then
-      SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-      log "installing system packages: ${need[*]}"
-      $SUDO apt-get update -qq
-      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-    fi
-  fi
+  apt_install_missing mpicxx:libopenmpi-dev,openmpi-bin cmake:cmake g++:g++ make:make
   if ! command -v cmake >/dev/null; then
     log "no cmake on PATH; installing cmake from PyPI"
     "$PY" -m pip install -q cmake

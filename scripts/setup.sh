@@ -11,34 +11,13 @@ PY=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 
 log() { printf '[setup] %s\n' "$*"; }
-# A boolean setting, read as hipress.config reads booleans (the package cannot be imported
-# before it is built): 1/true/yes/on or 0/false/no/off in any case; unset or empty = DEFAULT.
-is_on() {  # is_on NAME DEFAULT
-  local v
-  read -r v <<< "${!1:-}"  # trims surrounding blanks
-  case "${v:-$2}" in
-    [Tt][Rr][Uu][Ee] | [Yy][Ee][Ss] | [Oo][Nn] | 1) return 0 ;;
-    [Ff][Aa][Ll][Ss][Ee] | [Nn][Oo] | [Oo][Ff][Ff] | 0) return 1 ;;
-    *) printf '%s=%s: expected one of 1, true, yes, on, 0, false, no, off\n' "$1" "$v" >&2; exit 2 ;;
-  esac
-}
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
 
 # System packages: OpenMPI (mpirun + headers for the native MPI transport),
 # iproute2 (ip netns / tc) and iptables (packet delay where the kernel has no netem)
 # for the emulated cluster benchmark.
-if ! is_on HIPRESS_SKIP_APT 0 && command -v apt-get >/dev/null; then
-  need=()
-  command -v mpicxx >/dev/null || need+=(libopenmpi-dev openmpi-bin)
-  command -v ip >/dev/null || need+=(iproute2)
-  command -v tc >/dev/null || need+=(iproute2)
-  command -v iptables >/dev/null || need+=(iptables)
-  if [ ${#need[@]} -gt 0 ]; then
-    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-    log "installing system packages: ${need[*]}"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-  fi
-fi
+apt_install_missing mpicxx:libopenmpi-dev,openmpi-bin ip:iproute2 tc:iproute2 iptables:iptables
 
 # Python packages. torch is pinned: a bare "torch" would pull the CUDA build (GBs).
 log "installing Python packages"

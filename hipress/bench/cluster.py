@@ -23,9 +23,9 @@ left by a killed earlier run (owner pid dead) are removed first. Without root or
 ``ip netns`` (or with HIPRESS_CLUSTER_FALLBACK=1) the ranks run as plain local
 processes on loopback, unshaped, with a warning.
 
-This module imports only the standard library, so it can run as a script
-(the delay daemon does); settings are read through hipress.config (standard library only
-too) when first needed.
+This module imports only the standard library, hipress.supervise (the rank supervision it
+shares with hipress.launch) and hipress.config (standard library only too), so it can run as
+a script (the delay daemon does).
 """
 from __future__ import annotations
 
@@ -49,6 +49,12 @@ import warnings
 from collections import deque
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+if __name__ == "__main__" and not __package__:  # run as a script (the delay daemon): make hipress importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from hipress import config  # noqa: E402
+from hipress.supervise import (Terminated, free_port, restore_signals, stop_groups, supervise,  # noqa: E402
+                               terminate_on_signals)
+
 PREFIX = "hpc"                      # common prefix of every namespace this tool creates
 NETNS_ETC = "/etc/netns"            # `ip netns exec` bind-mounts /etc/netns/<ns>/* over /etc/*
 MASTER_PORT = 29500
@@ -56,12 +62,6 @@ _STALE_RE = re.compile(rf"^{PREFIX}(\d+)-")
 _counter = itertools.count()
 
 Number = Union[int, float]
-
-
-def _setting(name: str):
-    """``hipress.config.get(name)``, imported late: the delay daemon runs this file as a script."""
-    from hipress import config
-    return config.get(name)
 
 
 # ------------------------------------------------------------------ units
@@ -171,7 +171,7 @@ def cleanup_stale(verbose: bool = True) -> List[str]:
 
 
 def _netns_usable() -> Tuple[bool, str]:
-    if _setting("HIPRESS_CLUSTER_FALLBACK"):
+    if config.get("HIPRESS_CLUSTER_FALLBACK"):
         return False, "HIPRESS_CLUSTER_FALLBACK is set"
     if not sys.platform.startswith("linux"):
         return False, "not Linux"
@@ -181,58 +181,6 @@ def _netns_usable() -> Tuple[bool, str]:
         if shutil.which(tool) is None:
             return False, f"`{tool}` (iproute2) not found"
     return True, ""
-
-
-# ------------------------------------------------------------------ output pumping / stopping
-
-
-def _pump(stream, prefix: str, sink, lines: List[str], lock: threading.Lock):
-    for line in iter(stream.readline, ""):
-        lines.append(line)
-        if sink is not None:
-            with lock:
-                sink.write(prefix + line)
-                sink.flush()
-    stream.close()
-
-
-def _stop_groups(procs: Sequence[subprocess.Popen], grace: float = 3.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
-    deadline = time.time() + grace
-    for p in procs:
-        while p.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:  # bounded: a signal that interrupted an earlier poll() can leave Popen's wait lock held
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        # whatever is left in the group (children that outlived the leader)
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-class _Terminated(BaseException):
-    """Raised in the main thread by SIGTERM/SIGHUP so that `finally`/`__exit__` tear down."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.code = 128 + signum
-
-
-def _raise_terminated(signum, _frame):
-    raise _Terminated(signum)
 
 
 # ------------------------------------------------------------------ the cluster
@@ -273,7 +221,7 @@ class EmulatedCluster:
         self._daemons: Dict[int, subprocess.Popen] = {}
         self._iptables: Optional[str] = None
         self._started = self._closed = False
-        self._old_handlers: Dict[int, object] = {}
+        self._old_handlers: Dict[int, object] = {}  # replaced by terminate_on_signals() while started
         self._set_bw = self._set_lat = None
         self._wake_latency_fd: Optional[int] = None
 
@@ -301,7 +249,7 @@ class EmulatedCluster:
             return self
         self._started = True
         atexit.register(self.close)
-        self._install_signal_handlers()
+        self._old_handlers = terminate_on_signals()
         ok, why = _netns_usable()
         if ok:
             cleanup_stale(verbose=not self.quiet)
@@ -342,26 +290,11 @@ class EmulatedCluster:
         finally:
             for s, h in masked.items():
                 signal.signal(s, h)
-            self._restore_signal_handlers()
+            restore_signals(self._old_handlers)
             try:
                 atexit.unregister(self.close)
             except Exception:  # noqa: BLE001
                 pass
-
-    def _install_signal_handlers(self):
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for s in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(s) in (signal.SIG_DFL, None):
-                self._old_handlers[s] = signal.signal(s, _raise_terminated)
-
-    def _restore_signal_handlers(self):
-        for s, h in self._old_handlers.items():
-            try:
-                signal.signal(s, h)
-            except (ValueError, OSError):
-                pass
-        self._old_handlers.clear()
 
     def _create(self) -> None:
         sw = self.switch_ns
@@ -397,7 +330,7 @@ class EmulatedCluster:
 
     # ---- shaping
     def _delay_backend(self) -> Optional[str]:
-        forced = _setting("HIPRESS_CLUSTER_DELAY")
+        forced = config.get("HIPRESS_CLUSTER_DELAY")
         if forced != "auto":
             return None if forced == "none" else forced
         if _sh(["tc", "-n", self.switch_ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
@@ -484,7 +417,7 @@ class EmulatedCluster:
     def _stop_daemons(self) -> None:
         procs = list(self._daemons.values())
         self._daemons.clear()
-        _stop_groups(procs, grace=2.0)
+        stop_groups(procs, grace=2.0)
         for p in procs:
             for s in (p.stdout, p.stderr):
                 if s:
@@ -525,49 +458,10 @@ class EmulatedCluster:
         if not self._started:
             self.start()
         quiet = self.quiet if quiet is None else quiet
-        port = MASTER_PORT
-        if not self.emulated:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        procs: List[subprocess.Popen] = []
-        pumps, outputs = [], [[] for _ in range(self.np)]
-        sink = None if quiet else sys.stdout
-        lock = threading.Lock()
-        code = 0
-        try:
-            for r in range(self.np):
-                p = self.popen(r, cmd, env=self.rank_env(r, env, port), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, cwd=cwd)
-                procs.append(p)
-                t = threading.Thread(target=_pump, args=(p.stdout, f"[{r}] ", sink, outputs[r], lock), daemon=True)
-                t.start()
-                pumps.append(t)
-            deadline = None if timeout is None else time.time() + timeout
-            while True:
-                codes = [p.poll() for p in procs]
-                failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                if failed:
-                    code = failed[0][1]
-                    if code < 0:  # killed by a signal: report it shell-style
-                        code = 128 - code
-                    if not quiet:
-                        print(f"[cluster] rank {failed[0][0]} exited with {code}; stopping the others", file=sys.stderr)
-                    break
-                if all(c == 0 for c in codes):
-                    break
-                if deadline is not None and time.time() > deadline:
-                    code = 124
-                    if not quiet:
-                        print(f"[cluster] timeout after {timeout} s; stopping all ranks", file=sys.stderr)
-                    break
-                time.sleep(0.05)
-        finally:
-            _stop_groups(procs)
-            self._sweep_namespaces()
-            for t in pumps:
-                t.join(timeout=5)
-        return code, ["".join(o) for o in outputs]
+        port = MASTER_PORT if self.emulated else free_port()
+        return supervise(lambda r, **io: self.popen(r, cmd, env=self.rank_env(r, env, port), stdin=subprocess.DEVNULL,
+                                                    cwd=cwd, **io),
+                         self.np, timeout, quiet=quiet, tag="cluster", after_stop=self._sweep_namespaces)
 
     def _sweep_namespaces(self) -> None:
         """Kills anything still running in the rank namespaces (e.g. daemonized children), except delay daemons."""
@@ -662,7 +556,7 @@ def _pair(cluster: EmulatedCluster, server_code: str, server_args: List[str], cl
             raise RuntimeError(f"measurement server failed: {serr.strip()}")
         return out if out.strip() else sout
     finally:
-        _stop_groups([p for p in (srv, cli) if p is not None], grace=1.0)
+        stop_groups([p for p in (srv, cli) if p is not None], grace=1.0)
         for p in (srv, cli):
             if p is not None:
                 for s in (p.stdout, p.stderr):
@@ -833,7 +727,7 @@ def main(argv=None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` shows where a run is stuck
     ap = argparse.ArgumentParser(prog="python -m hipress.bench.cluster", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-np", "--np", type=int, default=_setting("HIPRESS_NP"), help="number of hosts")
+    ap.add_argument("-np", "--np", type=int, default=config.get("HIPRESS_NP"), help="number of hosts")
     ap.add_argument("--bandwidth", default=None, help="per-host rate each way, e.g. 1gbit, 200mbit (default: unshaped)")
     ap.add_argument("--latency", default=None, help="one-way host-to-host delay, e.g. 0.2ms (RTT = 2x)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds before every rank is stopped (exit 124)")
@@ -861,7 +755,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("[cluster] interrupted; everything stopped and removed", file=sys.stderr)
         return 130
-    except _Terminated as t:
+    except Terminated as t:
         print("[cluster] terminated; everything stopped and removed", file=sys.stderr)
         return t.code
 

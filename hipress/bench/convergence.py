@@ -54,19 +54,6 @@ DEFAULTS = {
 # ------------------------------------------------------------------ data
 
 
-def digits_data(seed: int):
-    import numpy as np
-    import torch
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
-    y = torch.tensor(d.target, dtype=torch.long)
-    perm = torch.from_numpy(np.random.RandomState(seed).permutation(len(y)))
-    x, y = x[perm], y[perm]
-    return (x[:1500], y[:1500]), (x[1500:], y[1500:])
-
-
 def text_corpus() -> tuple:
     """(text, [{path, bytes, sha256}]) from files that ship with installed packages."""
     files = []
@@ -95,26 +82,6 @@ def text_corpus() -> tuple:
 
 
 # ------------------------------------------------------------------ models
-
-
-def _digits_model():
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-            self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-            self.fc1 = nn.Linear(32 * 4 * 4, 128)
-            self.fc2 = nn.Linear(128, 10)
-
-        def forward(self, x):
-            x = F.relu(self.conv1(x))
-            x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-            return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-    return Net()
 
 
 def _charlm_model(vocab: int):
@@ -150,9 +117,11 @@ def worker(a) -> None:
     rank, size = hipress.rank(), hipress.size()
     torch.manual_seed(a.seed)
     if a.task == "digits":
+        from hipress.bench.models import DigitsCNN, digits_data
+
         (xtr, ytr), (xte, yte) = digits_data(a.seed)
         xtr, ytr = xtr[rank::size], ytr[rank::size]
-        model = _digits_model()
+        model = DigitsCNN()
         steps_per_epoch = len(ytr) // a.batch
 
         def batch(epoch, i):

@@ -32,6 +32,39 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# ------------------------------------------------------------------ digits (real data)
+# The small CNN and data of examples/train.py and of the convergence bench (--task digits).
+
+
+class DigitsCNN(nn.Module):
+    """Two 3x3 convolutions and two fully connected layers for scikit-learn's 8x8 digits."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = nn.Linear(32 * 4 * 4, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def digits_data(seed: int):
+    """sklearn's digits (offline), shuffled by seed: ((x_train, y_train), (x_test, y_test)), 1500 / 297."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(d.target, dtype=torch.long)
+    perm = torch.from_numpy(np.random.RandomState(seed).permutation(len(y)))
+    x, y = x[perm], y[perm]
+    return (x[:1500], y[:1500]), (x[1500:], y[1500:])
+
+
 # ------------------------------------------------------------------ VGG19-like
 
 

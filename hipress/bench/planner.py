@@ -69,13 +69,12 @@ def worker(a) -> None:
     import hipress
     from hipress import compression
     from hipress.engine import get_engine
-    from hipress.planner.online import PLANNER_STRATEGY, profile_online, slowest
+    from hipress.planner.online import profile_online, slowest
     from hipress.planner.profile import repeats_for
     from hipress.comm.exchange import open_exchanges
     from hipress.planner.plan import chunk_bounds
+    from hipress.sync import STRATEGIES
     from hipress.sync import base as sync_base
-    from hipress.sync.ps import PSStrategy
-    from hipress.sync.ring import RingStrategy
 
     torch.set_num_threads(1)
     hipress.init()
@@ -90,7 +89,7 @@ def worker(a) -> None:
     slowest_rank = slowest(tr)
     exchange = open_exchanges(engine).world
     for strategy_name in a.strategy.split(","):
-        strategy = {"ring": RingStrategy, "ps": PSStrategy}[strategy_name]()
+        strategy = STRATEGIES[strategy_name]()
         ctx = {c: sync_base.SyncContext(engine, exchange, cc, sync_base.StateStore()) for c, cc in
                ((False, none), (True, comp))}
         inputs = {m: torch.randn(m // 4, generator=torch.Generator().manual_seed(rank)) for m in sizes}
@@ -135,8 +134,7 @@ def worker(a) -> None:
         for m, case, cpr, k in cases:
             times, predicted = configs[(m, cpr, k)][1:], model.t_sync(m, cpr, k)  # [0]: the warm-up
             measured = statistics.median(times)
-            row = {"strategy": strategy_name, "model_strategy": PLANNER_STRATEGY.get(strategy_name),
-                   "bytes": m, "case": case, "compress": cpr, "k": k, "predicted_ms": 1e3 * predicted,
+            row = {"strategy": strategy_name, "bytes": m, "case": case, "compress": cpr, "k": k, "predicted_ms": 1e3 * predicted,
                    "measured_ms": 1e3 * measured, "ratio": measured / predicted if predicted > 0 else None,
                    "times_ms": [1e3 * x for x in times]}
             rows.append(row)

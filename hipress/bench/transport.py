@@ -28,12 +28,13 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from typing import Callable, Dict, List
+
+from hipress.supervise import free_port
 
 DEFAULT_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
@@ -87,6 +88,39 @@ def _pattern(n):
 
 
 # ---------------------------------------------------------------------------- workers
+def _ping_pong(rank: int, send: Callable[[int], None], recv: Callable[[int], None]) -> Callable[[], None]:
+    """One round trip between ranks 0 and 1 (send(peer) / recv(peer)); other ranks do nothing."""
+    def fn():
+        if rank == 0:
+            send(1)
+            recv(1)
+        elif rank == 1:
+            recv(0)
+            send(0)
+    return fn
+
+
+def _hipress_cases(t, n: int) -> Dict[str, Callable]:
+    """op -> make(size) -> fn, for a hipress Transport t of n ranks."""
+    import torch
+
+    def a2a(size):
+        send, recv = _pattern(size * n), torch.empty(size * n, dtype=torch.uint8)
+        return lambda: t.alltoallv(send, [size] * n, recv, [size] * n)
+
+    def pp(size):
+        buf = _pattern(size)
+        return _ping_pong(t.rank, lambda peer: t.send(buf, peer), lambda peer: t.recv(buf, peer))
+
+    return {"alltoallv": a2a, "sendrecv": pp}
+
+
+def _pairs(hp, hp_nc, n: int, raw: Dict[str, Callable]) -> Dict[str, Dict[str, Callable]]:
+    """The measured pairs: hipress with and without shape checks against the raw library, per op."""
+    checked, nocheck = _hipress_cases(hp, n), _hipress_cases(hp_nc, n)
+    return {op: {"hipress": checked[op], "hipress-nocheck": nocheck[op], "raw": raw[op]} for op in raw}
+
+
 def _worker_torch(args) -> None:
     import datetime
 
@@ -102,44 +136,15 @@ def _worker_torch(args) -> None:
     hp = TorchDistTransport.create(rank, n, store=store, timeout_s=120)
     hp_nc = TorchDistTransport.create(rank, n, store=dist.PrefixStore("nocheck", store), timeout_s=120, check=False)
 
-    def a2a_hipress(t):
-        def make(size):
-            send, recv = _pattern(size * n), torch.empty(size * n, dtype=torch.uint8)
-            return lambda: t.alltoallv(send, [size] * n, recv, [size] * n)
-        return make
-
     def a2a_raw(size):
         send, recv = _pattern(size * n), torch.empty(size * n, dtype=torch.uint8)
         return lambda: dist.all_to_all_single(recv, send, [size] * n, [size] * n)
 
-    def pp_hipress(t):
-        def make(size):
-            buf = _pattern(size)
-
-            def fn():
-                if rank == 0:
-                    t.send(buf, 1)
-                    t.recv(buf, 1)
-                elif rank == 1:
-                    t.recv(buf, 0)
-                    t.send(buf, 0)
-            return fn
-        return make
-
     def pp_raw(size):
         buf = _pattern(size)
+        return _ping_pong(rank, lambda peer: dist.send(buf, peer), lambda peer: dist.recv(buf, peer))
 
-        def fn():
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-        return fn
-
-    pairs = {"alltoallv": {"hipress": a2a_hipress(hp), "hipress-nocheck": a2a_hipress(hp_nc), "raw": a2a_raw},
-             "sendrecv": {"hipress": pp_hipress(hp), "hipress-nocheck": pp_hipress(hp_nc), "raw": pp_raw}}
+    pairs = _pairs(hp, hp_nc, n, {"alltoallv": a2a_raw, "sendrecv": pp_raw})
     rows = _measure(pairs, args.sizes, n, rank, args.reps, args.budget, {"alltoallv": dist.barrier, "sendrecv": dist.barrier})
     dist.barrier()
     if rank == 0:
@@ -151,7 +156,6 @@ def _worker_torch(args) -> None:
 
 def _worker_mpi(args) -> None:
     import numpy as np
-    import torch
     from mpi4py import MPI
 
     from hipress.comm.transport.mpi import MpiTransport
@@ -161,46 +165,18 @@ def _worker_mpi(args) -> None:
     hp = MpiTransport.world(timeout_s=120)
     hp_nc = MpiTransport.world(timeout_s=120, check=False)
 
-    def a2a_hipress(t):
-        def make(size):
-            send, recv = _pattern(size * n), torch.empty(size * n, dtype=torch.uint8)
-            return lambda: t.alltoallv(send, [size] * n, recv, [size] * n)
-        return make
-
     def a2a_raw(size):
         send, recv = _pattern(size * n).numpy(), np.empty(size * n, dtype=np.uint8)
         counts = np.full(n, size, dtype=np.int32)
         displs = np.arange(n, dtype=np.int32) * size
         return lambda: comm.Alltoallv([send, counts, displs, MPI.BYTE], [recv, counts, displs, MPI.BYTE])
 
-    def pp_hipress(t):
-        def make(size):
-            buf = _pattern(size)
-
-            def fn():
-                if rank == 0:
-                    t.send(buf, 1)
-                    t.recv(buf, 1)
-                elif rank == 1:
-                    t.recv(buf, 0)
-                    t.send(buf, 0)
-            return fn
-        return make
-
     def pp_raw(size):
         buf = _pattern(size).numpy()
+        return _ping_pong(rank, lambda peer: comm.Send([buf, MPI.BYTE], peer, 0),
+                          lambda peer: comm.Recv([buf, MPI.BYTE], peer, 0))
 
-        def fn():
-            if rank == 0:
-                comm.Send([buf, MPI.BYTE], 1, 0)
-                comm.Recv([buf, MPI.BYTE], 1, 0)
-            elif rank == 1:
-                comm.Recv([buf, MPI.BYTE], 0, 0)
-                comm.Send([buf, MPI.BYTE], 0, 0)
-        return fn
-
-    pairs = {"alltoallv": {"hipress": a2a_hipress(hp), "hipress-nocheck": a2a_hipress(hp_nc), "raw": a2a_raw},
-             "sendrecv": {"hipress": pp_hipress(hp), "hipress-nocheck": pp_hipress(hp_nc), "raw": pp_raw}}
+    pairs = _pairs(hp, hp_nc, n, {"alltoallv": a2a_raw, "sendrecv": pp_raw})
     rows = _measure(pairs, args.sizes, n, rank, args.reps, args.budget, {"alltoallv": comm.Barrier, "sendrecv": comm.Barrier})
     comm.Barrier()
     if rank == 0:
@@ -211,31 +187,14 @@ def _worker_mpi(args) -> None:
 
 
 def _run_loopback(args) -> dict:
-    import torch
-
     from hipress.comm.transport import loopback
 
     n = args.ranks
     out = {}
 
     def body(t):
-        def make_a2a(size):
-            send, recv = _pattern(size * n), torch.empty(size * n, dtype=torch.uint8)
-            return lambda: t.alltoallv(send, [size] * n, recv, [size] * n)
-
-        def make_pp(size):
-            buf = _pattern(size)
-
-            def fn():
-                if t.rank == 0:
-                    t.send(buf, 1)
-                    t.recv(buf, 1)
-                elif t.rank == 1:
-                    t.recv(buf, 0)
-                    t.send(buf, 0)
-            return fn
-
-        rows = _measure({"alltoallv": {"hipress": make_a2a}, "sendrecv": {"hipress": make_pp}}, args.sizes, n, t.rank,
+        cases = _hipress_cases(t, n)
+        rows = _measure({op: {"hipress": make} for op, make in cases.items()}, args.sizes, n, t.rank,
                         args.reps, args.budget, {"alltoallv": t.barrier, "sendrecv": t.barrier})
         if t.rank == 0:
             out["rows"] = rows
@@ -245,12 +204,6 @@ def _run_loopback(args) -> dict:
 
 
 # ---------------------------------------------------------------------------- driver
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _child_env() -> dict:
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -272,7 +225,7 @@ def _collect(outputs: List[str], what: str) -> dict:
 
 
 def _run_torch(args) -> dict:
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(args.ranks):
         env = _child_env()

@@ -66,28 +66,21 @@ def _get() -> _State:
     return s
 
 
-def rank() -> int:
-    return _get().rank
+def _accessor(name: str, doc: str) -> Callable[[], int]:
+    """A module-level function returning the initialized world's field ``name``."""
+    def get() -> int:
+        return getattr(_get(), name)
+    get.__name__ = get.__qualname__ = name
+    get.__doc__ = doc
+    return get
 
 
-def size() -> int:
-    return _get().size
-
-
-def local_rank() -> int:
-    return _get().local_rank
-
-
-def local_size() -> int:
-    return _get().local_size
-
-
-def cross_rank() -> int:
-    return _get().cross_rank
-
-
-def cross_size() -> int:
-    return _get().cross_size
+rank = _accessor("rank", "This process's rank in the world.")
+size = _accessor("size", "Number of ranks in the world.")
+local_rank = _accessor("local_rank", "This process's rank among the ranks on its host.")
+local_size = _accessor("local_size", "Number of ranks on this process's host.")
+cross_rank = _accessor("cross_rank", "This process's position among the ranks with its local_rank (one per host).")
+cross_size = _accessor("cross_size", "Number of ranks with this process's local_rank (one per host).")
 
 
 def transport():

@@ -2,8 +2,8 @@
 
 Examples:
     python -m hipress.planner --show --sizes 4KB,1MB,64MB --n 16 --rate 0.0625 --bandwidth 10gbit
-    python -m hipress.planner --show --example vgg19 --strategy ring
-    python -m hipress.planner --show --profile ~/.cache/hipress/profiles/tbq__cuda__n16__ps_colocated.json
+    python -m hipress.planner --show --example vgg19 --strategy paper_ring
+    python -m hipress.planner --show --profile ~/.cache/hipress/profiles/tbq__cuda__n16__paper_ps_colocated.json
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="saved profile JSON: use its curves, N, strategy, category and rate")
     g = p.add_argument_group("cluster and algorithm (ignored where --profile gives them)")
     g.add_argument("--n", type=int, default=16, help="workers (ring) or aggregators (ps); default 16")
-    g.add_argument("--strategy", choices=STRATEGIES, default=None, help="default ps_colocated")
+    g.add_argument("--strategy", choices=STRATEGIES, default=None, help="paper_* rows of the paper's Table 3, or hipress's executed ring / ps; default paper_ps_colocated")
     g.add_argument("--category", choices=CATEGORIES, default="quantization")
     g.add_argument("--rate", type=float, default=1 / 16, help="compressed/original bytes; default 0.0625")
     g = p.add_argument_group("affine curves when no --profile (defaults: the Fig. 14 setting, docs/planner.md)")
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         model = CostModel(AffineCurve.from_throughput(args.bandwidth, args.latency),
                           AffineCurve.from_throughput(args.enc_throughput, args.enc_overhead),
                           AffineCurve.from_throughput(r * args.dec_throughput, args.dec_overhead),
-                          args.n, args.strategy or "ps_colocated", args.category, r)
+                          args.n, args.strategy or "paper_ps_colocated", args.category, r)
         source = (f"affine curves: link {args.bandwidth * 8 / 1e9:g} Gbit/s + {args.latency * 1e6:g} us; "
                   f"encode {args.enc_throughput / 1e9:g} GB/s + {args.enc_overhead * 1e6:g} us; "
                   f"decode {args.dec_throughput / 1e9:g} GB/s (fp32 out) + {args.dec_overhead * 1e6:g} us")

@@ -18,8 +18,10 @@ most N partitions; a round of k partitions costs equation 1 or 2 evaluated with
 partition size m/K and the round's own beta(k)/gamma(k) (only CaSync-PS's beta
 depends on k). For K <= N this is exactly equations 1 and 2.
 
-hipress's own strategies as they execute ("casync_ring", "casync_ps", the models used at
-run time) are not rows of that table: :meth:`CostModel.t_sync` evaluates the critical path
+Strategy names: "ring" and "ps" are hipress's own strategies as they execute (the names a
+user passes, ``DistributedOptimizer(strategy=...)``; the models used at run time); the
+paper's Table-3 rows are "paper_ring", "paper_ps" and "paper_ps_colocated". The executed
+strategies are not rows of that table: :meth:`CostModel.t_sync` evaluates the critical path
 of the task graph hipress.sync builds (the same alpha/beta/gamma structure, counted from
 the executed graph, plus the memory passes and task hand-offs the paper's equations leave
 out; see :func:`executed_ring` and :func:`executed_ps`).
@@ -39,8 +41,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-PAPER_STRATEGIES = ("ring", "ps", "ps_colocated")
-EXECUTED_STRATEGIES = ("casync_ring", "casync_ps")
+PAPER_STRATEGIES = ("paper_ring", "paper_ps", "paper_ps_colocated")
+EXECUTED_STRATEGIES = ("ring", "ps")
 STRATEGIES = PAPER_STRATEGIES + EXECUTED_STRATEGIES
 CATEGORIES = ("quantization", "sparsification", "lowrank")
 
@@ -190,11 +192,11 @@ class SyncParams:
 def sync_params(strategy: str, category: str, n: int, k: int) -> SyncParams:
     """alpha, beta, gamma for one round of k <= n partitions (paper Table 3, section 6.1).
 
-    ring            quant./spars.: 2(N-1), N,   N      low-rank: 2(N-1), 1, 1
-    ps              quant./spars.: 2N,     K+1, N+1    low-rank: 2N,     1, 1
-    ps_colocated    quant./spars.: 2(N-1), K,   N      low-rank: 2(N-1), 1, 1
+    paper_ring          quant./spars.: 2(N-1), N,   N      low-rank: 2(N-1), 1, 1
+    paper_ps            quant./spars.: 2N,     K+1, N+1    low-rank: 2N,     1, 1
+    paper_ps_colocated  quant./spars.: 2(N-1), K,   N      low-rank: 2(N-1), 1, 1
 
-    ps_colocated is the variant the paper evaluates (section 6.1: aggregators run on
+    paper_ps_colocated is the variant the paper evaluates (section 6.1: aggregators run on
     the workers, so a worker's own partition never crosses the network, is not
     encoded, and its aggregator decodes only N-1 remote partitions). Its low-rank
     row is not given in the paper; we use beta = gamma = 1 because low-rank payloads
@@ -211,13 +213,13 @@ def sync_params(strategy: str, category: str, n: int, k: int) -> SyncParams:
     if not 1 <= k <= n:
         raise ValueError(f"a round has 1..N partitions, got k={k} with N={n}")
     lowrank = category == "lowrank"
-    if strategy == "ring":
+    if strategy == "paper_ring":
         alpha = 2 * (n - 1)
         return SyncParams(alpha, 1, 1) if lowrank else SyncParams(alpha, n, n)
-    if strategy == "ps":
+    if strategy == "paper_ps":
         alpha = 2 * n
         return SyncParams(alpha, 1, 1) if lowrank else SyncParams(alpha, k + 1, n + 1)
-    alpha = 2 * (n - 1)  # ps_colocated
+    alpha = 2 * (n - 1)  # paper_ps_colocated
     return SyncParams(alpha, 1, 1) if lowrank else SyncParams(alpha, k, n)
 
 
@@ -338,11 +340,11 @@ class CostModel:
     encode m fp32 bytes; dec(m): seconds to decode an m-byte *compressed* payload.
     n: workers (ring) or aggregators (ps); rate: compressed / original bytes.
 
-    Paper strategies ("ring", "ps", "ps_colocated"): equations 1 and 2 with
-    :func:`sync_params`, K counting the paper's partitions (ring chunks for "ring").
+    Paper strategies ("paper_ring", "paper_ps", "paper_ps_colocated"): equations 1 and 2
+    with :func:`sync_params`, K counting the paper's partitions (ring chunks for "paper_ring").
 
-    Executed strategies ("casync_ring", "casync_ps"): the critical path of the task
-    graph hipress.sync builds for K *executed* partitions (:func:`executed_ring`,
+    Executed strategies ("ring", "ps": hipress's CaSync-Ring and CaSync-PS): the critical
+    path of the task graph hipress.sync builds for K *executed* partitions (:func:`executed_ring`,
     :func:`executed_ps`), which also needs
       enc_plain / dec_plain: the uncompressed path's operators (hipress synchronizes
           uncompressed gradients through the identity codec: encode is a view, decode
@@ -360,7 +362,7 @@ class CostModel:
     enc: Curve
     dec: Curve
     n: int
-    strategy: str = "ps_colocated"
+    strategy: str = "paper_ps_colocated"
     category: str = "quantization"
     rate: float = 1.0 / 16
     enc_plain: Optional[Curve] = None
@@ -373,7 +375,7 @@ class CostModel:
             if self.category == "lowrank":
                 raise ValueError(f"{self.strategy} models single-round compressors; low-rank (multi-round) "
                                  f"compressors are synchronized by hipress.sync.lowrank, which has no model")
-            sync_params("ring", self.category, self.n, 1)  # validates category and n
+            sync_params("paper_ring", self.category, self.n, 1)  # validates category and n
         else:
             sync_params(self.strategy, self.category, self.n, 1)  # validates
         if not (math.isfinite(self.rate) and self.rate > 0):
@@ -400,7 +402,7 @@ class CostModel:
 
     def t_sync(self, m: float, compress: bool, k: int) -> float:
         """Predicted time of m bytes synchronized (compressed or not) in K partitions: the
-        executed graph for casync_* strategies, equation 1 or 2 for the paper's."""
+        executed graph for "ring" / "ps", equation 1 or 2 for the paper's rows."""
         if self.strategy not in EXECUTED_STRATEGIES:
             return self.t_cpr(m, k) if compress else self.t_orig(m, k)
         copy, one = self.dec_plain or _zero, self.send_one or self.send
@@ -408,13 +410,13 @@ class CostModel:
             op = ExecutedOps(self.send, one, self.enc, self.dec, copy, self.task_s, self.rate)
         else:
             op = ExecutedOps(self.send, one, self.enc_plain or _zero, copy, copy, self.task_s, 1.0)
-        run = executed_ring if self.strategy == "casync_ring" else executed_ps
+        run = executed_ring if self.strategy == "ring" else executed_ps
         return run(op, m, self.n, int(k))
 
     def decide(self, m: float, k_max: Optional[int] = None, allow_compress: bool = True,
                k_min: int = 1) -> Decision:
         """Minimise over compress in {False, True} and K in k_min..k_max (default N).
-        K counts executed partitions for casync_* strategies, the paper's K otherwise.
+        K counts executed partitions for "ring" / "ps", the paper's K otherwise.
 
         Exhaustive over K: the range is small (tens), and with piecewise curves or
         K > N rounds the cost is not convex in K, so a convex search could miss the

@@ -32,10 +32,10 @@ from typing import Optional, Sequence
 import torch
 
 from hipress.compression.none import NoneCompressor
-from hipress.planner.profile import (DEFAULT_LADDER, Profile, load_profile, profile_compressor, profile_path,
-                                     save_profile)
+from hipress.planner.cost_model import EXECUTED_STRATEGIES
+from hipress.planner.profile import (DEFAULT_LADDER, Profile, StaleProfileError, load_profile, profile_compressor,
+                                     profile_path, save_profile)
 
-PLANNER_STRATEGY = {"ring": "casync_ring", "ps": "casync_ps"}
 TASK_TIMEOUT_S = 600
 PROBE_BYTES, PROBE_REPEATS, PROBE_NOISE_S = 1 << 20, 3, 0.5e-3
 CHAIN_BYTES = 1 << 20
@@ -65,8 +65,8 @@ def transfer_once(transport, strategy: str, engine=None, aggregators: Optional[i
     """send_once(nbytes) -> seconds of one transfer of nbytes as the strategy moves data: a
     comm-queue task of the engine sending a byte count and then the payload.
 
-    casync_ring: one ring step (send to the next rank while receiving from the previous).
-    casync_ps: CaSync-PS's two bulk exchanges with ``aggregators`` = A aggregator ranks
+    ring: one ring step (send to the next rank while receiving from the previous).
+    ps: CaSync-PS's two bulk exchanges with ``aggregators`` = A aggregator ranks
     (default N): a gather (every rank sends nbytes to every aggregator) and a broadcast
     (every aggregator sends nbytes to every rank), divided by 2(N-1): an aggregator's link
     carries (N-1) nbytes each way per exchange whatever A is, so this is the time of one
@@ -85,7 +85,7 @@ def transfer_once(transport, strategy: str, engine=None, aggregators: Optional[i
     engine = engine or get_engine()
     r, n = transport.rank, transport.size
     reduce = slowest(transport)
-    if strategy == "casync_ring":
+    if strategy == "ring":
         nxt, prv = (r + 1) % n, (r - 1) % n
         plan = [([nxt], {prv}, False)] * (2 * (n - 1))
         per_transfer, chained = 1, lambda nbytes: nbytes < CHAIN_BYTES
@@ -159,20 +159,26 @@ def profile_online(compressor, transport, strategy: str, *, device: str = "cpu",
                    refresh: bool = False, sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5,
                    engine=None) -> Profile:
     """Collective: returns the same Profile on every rank (see module docstring).
-    engine: whose queues run the timed operators (default: the process-wide engine)."""
-    pstrat = PLANNER_STRATEGY.get(strategy, strategy)
+    strategy: "ring" or "ps" (hipress's executed strategies).
+    engine: whose queues run the timed operators (default: the process-wide engine).
+    A cached file written by an older hipress (another profile version) is re-profiled and replaced."""
+    if strategy not in EXECUTED_STRATEGIES:
+        raise ValueError(f"profile_online profiles an executed strategy {EXECUTED_STRATEGIES}, got {strategy!r}")
     n = transport.size
-    path = profile_path(n, pstrat, device, compressor.name, cache_dir)
+    path = profile_path(n, strategy, device, compressor.name, cache_dir)
     cached = None
     if transport.rank == 0 and path.exists() and not refresh:
-        cached = load_profile(path, n=n, strategy=pstrat, device=device, algorithm=compressor.name)
-    send_once = transfer_once(transport, pstrat, engine)
+        try:
+            cached = load_profile(path, n=n, strategy=strategy, device=device, algorithm=compressor.name)
+        except StaleProfileError as e:
+            warnings.warn(f"hipress planner: {e}; re-profiling")
+    send_once = transfer_once(transport, strategy, engine)
     have = _broadcast_bytes(transport, b"1" if cached is not None else b"")
     if have and _link_changed(transport, cached, send_once):
         have, cached = b"", None
     if not have:
-        one = transfer_once(transport, pstrat, engine, aggregators=1) if pstrat == "casync_ps" else None
-        prof = profile_compressor(compressor, send_once, n=n, strategy=pstrat, device=device,
+        one = transfer_once(transport, strategy, engine, aggregators=1) if strategy == "ps" else None
+        prof = profile_compressor(compressor, send_once, n=n, strategy=strategy, device=device,
                                   sizes=sizes, repeats=repeats, plain=NoneCompressor(), before=transport.barrier,
                                   reduce=slowest(transport), task_once=task_once(transport, engine),
                                   send_one_once=one)

@@ -1,6 +1,6 @@
 """Per-gradient plans: compress or not, and K partitions, from the cost model.
 
-    model = CostModel(send, enc, dec, n=16, strategy="ps_colocated", category="quantization", rate=1/16)
+    model = CostModel(send, enc, dec, n=16, strategy="paper_ps_colocated", category="quantization", rate=1/16)
     plan = make_plan([("fc.weight", 411041792), ("fc.bias", 16384)], model,
                      Overrides(min_compress_bytes=1 << 20, force={"fc.bias": False}))
     plan["fc.weight"].compress, plan["fc.weight"].k
@@ -42,28 +42,21 @@ class Overrides:
 
 
 @dataclass(frozen=True)
-class PlanEntry:
-    """One gradient's plan. Times are the model's predictions in seconds.
+class PlanEntry(Decision):
+    """One gradient's plan: the cost model's Decision with the user's pins applied.
 
-    t_orig, t_cpr: best predicted time without / with compression over the allowed K
-    (both are always computed, also when a pin rules one out); k_orig, k_cpr: the K
-    achieving them.
-    compress, k: the decision. reason: 'model', or which pin decided.
+    Times are the model's predictions in seconds. t_orig, t_cpr: best predicted time
+    without / with compression over the allowed K (both are always computed, also when a
+    pin rules one out); k_orig, k_cpr: the K achieving them. compress, k: the decision.
+    name, nbytes: the gradient (give them by keyword; they follow Decision's fields).
+    reason: 'model', or which pin decided.
     """
 
-    name: str
-    nbytes: int
-    compress: bool
-    k: int
-    t_orig: float
-    k_orig: int
-    t_cpr: float
-    k_cpr: int
+    name: str = ""
+    nbytes: int = 0
     reason: str = "model"
 
-    @property
-    def t_pred(self) -> float:
-        return self.t_cpr if self.compress else self.t_orig
+    t_pred = Decision.t_best  # the predicted time of the decision
 
     def bounds(self, numel: int) -> Bounds:
         return chunk_bounds(numel, max(1, min(self.k, numel)))
@@ -127,7 +120,7 @@ def plan_one(name: str, nbytes: int, model: CostModel, overrides: Optional[Overr
     else:
         compress = d.compress
     k = d.k_cpr if compress else d.k_orig
-    return PlanEntry(name, nbytes, compress, k, d.t_orig, d.k_orig, d.t_cpr, d.k_cpr, reason)
+    return PlanEntry(compress, k, d.t_orig, d.k_orig, d.t_cpr, d.k_cpr, name=name, nbytes=nbytes, reason=reason)
 
 
 class Plan:

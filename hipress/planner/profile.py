@@ -30,7 +30,11 @@ from hipress.planner.cost_model import (
 )
 
 FORMAT = "hipress-planner-profile"
-VERSION = 1
+# 2: key.strategy is "ring" / "ps" for hipress's executed strategies and "paper_ring",
+#    "paper_ps", "paper_ps_colocated" for the paper's rows (version 1 called them
+#    "casync_ring" / "casync_ps" and "ring" / "ps" / "ps_colocated"). Older files are stale:
+#    load_or_profile and profile_online re-profile over them.
+VERSION = 2
 KB, MB = 1 << 10, 1 << 20
 #: 4 KB, 16 KB, ..., 64 MB (x4 steps)
 DEFAULT_LADDER: Tuple[int, ...] = tuple(4 * KB * 4 ** i for i in range(8))
@@ -46,6 +50,10 @@ Samples = List[Tuple[float, float]]
 
 class ProfileError(ValueError):
     """A profile file is missing, corrupt, or for another cluster shape/device/algorithm."""
+
+
+class StaleProfileError(ProfileError):
+    """A profile file written by another hipress (another profile VERSION): re-profile to replace it."""
 
 
 # --------------------------------------------------------------------------- measuring
@@ -202,7 +210,8 @@ class Profile:
         if d.get("format") != FORMAT:
             raise bad(f"format is {d.get('format')!r}, expected {FORMAT!r}")
         if d.get("version") != VERSION:
-            raise bad(f"version is {d.get('version')!r}, this hipress reads version {VERSION}")
+            raise StaleProfileError(f"{source}: hipress planner profile version {d.get('version')!r}, this hipress "
+                                    f"reads version {VERSION} (re-profile to replace it)")
         for k in ("key", "category", "rate", "curves"):
             if k not in d:
                 raise bad(f"missing field {k!r}")
@@ -348,12 +357,16 @@ def load_or_profile(compressor, send_once: Callable[[int], float], *, n: int, st
     """Reuse the cached profile for this (N, strategy, device, algorithm), else measure and save it.
 
     A corrupt or mismatched cached file raises :class:`ProfileError` rather than being
-    silently overwritten (pass ``refresh=True`` to re-measure).
+    silently overwritten (pass ``refresh=True`` to re-measure); one of an older profile
+    version (:class:`StaleProfileError`) is re-measured and replaced.
     """
     algorithm = algorithm or compressor.name
     p = profile_path(n, strategy, device, algorithm, cache_dir)
     if p.exists() and not refresh:
-        return load_profile(p, n=n, strategy=strategy, device=device, algorithm=algorithm)
+        try:
+            return load_profile(p, n=n, strategy=strategy, device=device, algorithm=algorithm)
+        except StaleProfileError:
+            pass
     prof = profile_compressor(compressor, send_once, n=n, strategy=strategy, device=device,
                               algorithm=algorithm, **kw)
     save_profile(prof, p)

@@ -1,4 +1,4 @@
-"""Helpers shared by the multi-process tests (launch environments, the example's digests)."""
+"""Helpers shared by the multi-process tests (launch environments, the example's digests, leftover processes)."""
 import os
 import re
 
@@ -30,3 +30,17 @@ def clean_env(timeout_s: str, **extra) -> dict:
     env.setdefault("HIPRESS_TIMEOUT_S", timeout_s)
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def procs_with(marker: str):
+    """pids whose command line contains marker (finds orphans reparented away from the test)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(d))
+            except OSError:
+                pass
+    return found

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from example_run import procs_with
 
 from hipress.bench import cluster as cl
 from hipress.bench.cluster import EmulatedCluster, measure_bandwidth, measure_rtt
@@ -53,20 +54,6 @@ def descendants(pid=None):
         frontier = {c for c, p in parent.items() if p in frontier} - out
         out |= frontier
     return {p for p in out if os.path.exists(f"/proc/{p}")}
-
-
-def procs_with(marker):
-    """pids whose command line contains marker (finds orphans reparented away from us)."""
-    found = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(d))
-            except OSError:
-                pass
-    return found
 
 
 def snapshot():

@@ -264,7 +264,7 @@ def _is_on_function(script: str) -> str:
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
-@pytest.mark.parametrize("script", ["scripts/setup.sh", "scripts/install_horovod.sh"])
+@pytest.mark.parametrize("script", ["scripts/common.sh"])
 def test_shell_booleans_parse_like_config(script):
     cases = [(raw, "on") for raw in TRUE] + [(raw, "off") for raw in FALSE]
     cases += [("", "default"), ("  ", "default"), (None, "default")] + [(raw, "error") for raw in NOT_BOOL]

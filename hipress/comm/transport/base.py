@@ -167,17 +167,22 @@ class Transport(abc.ABC):
         return t
 
     # ------------------------------------------------------------------ point to point
-    def send(self, buf: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Send all of ``buf`` to rank ``dst``; returns once ``buf`` may be reused."""
-        op = f"send(dst={dst}, tag={tag})"
+    def _check_p2p(self, what: str, role: str, peer: int, tag: int, buf: torch.Tensor, to_self: str) -> str:
+        """Checks one send/recv (open, peer, tag, buffer, not this rank); returns its op name for errors."""
+        op = f"{what}({role}={peer}, tag={tag})"
         self._ensure_open(op)
-        self._check_peer(op, dst, "dst")
+        self._check_peer(op, peer, role)
         self._check_tag(op, tag)
         bad = self._check_buf(op, "buf", buf)
         if bad:
-            raise self._err(op, bad, [dst])
-        if dst == self._rank:
-            raise self._err(op, "send to self is not supported (use a local copy)", [dst])
+            raise self._err(op, bad, [peer])
+        if peer == self._rank:
+            raise self._err(op, to_self, [peer])
+        return op
+
+    def send(self, buf: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send all of ``buf`` to rank ``dst``; returns once ``buf`` may be reused."""
+        op = self._check_p2p("send", "dst", dst, tag, buf, "send to self is not supported (use a local copy)")
         n = buf.numel()
         msgs = [(self._header(n, buf), 2 * tag)] if self.check else []
         if n:
@@ -187,15 +192,7 @@ class Transport(abc.ABC):
 
     def recv(self, buf: torch.Tensor, src: int, tag: int = 0) -> None:
         """Receive exactly ``buf.numel()`` bytes from rank ``src`` into ``buf``."""
-        op = f"recv(src={src}, tag={tag})"
-        self._ensure_open(op)
-        self._check_peer(op, src, "src")
-        self._check_tag(op, tag)
-        bad = self._check_buf(op, "buf", buf)
-        if bad:
-            raise self._err(op, bad, [src])
-        if src == self._rank:
-            raise self._err(op, "recv from self is not supported", [src])
+        op = self._check_p2p("recv", "src", src, tag, buf, "recv from self is not supported")
         n = buf.numel()
         if self.check:
             hdr = self._header(0, buf)

@@ -178,21 +178,30 @@ class TorchDistTransport(Transport):
                 return
         self._p2p_alltoallv(send_buf, send_counts, recv_buf, recv_counts, op)
 
+    def _post_p2p(self, op, works, peers, fn, buf, peer, tag) -> None:
+        works.append(self._post(op, [peer], fn, [buf], peer, tag))
+        peers.append(peer)
+
+    def _post_recvs(self, op, works, peers, recv_buf, recv_counts, tag) -> None:
+        """Posts the receive of recv_counts[src] bytes (at src's displacement in recv_buf) from every
+        other rank that sends any, in an order staggered by rank to spread the load."""
+        rd = displacements(recv_counts)
+        r, n = self._rank, self._size
+        for k in range(1, n):
+            src = (r - k) % n
+            if recv_counts[src]:
+                self._post_p2p(op, works, peers, self.pg.recv, recv_buf[rd[src]:rd[src] + recv_counts[src]], src, tag)
+
     def _p2p_alltoallv(self, send_buf, send_counts, recv_buf, recv_counts, op):
         sd, rd = displacements(send_counts), displacements(recv_counts)
         r, n = self._rank, self._size
         works, peers = [], []
         # receives first, then sends, in an order staggered by rank to spread the load
-        for k in range(1, n):
-            src = (r - k) % n
-            if recv_counts[src]:
-                works.append(self._post(op, [src], self.pg.recv, [recv_buf[rd[src]:rd[src] + recv_counts[src]]], src, _TAG_A2A))
-                peers.append(src)
+        self._post_recvs(op, works, peers, recv_buf, recv_counts, _TAG_A2A)
         for k in range(1, n):
             dst = (r + k) % n
             if send_counts[dst]:
-                works.append(self._post(op, [dst], self.pg.send, [send_buf[sd[dst]:sd[dst] + send_counts[dst]]], dst, _TAG_A2A))
-                peers.append(dst)
+                self._post_p2p(op, works, peers, self.pg.send, send_buf[sd[dst]:sd[dst] + send_counts[dst]], dst, _TAG_A2A)
         if recv_counts[r]:
             recv_buf[rd[r]:rd[r] + recv_counts[r]].copy_(send_buf[sd[r]:sd[r] + send_counts[r]])
         self._wait(op, works, peers)
@@ -204,16 +213,11 @@ class TorchDistTransport(Transport):
         rd = displacements(recv_counts)
         r, n = self._rank, self._size
         works, peers = [], []
-        for k in range(1, n):
-            src = (r - k) % n
-            if recv_counts[src]:
-                works.append(self._post(op, [src], self.pg.recv, [recv_buf[rd[src]:rd[src] + recv_counts[src]]], src, _TAG_AGV))
-                peers.append(src)
+        self._post_recvs(op, works, peers, recv_buf, recv_counts, _TAG_AGV)
         if recv_counts[r]:
             for k in range(1, n):
                 dst = (r + k) % n
-                works.append(self._post(op, [dst], self.pg.send, [send_buf], dst, _TAG_AGV))
-                peers.append(dst)
+                self._post_p2p(op, works, peers, self.pg.send, send_buf, dst, _TAG_AGV)
             recv_buf[rd[r]:rd[r] + recv_counts[r]].copy_(send_buf)
         self._wait(op, works, peers)
 

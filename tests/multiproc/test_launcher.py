@@ -1,0 +1,68 @@
+"""hipress.launch's supervision (hipress.supervise): exit codes, timeout, signals; nothing is left running."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from example_run import ROOT, clean_env, procs_with
+
+from hipress.launch import run
+
+PY = sys.executable
+
+
+def _gone(marker, within=5.0):
+    deadline = time.time() + within
+    while procs_with(marker) and time.time() < deadline:
+        time.sleep(0.05)
+    return not procs_with(marker)
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_code_stops_the_others_and_their_children():
+    marker = f"71.{os.getpid()}1"
+    script = ("import os, subprocess, sys, time\n"
+              f"subprocess.Popen(['sleep', '{marker}'])  # stays in the rank's process group\n"
+              "if os.environ['RANK'] == '1':\n    time.sleep(0.5); sys.exit(3)\n"
+              "time.sleep(60)\n")
+    t0 = time.time()
+    code, outs = run([PY, "-c", script], 3, timeout=30, quiet=True)
+    assert code == 3, outs
+    assert time.time() - t0 < 15
+    assert _gone(marker)
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_by_a_signal_reports_128_plus_n_and_timeout_124():
+    code, _ = run([PY, "-c", "import os, signal, time\n"
+                   "if os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(30)"],
+                  2, timeout=20, quiet=True)
+    assert code == 128 + signal.SIGKILL
+    t0 = time.time()
+    code, outs = run([PY, "-c", "import os; print('hi', os.environ['RANK'], flush=True); import time; time.sleep(30)"],
+                     2, timeout=1.5, quiet=True)
+    assert code == 124 and time.time() - t0 < 8
+    assert [o.split() for o in outs] == [["hi", "0"], ["hi", "1"]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig,expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_cli_signal_stops_every_rank(sig, expected):
+    marker = f"72.{os.getpid()}{int(sig)}"
+    p = subprocess.Popen([PY, "-m", "hipress.launch", "-np", "2", "sleep", marker], cwd=ROOT, env=clean_env("30"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 20
+        while time.time() < deadline and len(procs_with(marker)) < 3:  # the CLI itself + 2 ranks
+            time.sleep(0.05)
+        assert len(procs_with(marker)) == 3, "ranks did not start"
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == expected, out
+    assert _gone(marker)
