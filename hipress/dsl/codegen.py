@@ -343,6 +343,13 @@ class Generator:
             return code
         self.err(e, "an array operand must be a variable here")
 
+    def src_elem(self, acode: str, st: Arr) -> str:
+        """Element i of the operand acode in per-element code (the target says which variable holds it)."""
+        return self.elem(self.t.ELEM_OF or acode, st, "i")
+
+    def copy(self, dst: str, src: str, nbytes: str, fresh: bool = False) -> str:
+        return (self.t.COPY_FRESH if fresh else self.t.COPY).format(dst=dst, src=src, n=nbytes)
+
     def udf_apply(self, u, arg_codes: List[str], arg_types, ctr: str) -> str:
         args = [self.conv(c, t, at, u.func.params[k][0].width) for k, (c, t, (_, at))
                 in enumerate(zip(arg_codes, arg_types, u.args))]
@@ -381,6 +388,12 @@ class Generator:
             ety = mapf.ret if mapf.ret in FP else "int32"
         keep = "true" if pred is None else f"(({self.per_elem(pred, elem_code, st)}) != 0)"
         return val, ety, keep
+
+    def fold_parts(self, e: A.Call, val: str, ety, acc: str):
+        """reduce with a user-defined reducer u: (C type, acc.v (+) x, a.v (+) b.v, the element as u's type)."""
+        u = self.s.udfs[e.args[1].id]
+        return (ctype(u.ret), self.udf_apply(u, [f"{acc}.v", "x"], [u.ret, u.ret], "0"),
+                self.udf_apply(u, ["a.v", "b.v"], [u.ret, u.ret], "0"), self.conv(val, ety, u.ret))
 
     # ---- params / ctx ---------------------------------------------------------------------------
     def params_struct(self):
@@ -519,7 +532,7 @@ class Generator:
             src = self.array_code(call, env)
             if sym is not None and sym.state:  # state = array: copy into the state's buffer
                 self.emit(f"if ({src}.n != {tgt}.n) throw std::logic_error(\"copy: array sizes differ\");", ind)
-                self.emit(f"if ({tgt}.n) {t.copy(f'const_cast<float*>({tgt}.p)', f'{src}.p', f'4 * {tgt}.n')};",
+                self.emit(f"if ({tgt}.n) {self.copy(f'const_cast<float*>({tgt}.p)', f'{src}.p', f'4 * {tgt}.n')};",
                           ind)
                 return
             self.emit(f"{tgt} = {src};", ind)
@@ -555,7 +568,7 @@ class Generator:
         r = u.randoms
         self.emit(f"[[maybe_unused]] const uint64_t base = hp_next(c, {n} * {r});" if r else
                   "[[maybe_unused]] const uint64_t base = 0;", ind)
-        code = self.per_elem(u, self.t.src_elem(acode, st), st, f"base + i * {r}" if r else "0")
+        code = self.per_elem(u, self.src_elem(acode, st), st, f"base + i * {r}" if r else "0")
         if is_packed(call.ty):
             bits = self.packed_width(call.ty)
             # the payload's first array lies right after the header (scalars go into header words)
@@ -680,7 +693,7 @@ class Generator:
             code = self.array_code(a, env)
             sz = self.array_bytes(code, a.ty)
             self.emit(f"if (({sz}) != 0 && static_cast<const void*>({code}.p) != static_cast<const void*>(out + off)) "
-                      f"{t.copy('out + off', f'{code}.p', sz)};", i2)
+                      f"{self.copy('out + off', f'{code}.p', sz)};", i2)
             self.emit(f"off += {sz};", i2)
         self.emit(f"{t.WRITE_HEADER}(h, out);", i2)
         self.emit("total = kHeaderBytes + body;", i2)
@@ -691,7 +704,7 @@ class Generator:
 
     def header_word(self, w: int, code: str, ty) -> str:
         if ty == "float":
-            return self.t.set_float_word(w, code)
+            return self.t.FLOAT_WORD.format(w=w, v=code)
         return f"h.words[{w}] = static_cast<uint32_t>(static_cast<uint64_t>({code}));"
 
     def extract(self, call, env, ind):
@@ -748,7 +761,7 @@ class Generator:
                           f"off += {t.PACKED_BYTES}({length}, bits);", ind)
             else:  # copied: the payload offset of a 4-byte array need not be aligned
                 self.emit(f"hp::alloc({tgt}, {length}); if ({length}) "
-                          f"{t.copy(t.owned(tgt), 'in + off', f'4 * {length}', overlap=False)}; off += 4 * {length};", ind)
+                          f"{self.copy(t.OWNED.format(a=tgt), 'in + off', f'4 * {length}', fresh=True)}; off += 4 * {length};", ind)
 
     def extract_word(self, tgt: str, w: int, ty, ind):
         if ty == "float":
@@ -785,14 +798,14 @@ class Generator:
                 self.emit(f"for (int k = 0; k < (1 << b); ++k) tab[k] = {tv};", i2)
                 self.emit(f"{self.t.OPS}dequantize_table({acode}.p, n, b, tab, alpha, add, out);", i2)
             else:
-                v = self.conv(self.per_elem(u, self.t.src_elem(acode, st), st), u.ret, "float")
+                v = self.conv(self.per_elem(u, self.src_elem(acode, st), st), u.ret, "float")
                 self.t.decode_map(src, acode, v, i2)
         self.emit("}", ind)
 
     # ---- entry points ------------------------------------------------------------------------------
     def bind_states(self, ptr, length, ind=2):
         for g in self.s.state_arrays:
-            self.emit(self.t.bind_state(g.name, ptr(g), length(g)), ind)
+            self.emit(self.t.BIND_STATE.format(name=g.name, ptr=ptr(g), n=length(g)), ind)
 
     def state_setup(self):
         """Binds the caller's state (or a zero state, for a stateless call) and reads the state scalars."""
@@ -807,7 +820,7 @@ class Generator:
                 self.emit(f"if (lens[{g.slot}] != n || (n && !bufs[{g.slot}])) throw std::invalid_argument(kName + "
                           f"std::string(\": state buffer '{g.name}' has \") + std::to_string(lens[{g.slot}]) + "
                           f"\" elements, expected \" + std::to_string(n) + \" (state made for another tensor?)\");", 2)
-                self.emit(self.t.bind_state(g.name, f"bufs[{g.slot}]", "n"), 2)
+                self.emit(self.t.BIND_STATE.format(name=g.name, ptr=f"bufs[{g.slot}]", n="n"), 2)
             self.emit("} else {")
             zero = self.t.zero_state(f"{k} * n")
             self.bind_states(lambda g: f"{zero} + {g.slot} * n", lambda g: "n")

@@ -44,7 +44,7 @@ from typing import List
 
 from hipress.dsl import ast as A
 from hipress.dsl.types import Spec
-from hipress.dsl.codegen import Generator, ctype, read_text
+from hipress.dsl.codegen import Generator, read_text
 from hipress.dsl.errors import DSLError
 
 PRELUDE = read_text("prelude_cuda.cu.txt")
@@ -75,6 +75,11 @@ class CudaTarget:
     FORMAT_ERROR = "hipress::compress::FormatError"
     PACKED_BYTES = "hpd::packed_bytes"
     RNG_KEY = "hpd::rng_key"
+    COPY = COPY_FRESH = "hpd::copy_d2d({dst}, {src}, {n})"
+    OWNED = "{a}.own.get()"
+    FLOAT_WORD = "h.words[{w}] = hpd::fbits({v});"
+    BIND_STATE = "c.g_{name} = hpd::FView{{{ptr}, {n}}};"
+    ELEM_OF = "a0"  # per-element code runs in a functor whose member a0 views the array
     # context and entry points
     STATE_ARRAY, STATE_INIT, STATE_NOTE = "hpd::FView", "{nullptr, 0}", " (device)"
     VOID_SCALARS = False
@@ -133,19 +138,6 @@ class CudaTarget:
     def ctx_helpers(self):
         return []
 
-    # ---- vocabulary ----
-    def copy(self, dst: str, src: str, nbytes: str, overlap: bool = True) -> str:
-        return f"hpd::copy_d2d({dst}, {src}, {nbytes})"
-
-    def owned(self, arr: str) -> str:
-        return f"{arr}.own.get()"
-
-    def set_float_word(self, w: int, code: str) -> str:
-        return f"h.words[{w}] = hpd::fbits({code});"
-
-    def bind_state(self, name: str, ptr: str, length: str) -> str:
-        return f"c.g_{name} = hpd::FView{{{ptr}, {length}}};"
-
     def zero_state_decl(self):
         self.g.emit("hpd::DevBuf<float> st_tmp;  // zero state of a stateless call (its updates are dropped)")
 
@@ -154,9 +146,6 @@ class CudaTarget:
         self.g.emit(f"if (n) hpd::check(cudaMemsetAsync(st_tmp.get(), 0, {count} * sizeof(float), "
                     f"hpd::cur_stream()), \"memset\");", 2)
         return "st_tmp.get()"
-
-    def src_elem(self, acode: str, st) -> str:
-        return self.g.elem("a0", st, "i")
 
     # ---- functors: the per-element code of one operator call ----
     def functor(self, members: List[str], sig: str, body: str) -> str:
@@ -178,7 +167,7 @@ class CudaTarget:
         g = self.g
         st = src.ty
         acode, vt = g.array_code(src, env), view_type(st)
-        val, ety, keep = g.fused_value(g.elem("a0", st, "i"), st, pred, mapf)
+        val, ety, keep = g.fused_value(g.elem(self.ELEM_OF, st, "i"), st, pred, mapf)
         n = f"{acode}.n"
         r = e.reducer
         sig = "bool operator()(size_t i, float& vf, double& vd)"
@@ -208,11 +197,7 @@ class CudaTarget:
             res = f"[&]{{ const hpd::Stats s = {st_}; return s.h{fld} ? s.{fld} : 0.0f; }}()"
             return res if e.ty == "float" else f"hp::f2i({res})"
         # user-defined reducer: folded per kGrain chunk on the device, chunks merged in order on the host
-        u = g.s.udfs[e.args[1].id]
-        ct = ctype(u.ret)
-        step = g.udf_apply(u, ["p.v", "x"], [u.ret, u.ret], "0")
-        merge = g.udf_apply(u, ["a.v", "b.v"], [u.ret, u.ret], "0")
-        x = g.conv(val, ety, u.ret)
+        ct, step, merge, x = g.fold_parts(e, val, ety, "p")
         f = self.over([f"{vt} a0"], f"void operator()(size_t b, size_t e, hpd::FoldPart<{ct}>& p)",
                       f"for (size_t i = b; i < e; ++i) {{ if ({keep}) {{ {ct} x = {x}; p.v = p.has ? {step} : x; "
                       f"p.has = 1; }} }}", acode)
@@ -273,7 +258,7 @@ class CudaTarget:
 
     def filter(self, tgt, src, u, acode, cap, ind):
         g = self.g
-        pred = g.pred(u, g.elem("a0", src.ty, "i"))
+        pred = g.pred(u, g.elem(self.ELEM_OF, src.ty, "i"))
         f = self.over([f"{view_type(src.ty)} a0"], "bool operator()(size_t i)", f"return ({pred}) != 0;", acode)
         g.clamp_cap(cap, acode, ind)
         g.emit("hp::SArr res; hp::alloc(res, cap);", ind)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from hipress.dsl import ast as A
-from hipress.dsl.codegen import UdfEnv, ctype, read_text
+from hipress.dsl.codegen import UdfEnv, read_text
 from hipress.dsl.idioms import abs_ge_threshold, flatten, has_udf_call, is_name, is_unit_random, mentions, num, \
     sign_pred
 from hipress.dsl.target_lowrank import LowRank
@@ -33,6 +33,12 @@ class CppTarget:
     FORMAT_ERROR = "FormatError"
     PACKED_BYTES = OPS + "packed_bytes"
     RNG_KEY = "rng_key"
+    COPY = "std::memmove({dst}, {src}, {n})"
+    COPY_FRESH = "std::memcpy({dst}, {src}, {n})"  # into a buffer just allocated (no overlap)
+    OWNED = "{a}.own.data()"
+    FLOAT_WORD = "h.set_f({w}, {v});"
+    BIND_STATE = "c.g_{name}.p = {ptr}; c.g_{name}.n = {n};"
+    ELEM_OF = None  # per-element code reads the array variable itself
     # context and entry points
     STATE_ARRAY, STATE_INIT, STATE_NOTE = "hp::FArr", "", ""
     VOID_SCALARS = True
@@ -88,28 +94,12 @@ class CppTarget:
                 f"{{ c.{f} = {OPS}reduce_{op}(in, n); c.{f}_done = true; }} return c.{f}; }}"
                 for t, fn, f, op in (("MinMax", "minmax", "mm", "minmax"), ("SignSums", "signsums", "ss", "sign_sums"))]
 
-    # ---- vocabulary ----
-    def copy(self, dst: str, src: str, nbytes: str, overlap: bool = True) -> str:
-        return f"std::{'memmove' if overlap else 'memcpy'}({dst}, {src}, {nbytes})"
-
-    def owned(self, arr: str) -> str:
-        return f"{arr}.own.data()"
-
-    def set_float_word(self, w: int, code: str) -> str:
-        return f"h.set_f({w}, {code});"
-
-    def bind_state(self, name: str, ptr: str, length: str) -> str:
-        return f"c.g_{name}.p = {ptr}; c.g_{name}.n = {length};"
-
     def zero_state_decl(self):
         pass
 
     def zero_state(self, count: str) -> str:
         self.g.emit(f"c.st_tmp.assign({count}, 0.0f);", 2)
         return "c.st_tmp.data()"
-
-    def src_elem(self, acode: str, st) -> str:
-        return self.g.elem(acode, st, "i")
 
     # ---- scalar-valued operators ----
     def threshold(self, a: str, frac: str) -> str:
@@ -165,11 +155,7 @@ class CppTarget:
             res = f"[&]{{ hp::MinAcc a = {red}; return a.has ? a.v : 0.0f; }}()"
             return res if e.ty == "float" else f"hp::f2i({res})"
         # user-defined reducer
-        u = g.s.udfs[e.args[1].id]
-        ct = ctype(u.ret)
-        step = g.udf_apply(u, ["a.v", "x"], [u.ret, u.ret], "0")
-        merge = g.udf_apply(u, ["a.v", "b.v"], [u.ret, u.ret], "0")
-        x = g.conv(val, ety, u.ret)
+        ct, step, merge, x = g.fold_parts(e, val, ety, "a")
         return (f"[&]{{ using Acc = hp::FoldAcc<{ct}>; Acc a = hp::reduce_chunks({n}, Acc{{}}, [&](Acc& a, size_t i) "
                 f"{{ if ({keep}) {{ {ct} x = {x}; a.v = a.has ? {step} : x; a.has = true; }} }}, "
                 f"[&](Acc& a, const Acc& b) {{ if (b.has) {{ a.v = a.has ? {merge} : b.v; a.has = true; }} }}); "
@@ -251,7 +237,7 @@ class CppTarget:
         if in_place:
             g.emit(f"float* dst = const_cast<float*>({tgt}.p);", ind)
             if not sym.state:
-                self.copy_on_write(tgt, ind, " dst = " + self.owned(tgt) + ";")
+                self.copy_on_write(tgt, ind, " dst = " + self.OWNED.format(a=tgt) + ";")
         else:
             g.emit(f"std::vector<float> res({ac}.n);", ind)
             g.emit("float* dst = res.data();", ind)
@@ -286,7 +272,7 @@ class CppTarget:
         g = self.g
         g.emit(f"float* dst = const_cast<float*>({tgt}.p);", ind)
         if not sym.state:
-            self.copy_on_write(tgt, ind, " dst = " + self.owned(tgt) + ";")
+            self.copy_on_write(tgt, ind, " dst = " + self.OWNED.format(a=tgt) + ";")
         g.emit(f"const float v = {v};", ind)
         g.emit(f"for (size_t j = 0; j < {icode}.n; ++j) {{ const int64_t ix = {icode}.p[j]; "
                f"if (ix >= 0 && static_cast<uint64_t>(ix) < {tgt}.n) dst[ix] = v; }}", ind)
