@@ -57,26 +57,36 @@ void rng_segments(uint64_t counter, size_t n, F fn) {
 }
 
 
-// u[j] = uniform for counter words (lo + j, hi) with k1 = hi ^ key.k1.
-inline void fill_uniform(uint32_t lo, uint32_t k0, uint32_t k1, float* u, size_t len) {
-  size_t j = 0;
 #if defined(__AVX512F__)
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i vk0 = _mm512_set1_epi32(static_cast<int>(k0)), vk1 = _mm512_set1_epi32(static_cast<int>(k1));
-  const __m512i m1 = _mm512_set1_epi32(0x7feb352d), m2 = _mm512_set1_epi32(static_cast<int>(0x846ca68bu));
-  const __m512 unit = _mm512_set1_ps(1.0f / 16777216.0f);
-  auto mix = [&](__m512i x) {
+// rng.h's stream on 16 lanes: the uniforms for counter words (lo + 0..15, hi), with k1 = hi ^ key.k1.
+struct Uniform16 {
+  __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i k0, k1;
+  __m512i m1 = _mm512_set1_epi32(0x7feb352d), m2 = _mm512_set1_epi32(static_cast<int>(0x846ca68bu));
+  __m512 unit = _mm512_set1_ps(1.0f / 16777216.0f);
+  Uniform16(uint32_t key0, uint32_t key1)
+      : k0(_mm512_set1_epi32(static_cast<int>(key0))), k1(_mm512_set1_epi32(static_cast<int>(key1))) {}
+  __m512i mix(__m512i x) const {  // mix32
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     x = _mm512_mullo_epi32(x, m1);
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
     x = _mm512_mullo_epi32(x, m2);
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  };
-  for (; j + 16 <= len; j += 16) {
-    __m512i c = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(lo + static_cast<uint32_t>(j))), iota);
-    __m512i h = mix(_mm512_xor_si512(mix(_mm512_xor_si512(c, vk0)), vk1));
-    _mm512_storeu_ps(u + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), unit));
   }
+  __m512 at(uint32_t lo) const {
+    __m512i c = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(lo)), iota);
+    __m512i h = mix(_mm512_xor_si512(mix(_mm512_xor_si512(c, k0)), k1));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), unit);
+  }
+};
+#endif
+
+// u[j] = uniform for counter words (lo + j, hi) with k1 = hi ^ key.k1.
+inline void fill_uniform(uint32_t lo, uint32_t k0, uint32_t k1, float* u, size_t len) {
+  size_t j = 0;
+#if defined(__AVX512F__)
+  const Uniform16 rng(k0, k1);
+  for (; j + 16 <= len; j += 16) _mm512_storeu_ps(u + j, rng.at(lo + static_cast<uint32_t>(j)));
 #endif
   for (; j < len; ++j) u[j] = u32_to_unit(mix32(mix32((lo + static_cast<uint32_t>(j)) ^ k0) ^ k1));
 }
@@ -405,23 +415,11 @@ void threshold_ternary_codes(const float* in, size_t n, float tau, uint8_t* out)
 // 2/4/8-bit codes: the RNG, the map and the packing never leave registers.
 void quantize_tile_avx512(const float* x, size_t len, float lo, float inv_gap, float maxq, int bits, uint32_t k0,
                           uint32_t k1, uint32_t clo, uint8_t* out) {
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i vk0 = _mm512_set1_epi32(static_cast<int>(k0)), vk1 = _mm512_set1_epi32(static_cast<int>(k1));
-  const __m512i m1 = _mm512_set1_epi32(0x7feb352d), m2 = _mm512_set1_epi32(static_cast<int>(0x846ca68bu));
-  const __m512 unit = _mm512_set1_ps(1.0f / 16777216.0f);
+  const Uniform16 rng(k0, k1);
   const __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv_gap), vmax = _mm512_set1_ps(maxq);
   const __m512 zero = _mm512_setzero_ps();
-  auto mix = [&](__m512i v) {
-    v = _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
-    v = _mm512_mullo_epi32(v, m1);
-    v = _mm512_xor_si512(v, _mm512_srli_epi32(v, 15));
-    v = _mm512_mullo_epi32(v, m2);
-    return _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
-  };
   auto codes16 = [&](size_t j) {  // 16 codes as bytes
-    __m512i c = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(clo + static_cast<uint32_t>(j))), iota);
-    __m512i h = mix(_mm512_xor_si512(mix(_mm512_xor_si512(c, vk0)), vk1));
-    __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), unit);
+    __m512 u = rng.at(clo + static_cast<uint32_t>(j));
     __m512 r = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vlo), vinv);
     r = _mm512_add_ps(r, u);
     __m512 f = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);

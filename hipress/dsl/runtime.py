@@ -68,6 +68,17 @@ class CudaLibrary(GeneratedLibrary):
 _tls = threading.local()
 
 
+def _write_back(out, target, flat: bool, add: bool, alpha: float):
+    """out (+)= alpha * target, where target is the float32 scratch a decode wrote because out was not a flat
+    float32 buffer (flat: the kernel wrote into out itself, alpha and add included)."""
+    if not flat:
+        if add:
+            out.add_(target.view(out.shape).to(out.dtype), alpha=alpha)
+        else:
+            out.copy_(target.view(out.shape))
+    return out
+
+
 def _errbuf():
     b = getattr(_tls, "buf", None)
     if b is None:
@@ -239,12 +250,7 @@ class GeneratedCompressor(Compressor):
                                     float(alpha if flat else 1.0), int(add and flat), err, ERRLEN, stream)
         if rc:
             _raise(rc, err)
-        if not flat:
-            if add:
-                out.add_(target.view(out.shape).to(out.dtype), alpha=alpha)
-            else:
-                out.copy_(target.view(out.shape))
-        return out
+        return _write_back(out, target, flat, add, alpha)
 
     def encode(self, grad, state: Optional[CompressorState] = None, out=None):
         if isinstance(grad, torch.Tensor) and grad.is_cuda:
@@ -284,12 +290,7 @@ class GeneratedCompressor(Compressor):
                                       float(alpha if flat else 1.0), int(add and flat), err, ERRLEN)
         if rc:
             _raise(rc, err)
-        if not flat:
-            if add:
-                out.add_(target.view(out.shape).to(out.dtype), alpha=alpha)
-            else:
-                out.copy_(target.view(out.shape))
-        return out
+        return _write_back(out, target, flat, add, alpha)
 
     def decode(self, payload, out):
         return self._decode(payload, out, 1.0, False)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hipress import compression as C
+from dsl_common import threads  # noqa: F401  (fixture)
 from hipress.compression import reference as ref
 
 SIZES = [0, 1, 2, 7, 8, 9, 31, 33, 63, 65, 1000, 4095, 4097, 65535, 65537, 200003]
@@ -23,14 +24,6 @@ def as_np(t):
 
 def pbytes(p):
     return p.numpy().tobytes()
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = C.num_threads()
-    C.set_num_threads(request.param)
-    yield request.param
-    C.set_num_threads(old)
 
 
 def roundtrip(c, g, payload):

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from hipress import _C
+from dsl_common import threads  # noqa: F401  (fixture)
 from hipress.compression import reference as ref
 
 SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 17, 31, 33, 63, 64, 65, 1023, 1025, 4095, 4096, 4097, 65535, 65536, 65537, 200003]
@@ -10,14 +11,6 @@ SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 17, 31, 33, 63, 64, 65, 1023, 1025, 4095, 4096
 
 def ptr(a):
     return a.ctypes.data
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = _C.compress_num_threads()
-    _C.compress_set_num_threads(request.param)
-    yield request.param
-    _C.compress_set_num_threads(old)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])

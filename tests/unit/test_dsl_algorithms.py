@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-import dsl_common  # noqa: F401  (compile cache)
+from dsl_common import same_codec, same_state, threads  # noqa: F401  (compile cache, fixture)
 from hipress import compll
 from hipress import compression as C
 
@@ -25,36 +25,12 @@ def dsl():
     return {a: compll.load(a, name="dsl_" + a) for a in {c[0] for c in CASES}}
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = C.num_threads()
-    C.set_num_threads(request.param)
-    yield request.param
-    C.set_num_threads(old)
-
-
 @pytest.mark.parametrize("algo,params", CASES, ids=[f"{a}-{'-'.join(map(str, p.values()))}" for a, p in CASES])
 def test_generated_equals_handwritten(dsl, algo, params, threads):
     gen = C.get("dsl_" + algo, error_feedback=False, **params)
     hand = C.get(algo, error_feedback=False, **params)
-    for n in SIZES:
-        g = grad(n, seed=n)
-        sg, sh = gen.new_state(n), hand.new_state(n)
-        assert gen.max_encoded_bytes(n) == hand.max_encoded_bytes(n)
-        for step in range(2):  # the RNG counter advances identically
-            a, b = gen.encode(g, sg), hand.encode(g, sh)
-            assert torch.equal(a, b), f"{algo} n={n} step={step}: payloads differ"
-            assert torch.equal(sg.scalars[0], sh.scalars[0])
-        o1, o2 = torch.full((n,), 5.0), torch.full((n,), 5.0)
-        gen.decode(a, o1)
-        hand.decode(a, o2)
-        assert torch.equal(o1, o2)
-        gen.decode_add(a, o1, alpha=0.5)
-        hand.decode_add(a, o2, alpha=0.5)
-        assert torch.equal(o1, o2)
-    # stateless encode is the pure function (counter 0)
-    g = grad(1001)
-    assert torch.equal(gen.encode(g), hand.encode(g))
+    for n in SIZES:  # two steps: the RNG counter advances identically
+        same_codec(gen, hand, [grad(n, seed=n), grad(n, seed=n + 1)], n, what=f"{algo} n={n}")
 
 
 @pytest.mark.parametrize("algo", ["onebit", "tbq"])
@@ -171,33 +147,12 @@ def dsl_sparse():
     return {a: compll.load(a, name="dsl_" + a) for a in ("graddrop", "dgc")}
 
 
-def _same_state(sg, sh):
-    assert list(sg.buffers) == list(sh.buffers)
-    for k in sh.buffers:
-        assert torch.equal(sg.buffers[k], sh.buffers[k]), k
-    assert torch.equal(sg.scalars, sh.scalars), (sg.scalars, sh.scalars)
-
-
 @pytest.mark.parametrize("algo,params", SPARSE, ids=[f"{a}-{'-'.join(map(str, p.values()))}" for a, p in SPARSE])
 def test_generated_sparse_equals_handwritten(dsl_sparse, algo, params, threads):
     gen = C.get("dsl_" + algo, error_feedback=False, **params)
     hand = C.get(algo, error_feedback=False, **params)
-    for n in SIZES:
-        sg, sh = gen.new_state(n), hand.new_state(n)
-        assert gen.max_encoded_bytes(n) == hand.max_encoded_bytes(n)
-        for step in range(3):  # state (momentum, accumulation, step, RNG counter) carried over
-            g = grad(n, seed=n + step)
-            a, b = gen.encode(g, sg), hand.encode(g, sh)
-            assert torch.equal(a, b), f"{algo} n={n} step={step}: payloads differ"
-            _same_state(sg, sh)
-        o1, o2 = torch.full((n,), 5.0), torch.full((n,), 5.0)
-        gen.decode(a, o1)
-        hand.decode(a, o2)
-        assert torch.equal(o1, o2)
-        gen.decode_add(b, o1, alpha=0.5)
-        hand.decode_add(b, o2, alpha=0.5)
-        assert torch.equal(o1, o2)
-        assert torch.equal(gen.encode(g), hand.encode(g))  # stateless: plain top-k of the input, counter 0
+    for n in SIZES:  # state (momentum, accumulation, step, RNG counter) carried over three steps
+        same_codec(gen, hand, [grad(n, seed=n + step) for step in range(3)], n, what=f"{algo} n={n}")
 
 
 @pytest.mark.parametrize("algo", ["graddrop", "dgc"])
@@ -213,12 +168,12 @@ def test_generated_sparse_state_dict_round_trip(dsl_sparse, algo):
     sd = sg.state_dict()
     resumed = gen.new_state(n)
     resumed.load_state_dict(sd)
-    _same_state(resumed, sh)
+    same_state(resumed, sh)
     for step in range(2, 4):
         a = gen.encode(grad(n, step), resumed)
         assert torch.equal(a, gen.encode(grad(n, step), sg))
         assert torch.equal(a, hand.encode(grad(n, step), sh))
-    _same_state(resumed, sh)
+    same_state(resumed, sh)
 
 
 def test_generated_state_buffers_checked(dsl_sparse):

@@ -28,10 +28,10 @@ import torch
 import dsl_common  # noqa: F401  (compile cache)
 from hipress import compll
 from hipress.dsl import build as B
-from hipress.dsl import codegen
+from hipress.dsl import codegen  # noqa: F401
 from hipress.dsl.checker import UINTS, is_arr
-from hipress.dsl.codegen import CppGen, ctype
-from hipress.dsl.codegen_cuda import CudaGen, generate_cuda
+from hipress.dsl.codegen import cpp_generator, ctype
+from hipress.dsl.codegen_cuda import cuda_generator, generate_cuda
 from hipress.dsl.runtime import param_values
 from test_dsl_algorithms import FIG5, FIG5_DECODE
 
@@ -284,18 +284,11 @@ def _dispatcher(spec, fname, ns, keyfn):
 
 
 def _cpu_udf_unit(spec, fname):
-    g = CppGen(spec)
-    g.widths, g.out = [], []
-    for u in spec.udfs.values():
-        g.udf(u)
-    udfs = g.out
-    return "\n".join([codegen._PRELUDE, "using namespace hipress::compress;", g.params_struct(), g.ctx_struct(),
-                      *[g.udf_sig(u) + ";" for u in spec.udfs.values()], *udfs, "}  // namespace",
-                      _dispatcher(spec, fname, "", "rng_key")])
+    return cpp_generator(spec).udf_unit() + _dispatcher(spec, fname, "", "rng_key")
 
 
 def _cuda_udf_unit(spec, tag):
-    code = CudaGen(spec).udf_unit().replace("namespace hpgen", f"namespace hpgen_{tag}")
+    code = cuda_generator(spec).udf_unit().replace("namespace hpgen", f"namespace hpgen_{tag}")
     return code + _dispatcher(spec, f"cuda_eval_{tag}", f"hpgen_{tag}::", "hpd::rng_key")
 
 

@@ -205,7 +205,7 @@ def test_stateful_spec_checks():
     assert [g.name for g in s.state_arrays] == ["u"] and [(g.name, g.slot) for g in s.state_scalars] == [("step", 1)]
 
 
-@pytest.mark.parametrize("old,new,line,col,msg", [
+STATE_MISUSE = [
     ("state float* u;", "state float* u = 1;", 2, 18, "cannot have an initial value"),
     ("state float* u;", "state int32* u;", 2, 7, "a state array holds floats"),
     ("state int32 step;", "state float step;", 3, 7, "state is 'state float* name;'"),
@@ -224,13 +224,7 @@ def test_stateful_spec_checks():
     ("param P { float m = 0.5; }", "param P { float m = 0.5; }\nint32 capacity(int32 n, P p) { return step; }", 2, 39,
      "capacity cannot read the global"),
     ("    step += 1;", "    step += 1.0 + double(1);\n    float* q = map(u, u, nosuch);", 9, 26, "user-defined function"),
-])
-def test_state_misuse_errors(old, new, line, col, msg):
-    assert old in STATEFUL
-    e = err(STATEFUL.replace(old, new, 1))
-    assert (e.line, e.col) == (line, col), str(e)
-    assert msg in e.message, str(e)
-    assert str(e).startswith(f"t.cll:{line}:{col}: error: ")
+]
 
 
 def test_double_in_header_rejected():
@@ -279,7 +273,7 @@ def test_lowrank_spec_checks():
         ("rows", "cols", "r")
 
 
-@pytest.mark.parametrize("old,new,line,col,msg", [
+LOWRANK_MISUSE = [
     ("p = matmul(m, q);", "p = matmul(q, m);", 9, 9, "inner dimensions differ (cols x r times rows x cols)"),
     ("p = matmul(m, q);", "p = matmul(m.T, q.T);", 9, 9, "matmul(A.T, B.T) is not supported"),
     ("p = matmul(m, q);", "q = matmul(m, q);", 9, 9, "is float[cols][r]; this array is float[rows][r]"),
@@ -318,14 +312,19 @@ def test_lowrank_spec_checks():
     ("float add(float a, float b) { return a + b; }", "float add(float a, float b) { return a + rows; }", 6, 42,
      "known in the entry points only"),
     ("    extract(sum, p);", "    extract(sum, p);\n    float z = sum;", 25, 15, "read it with extract(sum, ...)"),
-])
-def test_lowrank_errors(old, new, line, col, msg):
-    assert old in LOWRANK
-    e = err(LOWRANK.replace(old, new, 1))
-    if msg:
-        assert msg in e.message, str(e)
+]
+
+
+@pytest.mark.parametrize("base,old,new,line,col,msg", [("STATEFUL", *r) for r in STATE_MISUSE] +
+                         [("LOWRANK", *r) for r in LOWRANK_MISUSE])
+def test_misuse_errors(base, old, new, line, col, msg):
+    """One edit (old -> new) of a valid spec: the error names the place and the rule broken."""
+    src = globals()[base]
+    assert old in src
+    e = err(src.replace(old, new, 1))
+    assert msg in e.message, str(e)
     assert (e.line, e.col) == (line, col), str(e)
-    assert str(e).startswith(f"t.cll:{e.line}:{e.col}: error: ")
+    assert str(e).startswith(f"t.cll:{line}:{col}: error: ")
 
 
 def test_no_view_no_matmul():

@@ -6,9 +6,8 @@ so the comparison is bitwise: no tolerance."""
 import pytest
 import torch
 
-import dsl_common  # noqa: F401  (compile cache)
+from dsl_common import same_codec, same_state, threads  # noqa: F401  (compile cache, fixture)
 from hipress import compll
-from hipress import compression as C
 from hipress.compression.native import PowerSGD
 from hipress.sync import StateStore, reference
 
@@ -22,24 +21,8 @@ def gen():
     return compll.load("powersgd", name="dsl_powersgd")
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = C.num_threads()
-    C.set_num_threads(request.param)
-    yield request.param
-    C.set_num_threads(old)
-
-
 def grad(shape, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.1
-
-
-def same_state(a, b, what):
-    assert list(a.buffers) == list(b.buffers), what
-    assert a.matrix == b.matrix, what
-    for k in a.buffers:
-        assert torch.equal(a.buffers[k], b.buffers[k]), f"{what}: state buffer {k} differs"
-    assert torch.equal(a.scalars, b.scalars), f"{what}: state scalars {a.scalars} != {b.scalars}"
 
 
 def pair(gen, rank, seed=0, ef=True):
@@ -50,26 +33,10 @@ def pair(gen, rank, seed=0, ef=True):
 @pytest.mark.parametrize("ef,seed", [(True, 0), (False, 7)], ids=["ef-seed0", "noef-seed7"])
 def test_single_process_identical(gen, threads, rank, ef, seed):
     g_c, h_c = pair(gen, rank, seed, ef)
-    for shape in SHAPES:
+    for shape in SHAPES:  # the second step uses the warm-started Q and the residual
         n = int(torch.tensor(shape).prod()) if shape else 0
-        sg, sh = g_c.new_state(n, shape), h_c.new_state(n, shape)
-        same_state(sg, sh, f"new_state {shape}")
-        assert g_c.max_encoded_bytes(n, shape) == h_c.max_encoded_bytes(n, shape)
-        for step in range(2):  # the second step uses the warm-started Q and the residual
-            g = grad(shape, seed=step + 10 * n)
-            a, b = g_c.encode(g, sg), h_c.encode(g, sh)
-            assert torch.equal(a, b), f"rank {rank} shape {shape} step {step}: payloads differ"
-            same_state(sg, sh, f"rank {rank} shape {shape} step {step}")
-            o1, o2 = torch.full((n,), 5.0), torch.full((n,), 5.0)
-            g_c.decode(a, o1)
-            h_c.decode(a, o2)
-            assert torch.equal(o1, o2)
-            g_c.decode_add(a, o1, alpha=0.5)
-            h_c.decode_add(a, o2, alpha=0.5)
-            assert torch.equal(o1, o2)
-        # stateless encode: a fresh state from the gradient's shape (random Q, no residual)
-        g = grad(shape, seed=3)
-        assert torch.equal(g_c.encode(g), h_c.encode(g))
+        same_codec(g_c, h_c, [grad(shape, seed=step + 10 * n) for step in range(2)], n, shape,
+                   what=f"rank {rank} shape {shape}")
 
 
 @pytest.mark.parametrize("rank", RANKS)

@@ -5,8 +5,8 @@
 // in kernels and in the host-side orchestration (e.g. the 2^K-entry decode
 // table). Semantics are those of hipress/dsl/prelude.h.txt (the CPU back end):
 // 64-bit wrapping integer arithmetic, saturating conversions, and the
-// counter-based generator of csrc/compress/rng.h, re-stated here because rng.h's
-// functions are host-only. tests/unit/test_dsl_cuda.py compiles this header with
+// counter-based generator of csrc/compress/rng.h (included: its functions are
+// __host__ __device__ under nvcc). tests/unit/test_dsl_cuda.py compiles this header with
 // g++ (with __host__/__device__ defined away) and checks it against rng.h and
 // format.h bit for bit.
 //
@@ -18,41 +18,20 @@
 #include <cstdint>
 #include <cstring>
 
+#include "compress/rng.h"
+
 #define HPD __host__ __device__ inline
 
 namespace hpd {
 
-// ---- counter-based random numbers (same stream as csrc/compress/rng.h) ----
-struct RngKey {
-  uint32_t k0 = 0, k1 = 0;
-};
-HPD uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-HPD RngKey rng_key(uint64_t seed) {
-  uint64_t s = splitmix64(seed);
-  RngKey k;
-  k.k0 = static_cast<uint32_t>(s);
-  k.k1 = static_cast<uint32_t>(s >> 32);
-  return k;
-}
-HPD uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
-HPD uint32_t rng_u32(RngKey k, uint64_t counter) {
-  uint32_t lo = static_cast<uint32_t>(counter), hi = static_cast<uint32_t>(counter >> 32);
-  return mix32(mix32(lo ^ k.k0) ^ hi ^ k.k1);
-}
-HPD float u32_to_unit(uint32_t h) { return static_cast<float>(h >> 8) * (1.0f / 16777216.0f); }
-HPD uint32_t u32_to_index(uint32_t h, uint32_t n) { return static_cast<uint32_t>((static_cast<uint64_t>(h) * n) >> 32); }
+// ---- counter-based random numbers: csrc/compress/rng.h itself (host and device under nvcc) ----
+using hipress::compress::mix32;
+using hipress::compress::rng_key;
+using hipress::compress::rng_u32;
+using hipress::compress::RngKey;
+using hipress::compress::splitmix64;
+using hipress::compress::u32_to_index;
+using hipress::compress::u32_to_unit;
 
 // ---- bit patterns ----
 HPD uint32_t fbits(float v) { uint32_t b; memcpy(&b, &v, 4); return b; }
@@ -161,18 +140,16 @@ HPD uint8_t get_bits(const uint8_t* p, size_t i, int bits) {
 // on both; exp/log/pow on the device are within the CUDA math library's ULP
 // bounds, not necessarily the host libm's bits.
 namespace m {
-HPD float floor(float x) { return ::floorf(x); }
-HPD double floor(double x) { return ::floor(x); }
-HPD float ceil(float x) { return ::ceilf(x); }
-HPD double ceil(double x) { return ::ceil(x); }
-HPD float round(float x) { return ::roundf(x); }
-HPD double round(double x) { return ::round(x); }
-HPD float sqrt(float x) { return ::sqrtf(x); }
-HPD double sqrt(double x) { return ::sqrt(x); }
-HPD float exp(float x) { return ::expf(x); }
-HPD double exp(double x) { return ::exp(x); }
-HPD float log(float x) { return ::logf(x); }
-HPD double log(double x) { return ::log(x); }
+#define HPD_MATH1(fn) \
+  HPD float fn(float x) { return ::fn##f(x); } \
+  HPD double fn(double x) { return ::fn(x); }
+HPD_MATH1(floor)
+HPD_MATH1(ceil)
+HPD_MATH1(round)
+HPD_MATH1(sqrt)
+HPD_MATH1(exp)
+HPD_MATH1(log)
+#undef HPD_MATH1
 HPD float fabs(float x) { return hpd::bitsf(hpd::fbits(x) & 0x7fffffffu); }
 HPD double fabs(double x) { uint64_t b; memcpy(&b, &x, 8); b &= 0x7fffffffffffffffULL; memcpy(&x, &b, 8); return x; }
 HPD float pow(float a, float b) { return ::powf(a, b); }
