@@ -205,9 +205,9 @@ _engine: Optional[Engine] = None
 def _timeline_rank() -> int:
     """This process's rank, the timeline's pid: hipress's world rank once ``hipress.init()``
     ran (``init(rank=...)`` included), else the rank the launcher set (mpirun, torchrun,
-    horovodrun; see :mod:`hipress.comm.launch`), else 0."""
+    horovodrun; see :mod:`hipress.comm.discovery`), else 0."""
     from hipress.comm import world  # imported here: the comm seam sits above the engine
-    from hipress.comm.launch import detect_launch
+    from hipress.comm.discovery import detect_launch
 
     if world.is_initialized():
         return world.rank()

@@ -65,8 +65,6 @@ Number = Union[int, float]
 
 
 # ------------------------------------------------------------------ units
-
-
 def parse_rate(v: Union[str, Number, None]) -> Optional[float]:
     """'1gbit', '200mbit', '500kbit', '1e9' (bit/s), '125mbps' (bytes/s, as tc) -> bit/s; None/0 -> None."""
     if v is None:

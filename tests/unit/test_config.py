@@ -24,6 +24,7 @@ BY_NAME = {v.name: v for v in VARIABLES}
 NOT_VARIABLES = {
     "HIPRESS_BINDINGS",             # C++ macro: a seam adds its pybind11 bindings (csrc/bindings/registry.h)
     "HIPRESS_REGISTER_COMPRESSOR",  # C++ macro: an algorithm registers itself (csrc/compress/compressor.h)
+    "HIPRESS_RNG_FN",               # C++ macro: host and device qualifiers of the shared RNG (csrc/compress/rng.h)
     # HIPRESS_WITH_CUDA and HIPRESS_WITH_MPI are also -D macros of the build, but they are
     # variables first (setup.py reads them), so they are in the table and not here.
 }

@@ -1,8 +1,8 @@
 """Transport microbenchmark: alltoallv and send/recv throughput versus message size,
 each hipress transport against the raw library underneath it, in the same run.
 
-    python -m hipress.bench.transport                      # 2 local ranks, 4 KB .. 16 MB
-    python -m hipress.bench.transport --ranks 4 --out results/transport.json
+    python -m hipress.comm.transport.bench                      # 2 local ranks, 4 KB .. 16 MB
+    python -m hipress.comm.transport.bench --ranks 4 --out results/transport.json
 
 It launches its own ranks: torch/gloo ranks as local processes (TCPStore on a free port),
 MPI ranks with ``mpirun`` (skipped with a note where mpirun or the MPI build is missing),
@@ -20,6 +20,9 @@ to completion; GB/s = size * (ranks-1) / time (bytes leaving one rank). send/rec
 between ranks 0 and 1, time = round trip / 2, GB/s = size / time. hipress runs with its
 default shape checks (one small metadata allgather per collective, an 8-byte header per
 message) and, as ``hipress-nocheck``, without them.
+
+It lives with the transports, not in hipress/bench, because it builds each backend
+directly (and twice: with and without checks), which nothing outside hipress/comm does.
 """
 from __future__ import annotations
 
@@ -230,7 +233,7 @@ def _run_torch(args) -> dict:
     for r in range(args.ranks):
         env = _child_env()
         env.update(RANK=str(r), WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "hipress.bench.transport", "--worker", "torch",
+        procs.append(subprocess.Popen([sys.executable, "-m", "hipress.comm.transport.bench", "--worker", "torch",
                                        *_worker_args(args)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = []
@@ -256,7 +259,7 @@ def _run_mpi(args) -> dict:
     except ImportError:
         return {"transport": "mpi", "skipped": "mpi4py not installed (the raw baseline)"}
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.ranks), sys.executable, "-m",
-           "hipress.bench.transport", "--worker", "mpi", *_worker_args(args)]
+           "hipress.comm.transport.bench", "--worker", "mpi", *_worker_args(args)]
     out = subprocess.run(cmd, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=args.timeout).stdout
     return _collect([out], "mpi")
