@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 from typing import List, Optional
 
+from hipress import config
 from hipress.dsl.errors import DSLError
 
 OPS_SOURCES = ("compress/ops.cc", "compress/thread_pool.cc", "compress/format.cc")
@@ -27,7 +28,7 @@ WARN = ["-Wall", "-Wextra", "-Werror"]
 
 
 def csrc_dir() -> str:
-    env = os.environ.get("HIPRESS_CSRC")
+    env = config.get("HIPRESS_CSRC")
     if env:
         return env
     here = os.path.dirname(os.path.abspath(__file__))
@@ -38,7 +39,7 @@ def csrc_dir() -> str:
 
 
 def cache_dir() -> str:
-    d = os.environ.get("HIPRESS_COMPLL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hipress", "compll")
+    d = config.get("HIPRESS_COMPLL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hipress", "compll")
     os.makedirs(d, exist_ok=True)
     return d
 
@@ -48,7 +49,7 @@ def cxx() -> str:
 
 
 def base_flags() -> List[str]:
-    march = os.environ.get("HIPRESS_MARCH", "native")
+    march = config.get("HIPRESS_MARCH")
     f = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-pthread"]
     if march:
         f.append(f"-march={march}")
@@ -134,7 +135,7 @@ def compile_cpp(code: str, name: str, extra_flags: Optional[List[str]] = None) -
     so = os.path.join(cache_dir(), f"{safe}-{key}.so")
     if os.path.exists(so):
         return so
-    fd, tmp_dir = None, tempfile.mkdtemp(dir=cache_dir(), prefix=".build-")
+    tmp_dir = tempfile.mkdtemp(dir=cache_dir(), prefix=".build-")
     try:
         cc = os.path.join(tmp_dir, f"{safe}.cc")
         with open(cc, "w") as f:
@@ -165,7 +166,7 @@ CUDA_FLAGS = ["-std=c++17", "-O3", "--fmad=false", "-Werror", "all-warnings",
 
 
 def find_nvcc() -> Optional[str]:
-    env = os.environ.get("HIPRESS_NVCC")
+    env = config.get("HIPRESS_NVCC")
     if env:
         return env
     p = shutil.which("nvcc")
@@ -205,7 +206,7 @@ def nvcc_id(nvcc: str) -> str:
 
 def default_cuda_arch() -> str:
     """$HIPRESS_CUDA_ARCH, else the current GPU's (torch), else sm_80."""
-    a = os.environ.get("HIPRESS_CUDA_ARCH")
+    a = config.get("HIPRESS_CUDA_ARCH")
     if a:
         return a
     try:

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import dsl_common  # noqa: F401  (compile cache)
-from hipress import compll
+from hipress import compll, config
 from hipress.dsl import build as B
 from hipress.dsl import codegen  # noqa: F401
 from hipress.dsl.checker import UINTS, is_arr
@@ -35,7 +35,7 @@ from hipress.dsl.codegen_cuda import cuda_generator, generate_cuda
 from hipress.dsl.runtime import param_values
 from test_dsl_algorithms import FIG5, FIG5_DECODE
 
-ARCH = os.environ.get("HIPRESS_TEST_CUDA_ARCH", "sm_80")  # one arch keeps nvcc time down
+ARCH = config.get("HIPRESS_TEST_CUDA_ARCH")  # one arch keeps nvcc time down
 
 # A test-only spec: the operators and expression forms the shipped specs do not use (user-defined
 # fold reducer, reduce(map), filter with an index argument and a cap, sort by greater/smaller,
@@ -112,7 +112,7 @@ def spec_of(key):
 def nvcc():
     p = B.find_nvcc()
     if p is None:
-        if os.environ.get("HIPRESS_SKIP_CUDA_COMPILE") == "1":
+        if config.get("HIPRESS_SKIP_CUDA_COMPILE"):
             pytest.skip("nvcc not found and HIPRESS_SKIP_CUDA_COMPILE=1")
         pytest.fail("nvcc not found: the CUDA back end tests compile the generated code. " + B.NVCC_INSTALL_HINT +
                     " (or set HIPRESS_SKIP_CUDA_COMPILE=1 to skip them)")
