@@ -90,6 +90,8 @@ class Comm {
     size_t expect;   // bytes expected by a receive
   };
   void check_usable(const std::string& op) const;
+  // Posts n bytes to/from peer in chunks of at most kChunk (MPI counts are int).
+  void post(std::vector<Pending>& p, char* buf, size_t n, int peer, int tag, bool is_recv, const std::string& op);
   void post_send(std::vector<Pending>& p, const void* buf, size_t n, int dst, int tag, const std::string& op);
   void post_recv(std::vector<Pending>& p, void* buf, size_t n, int src, int tag, const std::string& op);
   void wait_all(const std::string& op, std::vector<Pending>& p, double timeout_s);

@@ -121,30 +121,29 @@ void Comm::fail(const std::string& op, const std::string& msg, std::vector<int> 
   throw TransportError(op, msg, std::move(peers));
 }
 
-void Comm::post_send(std::vector<Pending>& p, const void* buf, size_t n, int dst, int tag, const std::string& op) {
-  const char* b = static_cast<const char*>(buf);
+void Comm::post(std::vector<Pending>& p, char* buf, size_t n, int peer, int tag, bool is_recv, const std::string& op) {
   size_t off = 0;
-  do {  // zero-length messages are sent too: the receiver waits for them
+  do {  // zero-length messages are posted too: the receiver waits for them
     size_t len = std::min(kChunk, n - off);
-    Pending q{MPI_REQUEST_NULL, dst, false, len};
-    int rc = MPI_Isend(b + off, static_cast<int>(len), MPI_BYTE, dst, tag, comm_, &q.req);
-    if (rc != MPI_SUCCESS) fail(op, "MPI_Isend to rank " + std::to_string(dst) + ": " + mpi_error_string(rc), {dst});
+    Pending q{MPI_REQUEST_NULL, peer, is_recv, len};
+    int count = static_cast<int>(len);
+    int rc = is_recv ? MPI_Irecv(buf + off, count, MPI_BYTE, peer, tag, comm_, &q.req)
+                     : MPI_Isend(buf + off, count, MPI_BYTE, peer, tag, comm_, &q.req);
+    if (rc != MPI_SUCCESS)
+      fail(op, std::string(is_recv ? "MPI_Irecv from" : "MPI_Isend to") + " rank " + std::to_string(peer) + ": " +
+                   mpi_error_string(rc), {peer});
     p.push_back(q);
     off += len;
   } while (off < n);
 }
 
+void Comm::post_send(std::vector<Pending>& p, const void* buf, size_t n, int dst, int tag, const std::string& op) {
+  // MPI_Isend never writes to the buffer; the cast only lets one loop serve both directions.
+  post(p, const_cast<char*>(static_cast<const char*>(buf)), n, dst, tag, false, op);
+}
+
 void Comm::post_recv(std::vector<Pending>& p, void* buf, size_t n, int src, int tag, const std::string& op) {
-  char* b = static_cast<char*>(buf);
-  size_t off = 0;
-  do {
-    size_t len = std::min(kChunk, n - off);
-    Pending q{MPI_REQUEST_NULL, src, true, len};
-    int rc = MPI_Irecv(b + off, static_cast<int>(len), MPI_BYTE, src, tag, comm_, &q.req);
-    if (rc != MPI_SUCCESS) fail(op, "MPI_Irecv from rank " + std::to_string(src) + ": " + mpi_error_string(rc), {src});
-    p.push_back(q);
-    off += len;
-  } while (off < n);
+  post(p, static_cast<char*>(buf), n, src, tag, true, op);
 }
 
 void Comm::wait_all(const std::string& op, std::vector<Pending>& p, double timeout_s) {

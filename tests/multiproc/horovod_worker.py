@@ -12,12 +12,11 @@ Writes ``rank<r>.json`` into HIPRESS_TEST_RESULT_DIR (horovodrun prefixes output
 test sets it).
 """
 import argparse
-import json
 import os
 import sys
 import time
 
-from hipress import config
+from worker_common import emit
 
 
 def launch_rank():
@@ -27,13 +26,6 @@ def launch_rank():
     return 0
 
 
-def emit(d):
-    line = json.dumps(d)
-    print("RESULT " + line, flush=True)
-    where = config.get("HIPRESS_TEST_RESULT_DIR")
-    if where:
-        with open(os.path.join(where, f"rank{d['rank']}.json"), "w") as f:
-            f.write(line)
 
 
 def mode_checks(args):

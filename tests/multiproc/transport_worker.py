@@ -11,14 +11,13 @@ Prints one line ``RESULT <json>`` per rank; exit 0 = checks passed, 3 = failed w
 expected TransportError (kill/hang modes).
 """
 import argparse
-import json
 import os
 import signal
 import sys
 import threading
 import time
 
-from hipress import config
+from worker_common import emit
 
 
 def launch_rank():
@@ -28,15 +27,6 @@ def launch_rank():
     return None
 
 
-def emit(d):
-    """One RESULT line on stdout, and a file when HIPRESS_TEST_RESULT_DIR is set (mpirun
-    may interleave the output lines of different ranks)."""
-    line = json.dumps(d)
-    print("RESULT " + line, flush=True)
-    where = config.get("HIPRESS_TEST_RESULT_DIR")
-    if where:
-        with open(os.path.join(where, f"rank{d['rank']}.json"), "w") as f:
-            f.write(line)
 
 
 def main():
