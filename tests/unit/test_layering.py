@@ -56,3 +56,11 @@ def test_core_never_imports_the_horovod_adapter():
     bad = [(str(p.relative_to(PKG)), name) for p in modules(PKG) for name in imports_of(p)
            if name == "horovod_ext" or name.startswith("horovod_ext.")]
     assert bad == []
+
+
+def test_every_source_folder_is_a_regular_package():
+    """setup.py's find_packages ships only folders with an __init__.py: a folder of modules
+    without one would work in an editable install and be missing from a wheel."""
+    missing = sorted(str(d.relative_to(PKG)) for d in {p.parent for p in modules(PKG)}
+                     if not (d / "__init__.py").exists())
+    assert missing == []
