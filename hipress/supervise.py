@@ -19,6 +19,7 @@ Standard library only.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -115,6 +116,26 @@ def restore_signals(old: Dict[int, object]) -> None:
     old.clear()
 
 
+@contextlib.contextmanager
+def _signals_deferred():
+    """Holds SIGINT/SIGTERM/SIGHUP back while ranks are being started, then delivers one that
+    came. Raised inside Popen (after the fork), KeyboardInterrupt would lose the new rank's
+    handle, and the rank would outlive the supervisor."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: List[int] = []
+    old = {s: signal.signal(s, lambda signum, _frame: pending.append(signum))
+           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if pending:
+            signal.raise_signal(pending[0])  # now with the caller's handlers in place
+
+
 def supervise(spawn: Callable[..., subprocess.Popen], np: int, timeout: Optional[float] = None,
               quiet: bool = False, tag: str = "launch",
               after_stop: Optional[Callable[[], None]] = None) -> Tuple[int, List[str]]:
@@ -132,12 +153,13 @@ def supervise(spawn: Callable[..., subprocess.Popen], np: int, timeout: Optional
     lock = threading.Lock()
     code = 0
     try:
-        for r in range(np):
-            p = spawn(r, **RANK_IO)
-            procs.append(p)
-            t = threading.Thread(target=pump, args=(p.stdout, f"[{r}] ", sink, outputs[r], lock), daemon=True)
-            t.start()
-            pumps.append(t)
+        with _signals_deferred():
+            for r in range(np):
+                p = spawn(r, **RANK_IO)
+                procs.append(p)
+                t = threading.Thread(target=pump, args=(p.stdout, f"[{r}] ", sink, outputs[r], lock), daemon=True)
+                t.start()
+                pumps.append(t)
         deadline = None if timeout is None else time.time() + timeout
         while True:
             codes = [p.poll() for p in procs]

@@ -188,7 +188,6 @@ class Exchanges:
     world: Exchange
     local: Exchange
     cross: Exchange
-    coordinated: bool
 
 
 def open_exchanges(engine: Engine, coordinated: bool = False) -> Exchanges:
@@ -200,8 +199,8 @@ def open_exchanges(engine: Engine, coordinated: bool = False) -> Exchanges:
 
         ex = coordinator.start(world.transport())
         make = {g: CoordinatedExchange(engine, ex, world.members(g)) for g in ("world", "local", "cross")}
-        return Exchanges(make["world"], make["local"], make["cross"], True)
+        return Exchanges(make["world"], make["local"], make["cross"])
     chain = CommChain()  # one order for all of this rank's communication
     return Exchanges(DirectExchange(engine, world.transport(), chain),
                      DirectExchange(engine, world.local_transport(), chain),
-                     DirectExchange(engine, world.cross_transport(), chain), False)
+                     DirectExchange(engine, world.cross_transport(), chain))
