@@ -18,7 +18,7 @@ from hipress.dsl.check_ops import OperatorTyper
 from hipress.dsl.errors import DSLError
 from hipress.dsl.types import (CATEGORIES, COMPARATORS, FLOATS, MATH1, MATH2, MAX_HEADER_WORDS, MAX_STATE_SCALARS,
                                OPERATORS, REDUCERS, SCALARS, UINTS, Arr, Spec, Sym, Udf, bits_of, const_value,
-                               default_id, in_range, is_arr, is_entry, is_num, returns, tname)
+                               default_id, in_range, is_arr, is_constant, is_entry, is_num, returns, tname)
 
 
 class Checker(ExprTyper, OperatorTyper):
@@ -269,6 +269,9 @@ class Checker(ExprTyper, OperatorTyper):
                     if not isinstance(v, A.Name) or v.id not in CATEGORIES:
                         self.err(v, f"category must be one of {', '.join(CATEGORIES)}")
                     opts[k] = v.id
+                elif k == "rate" and not is_constant(v):
+                    self.rate_expr(v)
+                    opts[k] = v
                 elif k in ("id", "error_feedback", "rate"):
                     val = const_value(v, self.file)
                     if k == "id" and (val != int(val) or not 1 <= val <= 255):
@@ -277,7 +280,7 @@ class Checker(ExprTyper, OperatorTyper):
                         self.err(v, "error_feedback must be 0 or 1")
                     if k == "rate" and not 0 < val <= 64:
                         self.err(v, "rate must be in (0, 64]")
-                    opts[k] = val
+                    opts[k] = v if k == "rate" else val
                 else:
                     raise DSLError(f"unknown algorithm option '{k}' (id, category, error_feedback, rate)",
                                    self.file, line, col)
@@ -295,6 +298,23 @@ class Checker(ExprTyper, OperatorTyper):
                     uses_random=self.uses_random, program=self.p, state_arrays=self.state_arrays,
                     state_scalars=self.state_scalars, capacity=self.capacity, view=self.view,
                     rounds=self.rounds, finish=self.finish, concats=self.concats)
+
+    def rate_expr(self, e):
+        """rate = an expression of the parameters (by name), numbers, + - * / and parentheses: the nominal
+        rate of an instance (e.g. rate = 2 * ratio), computed in double."""
+        if isinstance(e, A.Num):
+            return
+        if isinstance(e, A.Name):
+            if e.id not in self.fields:
+                self.err(e, f"'{e.id}' in the rate is not a parameter")
+            return
+        if isinstance(e, A.Unary) and e.op == "-":
+            return self.rate_expr(e.operand)
+        if isinstance(e, A.Binary) and e.op in ("+", "-", "*", "/"):
+            self.rate_expr(e.left)
+            self.rate_expr(e.right)
+            return
+        self.err(e, "the rate is a number or an expression of parameters, numbers and + - * /")
 
     def state_decl(self, d: A.Decl, ty):
         """'state float* a;' (a CompressorState buffer of the gradient's size, updated in place) or
@@ -345,7 +365,7 @@ class Checker(ExprTyper, OperatorTyper):
         r = f.range
         lo = float("-inf") if r.lo is None else float(r.lo)
         hi = float("inf") if r.hi is None else float(r.hi)
-        if not (lo < hi or lo == hi and not r.lo_open and not r.hi_open):
+        if r.values is None and not (lo < hi or lo == hi and not r.lo_open and not r.hi_open):
             self.err(r, f"the range {r.text()} of '{f.name}' is empty")
         if f.default is not None:
             v = float(const_value(f.default))
