@@ -184,15 +184,24 @@ class Generator:
             raise AssertionError("dynamic width without expression")
         return f"static_cast<int>({self.wexpr(w)})"
 
+    @staticmethod
+    def param_code(e, num, field, binary) -> str:
+        """Code of an expression of parameters (a bit width, the rate), as the checker allows them: num(value)
+        of a constant, field(name) of a parameter (by name or params.name), binary(op, a, b), -a."""
+        def walk(x):
+            if isinstance(x, A.Num):
+                return num(x.value)
+            if isinstance(x, (A.Name, A.Member)):
+                return field(x.id if isinstance(x, A.Name) else x.attr)
+            if isinstance(x, A.Unary):
+                return f"(-{walk(x.operand)})"
+            return binary(x.op, walk(x.left), walk(x.right))
+        return walk(e)
+
     def wexpr(self, e) -> str:
-        if isinstance(e, A.Num):
-            return f"int64_t{{{e.value}}}"
-        if isinstance(e, A.Name):
-            return f"c.p->f_{e.id}"
-        if isinstance(e, A.Member):
-            return f"c.p->f_{e.attr}"
         ops = {"+": "hp::add", "-": "hp::sub", "*": "hp::mul", "<<": "hp::shl", ">>": "hp::shr"}
-        return f"{ops[e.op]}({self.wexpr(e.left)}, {self.wexpr(e.right)})"
+        return self.param_code(e, lambda v: f"int64_t{{{v}}}", lambda f: f"c.p->f_{f}",
+                               lambda op, a, b: f"{ops[op]}({a}, {b})")
 
     def packed_width(self, t: Arr) -> str:
         """Bits per element of a packed array type (a run-time width is checked by make_params)."""
@@ -638,13 +647,8 @@ class Generator:
         self.emit("}", 0)
 
     def rate_code(self, e) -> str:
-        if isinstance(e, A.Num):
-            return f"{float(e.value)!r}"
-        if isinstance(e, A.Name):
-            return f"static_cast<double>(P.f_{e.id})"
-        if isinstance(e, A.Unary):
-            return f"(-{self.rate_code(e.operand)})"
-        return f"({self.rate_code(e.left)} {e.op} {self.rate_code(e.right)})"
+        return self.param_code(e, lambda v: repr(float(v)), lambda f: f"static_cast<double>(P.f_{f})",
+                               lambda op, a, b: f"({a} {op} {b})")
 
     def capacity(self):
         f = self.s.capacity
