@@ -389,3 +389,20 @@ def test_param_range_errors(decl, col, msg):
     e = err("param P { " + decl + " }\nvoid encode(float* g, uint8* c, P p) { c = concat(p.a); }")
     assert (e.line, e.col) == (1, col), str(e)
     assert msg in e.message, str(e)
+
+
+def test_builtins_generate_without_torch_or_core(tmp_path):
+    """setup.py generates the built-ins before hipress._C exists and without torch: the generator modules
+    must import neither (loaded here as setup.py loads them, under a stand-in 'hipress' package)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys, types, importlib\nstub = types.ModuleType('hipress')\n"
+            f"stub.__path__ = [{os.path.join(root, 'hipress')!r}]\nsys.modules['hipress'] = stub\n"
+            f"paths = importlib.import_module('hipress.dsl.target_module').generate_builtins({str(tmp_path)!r})\n"
+            "assert 'torch' not in sys.modules and 'hipress._C' not in sys.modules, sorted(sys.modules)\n"
+            "print(len(paths))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "6"
+    text = (tmp_path / "builtin_tbq.cc").read_text()
+    assert 'HIPRESS_REGISTER_COMPRESSOR("tbq", Builtin);' in text and "hpc_" not in text
+    assert "namespace hipress::compress::builtin_tbq {" in text
