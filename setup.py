@@ -2,6 +2,8 @@
 
 Sources are collected by convention, so a new seam never edits this file:
   csrc/**/*.cc        always compiled (C++17, -O3, warnings on); never needs torch headers
+  hipress/dsl/specs/*.cll   the built-in compression algorithms: generated into C++ at build time
+                      (hipress/dsl/target_module.py, into build_temp; never committed) and compiled in
   csrc/**/*_mpi.cc    only with MPI (HIPRESS_WITH_MPI=auto|0|1; auto = `mpicxx` found)
   csrc/**/*.cu        only with CUDA (HIPRESS_WITH_CUDA=auto|0|1; auto = nvcc found AND
                       the installed torch is a CUDA build); the CPU build never needs them
@@ -98,10 +100,34 @@ if nvcc:
     extra_link += [f"-L{cuda_home}/lib64", "-lcudart"]
 
 
+def generate_builtins(out_dir):
+    """The built-in compression algorithms' kernels, generated from hipress/dsl/specs/*.cll (their only
+    source) into out_dir; returns the .cc paths. hipress.dsl's generator is pure Python: it is loaded
+    from this tree under a stand-in 'hipress' package, so hipress/__init__.py, torch and hipress._C
+    are never imported here; the stand-in is removed afterwards."""
+    import importlib
+    import types
+
+    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "hipress" or k.startswith("hipress.")}
+    stub = types.ModuleType("hipress")
+    stub.__path__ = [os.path.join(ROOT, "hipress")]
+    sys.modules["hipress"] = stub
+    try:
+        return importlib.import_module("hipress.dsl.target_module").generate_builtins(out_dir)
+    finally:
+        for k in [k for k in sys.modules if k == "hipress" or k.startswith("hipress.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
 class BuildExt(build_ext):
-    """pybind11's build_ext plus nvcc for csrc/**/*.cu when CUDA is enabled."""
+    """pybind11's build_ext, plus the built-in algorithms generated from their DSL specs into build_temp
+    (build output, never committed), plus nvcc for csrc/**/*.cu when CUDA is enabled."""
 
     def build_extension(self, ext):
+        generated = generate_builtins(os.path.join(self.build_temp, "compll_builtins"))
+        ext.sources = [s for s in ext.sources if "compll_builtins" not in s] + \
+            [os.path.relpath(p, ROOT) if not os.path.isabs(self.build_temp) else p for p in generated]
         if cu_sources:
             objects = []
             tmp = os.path.join(self.build_temp, "cuda")

@@ -81,13 +81,6 @@ std::vector<std::string> compressor_names() {
   return v;
 }
 
-void check_capacity(const Compressor& c, size_t n, size_t rows, size_t cols, size_t cap) {
-  size_t need = c.max_encoded_bytes(n, rows, cols);
-  if (cap < need)
-    throw std::invalid_argument(c.info().name + ": output buffer has " + std::to_string(cap) + " bytes, needs " +
-                                std::to_string(need) + " (max_encoded_bytes)");
-}
-
 float* state_buf(StateView* st, int i, size_t expect_len, const char* algo, const char* what) {
   if (!st || i >= st->nbufs || (st->buf[i] == nullptr && expect_len > 0))
     throw std::invalid_argument(std::string(algo) + ": state buffer '" + what + "' missing");

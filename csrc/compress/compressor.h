@@ -1,6 +1,7 @@
 // CompLL unified API (paper 000 Fig. 4) on raw host buffers, the C++ registry
-// of algorithms (one file per algorithm registers itself, like BytePS's
-// compressor_registry.h) and the error-feedback decorator (BytePS
+// of algorithms (one generated file per built-in registers itself, like BytePS's
+// compressor_registry.h; setup.py generates them from hipress/dsl/specs/*.cll
+// with hipress/dsl/target_module.py) and the error-feedback decorator (BytePS
 // error_feedback.h, GRACE eq. 4).
 //
 // Ownership: the gradient `in` is read in place and never written (except
@@ -79,7 +80,7 @@ class Compressor {
 
   // ---- multi-round low-rank compressors (info().rounds > 1) -------------------
   // Round r's payload from the gradient (round 0) or from the sum over ranks of
-  // round r-1's payloads (prev); see algo_powersgd.cc for the protocol.
+  // round r-1's payloads (prev); see hipress/dsl/specs/powersgd.cll for the protocol.
   virtual size_t encode_round(int round, const float* in, size_t n, const uint8_t* prev, size_t prev_bytes,
                               uint8_t* out, size_t cap, StateView* st) const;
   // out (+)= decode of the last round's summed payload, using the state.
@@ -144,8 +145,7 @@ class ErrorFeedback : public Compressor {
   float beta_, gamma_;
 };
 
-// Helpers shared by the algorithm files.
-void check_capacity(const Compressor& c, size_t n, size_t rows, size_t cols, size_t cap);
+// Helper of the decorators: state buffer i, checked against its expected length.
 float* state_buf(StateView* st, int i, size_t expect_len, const char* algo, const char* what);
 
 }  // namespace hipress::compress

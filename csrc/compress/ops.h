@@ -1,7 +1,8 @@
 // CompLL common operators (paper 000, Table 4) on raw host buffers.
 //
-// These are the building blocks the algorithms in algo_*.cc are written with,
-// and the calls a DSL code generator emits. Conventions:
+// These are the building blocks the DSL code generator (hipress/dsl/) emits calls
+// to, for the built-in algorithms (generated into hipress._C at build time) and
+// for specs loaded at run time. Conventions:
 //   * inputs are `const T*` + element count, outputs are caller-owned buffers
 //     of the documented size; nothing here allocates except where stated;
 //   * every operator gives the same result for any thread count

@@ -117,17 +117,32 @@ class ParamField(Node):
 
 @dataclass
 class Range(Node):
-    """A parameter's valid range: lo < / <= value < / <= hi (either bound may be None: unbounded)."""
+    """A parameter's valid values: lo < / <= value < / <= hi (either bound may be None: unbounded), or, with
+    ``values``, one of a set of numbers (``in {2, 4, 8}``)."""
     lo: Optional[float]
     lo_open: bool
     hi: Optional[float]
     hi_open: bool
+    values: Optional[List[float]] = None
+
+    @staticmethod
+    def num(v) -> str:
+        return "inf" if v is None else (str(int(v)) if float(v) == int(v) and abs(v) < 1e15 else repr(v))
 
     def text(self) -> str:
-        def num(v):
-            return "inf" if v is None else (str(int(v)) if float(v) == int(v) and abs(v) < 1e15 else repr(v))
-        return f"{'(' if self.lo_open else '['}{'-inf' if self.lo is None else num(self.lo)}, {num(self.hi)}" \
-               f"{')' if self.hi_open else ']'}"
+        if self.values is not None:
+            return "{" + ", ".join(self.num(v) for v in self.values) + "}"
+        return f"{'(' if self.lo_open else '['}{'-inf' if self.lo is None else self.num(self.lo)}, " \
+               f"{self.num(self.hi)}{')' if self.hi_open else ']'}"
+
+    def requirement(self) -> str:
+        """What a valid value is, for 'NAME must be ...' (the hand-written kernels' wording)."""
+        if self.values is not None:
+            vs = [self.num(v) for v in self.values]
+            return vs[0] if len(vs) == 1 else f"{', '.join(vs[:-1])} or {vs[-1]}"
+        if self.lo == 0 and self.hi is None:
+            return "a positive finite number" if self.lo_open else "a non-negative finite number"
+        return "in " + self.text()
 
 
 @dataclass

@@ -126,28 +126,44 @@ def ops_objects() -> List[str]:
     return objs
 
 
+def cached_path(name: str, key: str, ext: str) -> str:
+    """<cache>/<name>-<key><ext>, the name made file-system safe."""
+    safe = "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in name)[:45]
+    return os.path.join(cache_dir(), f"{safe}-{key}{ext}")
+
+
+def build_cached(code: str, path: str, src_ext: str, build) -> str:
+    """path, built unless it exists: code is written to a private temporary folder in the cache, build(src, out)
+    compiles it, and out then replaces path atomically (the source is kept next to it for inspection)."""
+    if os.path.exists(path):
+        return path
+    base, ext = os.path.splitext(path)
+    tmp_dir = tempfile.mkdtemp(dir=cache_dir(), prefix=".build-")
+    try:
+        src = os.path.join(tmp_dir, "gen" + src_ext)
+        with open(src, "w") as f:
+            f.write(code)
+        out = os.path.join(tmp_dir, "out" + ext)
+        build(src, out)
+        shutil.copy(src, base + src_ext)
+        os.replace(out, path)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return path
+
+
 def compile_cpp(code: str, name: str, extra_flags: Optional[List[str]] = None) -> str:
     """Compile generated C++ into a shared library; returns its path (cached by content hash)."""
     objs = ops_objects()
     flags = base_flags() + WARN + list(extra_flags or [])
     key = _hash(code, compiler_id(), " ".join(flags), *[os.path.basename(os.path.dirname(o)) for o in objs[:1]])
-    safe = "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in name)[:40]
-    so = os.path.join(cache_dir(), f"{safe}-{key}.so")
-    if os.path.exists(so):
-        return so
-    tmp_dir = tempfile.mkdtemp(dir=cache_dir(), prefix=".build-")
-    try:
-        cc = os.path.join(tmp_dir, f"{safe}.cc")
-        with open(cc, "w") as f:
-            f.write(code)
-        out = os.path.join(tmp_dir, f"{safe}.so")
-        _run([cxx(), *flags, f"-I{csrc_dir()}", "-shared", cc, *objs, "-o", out, "-Wl,-Bsymbolic"],
+    so = cached_path(name, key, ".so")
+
+    def build(src: str, out: str):
+        _run([cxx(), *flags, f"-I{csrc_dir()}", "-shared", src, *objs, "-o", out, "-Wl,-Bsymbolic"],
              f"compiling the generated code of {name}")
-        shutil.copy(cc, so[:-3] + ".cc")  # kept next to the library for inspection
-        os.replace(out, so)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    return so
+
+    return build_cached(code, so, ".cc", build)
 
 
 # ---- CUDA back end (hipress/dsl/codegen_cuda.py) ----------------------------------------
@@ -229,10 +245,17 @@ def compile_cuda(code: str, name: str, arch: Optional[str] = None, shared: bool 
     flags = CUDA_FLAGS + [f"-arch={arch}"]
     content = [open(os.path.join(src, p), "rb").read() for p in CUDA_HEADERS]
     key = _hash(code, nvcc_id(nvcc), " ".join(flags), str(shared), *content)
-    safe = "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in name)[:40]
-    out_path = os.path.join(cache_dir(), f"{safe}-cuda-{key}.{'so' if shared else 'o'}")
-    if os.path.exists(out_path):
-        return out_path
+    out_path = cached_path(name + "-cuda", key, ".so" if shared else ".o")
+
+    def build(cu: str, out: str):
+        cmd = [nvcc, *flags, f"-I{src}", *(["-shared"] if shared else ["-c"]), cu, "-o", out]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        # Warning-free means no diagnostics at all, not only a zero exit status.
+        if p.returncode != 0 or p.stderr.strip():
+            raise DSLError(f"compiling the generated CUDA code of {name} failed ({' '.join(cmd[:3])} ...):\n"
+                           f"{p.stderr[-6000:]}", "<build>", 0, 0)
+
+    return build_cached(code, out_path, ".cu", build)
     tmp_dir = tempfile.mkdtemp(dir=cache_dir(), prefix=".build-cuda-")
     try:
         cu = os.path.join(tmp_dir, f"{safe}.cu")

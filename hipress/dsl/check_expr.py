@@ -119,26 +119,27 @@ class ExprTyper:
         e.sym = Sym(e.id, "udf", "function")
         return u
 
+    def unary_number(self, e: A.Call, scope, ctx, kind: str, arity_msg: str, type_msg: str):
+        """A call of one numeric argument (a cast or a one-argument math function): its argument's type.
+        type_msg has '{}' for the argument's type."""
+        e.kind = kind
+        if len(e.args) != 1:
+            self.err(e, arity_msg)
+        t = self.expr(e.args[0], scope, ctx)
+        if not is_num(t):
+            self.err(e.args[0], type_msg.format(tname(t)))
+        return t
+
     def call(self, e: A.Call, scope, ctx):
         f = e.func
         nargs = len(e.args)
         if ctx == "const":
             self.err(e, "a constant is expected here")
         if f in SCALARS:  # cast
-            e.kind = "cast"
-            if nargs != 1:
-                self.err(e, f"the cast {f}(x) takes one value")
-            t = self.expr(e.args[0], scope, ctx)
-            if not is_num(t):
-                self.err(e.args[0], f"cannot convert {tname(t)} to {f}")
-            return f if f in ("float", "int32") else f
+            self.unary_number(e, scope, ctx, "cast", f"the cast {f}(x) takes one value", "cannot convert {} to " + f)
+            return f
         if f in MATH1:
-            e.kind = "math"
-            if nargs != 1:
-                self.err(e, f"{f}(x) takes one value")
-            t = self.expr(e.args[0], scope, ctx)
-            if not is_num(t):
-                self.err(e.args[0], f"{f} needs a number, got {tname(t)}")
+            t = self.unary_number(e, scope, ctx, "math", f"{f}(x) takes one value", f + " needs a number, got {}")
             if t == "double" and MATH1[f] == "float":
                 return "double"
             return MATH1[f] or arith(t)

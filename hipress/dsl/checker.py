@@ -18,7 +18,7 @@ from hipress.dsl.check_ops import OperatorTyper
 from hipress.dsl.errors import DSLError
 from hipress.dsl.types import (CATEGORIES, COMPARATORS, FLOATS, MATH1, MATH2, MAX_HEADER_WORDS, MAX_STATE_SCALARS,
                                OPERATORS, REDUCERS, SCALARS, UINTS, Arr, Spec, Sym, Udf, bits_of, const_value,
-                               default_id, in_range, is_arr, is_entry, is_num, returns, tname)
+                               default_id, in_range, is_arr, is_constant, is_entry, is_num, returns, tname)
 
 
 class Checker(ExprTyper, OperatorTyper):
@@ -54,31 +54,54 @@ class Checker(ExprTyper, OperatorTyper):
             return ("params", t.base)
         self.err(t, f"unknown type '{t.base}' in {where}")
 
-    def check_width(self, w: A.Expr):
-        """A dynamic bit width: an expression of parameters and integer constants."""
+    def param_expr(self, root: A.Expr, ops, what: str, other: str, integer: bool, unknown: str,
+                   names: Optional[Dict[str, Optional[str]]] = None, members: bool = False, minmax: bool = False,
+                   neg: bool = False, float_const: str = ""):
+        """Checks an expression of the parameters (a bit width, the view's rank, the rate): constants (integers
+        only if `integer`), parameters by name (and params.x with `members`; integer ones only if `integer`),
+        the names of `names` (None: allowed, else the error), the binary operators `ops`, -a with `neg`,
+        min/max(a, b) with `minmax`. what: 'a bit width must be an integer'-style wording for float
+        parameters, and for float constants unless float_const says otherwise; unknown: the error for another name ('{}': the name); other: for anything
+        else."""
+        names = names or {}
+
+        def field(node, name, msg):
+            if name not in self.fields:
+                self.err(node, msg.format(name))
+            if integer and self.fields[name].type.base in FLOATS:
+                self.err(node, f"parameter '{name}' is a float; {what}")
+
         def walk(e):
             if isinstance(e, A.Num):
-                if e.is_float:
-                    self.err(e, "a bit width must be an integer")
-                return
-            if isinstance(e, A.Name):
-                if e.id not in self.fields:
-                    self.err(e, f"'{e.id}' in a bit width is not a parameter (widths depend on parameters only)")
-                if self.fields[e.id].type.base in FLOATS:
-                    self.err(e, f"parameter '{e.id}' is a float; a bit width must be an integer")
-                return
-            if isinstance(e, A.Member) and isinstance(e.obj, A.Name):
-                if e.attr not in self.fields:
-                    self.err(e, f"'{e.attr}' is not a parameter")
-                if self.fields[e.attr].type.base in FLOATS:
-                    self.err(e, f"parameter '{e.attr}' is a float; a bit width must be an integer")
-                return
-            if isinstance(e, A.Binary) and e.op in ("+", "-", "*", "<<", ">>"):
+                if integer and e.is_float:
+                    self.err(e, float_const or what)
+            elif isinstance(e, A.Name):
+                if e.id in names:
+                    if names[e.id]:
+                        self.err(e, names[e.id])
+                else:
+                    field(e, e.id, unknown)
+            elif members and isinstance(e, A.Member) and isinstance(e.obj, A.Name):
+                field(e, e.attr, "'{}' is not a parameter")
+            elif isinstance(e, A.Binary) and e.op in ops:
                 walk(e.left)
                 walk(e.right)
-                return
-            self.err(e, "a bit width may only use parameters, integer constants and + - * << >>")
-        walk(w)
+            elif neg and isinstance(e, A.Unary) and e.op == "-":
+                walk(e.operand)
+            elif minmax and isinstance(e, A.Call) and e.func in ("min", "max") and not e.type_args:
+                if len(e.args) != 2:
+                    self.err(e, f"{e.func}(a, b) takes two values")
+                for a in e.args:
+                    walk(a)
+            else:
+                self.err(e, other)
+        walk(root)
+
+    def check_width(self, w: A.Expr):
+        """A dynamic bit width: an expression of parameters and integer constants."""
+        self.param_expr(w, ("+", "-", "*", "<<", ">>"), "a bit width must be an integer",
+                        "a bit width may only use parameters, integer constants and + - * << >>", True,
+                        "'{}' in a bit width is not a parameter (widths depend on parameters only)", members=True)
 
     # ---- program -----------------------------------------------------------------
     def run(self) -> Spec:
@@ -269,6 +292,9 @@ class Checker(ExprTyper, OperatorTyper):
                     if not isinstance(v, A.Name) or v.id not in CATEGORIES:
                         self.err(v, f"category must be one of {', '.join(CATEGORIES)}")
                     opts[k] = v.id
+                elif k == "rate" and not is_constant(v):
+                    self.rate_expr(v)
+                    opts[k] = v
                 elif k in ("id", "error_feedback", "rate"):
                     val = const_value(v, self.file)
                     if k == "id" and (val != int(val) or not 1 <= val <= 255):
@@ -277,7 +303,7 @@ class Checker(ExprTyper, OperatorTyper):
                         self.err(v, "error_feedback must be 0 or 1")
                     if k == "rate" and not 0 < val <= 64:
                         self.err(v, "rate must be in (0, 64]")
-                    opts[k] = val
+                    opts[k] = v if k == "rate" else val
                 else:
                     raise DSLError(f"unknown algorithm option '{k}' (id, category, error_feedback, rate)",
                                    self.file, line, col)
@@ -295,6 +321,12 @@ class Checker(ExprTyper, OperatorTyper):
                     uses_random=self.uses_random, program=self.p, state_arrays=self.state_arrays,
                     state_scalars=self.state_scalars, capacity=self.capacity, view=self.view,
                     rounds=self.rounds, finish=self.finish, concats=self.concats)
+
+    def rate_expr(self, e):
+        """rate = an expression of the parameters (by name), numbers, + - * / and parentheses: the nominal
+        rate of an instance (e.g. rate = 2 * ratio), computed in double."""
+        self.param_expr(e, ("+", "-", "*", "/"), "", "the rate is a number or an expression of parameters, numbers "
+                        "and + - * /", False, "'{}' in the rate is not a parameter", neg=True)
 
     def state_decl(self, d: A.Decl, ty):
         """'state float* a;' (a CompressorState buffer of the gradient's size, updated in place) or
@@ -345,7 +377,7 @@ class Checker(ExprTyper, OperatorTyper):
         r = f.range
         lo = float("-inf") if r.lo is None else float(r.lo)
         hi = float("inf") if r.hi is None else float(r.hi)
-        if not (lo < hi or lo == hi and not r.lo_open and not r.hi_open):
+        if r.values is None and not (lo < hi or lo == hi and not r.lo_open and not r.hi_open):
             self.err(r, f"the range {r.text()} of '{f.name}' is empty")
         if f.default is not None:
             v = float(const_value(f.default))
@@ -366,34 +398,11 @@ class Checker(ExprTyper, OperatorTyper):
                 self.err(v, f"'{name}' is a parameter; the view's dimensions need other names")
             self.dims[name] = role
 
-        def walk(e):
-            if isinstance(e, A.Num):
-                if e.is_float:
-                    self.err(e, "the rank is an integer expression (no float constants)")
-                return
-            if isinstance(e, A.Name):
-                if e.id in (v.rows, v.cols):
-                    return
-                if e.id == v.rank:
-                    self.err(e, f"the rank '{e.id}' cannot be defined by itself")
-                if e.id not in self.fields:
-                    self.err(e, f"'{e.id}' in the rank is not a parameter, '{v.rows}' or '{v.cols}'")
-                if self.fields[e.id].type.base in FLOATS:
-                    self.err(e, f"parameter '{e.id}' is a float; the rank is an integer expression")
-                return
-            if isinstance(e, A.Binary) and e.op in ("+", "-", "*"):
-                walk(e.left)
-                walk(e.right)
-                return
-            if isinstance(e, A.Call) and e.func in ("min", "max") and not e.type_args:
-                if len(e.args) != 2:
-                    self.err(e, f"{e.func}(a, b) takes two values")
-                for a in e.args:
-                    walk(a)
-                return
-            self.err(e, "the rank may only use the view's rows and cols, integer parameters, integer constants, "
-                        "+ - * and min/max")
-        walk(v.rank_expr)
+        self.param_expr(v.rank_expr, ("+", "-", "*"), "the rank is an integer expression",
+                        "the rank may only use the view's rows and cols, integer parameters, integer constants, "
+                        "+ - * and min/max", True, f"'{{}}' in the rank is not a parameter, '{v.rows}' or '{v.cols}'",
+                        names={v.rows: None, v.cols: None, v.rank: f"the rank '{v.rank}' cannot be defined by itself"},
+                        minmax=True, float_const="the rank is an integer expression (no float constants)")
 
     def shape_of(self, t) -> Optional[Tuple[str, str]]:
         """Matrix shape of a float array: its own, or rows x cols for the gradient's size (with a view)."""

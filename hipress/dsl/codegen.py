@@ -27,7 +27,7 @@ from hipress.dsl import ast as A
 from hipress.dsl.types import UINTS, Arr, Spec, is_arr, returns
 from hipress.dsl.errors import DSLError
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 FP = ("float", "double")
 
 
@@ -146,13 +146,16 @@ class Generator:
         lr = t.lowrank
         enc_code = self.section(self.encode if s.view is None else lr.view_entries)
         dec_code = self.section(self.decode)
-        mb_code = self.section(self.capacity) + self.section(self.max_bytes if s.view is None else lr.view_helpers)
+        mb_code = self.section(self.capacity) + self.section(self.max_bytes if s.view is None else lr.view_helpers) + \
+            self.section(self.rate)
         parts = [t.banner(), "// Build output: never edit or commit this file.", t.prelude(),
                  self.params_struct(), self.ctx_struct(), *protos, *udf_code, *t.extra_defs(), *mb_code, *enc_code,
-                 *dec_code, self.abi()]
-        if s.view is not None:
-            parts.append(lr.view_abi())
+                 *dec_code, t.interface()]
         return "\n".join(parts) + "\n"
+
+    def c_abi(self) -> str:
+        """The C ABI (``hpc_*``) of the run-time loaded targets: hpc_* entries, and the low-rank ones for a view."""
+        return self.abi() + (self.t.lowrank.view_abi() if self.s.view is not None else "")
 
     def udf_unit(self) -> str:
         """The parameters, the context and the user-defined functions alone, for the tests that evaluate
@@ -181,15 +184,24 @@ class Generator:
             raise AssertionError("dynamic width without expression")
         return f"static_cast<int>({self.wexpr(w)})"
 
+    @staticmethod
+    def param_code(e, num, field, binary) -> str:
+        """Code of an expression of parameters (a bit width, the rate), as the checker allows them: num(value)
+        of a constant, field(name) of a parameter (by name or params.name), binary(op, a, b), -a."""
+        def walk(x):
+            if isinstance(x, A.Num):
+                return num(x.value)
+            if isinstance(x, (A.Name, A.Member)):
+                return field(x.id if isinstance(x, A.Name) else x.attr)
+            if isinstance(x, A.Unary):
+                return f"(-{walk(x.operand)})"
+            return binary(x.op, walk(x.left), walk(x.right))
+        return walk(e)
+
     def wexpr(self, e) -> str:
-        if isinstance(e, A.Num):
-            return f"int64_t{{{e.value}}}"
-        if isinstance(e, A.Name):
-            return f"c.p->f_{e.id}"
-        if isinstance(e, A.Member):
-            return f"c.p->f_{e.attr}"
         ops = {"+": "hp::add", "-": "hp::sub", "*": "hp::mul", "<<": "hp::shl", ">>": "hp::shr"}
-        return f"{ops[e.op]}({self.wexpr(e.left)}, {self.wexpr(e.right)})"
+        return self.param_code(e, lambda v: f"int64_t{{{v}}}", lambda f: f"c.p->f_{f}",
+                               lambda op, a, b: f"{ops[op]}({a}, {b})")
 
     def packed_width(self, t: Arr) -> str:
         """Bits per element of a packed array type (a run-time width is checked by make_params)."""
@@ -406,15 +418,20 @@ class Generator:
         lines.append("  Params P;")
         for i, f in enumerate(s.params):
             r = getattr(f, "range", None)
-            if r is not None:  # declared range (in (lo, hi]): checked on the value given, like the hand-written
-                conds = []
-                if r.lo is not None:
-                    conds.append(f"p[{i}] {'>' if r.lo_open else '>='} {float(r.lo)!r}")
-                if r.hi is not None:
-                    conds.append(f"p[{i}] {'<' if r.hi_open else '<='} {float(r.hi)!r}")
+            if r is not None:  # declared range (in (lo, hi]) or set (in {2, 4, 8}): checked on the value given
+                if r.values is not None:
+                    conds = [" || ".join(f"p[{i}] == {float(v)!r}" for v in r.values)]
+                else:
+                    conds = []
+                    if r.lo is not None:
+                        conds.append(f"p[{i}] {'>' if r.lo_open else '>='} {float(r.lo)!r}")
+                    if r.hi is not None:
+                        conds.append(f"p[{i}] {'<' if r.hi_open else '<='} {float(r.hi)!r}")
+                    elif r.lo is not None:  # (lo, inf): the value must also be finite (not inf, not NaN)
+                        conds.append(f"p[{i}] <= 1.7976931348623157e308")  # DBL_MAX
                 if conds:
-                    lines.append(f"  if (!({' && '.join(conds)})) throw std::invalid_argument(\"{f.name} must be in "
-                                 f"{r.text()}\");")
+                    lines.append(f"  if (!({' && '.join(conds)})) throw std::invalid_argument(\"{f.name} must be "
+                                 f"{r.requirement()}\");")
             lines.append(f"  P.f_{f.name} = static_cast<{ctype(f.type.base)}>(p[{i}]);")
         lines.append("  [[maybe_unused]] struct { const Params* p; } c{&P};")
         seen = set()
@@ -618,6 +635,21 @@ class Generator:
         return f"const int64_t sv = {code}; const size_t s = sv < 0 ? 0 : static_cast<size_t>(sv);"
 
     # ---- payload ---------------------------------------------------------------------------------
+    def rate(self):
+        """hp_rate: the nominal compressed bytes / fp32 input bytes of an instance: the spec's rate option, else
+        the payload of 2^20 elements (header excluded) over 4 * 2^20 bytes."""
+        self.emit("[[maybe_unused]] double hp_rate([[maybe_unused]] const Params& P) {", 0)
+        if self.s.rate is None:
+            self.emit("const size_t n = size_t{1} << 20;")
+            self.emit("return static_cast<double>(hp_max_bytes(P, n) - kHeaderBytes) / (4.0 * static_cast<double>(n));")
+        else:
+            self.emit(f"return {self.rate_code(self.s.rate)};")
+        self.emit("}", 0)
+
+    def rate_code(self, e) -> str:
+        return self.param_code(e, lambda v: repr(float(v)), lambda f: f"static_cast<double>(P.f_{f})",
+                               lambda op, a, b: f"({a} {op} {b})")
+
     def capacity(self):
         f = self.s.capacity
         if f is None:
@@ -904,6 +936,10 @@ HPC_API int hpc_check_params(const double* p, char* err, int errlen) {{
 }}
 HPC_API int hpc_max_encoded_bytes(const double* p, uint64_t n, uint64_t* res, char* err, int errlen) {{
   try {{ *res = {ns}hp_max_bytes({ns}make_params(p), n); return 0; }}
+  catch (const std::exception& e) {{ return {ns}hpc_fail(e, err, errlen, 2); }}
+}}
+HPC_API int hpc_rate(const double* p, double* res, char* err, int errlen) {{
+  try {{ *res = {ns}hp_rate({ns}make_params(p)); return 0; }}
   catch (const std::exception& e) {{ return {ns}hpc_fail(e, err, errlen, 2); }}
 }}
 HPC_API int hpc_num_state_buffers() {{ return {len(s.state_arrays)}; }}

@@ -185,8 +185,20 @@ class Parser:
 
     def param_range(self) -> A.Range:
         t = self.tok
+        if self.accept("{"):  # a set of values: in {2, 4, 8}
+            values = []
+            while True:
+                v, _ = self.bound()
+                if v is None:
+                    self.error("a set of parameter values holds numbers (no inf)", t)
+                values.append(v)
+                if not self.accept(","):
+                    break
+            self.expect("}", "to close the set of parameter values")
+            return A.Range(t.line, t.col, None, True, None, True, values)
         if not (self.at("(") or self.at("[")):
-            self.error(f"expected '(' or '[' to open a parameter range (e.g. in (0, 1]), found {self.describe(t)}")
+            self.error(f"expected '(' or '[' to open a parameter range (e.g. in (0, 1]) or '{{' to open a set of "
+                       f"values (in {{2, 4, 8}}), found {self.describe(t)}")
         lo_open = self.tok.text == "("
         self.i += 1
         lo, lneg = self.bound()

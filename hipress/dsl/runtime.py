@@ -35,7 +35,8 @@ class GeneratedLibrary:
         lib.hpc_encode.argtypes = [vp, vp, u64, vp, u64, vp, vp, vp, i32, ctypes.POINTER(u64), ctypes.c_char_p, i32,
                                    *self.EXTRA_ARGS]
         lib.hpc_decode.argtypes = [vp, u64, vp, u64, ctypes.c_float, i32, ctypes.c_char_p, i32, *self.EXTRA_ARGS]
-        for f in ("hpc_check_params", "hpc_max_encoded_bytes", "hpc_encode", "hpc_decode"):
+        lib.hpc_rate.argtypes = [vp, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, i32]
+        for f in ("hpc_rate", "hpc_check_params", "hpc_max_encoded_bytes", "hpc_encode", "hpc_decode"):
             getattr(lib, f).restype = i32
         from hipress.dsl.codegen import ABI_VERSION
         if lib.hpc_abi_version() != ABI_VERSION or not self._right_target():
@@ -154,8 +155,11 @@ class GeneratedCompressor(Compressor):
             raise ValueError(f"{spec.name}: {err.value.decode(errors='replace')}")
         self._pv = ctypes.cast(self._p, ctypes.c_void_p)
         self._mb = {}
-        n = 1 << 20
-        self.rate = float(spec.rate) if spec.rate else (self.max_encoded_bytes(n) - 48) / (4.0 * n)
+        rate = ctypes.c_double()
+        rc = library.lib.hpc_rate(self._pv, ctypes.byref(rate), err, ERRLEN)
+        if rc:
+            _raise(rc, err)
+        self.rate = rate.value
 
     @property
     def algo_id(self) -> int:

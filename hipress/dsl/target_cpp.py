@@ -70,6 +70,10 @@ class CppTarget:
     def extra_defs(self):
         return []
 
+    def interface(self) -> str:
+        """What the translation unit exposes: the C ABI that hipress/dsl/runtime.py loads with ctypes."""
+        return self.g.c_abi()
+
     def target_fn(self) -> str:
         return ""
 

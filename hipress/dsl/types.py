@@ -96,7 +96,7 @@ class Spec:
     algo_id: int
     category: str
     error_feedback: bool
-    rate: Optional[float]
+    rate: Optional[A.Expr]           # the 'rate' option (a number or an expression of parameters)
     params: List[A.ParamField]       # in ABI order (implicit seed last)
     implicit_seed: bool
     globals: Dict[str, Sym]
@@ -130,6 +130,8 @@ def is_entry(name: str) -> bool:
 
 
 def in_range(v: float, r: A.Range) -> bool:
+    if r.values is not None:
+        return any(v == float(x) for x in r.values)
     lo = float("-inf") if r.lo is None else float(r.lo)
     hi = float("inf") if r.hi is None else float(r.hi)
     return (v > lo if r.lo_open else v >= lo) and (v < hi if r.hi_open else v <= hi)
@@ -144,6 +146,10 @@ def returns(stmts) -> bool:
     if isinstance(last, A.If):
         return returns(last.then) and returns(last.other)
     return False
+
+
+def is_constant(e) -> bool:
+    return isinstance(e, A.Num) or isinstance(e, A.Unary) and e.op == "-" and isinstance(e.operand, A.Num)
 
 
 def const_value(e, file="<spec>"):

@@ -171,8 +171,8 @@ def test_cuda_library_host_abi_matches_cpu(compiled):
             res = ctypes.c_uint64()
             assert lib.hpc_max_encoded_bytes(p, ctypes.c_uint64(n), ctypes.byref(res), err, 512) == 0
             assert res.value == ref.max_encoded_bytes(n)
-    bad = (ctypes.c_double * 2)(3, 0)  # a width of 3 is rejected as by the CPU library
-    assert lib.hpc_check_params(bad, err, 512) == 2 and b"1, 2, 4 or 8" in err.value
+    bad = (ctypes.c_double * 2)(3, 0)  # a width of 3 is rejected (in {2, 4, 8}) as by the CPU library
+    assert lib.hpc_check_params(bad, err, 512) == 2 and b"bitwidth must be 2, 4 or 8" in err.value
     if not torch.cuda.is_available():
         # No GPU (or driver): the first CUDA call fails and the error comes back as a message.
         lib.hpc_encode.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64] + \

@@ -205,26 +205,37 @@ def test_stateful_spec_checks():
     assert [g.name for g in s.state_arrays] == ["u"] and [(g.name, g.slot) for g in s.state_scalars] == [("step", 1)]
 
 
-STATE_MISUSE = [
-    ("state float* u;", "state float* u = 1;", 2, 18, "cannot have an initial value"),
-    ("state float* u;", "state int32* u;", 2, 7, "a state array holds floats"),
-    ("state int32 step;", "state float step;", 3, 7, "state is 'state float* name;'"),
-    ("state int32 step;", "state int32 step, a, b, c;", 3, 25, "at most 3 state scalars"),
-    ("    u = scatter(u, s.index, 0);", "    u = sort(u, greaterAbs, 2);", 10, 9, "updated in place"),
-    ("    u = scatter(u, s.index, 0);", "    float* w = map(u, big); u = scatter(w, s.index, 0);", 10, 33,
-     "updates its array in place"),
-    ("    gradient = scatter(i, v);", "    step = 2; gradient = scatter(i, v);", 15, 5, "updated in encode only"),
-    ("    gradient = scatter(i, v);", "    float z = step; gradient = scatter(i, v);", 15, 15, "decode cannot use the state"),
-    ("    gradient = scatter(i, v);", "    float z = has_state; gradient = scatter(i, v);", 15, 15,
-     "available in encode only"),
-    ("float f(float a, float g) { return a + g; }", "float f(float a, float g) { step = 1; return a + g; }", 4, 29,
-     "updated in encode only"),
-    ("param P { float m = 0.5; }", "param P { float m = 0.5; }\nfloat capacity(int32 n, P p) { return n; }", 2, 1,
-     "int32 capacity(int32 n, Params params)"),
-    ("param P { float m = 0.5; }", "param P { float m = 0.5; }\nint32 capacity(int32 n, P p) { return step; }", 2, 39,
-     "capacity cannot read the global"),
-    ("    step += 1;", "    step += 1.0 + double(1);\n    float* q = map(u, u, nosuch);", 9, 26, "user-defined function"),
-]
+STATE_MISUSE = {  # edit anchor -> [(replacement, line, col, message)]
+    'state float* u;': [
+        ('state float* u = 1;', 2, 18, 'cannot have an initial value'),
+        ('state int32* u;', 2, 7, 'a state array holds floats'),
+    ],
+    'state int32 step;': [
+        ('state float step;', 3, 7, "state is 'state float* name;'"),
+        ('state int32 step, a, b, c;', 3, 25, 'at most 3 state scalars'),
+    ],
+    '    u = scatter(u, s.index, 0);': [
+        ('    u = sort(u, greaterAbs, 2);', 10, 9, 'updated in place'),
+        ('    float* w = map(u, big); u = scatter(w, s.index, 0);', 10, 33, 'updates its array in place'),
+    ],
+    '    gradient = scatter(i, v);': [
+        ('    step = 2; gradient = scatter(i, v);', 15, 5, 'updated in encode only'),
+        ('    float z = step; gradient = scatter(i, v);', 15, 15, 'decode cannot use the state'),
+        ('    float z = has_state; gradient = scatter(i, v);', 15, 15, 'available in encode only'),
+    ],
+    'float f(float a, float g) { return a + g; }': [
+        ('float f(float a, float g) { step = 1; return a + g; }', 4, 29, 'updated in encode only'),
+    ],
+    'param P { float m = 0.5; }': [
+        ('param P { float m = 0.5; }\nfloat capacity(int32 n, P p) { return n; }', 2, 1,
+         'int32 capacity(int32 n, Params params)'),
+        ('param P { float m = 0.5; }\nint32 capacity(int32 n, P p) { return step; }', 2, 39,
+         'capacity cannot read the global'),
+    ],
+    '    step += 1;': [
+        ('    step += 1.0 + double(1);\n    float* q = map(u, u, nosuch);', 9, 26, 'user-defined function'),
+    ],
+}
 
 
 def test_double_in_header_rejected():
@@ -273,50 +284,77 @@ def test_lowrank_spec_checks():
         ("rows", "cols", "r")
 
 
-LOWRANK_MISUSE = [
-    ("p = matmul(m, q);", "p = matmul(q, m);", 9, 9, "inner dimensions differ (cols x r times rows x cols)"),
-    ("p = matmul(m, q);", "p = matmul(m.T, q.T);", 9, 9, "matmul(A.T, B.T) is not supported"),
-    ("p = matmul(m, q);", "q = matmul(m, q);", 9, 9, "is float[cols][r]; this array is float[rows][r]"),
-    ("p = matmul(m, q);", "p = matmul(m, q, q);", 9, 9, "matmul(A, B) multiplies two matrices"),
-    ("p = matmul(m, q);", "p = matmul(m, 2);", 9, 19, "matmul takes float matrices"),
-    ("p = decomp(p);", "p = decomp(p.T);", 10, 18, "not a transpose"),
-    ("m -= matmul(p, Q.T);", "m -= p;", 12, 10, "is updated in place"),
-    ("m -= matmul(p, Q.T);", "p -= matmul(p, Q.T);", 12, 10, "needs a product of its shape"),
-    ("m -= matmul(p, Q.T);", "float* z = Q.T;", 12, 18, "only allowed on an argument of matmul"),
-    ("state float[cols][r] q;", "state float[cols][rank] q;", 4, 19, "'rank' is not a dimension of the view"),
-    ("state float[cols][r] q;", "state float[cols] q;", 4, 7, "two dimensions"),
-    ("state float[cols][r] q;", "state int32[cols][r] q;", 4, 7, "a state matrix holds floats"),
-    ("view rows, cols, r = min(rank, min(rows, cols));", "view rows, cols, r = min(rank, 1.5);", 2, 32,
-     "the rank is an integer expression"),
-    ("view rows, cols, r = min(rank, min(rows, cols));", "view rows, cols, r = min(rank, n);", 2, 32,
-     "'n' in the rank is not a parameter"),
-    ("view rows, cols, r = min(rank, min(rows, cols));", "view rows, cols, rank = 2;", 2, 1,
-     "'rank' is a parameter"),
-    ("view rows, cols, r = min(rank, min(rows, cols));", "view rows, cols r = 2;", 2, 17,
-     "expected ','"),
-    ("    extract(sum, p);\n", "", 23, 1, "must read the sum of round 0"),
-    ("    extract(sum, p);", "    extract(sum, q);", 24, 18, "'q' is float[cols][r] but the concat of encode_round0 "
-     "has float[rows][r]"),
-    ("    extract(sum, q);", "    extract(sum, q, q);", 29, 5, "extract names 2 values, the concat of encode_round1 "
-     "has 1"),
-    ("    extract(compressed, A, B);", "    extract(compressed, p, B);", 16, 25, "decode cannot use the state 'p'"),
-    ("void encode_round1(", "void encode_round2(", 23, 1, "'encode_round1' is missing"),
-    ("void finish(uint8* sum, float* gradient, P params) {\n    extract(sum, q);\n    gradient = matmul(p, q.T);\n}\n",
-     "", 23, 1, "needs 'void finish(uint8* sum, float* gradient, Params params)'"),
-    ("    compressed = concat(Q);", "    compressed = concat(Q, 1.0);", 26, 28, "float matrices only"),
-    ("    float* X = matmul(gradient, q);", "    float* X = matmul(sum, q);", 20, 23, "matmul takes float matrices"),
-    ("    gradient = matmul(A, B.T);", "    gradient = matmul(A, A.T);", 17, 16,
-     "must be a float array of the gradient's size, got float[rows][rows]"),
-    ("    gradient = matmul(p, q.T);", "    gradient = matmul(q, p.T);", 30, 16,
-     "float array of the gradient's size, got float[cols][rows]"),
-    ("float add(float a, float b) { return a + b; }", "float add(float a, float b) { return a + rows; }", 6, 42,
-     "known in the entry points only"),
-    ("    extract(sum, p);", "    extract(sum, p);\n    float z = sum;", 25, 15, "read it with extract(sum, ...)"),
-]
+LOWRANK_MISUSE = {  # edit anchor -> [(replacement, line, col, message)]
+    'p = matmul(m, q);': [
+        ('p = matmul(q, m);', 9, 9, 'inner dimensions differ (cols x r times rows x cols)'),
+        ('p = matmul(m.T, q.T);', 9, 9, 'matmul(A.T, B.T) is not supported'),
+        ('q = matmul(m, q);', 9, 9, 'is float[cols][r]; this array is float[rows][r]'),
+        ('p = matmul(m, q, q);', 9, 9, 'matmul(A, B) multiplies two matrices'),
+        ('p = matmul(m, 2);', 9, 19, 'matmul takes float matrices'),
+    ],
+    'p = decomp(p);': [
+        ('p = decomp(p.T);', 10, 18, 'not a transpose'),
+    ],
+    'm -= matmul(p, Q.T);': [
+        ('m -= p;', 12, 10, 'is updated in place'),
+        ('p -= matmul(p, Q.T);', 12, 10, 'needs a product of its shape'),
+        ('float* z = Q.T;', 12, 18, 'only allowed on an argument of matmul'),
+    ],
+    'state float[cols][r] q;': [
+        ('state float[cols][rank] q;', 4, 19, "'rank' is not a dimension of the view"),
+        ('state float[cols] q;', 4, 7, 'two dimensions'),
+        ('state int32[cols][r] q;', 4, 7, 'a state matrix holds floats'),
+    ],
+    'view rows, cols, r = min(rank, min(rows, cols));': [
+        ('view rows, cols, r = min(rank, 1.5);', 2, 32, 'the rank is an integer expression'),
+        ('view rows, cols, r = min(rank, n);', 2, 32, "'n' in the rank is not a parameter"),
+        ('view rows, cols, rank = 2;', 2, 1, "'rank' is a parameter"),
+        ('view rows, cols r = 2;', 2, 17, "expected ','"),
+    ],
+    '    extract(sum, p);\n': [
+        ('', 23, 1, 'must read the sum of round 0'),
+    ],
+    '    extract(sum, p);': [
+        ('    extract(sum, q);', 24, 18, "'q' is float[cols][r] but the concat of encode_round0 has float[rows][r]"),
+        ('    extract(sum, p);\n    float z = sum;', 25, 15, 'read it with extract(sum, ...)'),
+    ],
+    '    extract(sum, q);': [
+        ('    extract(sum, q, q);', 29, 5, 'extract names 2 values, the concat of encode_round1 has 1'),
+    ],
+    '    extract(compressed, A, B);': [
+        ('    extract(compressed, p, B);', 16, 25, "decode cannot use the state 'p'"),
+    ],
+    'void encode_round1(': [
+        ('void encode_round2(', 23, 1, "'encode_round1' is missing"),
+    ],
+    'void finish(uint8* sum, float* gradient, P params) {\n    extract(sum, q);\n    gradient = matmul(p, q.T);\n}\n': [
+        ('', 23, 1, "needs 'void finish(uint8* sum, float* gradient, Params params)'"),
+    ],
+    '    compressed = concat(Q);': [
+        ('    compressed = concat(Q, 1.0);', 26, 28, 'float matrices only'),
+    ],
+    '    float* X = matmul(gradient, q);': [
+        ('    float* X = matmul(sum, q);', 20, 23, 'matmul takes float matrices'),
+    ],
+    '    gradient = matmul(A, B.T);': [
+        ('    gradient = matmul(A, A.T);', 17, 16,
+         "must be a float array of the gradient's size, got float[rows][rows]"),
+    ],
+    '    gradient = matmul(p, q.T);': [
+        ('    gradient = matmul(q, p.T);', 30, 16, "float array of the gradient's size, got float[cols][rows]"),
+    ],
+    'float add(float a, float b) { return a + b; }': [
+        ('float add(float a, float b) { return a + rows; }', 6, 42, 'known in the entry points only'),
+    ],
+}
 
 
-@pytest.mark.parametrize("base,old,new,line,col,msg", [("STATEFUL", *r) for r in STATE_MISUSE] +
-                         [("LOWRANK", *r) for r in LOWRANK_MISUSE])
+def edits(base, table):
+    return [(base, old, *r) for old, rows in table.items() for r in rows]
+
+
+@pytest.mark.parametrize("base,old,new,line,col,msg",
+                         edits("STATEFUL", STATE_MISUSE) + edits("LOWRANK", LOWRANK_MISUSE))
 def test_misuse_errors(base, old, new, line, col, msg):
     """One edit (old -> new) of a valid spec: the error names the place and the rule broken."""
     src = globals()[base]
@@ -351,3 +389,20 @@ def test_param_range_errors(decl, col, msg):
     e = err("param P { " + decl + " }\nvoid encode(float* g, uint8* c, P p) { c = concat(p.a); }")
     assert (e.line, e.col) == (1, col), str(e)
     assert msg in e.message, str(e)
+
+
+def test_builtins_generate_without_torch_or_core(tmp_path):
+    """setup.py generates the built-ins before hipress._C exists and without torch: the generator modules
+    must import neither (loaded here as setup.py loads them, under a stand-in 'hipress' package)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys, types, importlib\nstub = types.ModuleType('hipress')\n"
+            f"stub.__path__ = [{os.path.join(root, 'hipress')!r}]\nsys.modules['hipress'] = stub\n"
+            f"paths = importlib.import_module('hipress.dsl.target_module').generate_builtins({str(tmp_path)!r})\n"
+            "assert 'torch' not in sys.modules and 'hipress._C' not in sys.modules, sorted(sys.modules)\n"
+            "print(len(paths))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "6"
+    text = (tmp_path / "builtin_tbq.cc").read_text()
+    assert 'HIPRESS_REGISTER_COMPRESSOR("tbq", Builtin);' in text and "hpc_" not in text
+    assert "namespace hipress::compress::builtin_tbq {" in text
