@@ -406,3 +406,17 @@ def test_builtins_generate_without_torch_or_core(tmp_path):
     text = (tmp_path / "builtin_tbq.cc").read_text()
     assert 'HIPRESS_REGISTER_COMPRESSOR("tbq", Builtin);' in text and "hpc_" not in text
     assert "namespace hipress::compress::builtin_tbq {" in text
+
+
+def test_stateless_encode_allocates_a_zero_state_only_when_it_can_read_it():
+    """DGC touches its state only under `if (has_state)`: a stateless encode (CaSync-PS's
+    aggregator re-encode) must not allocate and clear 2n floats of scratch state (that made
+    it 6x slower than the hand-written kernel). A spec that reads state outside the guard
+    still gets the zero state."""
+    src, path = compll.read("dgc")
+    guarded = compll.generate(path, source=src)
+    assert "st_tmp.assign" not in guarded and "c.g_accum.p = nullptr" in guarded
+    unguarded_src = src.replace("S = sort(gradient, greaterAbs, topk_count(density, n), samples);",
+                                "S = sort(accum, greaterAbs, topk_count(density, n), samples);")
+    assert unguarded_src != src
+    assert "st_tmp.assign" in compll.generate(path, source=unguarded_src)
