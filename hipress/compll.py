@@ -43,7 +43,8 @@ def resolve(spec: str) -> str:
 
 
 def shipped_specs():
-    return sorted(f[:-4] for f in os.listdir(SPEC_DIR) if f.endswith(".cll"))
+    from hipress.dsl.target_module import builtin_specs
+    return [name for name, _ in builtin_specs()]
 
 
 def read(spec: str, source: Optional[str] = None) -> Tuple[str, str]:
@@ -56,9 +57,9 @@ def read(spec: str, source: Optional[str] = None) -> Tuple[str, str]:
 
 def check(spec: str, source: Optional[str] = None, name: Optional[str] = None):
     """Parse and type-check a spec (a path, a shipped name, or ``source`` text with ``spec`` as its file name)."""
-    from hipress.dsl import check as _check
+    from hipress.dsl.checker import check_source
     src, path = read(spec, source)
-    return _check(src, path, name)
+    return check_source(src, path, name)
 
 
 def generate(spec: str, source: Optional[str] = None, name: Optional[str] = None, cuda: bool = False) -> str:

@@ -256,20 +256,3 @@ def compile_cuda(code: str, name: str, arch: Optional[str] = None, shared: bool 
                            f"{p.stderr[-6000:]}", "<build>", 0, 0)
 
     return build_cached(code, out_path, ".cu", build)
-    tmp_dir = tempfile.mkdtemp(dir=cache_dir(), prefix=".build-cuda-")
-    try:
-        cu = os.path.join(tmp_dir, f"{safe}.cu")
-        with open(cu, "w") as f:
-            f.write(code)
-        out = os.path.join(tmp_dir, os.path.basename(out_path))
-        cmd = [nvcc, *flags, f"-I{src}", *(["-shared"] if shared else ["-c"]), cu, "-o", out]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        # Warning-free means no diagnostics at all, not only a zero exit status.
-        if p.returncode != 0 or p.stderr.strip():
-            raise DSLError(f"compiling the generated CUDA code of {name} failed ({' '.join(cmd[:3])} ...):\n"
-                           f"{p.stderr[-6000:]}", "<build>", 0, 0)
-        shutil.copy(cu, out_path.rsplit(".", 1)[0] + ".cu")  # kept next to the library for inspection
-        os.replace(out, out_path)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    return out_path

@@ -664,7 +664,6 @@ class Checker(ExprTyper, OperatorTyper):
         if not call.args:
             self.err(call, "concat needs at least one value")
         words = 0
-        var_src = None
         for a in call.args:
             t = self.expr(a, scope, "encode")
             if is_arr(t):
@@ -748,3 +747,10 @@ def check(prog: A.Program, source: str = "", name: Optional[str] = None) -> Spec
         return Checker(prog, source, name).run()
     except RecursionError:
         raise DSLError("spec nested too deeply", prog.file, 1, 1) from None
+
+
+def check_source(src: str, file: str = "<spec>", name: Optional[str] = None) -> Spec:
+    """Parses and type-checks spec text; returns the checked Spec (raises DSLError)."""
+    from hipress.dsl.parser import parse
+
+    return check(parse(src, file), src, name)

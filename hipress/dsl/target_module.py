@@ -184,13 +184,13 @@ def generate_builtins(out_dir: str):
     """Writes <out_dir>/builtin_<name>.cc for every shipped spec (a file is rewritten only when its text
     changes) and returns their paths. Pure Python: needs neither torch nor hipress._C (setup.py runs it
     before the extension exists)."""
-    from hipress.dsl import check
+    from hipress.dsl.checker import check_source
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for name, path in builtin_specs():
         with open(path, encoding="utf-8") as f:
             src = f.read()
-        code = generate_module(check(src, path))
+        code = generate_module(check_source(src, path))
         out = os.path.join(out_dir, f"builtin_{name}.cc")
         old = None
         if os.path.exists(out):

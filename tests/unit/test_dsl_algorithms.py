@@ -227,7 +227,8 @@ def test_param_ranges_tbq_terngrad(dsl):
 
 
 def test_param_range_kinds_and_default_checked():
-    from hipress.dsl import DSLError, check
+    from hipress.dsl import DSLError
+    from hipress.dsl.checker import check_source as check
     src = ("param P {{ {decl} }}\nfloat t;\nuint1 f(float x) {{ return x > t; }}\n"
            "void encode(float* g, uint8* c, P p) {{ t = p.a; uint1* q = map(g, f); c = concat(q); }}")
     lib = compll.load("ranges.cll", source=src.format(decl="float a = 0.5 in [-1, 1), b = 3 in (2, inf); "

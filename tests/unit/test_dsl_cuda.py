@@ -368,7 +368,8 @@ def test_host_device_udfs_equal_cpu_backend(host_lib, key):
 
 def test_matrix_view_specs_are_rejected_with_a_located_error():
     """PowerSGD-like specs (view, matmul, decomp) have no CUDA back end yet: a DSL error at the view."""
-    from hipress.dsl import SPEC_DIR, DSLError, check
+    from hipress.dsl import SPEC_DIR, DSLError
+    from hipress.dsl.checker import check_source as check
     with open(os.path.join(SPEC_DIR, "powersgd.cll")) as f:
         spec = check(f.read(), "powersgd.cll")
     with pytest.raises(DSLError, match=r"powersgd.cll:\d+:\d+: error: the CUDA back end does not support matrix"):

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import dsl_common  # noqa: F401
 from hipress import compll
-from hipress.dsl import DSLError, check
+from hipress.dsl import DSLError
+from hipress.dsl.checker import check_source as check
 from hipress.dsl.lexer import PUNCT
 
 OK = """
