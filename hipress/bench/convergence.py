@@ -177,7 +177,7 @@ def worker(a) -> None:
     momentum = PAPER_OVERRIDES.get(a.algo, {}).get("momentum", 0.9) if a.paper_overrides else 0.9
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=momentum)
     opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=a.algo,
-                                       strategy="auto")
+                                       strategy=a.strategy)
     hipress.broadcast_parameters(model.state_dict(), root_rank=0)
     points = [{"epoch": 0, "step": 0, "wall_s": 0.0, **evaluate()}]
     train_s, step = 0.0, 0
@@ -216,6 +216,8 @@ def main(argv=None) -> dict:
     p.add_argument("--seq", type=int, default=64, help="charlm sequence length")
     p.add_argument("--eval-every", type=int, help="epochs between evaluations")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--strategy", default="auto", choices=["auto", "ring", "ps", "allgather"],
+                   help="CaSync strategy of every compressed run (low-rank compressors always use their own)")
     p.add_argument("--no-paper-overrides", dest="paper_overrides", action="store_false",
                    help=f"use identical optimizer settings for every algorithm (overrides: {PAPER_OVERRIDES})")
     p.add_argument("--out-dir", default="results")
@@ -244,7 +246,8 @@ def main(argv=None) -> dict:
             res = os.path.join(d, f"{algo}.json")
             cmd = [sys.executable, "-m", "hipress.bench.convergence", "--worker", "--task", a.task, "--algo", algo,
                    "--result", res, "--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", str(a.lr),
-                   "--seq", str(a.seq), "--eval-every", str(a.eval_every), "--seed", str(a.seed)]
+                   "--seq", str(a.seq), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
+                   "--strategy", a.strategy]
             if not a.paper_overrides:
                 cmd.append("--no-paper-overrides")
             print(f"[convergence] {a.task} {i + 1}/{len(algos)} {algo} ...", file=sys.stderr, flush=True)

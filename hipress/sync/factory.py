@@ -1,9 +1,10 @@
 """Which task graph synchronizes a gradient: the one place that turns the user's choices
 (strategy name, compressor, local aggregation) into a strategy bound to its context.
 
-* ``strategy``: "ring" (CaSync-Ring), "ps" (CaSync-PS) or "auto": PS for sparsifiers (it
-  avoids the ring's re-sparsification of partial sums at every hop), ring otherwise (paper
-  §5.3: equal for quantization and low-rank).
+* ``strategy``: "ring" (CaSync-Ring), "ps" (CaSync-PS), "allgather" (GRACE's form: every
+  rank decodes every rank's payload, nothing is re-encoded) or "auto": PS for sparsifiers
+  (it avoids the ring's re-sparsification of partial sums at every hop), ring otherwise
+  (paper §5.3: equal for quantization and low-rank).
 * multi-round aggregatable compressors (PowerSGD) always use the low-rank strategy.
 * local aggregation wraps the chosen strategy (hierarchical: uncompressed on the host,
   compressed across hosts).
@@ -19,13 +20,14 @@ from hipress.comm.exchange import Exchanges
 from hipress.compression.base import Compressor
 from hipress.compression.none import NoneCompressor
 from hipress.engine import Engine, Handle
+from hipress.sync.allgather import AllgatherStrategy
 from hipress.sync.base import StateStore, Strategy, SyncContext
 from hipress.sync.hierarchical import HierarchicalStrategy
 from hipress.sync.lowrank import LowRankStrategy
 from hipress.sync.ps import PSStrategy
 from hipress.sync.ring import RingStrategy
 
-STRATEGIES = {"ring": RingStrategy, "ps": PSStrategy}
+STRATEGIES = {"ring": RingStrategy, "ps": PSStrategy, "allgather": AllgatherStrategy}
 
 
 def resolve_strategy(name: str, compressor: Compressor) -> str:

@@ -68,6 +68,27 @@ def ps(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: 
     return out
 
 
+def allgather(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: str,
+              bounds: Sequence[Tuple[int, int]], average: bool = True) -> List[torch.Tensor]:
+    """Every rank encodes each partition with its own state; every rank sums the decoded
+    payloads of all ranks in rank order; nothing is re-encoded."""
+    n = len(grads)
+    out = [g.detach().float().clone().view(-1) for g in grads]
+    for i, (s, e) in enumerate(bounds):
+        if e <= s:
+            continue
+        key = f"{name}/p{i}"
+        payloads = [comp.encode(out[r][s:e], stores[r].get(f"{key}/worker", comp, e - s)) for r in range(n)]
+        acc = torch.zeros(e - s, dtype=torch.float32)
+        for p in payloads:
+            comp.decode_add(p, acc)
+        for r in range(n):
+            out[r][s:e].copy_(acc)
+            if average:
+                out[r][s:e].div_(n)
+    return out
+
+
 def lowrank(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: str, shape,
             average: bool = True, segments=None) -> List[torch.Tensor]:
     """Multi-round aggregatable compressors: per round every rank encodes, payloads are

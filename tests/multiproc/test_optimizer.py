@@ -74,6 +74,8 @@ def check_against_reference(results, np):
                     want = reference.lowrank(local, comp, stores, name, None, segments=segments_of(grads[0]))
                 elif cfg["strategy"] == "ring":
                     want = reference.ring(local, comp, stores, name, bounds)
+                elif cfg["strategy"] == "allgather":
+                    want = reference.allgather(local, comp, stores, name, bounds)
                 else:
                     owners = [cfg_res["owners"][f"{name}/p{i}"] for i, (s, e) in enumerate(bounds) if e > s]
                     want = reference.ps(local, comp, stores, name, bounds, owners)
@@ -94,7 +96,7 @@ def test_uncompressed_equals_exact_average(tmp_path, np):
 @pytest.mark.parametrize("np", [2, 3])
 def test_algorithms_match_reference(tmp_path, np):
     configs = [{"compression": a, "strategy": s, "kwargs": kw, "steps": 2, "partition_bytes": 2048}
-               for a, kw in ALGORITHMS.items() for s in ("ring", "ps")]
+               for a, kw in ALGORITHMS.items() for s in ("ring", "ps", "allgather")]
     check_against_reference(launch(tmp_path, np, configs), np)
 
 

@@ -1,0 +1,59 @@
+"""Allgather synchronization (GRACE's form, paper 002 §III): nothing is re-encoded.
+
+For a gradient split into K partitions, on every rank:
+  1. encode     (compute) every partition with this rank's state (error feedback,
+                momentum, RNG counter); the K payloads are framed into one segment
+  2. allgather  (comm)    every rank's segment to every rank, as one bulk exchange
+  3. aggregate  (compute) per partition: sum over ranks, in rank order, of the decoded
+                payloads (fused decode_add), then divide by N; every rank adds the same
+                numbers in the same order, so all end bit-identical
+Compressed bytes are decoded exactly once and never averaged or re-encoded, so an
+algorithm whose quantizer or selector is not safe on merged partial sums (TBQ's fixed
+threshold caps a sum's step per hop; TernGrad's stochastic rounding compounds per hop;
+DGC's top-k of a sum) trains as it does alone. The price is traffic: each rank sends its
+payload to N-1 peers (a ring sends about 2 payloads' worth per rank), and it receives N-1.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import torch
+
+from hipress.engine import Handle
+from hipress.sync.base import Strategy, SyncContext, frame, unframe
+
+
+class AllgatherStrategy(Strategy):
+    name = "allgather"
+
+    def __init__(self, average: bool = True):
+        self.average = average
+
+    def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
+              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
+        n, comp = ctx.size, ctx.compressor
+        parts = [(f"{tensor_name}/p{i}", s, e) for i, (s, e) in enumerate(bounds) if e > s]
+        if not parts:
+            return ctx.compute(f"done.{tensor_name}", lambda: None, deps)
+        slot = {"in": {}}
+
+        def encode():
+            slot["out"] = frame([comp.encode(flat[s:e], ctx.states.get(f"{key}/worker", comp, e - s))
+                                 for key, s, e in parts])
+
+        def aggregate():
+            received = [unframe(slot["in"].pop(src), len(parts)) for src in range(n)]
+            for j, (_, s, e) in enumerate(parts):
+                acc = torch.zeros(e - s, dtype=torch.float32)
+                for src in range(n):  # rank order: every rank adds the same numbers in the same order
+                    comp.decode_add(received[src][j], acc)
+                flat[s:e].copy_(acc)
+            if self.average:
+                flat.div_(n)
+
+        nbytes = 4 * flat.numel()
+        enc = ctx.compute(f"encode.{tensor_name}", encode, deps, nbytes=nbytes)
+        g = ctx.exchange.allgather(f"allgather.{tensor_name}", lambda: slot.pop("out"),
+                                   {src: (lambda buf, src=src: slot["in"].__setitem__(src, buf)) for src in range(n)},
+                                   [enc])
+        return ctx.compute(f"aggregate.{tensor_name}", aggregate, [g], nbytes=nbytes)
