@@ -177,7 +177,7 @@ def worker(a) -> None:
     momentum = PAPER_OVERRIDES.get(a.algo, {}).get("momentum", 0.9) if a.paper_overrides else 0.9
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=momentum)
     opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=a.algo,
-                                       strategy=a.strategy)
+                                       strategy=a.strategy, **json.loads(a.algo_kwargs or "{}"))
     hipress.broadcast_parameters(model.state_dict(), root_rank=0)
     points = [{"epoch": 0, "step": 0, "wall_s": 0.0, **evaluate()}]
     train_s, step = 0.0, 0
@@ -226,6 +226,9 @@ def main(argv=None) -> dict:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--algo", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--algo-kwargs", help=argparse.SUPPRESS)
+    p.add_argument("--kwargs", action="append", default=[], metavar="ALGO=JSON",
+                   help='compressor keyword arguments of one algorithm, e.g. tbq=\'{"threshold": 0.05}\'')
     a = p.parse_args(argv)
     for k, v in DEFAULTS[a.task].items():
         if getattr(a, k) is None:
@@ -236,6 +239,13 @@ def main(argv=None) -> dict:
     from hipress.launch import run
 
     algos = [x for x in a.algos.split(",") if x]
+    kwargs = {}
+    for item in a.kwargs:
+        algo, _, js = item.partition("=")
+        try:
+            kwargs[algo] = json.loads(js)
+        except ValueError:
+            raise SystemExit(f"--kwargs {item!r}: expected ALGO={{json object}}, e.g. tbq={{\"threshold\": 0.05}}")
     metric = "test_accuracy" if a.task == "digits" else "val_perplexity"
     runs, rows = {}, []
     env = dict(os.environ)
@@ -247,7 +257,7 @@ def main(argv=None) -> dict:
             cmd = [sys.executable, "-m", "hipress.bench.convergence", "--worker", "--task", a.task, "--algo", algo,
                    "--result", res, "--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", str(a.lr),
                    "--seq", str(a.seq), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
-                   "--strategy", a.strategy]
+                   "--strategy", a.strategy, "--algo-kwargs", json.dumps(kwargs.get(algo, {}))]
             if not a.paper_overrides:
                 cmd.append("--no-paper-overrides")
             print(f"[convergence] {a.task} {i + 1}/{len(algos)} {algo} ...", file=sys.stderr, flush=True)
@@ -269,7 +279,7 @@ def main(argv=None) -> dict:
         last = r["points"][-1]
         val = last[metric]
         bad = val != val or abs(val) > 1e6
-        row = {"algorithm": algo, "strategy": r["strategy"], "epochs": last["epoch"], "steps": last["step"],
+        row = {"algorithm": algo + (f" {json.dumps(kwargs[algo])}" if algo in kwargs else ""), "strategy": r["strategy"], "epochs": last["epoch"], "steps": last["step"],
                metric: f"diverged ({val:.1e})" if bad else round(val, 2), "train_wall_s": round(last["wall_s"], 1)}
         if base is not None:
             row["diff_vs_none"] = "" if bad else round(val - base, 2)
