@@ -88,6 +88,8 @@ def test_bad_arguments(model):
         wrap(model, op="max")
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         hipress.DistributedOptimizer(model)
+    with pytest.raises(ValueError, match="'allgather' has no cost model yet"):
+        wrap(model, compression="tbq", strategy="allgather", plan="auto")
 
 
 def test_state_dict_carries_compressor_state(model):

@@ -567,7 +567,8 @@ def test_one_strategy_vocabulary():
     from hipress.planner.cost_model import EXECUTED_STRATEGIES, PAPER_STRATEGIES, STRATEGIES
     from hipress.sync import STRATEGIES as SYNC_STRATEGIES
 
-    assert set(EXECUTED_STRATEGIES) == set(SYNC_STRATEGIES) == {"ring", "ps"}  # the names users pass
+    assert set(EXECUTED_STRATEGIES) == {"ring", "ps"}  # the names users pass
+    assert set(SYNC_STRATEGIES) == set(EXECUTED_STRATEGIES) | {"allgather"}  # allgather has no cost model yet
     assert PAPER_STRATEGIES == ("paper_ring", "paper_ps", "paper_ps_colocated")
     assert set(STRATEGIES) == set(PAPER_STRATEGIES) | set(EXECUTED_STRATEGIES)
     assert CostModel(AffineCurve(0, 1), AffineCurve(0, 1), AffineCurve(0, 1), 4).strategy == "paper_ps_colocated"
