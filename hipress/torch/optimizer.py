@@ -381,7 +381,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     compression: an algorithm name of ``hipress.compression`` ("none", "onebit", "tbq",
     "terngrad", "dgc", "graddrop", "powersgd", or a registered user one) or a
     Compressor instance; extra keyword arguments configure it.
-    strategy: "ring", "ps" or "auto". partition_bytes: gradients larger than this are
+    strategy: "ring", "ps", "allgather" or "auto". partition_bytes: gradients larger than this are
     split into partitions that pipeline independently (None: never).
     local_aggregation: "auto" (default) reduces uncompressed among ranks of one host and
     compresses only across hosts, when there are several hosts with several ranks each;
