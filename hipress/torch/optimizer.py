@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import math
 import zlib
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -39,6 +39,7 @@ from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
 from hipress.planner.cost_model import EXECUTED_STRATEGIES
 from hipress.planner.online import profile_online
 from hipress.sync import StateStore, make_sync, resolve_strategy, use_local_aggregation
+from hipress.torch import clipping
 
 Average = "average"
 Sum = "sum"
@@ -122,6 +123,7 @@ class Options:
     plan: object = None
     coordinator: Optional[bool] = None    # None: HIPRESS_COORDINATOR
     bucket_bytes: Optional[int] = 1 << 20
+    grad_clip: object = "auto"            # hipress.torch.clipping: "auto" (the paper's), None or a callable
 
     def __post_init__(self):
         if self.backward_passes_per_step < 1:
@@ -150,6 +152,7 @@ class _HipressOptimizer:
         comp = options.compression
         self._hp_compressor = _compression.get(comp, **options.compression_kwargs) if isinstance(comp, str) else comp
         self._hp_strategy_name = resolve_strategy(options.strategy, self._hp_compressor)
+        self._hp_clip = clipping.resolve(options.grad_clip, self._hp_compressor.name)
         self._hp_average = options.op == Average
         self._hp_hierarchical = use_local_aggregation(options.local_aggregation, world.hostnames())
         engine = get_engine()
@@ -275,6 +278,8 @@ class _HipressOptimizer:
         key = id(p)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        elif self._hp_clip is not None:
+            self._hp_clip(self._hp_names[key], p.grad)
         self._hp_taken.add(key)
         bucket = self._hp_bucket_of[key]
         if self._hp_transport.size > 1:
@@ -375,7 +380,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          strategy: str = "ring", backward_passes_per_step: int = 1, op: str = Average,
                          partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto", plan=None,
                          coordinator: Optional[bool] = None, bucket_bytes: Optional[int] = 1 << 20,
-                         **compression_kwargs):
+                         grad_clip="auto", **compression_kwargs):
     """Wraps ``optimizer`` so that step() uses gradients averaged over all ranks.
 
     compression: an algorithm name of ``hipress.compression`` ("none", "onebit", "tbq",
@@ -395,6 +400,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     planned, compressed, partitioned) as one, until an exchange of the buffer sends this
     many bytes (None or 0: every gradient alone). Multi-round compressors such as PowerSGD
     send only factors, so more gradients share a buffer; each matrix is compressed whole.
+    grad_clip: clipping of each gradient before it is compressed (hipress.torch.clipping):
+    "auto" (default) applies what the algorithm's paper prescribes (TernGrad: 2.5 sigma per
+    layer) and nothing for the others; None turns it off; a callable (name, grad) is yours.
     coordinator: batch all communication through the global coordinator on rank 0
     (hipress.comm.coordinator); None reads HIPRESS_COORDINATOR (default off).
     Returns the same optimizer object, whose class is now a subclass of its old class.
@@ -408,7 +416,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(base.__name__, (base,), {k: v for k, v in _HipressOptimizer.__dict__.items()
                                         if not k.startswith("__")} | {"__module__": base.__module__})
     options = Options(compression, compression_kwargs, strategy, backward_passes_per_step, op, partition_bytes,
-                      local_aggregation, plan, coordinator, bucket_bytes)
+                      local_aggregation, plan, coordinator, bucket_bytes, grad_clip)
     optimizer.__class__ = cls
     try:
         optimizer._hipress_setup(named, options)

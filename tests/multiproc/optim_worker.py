@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import hipress
+from hipress.torch import clipping
 
 
 class Uneven(nn.Module):
@@ -69,6 +70,10 @@ def main():
         steps = []
         for step in range(cfg.get("steps", 1)):
             local = local_grads(ref_model, rank, step, cfg.get("passes", 1))
+            clip = clipping.resolve("auto", cfg["compression"])  # what the optimizer applies by default
+            if clip is not None:
+                for n, g in local.items():
+                    clip(n, g)
             opt.zero_grad(set_to_none=True)
             for k in range(cfg.get("passes", 1)):
                 x, y = batch(rank, step * cfg.get("passes", 1) + k)

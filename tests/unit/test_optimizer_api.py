@@ -138,3 +138,43 @@ def test_transport_that_cannot_carry_cpu_payloads_is_refused(model):
         assert not hasattr(torch.optim.SGD, "_hipress_setup")
     finally:
         world.shutdown()
+
+
+def test_gradient_clipping_before_compression(model):
+    """grad_clip runs on every final gradient (by name) before the step uses it; "auto" is the
+    paper's for TernGrad (2.5 sigma per layer) and nothing for an algorithm without one."""
+    from hipress.torch import clipping
+
+    seen = []
+
+    def halve(name, g):
+        seen.append(name)
+        g.mul_(0.5)
+
+    ref = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
+    ref.load_state_dict(model.state_dict())
+    opt = wrap(model, grad_clip=halve)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)  # half of wrap's lr 0.1: the same step
+    x = torch.randn(5, 4)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        o.zero_grad()
+        m(x).sum().backward()
+        o.step()
+    assert sorted(seen) == sorted(n for n, _ in model.named_parameters())
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+
+    g = torch.randn(10000)
+    g[0] = 100.0
+    bound = 2.5 * float(g.std())
+    inside = g.abs() <= bound
+    before = g.clone()
+    clipping.sigma(2.5)("w", g)
+    assert float(g[0]) == pytest.approx(bound) and float(g.abs().max()) <= bound * (1 + 1e-6)
+    assert torch.equal(g[inside], before[inside])  # elements within the bound are untouched
+    assert clipping.resolve("auto", "terngrad") is clipping.PAPER["terngrad"]
+    assert clipping.resolve("auto", "tbq") is None and clipping.resolve(None, "terngrad") is None
+    with pytest.raises(ValueError, match="grad_clip must be"):
+        wrap(nn.Linear(2, 2), grad_clip="sometimes")
+    with pytest.raises(ValueError, match="c > 0"):
+        clipping.sigma(0)

@@ -1,0 +1,48 @@
+"""Gradient clipping before compression: the training aid some algorithms' papers prescribe.
+
+    hipress.DistributedOptimizer(opt, ..., compression="terngrad")                 # grad_clip="auto"
+    hipress.DistributedOptimizer(opt, ..., grad_clip=hipress.clipping.sigma(3.0))  # your own
+    hipress.DistributedOptimizer(opt, ..., grad_clip=None)                         # off
+
+A clip is a callable ``clip(name, grad)`` that changes ``grad`` in place. The optimizer calls
+it on every parameter's final gradient of a step, on every rank, before the gradient is fused
+and compressed. ``"auto"`` is what the algorithm's paper prescribes (:data:`PAPER`), and no
+clipping for the others.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+Clip = Callable[[str, torch.Tensor], None]
+
+
+def sigma(c: float) -> Clip:
+    """Layer-wise clipping to [-c sigma, c sigma], sigma the gradient's standard deviation
+    (TernGrad, Wen et al. 2017, §3.3: c = 2.5 keeps almost every element of a normal
+    gradient and bounds the range the ternary levels must span)."""
+    if not c > 0:
+        raise ValueError(f"sigma clipping needs c > 0, got {c}")
+
+    def clip(name: str, grad: torch.Tensor) -> None:
+        if grad.numel() > 1:
+            bound = c * float(grad.float().std())
+            grad.clamp_(-bound, bound)
+
+    clip.__name__ = clip.__qualname__ = f"sigma({c:g})"
+    return clip
+
+
+#: the clipping each algorithm's paper prescribes (algorithm name -> clip)
+PAPER = {"terngrad": sigma(2.5)}
+
+
+def resolve(grad_clip, algorithm: str) -> Optional[Clip]:
+    """The clip to use: ``"auto"`` -> the paper's for ``algorithm`` (or none), None -> none,
+    a callable -> itself."""
+    if grad_clip == "auto":
+        return PAPER.get(algorithm)
+    if grad_clip is None or callable(grad_clip):
+        return grad_clip
+    raise ValueError(f"grad_clip must be 'auto', None or a callable (name, grad), got {grad_clip!r}")
