@@ -15,14 +15,18 @@ from hipress.planner.plan import chunk_bounds
 from hipress.sync.base import StateStore
 
 
+def _partitions(grads: Sequence[torch.Tensor], name: str, bounds: Sequence[Tuple[int, int]]):
+    """(fp32 flat copies of the gradients, [(state key, start, end)] of the non-empty
+    partitions): what every strategy starts from, with the strategies' key names."""
+    out = [g.detach().float().clone().view(-1) for g in grads]
+    return out, [(f"{name}/p{i}", s, e) for i, (s, e) in enumerate(bounds) if e > s]
+
+
 def ring(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: str,
          bounds: Sequence[Tuple[int, int]], average: bool = True) -> List[torch.Tensor]:
     n = len(grads)
-    out = [g.detach().float().clone().view(-1) for g in grads]
-    for i, (s, e) in enumerate(bounds):
-        if e <= s:
-            continue
-        key = f"{name}/p{i}"
+    out, parts = _partitions(grads, name, bounds)
+    for key, s, e in parts:
         xs = [o[s:e] for o in out]
         ch = chunk_bounds(e - s, n)
 
@@ -53,10 +57,8 @@ def ps(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: 
        bounds: Sequence[Tuple[int, int]], owners: Sequence[int], average: bool = True) -> List[torch.Tensor]:
     """owners[i]: aggregator rank of partition i (as the real strategy chose it)."""
     n = len(grads)
-    out = [g.detach().float().clone().view(-1) for g in grads]
-    live = [(i, s, e) for i, (s, e) in enumerate(bounds) if e > s]
-    for (i, s, e), a in zip(live, owners):
-        key = f"{name}/p{i}"
+    out, parts = _partitions(grads, name, bounds)
+    for (key, s, e), a in zip(parts, owners):
         acc = torch.zeros(e - s, dtype=torch.float32)
         for r in range(n):
             comp.decode_add(comp.encode(out[r][s:e], stores[r].get(f"{key}/worker", comp, e - s)), acc)
@@ -73,11 +75,8 @@ def allgather(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore],
     """Every rank encodes each partition with its own state; every rank sums the decoded
     payloads of all ranks in rank order; nothing is re-encoded."""
     n = len(grads)
-    out = [g.detach().float().clone().view(-1) for g in grads]
-    for i, (s, e) in enumerate(bounds):
-        if e <= s:
-            continue
-        key = f"{name}/p{i}"
+    out, parts = _partitions(grads, name, bounds)
+    for key, s, e in parts:
         payloads = [comp.encode(out[r][s:e], stores[r].get(f"{key}/worker", comp, e - s)) for r in range(n)]
         acc = torch.zeros(e - s, dtype=torch.float32)
         for p in payloads:

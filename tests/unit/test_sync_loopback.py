@@ -165,7 +165,7 @@ def test_lowrank_fused_bucket_equals_one_sync_per_matrix(n):
     steps = [[torch.randn(total, generator=torch.Generator().manual_seed(10 * s + r)) for r in range(n)]
              for s in range(2)]
     comp = lambda: compression.get("powersgd", rank=2)  # noqa: E731
-    fused, alone, exchanges = [None] * n, [None] * n, [0] * n
+    fused, alone = [None] * n, [None] * n
 
     def body(tr):
         eng = Engine()

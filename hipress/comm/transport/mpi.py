@@ -21,7 +21,7 @@ import atexit
 from typing import Optional
 
 from hipress import config
-from hipress.comm.transport.base import Transport, TransportError
+from hipress.comm.transport.base import Transport
 
 __all__ = ["MpiTransport", "available"]
 
