@@ -194,7 +194,7 @@ def test_runtime_single_process(clean_env):
 
 
 def test_runtime_torch_single_process(clean_env):
-    clean_env.setenv("HIPRESS_TRANSPORT", "torch")
+    clean_env.setenv("HIPRESS_TRANSPORT", " Torch ")  # the variable's value in any case
     world.init()
     t = world.transport()
     assert t.name == "torch/gloo" and (t.rank, t.size) == (0, 1)

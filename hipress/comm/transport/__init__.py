@@ -86,7 +86,7 @@ def backend(name: str) -> Backend:
 
 def choose(requested: Optional[str], launch: LaunchInfo) -> Backend:
     """The backend for this launch (see the module docstring for the order)."""
-    name = requested or config.get("HIPRESS_TRANSPORT")
+    name = requested or (config.get("HIPRESS_TRANSPORT") or "").lower()  # the env value in any case, as before
     if name:
         try:
             return backend(name)
