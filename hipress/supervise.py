@@ -130,8 +130,7 @@ def _signals_deferred():
     try:
         yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        restore_signals(old)
         if pending:
             signal.raise_signal(pending[0])  # now with the caller's handlers in place
 

@@ -94,10 +94,7 @@ def _connect(launch, timeout: float):
     from horovod_ext.transport import HorovodTransport
 
     t = HorovodTransport.world(timeout_s=timeout)
-    if launch.launcher != "single" and (t.rank, t.size) != (launch.rank, launch.size):
-        t.close()
-        raise RuntimeError(f"Horovod says rank {t.rank} of {t.size} but the {launch.launcher} launch says "
-                           f"rank {launch.rank} of {launch.size}")
+    launch.check_agrees(t, "Horovod")
     return t
 
 

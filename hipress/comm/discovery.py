@@ -41,6 +41,14 @@ class LaunchInfo:
     def is_mpi(self) -> bool:
         return self.launcher == "mpi"
 
+    def check_agrees(self, t, who: str) -> None:
+        """A backend that numbers the ranks itself (MPI, Horovod) must agree with the launcher:
+        else ``t`` is closed and the mismatch raised."""
+        if self.launcher != "single" and (t.rank, t.size) != (self.rank, self.size):
+            t.close()
+            raise RuntimeError(f"{who} says rank {t.rank} of {t.size} but the {self.launcher} launch says "
+                               f"rank {self.rank} of {self.size}")
+
 
 def _env_int(env, *names) -> Optional[int]:
     for n in names:

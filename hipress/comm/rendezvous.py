@@ -63,8 +63,9 @@ def _free_port() -> int:
 
 def _my_address(toward: Optional[str] = None) -> str:
     """This host's address as seen on the route to ``toward`` (no packet is sent)."""
-    if config.get("HIPRESS_ADDR"):
-        return config.get("HIPRESS_ADDR")
+    forced = config.get("HIPRESS_ADDR")
+    if forced:
+        return forced
     if toward:
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

@@ -41,13 +41,25 @@ class _State:
     cross: object
     rank: int
     size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
     hostnames: list
     local_members: list   # world ranks of this host, in local rank order
     cross_members: list   # world ranks with this local_rank, in cross rank order
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_members.index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return len(self.local_members)
+
+    @property
+    def cross_rank(self) -> int:
+        return self.cross_members.index(self.rank)
+
+    @property
+    def cross_size(self) -> int:
+        return len(self.cross_members)
 
 
 _lock = threading.RLock()
@@ -178,7 +190,7 @@ def _group_by_host(world, launch: LaunchInfo) -> _State:
 
     n = world.size
     if n == 1:
-        return _State(launch, world, world, world, 0, 1, 0, 1, 0, 1, [_hostname()], [0], [0])
+        return _State(launch, world, world, world, 0, 1, [_hostname()], [0], [0])
     raw = _hostname().encode()[:255]
     mine = torch.zeros(256, dtype=torch.uint8)
     mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
@@ -191,14 +203,11 @@ def _group_by_host(world, launch: LaunchInfo) -> _State:
     me = world.rank
     host_of = [hosts.index(h) for h in names]
     local_of = [sum(1 for q in range(r) if host_of[q] == host_of[r]) for r in range(n)]
-    lr = local_of[me]
-    ls = host_of.count(host_of[me])
-    cross_members = [r for r in range(n) if local_of[r] == lr]
-    cr, cs = cross_members.index(me), len(cross_members)
     local = world.split(host_of[me], key=me)
-    cross = world.split(lr, key=me)
+    cross = world.split(local_of[me], key=me)
     local_members = [r for r in range(n) if host_of[r] == host_of[me]]
-    return _State(launch, world, local, cross, me, n, lr, ls, cr, cs, names, local_members, cross_members)
+    cross_members = [r for r in range(n) if local_of[r] == local_of[me]]
+    return _State(launch, world, local, cross, me, n, names, local_members, cross_members)
 
 
 def _buffer_device(world):

@@ -872,27 +872,18 @@ class Generator:
         s = self.s
         names = {g.name for g in s.state_arrays}
 
-        def uses(node) -> bool:
-            if isinstance(node, A.If) and isinstance(node.cond, A.Name) and node.cond.id == "has_state":
-                return any(uses(x) for x in node.other)
+        def reads(node, skip_guarded: bool) -> bool:
+            if skip_guarded and isinstance(node, A.If) and isinstance(node.cond, A.Name) and node.cond.id == "has_state":
+                return reads(node.other, True)
             if isinstance(node, A.Name):
                 return node.id in names
             if isinstance(node, A.Node):
-                return any(uses(v) for v in vars(node).values())
+                return any(reads(v, skip_guarded) for v in vars(node).values())
             if isinstance(node, (list, tuple)):
-                return any(uses(x) for x in node)
+                return any(reads(x, skip_guarded) for x in node)
             return False
 
-        def mentions(node) -> bool:
-            if isinstance(node, A.Name):
-                return node.id in names
-            if isinstance(node, A.Node):
-                return any(mentions(v) for v in vars(node).values())
-            if isinstance(node, (list, tuple)):
-                return any(mentions(x) for x in node)
-            return False
-
-        return uses(s.encode.body) or any(mentions(u.func.body) for u in s.udfs.values())
+        return reads(s.encode.body, True) or any(reads(u.func.body, False) for u in s.udfs.values())
 
     def read_scalars(self, unused_note=False):
         s = self.s

@@ -163,7 +163,8 @@ def profile_online(compressor, transport, strategy: str, *, device: str = "cpu",
     engine: whose queues run the timed operators (default: the process-wide engine).
     A cached file written by an older hipress (another profile version) is re-profiled and replaced."""
     if strategy not in EXECUTED_STRATEGIES:
-        raise ValueError(f"profile_online profiles an executed strategy {EXECUTED_STRATEGIES}, got {strategy!r}")
+        raise ValueError(f"the planner has a cost model of each executed strategy {EXECUTED_STRATEGIES} only; "
+                         f"{strategy!r} has no cost model yet")
     n = transport.size
     path = profile_path(n, strategy, device, compressor.name, cache_dir)
     cached = None

@@ -36,7 +36,6 @@ from hipress.comm.exchange import open_exchanges
 from hipress.compression.none import NoneCompressor
 from hipress.engine import Handle, get_engine
 from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
-from hipress.planner.cost_model import EXECUTED_STRATEGIES
 from hipress.planner.online import profile_online
 from hipress.sync import StateStore, make_sync, resolve_strategy, use_local_aggregation
 from hipress.torch import clipping
@@ -130,8 +129,6 @@ class Options:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {self.backward_passes_per_step}")
         if self.op not in (Average, Sum):
             raise ValueError(f"op must be hipress.Average or hipress.Sum, got {self.op!r}")
-        if self.local_aggregation not in ("auto", True, False):
-            raise ValueError(f"local_aggregation must be 'auto', True or False, got {self.local_aggregation!r}")
         if self.compression == "auto":  # TBQ, compressed only where the planner says it pays
             object.__setattr__(self, "compression", "tbq")
             object.__setattr__(self, "plan", self.plan if self.plan is not None else "auto")
@@ -196,9 +193,6 @@ class _HipressOptimizer:
             raise ValueError(f"plan must be 'auto', a hipress.planner.Plan or Overrides, got {plan!r}")
         if self._hp_compressor.rounds > 1 or self._hp_compressor.name == "none":
             raise ValueError(f"plan='auto' needs a single-round compressor, got {self._hp_compressor.name!r}")
-        if self._hp_strategy_name not in EXECUTED_STRATEGIES:
-            raise ValueError(f"plan='auto' models the {' and '.join(EXECUTED_STRATEGIES)} strategies; "
-                             f"{self._hp_strategy_name!r} has no cost model yet")
         # Profiled over the world ring (its slowest link is the one that matters), by every
         # rank, so all ranks hold the same plan; N is the number of peers of the compressed sync.
         prof = profile_online(self._hp_compressor, self._hp_transport, self._hp_strategy_name)

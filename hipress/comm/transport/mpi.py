@@ -158,9 +158,7 @@ class MpiTransport(Transport):
 
 def _connect(launch, timeout: float) -> MpiTransport:
     t = MpiTransport.world(timeout_s=timeout)
-    if launch.launcher != "single" and (t.rank, t.size) != (launch.rank, launch.size):
-        raise RuntimeError(f"MPI says rank {t.rank} of {t.size} but the {launch.launcher} launch says "
-                           f"rank {launch.rank} of {launch.size}")
+    launch.check_agrees(t, "MPI")
     return t
 
 
