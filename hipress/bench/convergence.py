@@ -41,10 +41,6 @@ from hipress.bench.common import machine_info, markdown_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALGOS = ["none", "onebit", "tbq", "terngrad", "dgc", "graddrop", "powersgd"]
-# Where an algorithm's paper prescribes a different setting (on with --paper-overrides, the default):
-# DGC (Lin et al. 2018) applies momentum inside the compressor (momentum correction, hipress's
-# dgc momentum=0.9), which replaces the optimizer's momentum.
-PAPER_OVERRIDES = {"dgc": {"momentum": 0.0}}
 DEFAULTS = {
     "digits": dict(epochs=10, batch=32, lr=0.05, eval_every=1),
     "charlm": dict(epochs=4, batch=16, lr=0.5, eval_every=1),
@@ -174,8 +170,7 @@ def worker(a) -> None:
             model.train()
             return {"val_loss": loss, "val_perplexity": math.exp(loss)}
 
-    momentum = PAPER_OVERRIDES.get(a.algo, {}).get("momentum", 0.9) if a.paper_overrides else 0.9
-    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=momentum)
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=a.algo,
                                        strategy=a.strategy, **json.loads(a.algo_kwargs or "{}"))
     hipress.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -218,8 +213,6 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--strategy", default="auto", choices=["auto", "ring", "ps", "allgather"],
                    help="CaSync strategy of every compressed run (low-rank compressors always use their own)")
-    p.add_argument("--no-paper-overrides", dest="paper_overrides", action="store_false",
-                   help=f"use identical optimizer settings for every algorithm (overrides: {PAPER_OVERRIDES})")
     p.add_argument("--out-dir", default="results")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--no-plots", action="store_true")
@@ -258,8 +251,6 @@ def main(argv=None) -> dict:
                    "--result", res, "--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", str(a.lr),
                    "--seq", str(a.seq), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
                    "--strategy", a.strategy, "--algo-kwargs", json.dumps(kwargs.get(algo, {}))]
-            if not a.paper_overrides:
-                cmd.append("--no-paper-overrides")
             print(f"[convergence] {a.task} {i + 1}/{len(algos)} {algo} ...", file=sys.stderr, flush=True)
             t0 = time.time()
             code, logs = run(cmd, a.np, timeout=a.timeout, quiet=True, env=env)

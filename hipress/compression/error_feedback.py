@@ -35,6 +35,9 @@ class ErrorFeedback(Compressor):
         self._native = (_C.compress_error_feedback(inner._c, self.beta, self.gamma)
                         if isinstance(inner, NativeCompressor) else None)
 
+    def _merged_compressor(self) -> Compressor:
+        return self  # the residual is already the error feedback of a re-encode
+
     def max_encoded_bytes(self, numel: int, shape=None) -> int:
         return self.inner.max_encoded_bytes(numel, shape)
 

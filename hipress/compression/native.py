@@ -114,17 +114,24 @@ class TernGrad(NativeCompressor):
 
 
 class DGC(NativeCompressor):
-    """Deep gradient compression (Lin 2018): momentum correction, local accumulation,
-    sampled-threshold exact top-k, momentum factor masking, warm-up density schedule."""
+    """Deep gradient compression (Lin 2018): local accumulation, sampled-threshold exact
+    top-k, warm-up density schedule; with ``momentum`` > 0, the paper's momentum correction
+    inside the compressor with momentum factor masking (use it with an optimizer without
+    momentum). The default, momentum 0, leaves momentum correction to
+    ``hipress.DistributedOptimizer`` (momentum_correction="auto"), which applies it to every
+    algorithm; the accumulation is then error feedback."""
 
-    # Momentum correction belongs to the local gradient only: re-selecting the top-k of a
-    # merged partial sum is a plain (stateless) encode, as the paper's ring does.
-    reencode_with_state = False
-
-    def __init__(self, ratio: float = 0.001, momentum: float = 0.9, sample_ratio: float = 0.01,
+    def __init__(self, ratio: float = 0.001, momentum: float = 0.0, sample_ratio: float = 0.01,
                  warmup_steps: int = 0, seed: int = 0):
         super().__init__("dgc", ratio=ratio, momentum=momentum, sample_ratio=sample_ratio,
                          warmup_steps=warmup_steps, seed=seed)
+        self._args = dict(ratio=ratio, sample_ratio=sample_ratio, warmup_steps=warmup_steps, seed=seed)
+        self.momentum = float(momentum)
+
+    def _merged_compressor(self) -> Compressor:
+        # Momentum belongs to the local gradient only: a merged sum already carries it, so
+        # partial sums are re-selected with accumulation (error feedback) but no momentum.
+        return self if self.momentum == 0 else DGC(momentum=0.0, **self._args)
 
 
 class GradDrop(NativeCompressor):

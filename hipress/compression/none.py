@@ -24,6 +24,9 @@ class NoneCompressor(Compressor):
     def max_encoded_bytes(self, numel: int, shape=None) -> int:
         return 4 * numel
 
+    def _merged_compressor(self) -> Compressor:
+        return self  # lossless: nothing to carry over
+
     def encode(self, grad: torch.Tensor, state: Optional[CompressorState] = None,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         g = flat_f32(grad)

@@ -276,7 +276,7 @@ def graddrop_encode(g: np.ndarray, ratio: float = 0.01, sample_ratio: float = 0.
 class DGCReference:
     """DGC with its own state (momentum u, accumulation v, step)."""
 
-    def __init__(self, n: int, ratio=0.001, momentum=0.9, warmup_steps=0):
+    def __init__(self, n: int, ratio=0.001, momentum=0.0, warmup_steps=0):
         self.ratio, self.momentum, self.warmup = ratio, np.float32(momentum), warmup_steps
         self.u = np.zeros(n, np.float32)
         self.v = np.zeros(n, np.float32)

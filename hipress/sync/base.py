@@ -9,6 +9,7 @@ schedule it), compute tasks call the compressor.
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence, Tuple
 
@@ -53,13 +54,35 @@ def unframe(buf: torch.Tensor, expected: int) -> List[torch.Tensor]:
     return out
 
 
-class StateStore:
-    """Per-(tensor, partition, role) compressor state, created on first use.
+def rng_stream_start(rank: int, key: str) -> int:
+    """Where the RNG counter of state ``key`` on ``rank`` starts: a position in the 2^63
+    counter space fixed by (rank, key), so ranks draw independent random numbers. With
+    one shared stream (every rank's counter starting at 0), TernGrad's stochastic rounding
+    rounded every element the same way on every rank: the noise did not average out over
+    ranks and training diverged (digits, 4 ranks: 11.8% -> see docs/convergence.md)."""
+    h = zlib.crc32(key.encode()) | (int(rank) << 32)
+    return _splitmix64(h) >> 1
 
-    Keys are strings, so ``state_dict()`` is a plain dict a checkpoint can hold.
+
+def _splitmix64(x: int) -> int:
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+class StateStore:
+    """Per-(tensor, partition, role) compressor state of one rank, created on first use.
+
+    Keys are strings, so ``state_dict()`` is a plain dict a checkpoint can hold. A new
+    state's RNG counter starts at :func:`rng_stream_start` (independent random numbers per
+    rank), except for aggregatable compressors, whose payloads are combined in compressed
+    form and so must draw the same random numbers on every rank (PowerSGD's initial Q).
     """
 
-    def __init__(self):
+    def __init__(self, rank: int = 0):
+        self.rank = int(rank)
         self._states: Dict[str, object] = {}
         self._pending: Dict[str, dict] = {}
 
@@ -69,6 +92,8 @@ class StateStore:
             st = compressor.new_state(numel, shape)
             if key in self._pending:
                 st.load_state_dict(self._pending.pop(key))
+            elif not compressor.aggregatable:
+                st.scalars[0] = rng_stream_start(self.rank, key)
             self._states[key] = st
         return st
 

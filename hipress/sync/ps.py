@@ -11,7 +11,7 @@ because they submit gradients in the same order.
   2. gather   (comm)    one bulk exchange: segment j goes to aggregator j (the own
               segment stays local)
   3. aggregate(compute) for each owned partition: acc = sum over ranks of decode(payload),
-              then encode(acc) with the aggregator's state
+              then encode(acc) with compressor.merged and the aggregator's state
   4. bcast    (comm)    one bulk exchange: each aggregator sends its encoded aggregates
               to every rank
   5. decode   (compute) every partition from its aggregator's payload, divide by N
@@ -82,8 +82,8 @@ class PSStrategy(Strategy):
                 acc = torch.zeros(e - s, dtype=torch.float32)
                 for src in range(n):
                     comp.decode_add(received[src][j], acc)
-                st = ctx.states.get(f"{key}/aggregator", comp, e - s) if comp.reencode_with_state else None
-                out.append(comp.encode(acc, st))
+                m = comp.merged  # error feedback at the aggregator: what its re-encode drops is not lost
+                out.append(m.encode(acc, ctx.states.get(f"{key}/aggregator", m, e - s)))
             slot["bcast_out"] = frame(out)
 
         def decode():

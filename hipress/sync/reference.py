@@ -32,8 +32,8 @@ def ring(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name
 
         def encode(r, c, merged=True):
             a, b = ch[c]
-            st = None if merged and not comp.reencode_with_state else stores[r].get(f"{key}/c{c}", comp, b - a)
-            return comp.encode(xs[r][a:b], st)
+            enc = comp.merged if merged else comp
+            return enc.encode(xs[r][a:b], stores[r].get(f"{key}/c{c}", enc, b - a))
 
         for step in range(n - 1):
             # Rank r sends chunk (r - step); rank r + 1 merges it into the same chunk.
@@ -62,7 +62,7 @@ def ps(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: 
         acc = torch.zeros(e - s, dtype=torch.float32)
         for r in range(n):
             comp.decode_add(comp.encode(out[r][s:e], stores[r].get(f"{key}/worker", comp, e - s)), acc)
-        p = comp.encode(acc, stores[a].get(f"{key}/aggregator", comp, e - s) if comp.reencode_with_state else None)
+        p = comp.merged.encode(acc, stores[a].get(f"{key}/aggregator", comp.merged, e - s))
         for r in range(n):
             comp.decode(p, out[r][s:e])
             if average:

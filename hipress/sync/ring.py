@@ -17,11 +17,10 @@ finally chunks are divided by N (op=Average): decode, then aggregate, then avera
 compressed bytes are never averaged.
 
 Each rank encodes each chunk exactly once per sync (chunks (r - s) for s = 0..N-1), so
-per-chunk error-feedback state lives on that rank. Only step 0 encodes the rank's own
-gradient; the other encodes see merged partial sums and use state only where the
-compressor says that is sound (``reencode_with_state``: error feedback yes, DGC's
-momentum correction no). Sparsifiers re-select after every
-merge because step 1 encodes the merged dense chunk. Aggregatable (low-rank)
+per-chunk state lives on that rank. Only step 0 encodes the rank's own gradient; the
+other encodes see merged partial sums and use ``compressor.merged`` (error feedback at
+every site, so what a re-encode drops is sent in a later sync, not lost). Sparsifiers
+re-select after every merge because step 1 encodes the merged dense chunk. Aggregatable (low-rank)
 compressors are synchronised by :mod:`hipress.sync.lowrank` instead.
 """
 from __future__ import annotations
@@ -58,12 +57,12 @@ class RingStrategy(Strategy):
             s, e = chunks[c]
             return x[s:e]
 
-        def state(c, merged=True):
-            # Step 0 encodes this rank's own gradient; later encodes see merged partial
-            # sums and keep state only if the compressor allows it (not DGC's momentum).
-            if merged and not comp.reencode_with_state:
-                return None
-            return ctx.states.get(f"{key}/c{c}", comp, chunks[c][1] - chunks[c][0])
+        def encode_chunk(c, merged=True):
+            # Step 0 encodes this rank's own gradient; later encodes see merged partial sums
+            # and use the compressor's merged form (error feedback at every site). A chunk
+            # key has one role per rank, so its state always belongs to the same compressor.
+            enc = comp.merged if merged else comp
+            return enc.encode(view(c), ctx.states.get(f"{key}/c{c}", enc, chunks[c][1] - chunks[c][0]))
 
         nxt, prv = (r + 1) % n, (r - 1) % n
         slot = {}
@@ -74,7 +73,7 @@ class RingStrategy(Strategy):
             cs, cr = (r - s) % n, (r - s - 1) % n
 
             def encode(s=s, cs=cs):
-                slot[("out", s)] = comp.encode(view(cs), state(cs, merged=s > 0))
+                slot[("out", s)] = encode_chunk(cs, merged=s > 0)
 
             def merge(s=s, cr=cr):
                 comp.decode_add(slot.pop(("in", s)), view(cr))
@@ -88,7 +87,7 @@ class RingStrategy(Strategy):
         owned = (r + 1) % n
 
         def encode_owned():
-            p = comp.encode(view(owned), state(owned))
+            p = encode_chunk(owned)
             comp.decode(p, view(owned))
             slot[("fwd", 0)] = p
 

@@ -38,7 +38,7 @@ from hipress.engine import Handle, get_engine
 from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
 from hipress.planner.online import profile_online
 from hipress.sync import StateStore, make_sync, resolve_strategy, use_local_aggregation
-from hipress.torch import clipping
+from hipress.torch import clipping, momentum
 
 Average = "average"
 Sum = "sum"
@@ -123,6 +123,7 @@ class Options:
     coordinator: Optional[bool] = None    # None: HIPRESS_COORDINATOR
     bucket_bytes: Optional[int] = 1 << 20
     grad_clip: object = "auto"            # hipress.torch.clipping: "auto" (the paper's), None or a callable
+    momentum_correction: object = "auto"  # hipress.torch.momentum: "auto", True or False
 
     def __post_init__(self):
         if self.backward_passes_per_step < 1:
@@ -150,11 +151,13 @@ class _HipressOptimizer:
         self._hp_compressor = _compression.get(comp, **options.compression_kwargs) if isinstance(comp, str) else comp
         self._hp_strategy_name = resolve_strategy(options.strategy, self._hp_compressor)
         self._hp_clip = clipping.resolve(options.grad_clip, self._hp_compressor.name)
+        self._hp_momentum = (momentum.MomentumCorrection(self, {id(p): n for n, p in named})
+                             if momentum.resolve(options.momentum_correction, self, self._hp_compressor) else None)
         self._hp_average = options.op == Average
         self._hp_hierarchical = use_local_aggregation(options.local_aggregation, world.hostnames())
         engine = get_engine()
         exchanges = open_exchanges(engine, coordinated=options.coordinator)
-        self._hp_states = StateStore()
+        self._hp_states = StateStore(world.rank())
 
         def sync_for(compressor):
             return make_sync(engine, exchanges, compressor, self._hp_strategy_name, self._hp_states,
@@ -274,6 +277,8 @@ class _HipressOptimizer:
             p.grad = torch.zeros_like(p)
         elif self._hp_clip is not None:
             self._hp_clip(self._hp_names[key], p.grad)
+        if self._hp_momentum is not None:
+            self._hp_momentum.apply(p, p.grad)
         self._hp_taken.add(key)
         bucket = self._hp_bucket_of[key]
         if self._hp_transport.size > 1:
@@ -347,7 +352,8 @@ class _HipressOptimizer:
         else:
             self.synchronize()
         self._hp_synchronized = False
-        out = super(self.__class__, self).step(closure)
+        with self._hp_momentum.plain_step() if self._hp_momentum is not None else contextlib.nullcontext():
+            out = super(self.__class__, self).step(closure)
         self._hp_mark_ns = _C.now_ns()
         return out
 
@@ -360,6 +366,8 @@ class _HipressOptimizer:
     def state_dict(self):
         sd = super(self.__class__, self).state_dict()
         sd["hipress"] = {"compressor_state": self._hp_states.state_dict()}
+        if self._hp_momentum is not None:
+            sd["hipress"]["velocity"] = self._hp_momentum.state_dict()
         return sd
 
     def load_state_dict(self, state_dict):
@@ -368,13 +376,15 @@ class _HipressOptimizer:
         super(self.__class__, self).load_state_dict(state_dict)
         if hp is not None:
             self._hp_states.load_state_dict(hp["compressor_state"])
+            if self._hp_momentum is not None:
+                self._hp_momentum.load_state_dict(hp.get("velocity", {}))
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none",
                          strategy: str = "ring", backward_passes_per_step: int = 1, op: str = Average,
                          partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto", plan=None,
                          coordinator: Optional[bool] = None, bucket_bytes: Optional[int] = 1 << 20,
-                         grad_clip="auto", **compression_kwargs):
+                         grad_clip="auto", momentum_correction="auto", **compression_kwargs):
     """Wraps ``optimizer`` so that step() uses gradients averaged over all ranks.
 
     compression: an algorithm name of ``hipress.compression`` ("none", "onebit", "tbq",
@@ -397,6 +407,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     grad_clip: clipping of each gradient before it is compressed (hipress.torch.clipping):
     "auto" (default) applies what the algorithm's paper prescribes (TernGrad: 2.5 sigma per
     layer) and nothing for the others; None turns it off; a callable (name, grad) is yours.
+    momentum_correction: with a torch.optim.SGD with momentum, each rank applies the
+    momentum (and weight decay) to its own gradient before compression and the SGD steps
+    without them (hipress.torch.momentum; DGC's momentum correction, for every algorithm).
+    "auto" (default): on for single-round compressors, off for "none" and PowerSGD.
     coordinator: batch all communication through the global coordinator on rank 0
     (hipress.comm.coordinator); None reads HIPRESS_COORDINATOR (default off).
     Returns the same optimizer object, whose class is now a subclass of its old class.
@@ -410,7 +424,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(base.__name__, (base,), {k: v for k, v in _HipressOptimizer.__dict__.items()
                                         if not k.startswith("__")} | {"__module__": base.__module__})
     options = Options(compression, compression_kwargs, strategy, backward_passes_per_step, op, partition_bytes,
-                      local_aggregation, plan, coordinator, bucket_bytes, grad_clip)
+                      local_aggregation, plan, coordinator, bucket_bytes, grad_clip, momentum_correction)
     optimizer.__class__ = cls
     try:
         optimizer._hipress_setup(named, options)

@@ -62,7 +62,7 @@ def check_against_reference(results, np):
     its strategy run on the same local gradients, with state carried across steps."""
     for c, cfg_res in enumerate(results[0]):
         cfg = cfg_res["config"]
-        stores = [StateStore() for _ in range(np)]
+        stores = [StateStore(r) for r in range(np)]
         for step in range(len(cfg_res["steps"])):
             for b in cfg_res["buckets"]:
                 name, bounds = b["name"], b["bounds"]
@@ -184,7 +184,7 @@ def test_local_aggregation_compresses_across_hosts_only(tmp_path, coordinator):
         assert all(results[r][c]["hierarchical"] for r in range(np))
         assert all(results[r][c]["coordinated"] == coordinator for r in range(np))
         comp = compression.get(cfg["compression"], **cfg["kwargs"])
-        stores = [StateStore() for _ in range(2)]
+        stores = [StateStore(0), StateStore(2)]  # the host roots (world ranks 0 and 2) compress
         res = results[0][c]
         for step in range(2):
             for b in res["buckets"]:

@@ -79,7 +79,7 @@ def test_three_rank_lowrank_reference(gen):
     generated and the hand-written PowerSGD, over 2 steps of state."""
     g_c, h_c = gen(rank=2), PowerSGD(rank=2)
     for shape in [(64, 33), (17,), (9, 5, 2)]:
-        stores = {c: [StateStore() for _ in range(3)] for c in ("gen", "hand")}
+        stores = {c: [StateStore(r) for r in range(3)] for c in ("gen", "hand")}
         for step in range(2):
             grads = [grad(shape, seed=1000 * step + r) for r in range(3)]
             a = reference.lowrank(grads, g_c, stores["gen"], "w", shape)
@@ -106,7 +106,7 @@ def test_loopback_lowrank_strategy_matches_reference(gen):
     def body(tr):
         eng = Engine()
         try:
-            ctx = SyncContext(eng, DirectExchange(eng, tr, CommChain()), gen(rank=2), StateStore())
+            ctx = SyncContext(eng, DirectExchange(eng, tr, CommChain()), gen(rank=2), StateStore(tr.rank))
             out = []
             for _ in range(2):
                 flat = grads[tr.rank].clone()
@@ -117,7 +117,7 @@ def test_loopback_lowrank_strategy_matches_reference(gen):
             eng.shutdown()
 
     loopback.spawn(nr, body, timeout_s=60)
-    stores = [StateStore() for _ in range(nr)]
+    stores = [StateStore(r) for r in range(nr)]
     for step in range(2):
         want = reference.lowrank([g.clone() for g in grads], gen(rank=2), stores, "w", shape)
         for r in range(nr):

@@ -27,7 +27,7 @@ def run_strategy(strategy, comp_factory, grads, bounds, name="w", coordinator=Fa
         eng = Engine()
         ex = Executor(tr.split(0, key=tr.rank), batch_bytes=1 << 12) if coordinator else None
         try:
-            st = StateStore()
+            st = StateStore(tr.rank)
             strat = LowRankStrategy() if strategy == "lowrank" else STRATEGIES[strategy]()
             exchange = CoordinatedExchange(eng, ex, range(tr.size)) if coordinator else \
                 DirectExchange(eng, tr, CommChain())
@@ -68,11 +68,11 @@ def test_uncompressed_matches_reference(n):
     grads = grads_for(n, 999, seed=7)
     bounds = chunk_bounds(999, 2)
     got, owners = run_strategy("ring", NoneCompressor, grads, bounds)
-    want = reference.ring(grads, NoneCompressor(), [StateStore() for _ in range(n)], "w", bounds)
+    want = reference.ring(grads, NoneCompressor(), [StateStore(r) for r in range(n)], "w", bounds)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     got, owners = run_strategy("ps", NoneCompressor, grads, bounds)
-    want = reference.ps(grads, NoneCompressor(), [StateStore() for _ in range(n)], "w", bounds, owners[0])
+    want = reference.ps(grads, NoneCompressor(), [StateStore(r) for r in range(n)], "w", bounds, owners[0])
     for g, w in zip(got, want):
         assert torch.equal(g, w)
 
@@ -101,7 +101,7 @@ def test_allgather_matches_reference_and_never_reencodes(algo, kw):
 
     got, _ = run_strategy("allgather", counting, grads, bounds, steps=2)
     assert calls == [True] * (n * len(bounds) * 2)
-    stores = [StateStore() for _ in range(n)]
+    stores = [StateStore(r) for r in range(n)]
     for step in range(2):
         want = reference.allgather(grads, compression.get(algo, **kw), stores, "w", bounds)
         for r in range(n):
@@ -171,7 +171,7 @@ def test_lowrank_fused_bucket_equals_one_sync_per_matrix(n):
         eng = Engine()
         try:
             chain = CommChain()
-            ctx_f, ctx_a = (SyncContext(eng, DirectExchange(eng, tr, chain), comp(), StateStore()) for _ in range(2))
+            ctx_f, ctx_a = (SyncContext(eng, DirectExchange(eng, tr, chain), comp(), StateStore(tr.rank)) for _ in range(2))
             strat = LowRankStrategy()
             got_f, got_a = [], []
             for grads in steps:
@@ -187,7 +187,7 @@ def test_lowrank_fused_bucket_equals_one_sync_per_matrix(n):
             eng.shutdown()
 
     loopback.spawn(n, body, timeout_s=60)
-    stores = [StateStore() for _ in range(n)]
+    stores = [StateStore(r) for r in range(n)]
     for s, grads in enumerate(steps):
         want = reference.lowrank(grads, comp(), stores, "b", None, segments=segments)
         for r in range(n):
@@ -207,7 +207,7 @@ def test_lowrank_fused_bucket_exchanges_once_per_round():
     def body(tr):
         eng = Engine()
         try:
-            ctx = SyncContext(eng, Counting(eng, tr, CommChain()), compression.get("powersgd", rank=2), StateStore())
+            ctx = SyncContext(eng, Counting(eng, tr, CommChain()), compression.get("powersgd", rank=2), StateStore(tr.rank))
             flat = torch.randn(3 * 64)
             segments = [(0, 64, (8, 8)), (64, 64, (64,)), (128, 64, (4, 16))]
             LowRankStrategy().build(ctx, "b", flat, [(0, 192)], segments=segments).result(timeout=30)
