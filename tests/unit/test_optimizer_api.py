@@ -1,4 +1,6 @@
 """DistributedOptimizer behaviour that needs no peers (a single-rank job)."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -12,9 +14,9 @@ def model():
     return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
 
 
-def wrap(model, **kw):
-    return hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        named_parameters=model.named_parameters(), **kw)
+def wrap(model, opt=None, **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if opt is None else opt
+    return hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kw)
 
 
 def backward(model):
@@ -117,7 +119,7 @@ def test_state_dict_carries_compressor_state(model):
             grads[name] = flat
         return grads
 
-    def tbq(m):  # momentum SGD, so the torch part of the state is not empty either
+    def tbq(m):  # momentum SGD, so the velocities are state too
         return hipress.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                                             named_parameters=m.named_parameters(), compression="tbq",
                                             threshold=0.5)
@@ -126,8 +128,8 @@ def test_state_dict_carries_compressor_state(model):
     grads = [{n: torch.randn(p.numel()) for n, p in model.named_parameters()} for _ in range(2)]
     opt = tbq(model)
     backward(model)
-    opt.step()  # momentum buffers
-    assert opt.state_dict()["state"], "no momentum buffers"
+    opt.step()  # velocities (momentum correction keeps SGD's momentum in hipress's state)
+    assert all(v.any() for v in opt.state_dict()["hipress"]["velocity"].values()), "no velocities"
     sync(opt, dict(grads[0]))
     sd = opt.state_dict()
     states = sd["hipress"]["compressor_state"]
@@ -225,3 +227,42 @@ def test_gradient_clipping_before_compression(model):
         wrap(nn.Linear(2, 2), grad_clip="sometimes")
     with pytest.raises(ValueError, match="c > 0"):
         clipping.sigma(0)
+
+
+@pytest.mark.parametrize("kw", [dict(momentum=0.9), dict(momentum=0.9, weight_decay=0.01, nesterov=True),
+                                dict(momentum=0.5, dampening=0.3, weight_decay=0.1)])
+def test_momentum_correction_is_sgd_without_compression(kw):
+    """Momentum correction moves SGD's momentum and weight decay in front of the sync; with a
+    lossless sync that is SGD itself (up to float rounding), and the user's settings are back
+    after each step."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
+    b = copy.deepcopy(a)
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1, **kw), named_parameters=a.named_parameters(),
+                                       momentum_correction=True)
+    ref = torch.optim.SGD(b.parameters(), lr=0.1, **kw)
+    for _ in range(6):
+        x = torch.randn(8, 5)
+        for m, o in ((a, opt), (b, ref)):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+            o.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert all(opt.param_groups[0][k] == v for k, v in kw.items())
+    assert not opt.state_dict()["state"] and opt.state_dict()["hipress"]["velocity"]
+
+
+def test_momentum_correction_choices(model):
+    sgd = lambda **kw: torch.optim.SGD(model.parameters(), lr=0.1, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="needs torch.optim.SGD"):
+        wrap(model, opt=torch.optim.Adam(model.parameters()), momentum_correction=True)
+    with pytest.raises(ValueError, match="has no momentum"):
+        wrap(model, opt=sgd(), momentum_correction=True)
+    with pytest.raises(ValueError, match="'auto', True or False"):
+        wrap(model, opt=sgd(momentum=0.9), momentum_correction="yes")
+    # auto: on for a single-round compressor with momentum SGD; off for none, PowerSGD and Adam
+    assert wrap(model, opt=sgd(momentum=0.9), compression="onebit")._hp_momentum is not None
+    assert wrap(model, opt=sgd(momentum=0.9))._hp_momentum is None
+    assert wrap(model, opt=sgd(momentum=0.9), compression="powersgd")._hp_momentum is None
+    assert wrap(model, opt=torch.optim.Adam(model.parameters()), compression="onebit")._hp_momentum is None

@@ -230,3 +230,44 @@ def test_ps_owners_spread_a_gradients_partitions_over_distinct_aggregators():
     # K > N: ceil(K/N) partitions on the busiest aggregator, every rank used
     got = ps.owners([(f"h/p{i}", 10) for i in range(6)], 4)
     assert sorted(got.count(r) for r in range(4)) == [1, 1, 2, 2]
+
+
+def test_ranks_draw_independent_random_numbers_unless_aggregatable():
+    """The same gradient on two ranks: TernGrad's stochastic rounding differs (independent
+    streams, so the rounding noise averages out over ranks), and so does the same key on one
+    rank under another name; PowerSGD's payloads are combined in compressed form, so its
+    random initial Q is the same on every rank."""
+    g = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    tern = compression.get("terngrad")
+    a, b = (StateStore(r).get("w/p0/c0", tern, g.numel()) for r in (0, 1))
+    start_b = b.rng_counter
+    assert a.rng_counter != start_b
+    assert StateStore(0).get("w/p0/c1", tern, 1).rng_counter != a.rng_counter
+    # deterministic: a restarted job draws the same numbers
+    assert StateStore(1).get("w/p0/c0", tern, g.numel()).rng_counter == start_b
+    assert not torch.equal(tern.encode(g, a), tern.encode(g, b))
+    psgd = compression.get("powersgd", rank=2)
+    x, y = (StateStore(r).get("m", psgd, 64, (8, 8)) for r in (0, 1))
+    assert x.rng_counter == y.rng_counter == 0
+
+
+def test_merged_sums_are_reencoded_with_error_feedback():
+    """Every re-encode of a merged sum keeps a residual: compressors whose state is already
+    one (error feedback, DGC's accumulation without momentum, none) re-encode with
+    themselves; others (TernGrad) through ErrorFeedback; DGC with in-compressor momentum
+    re-selects with accumulation only (a sum already carries the momentum)."""
+    from hipress.compression.error_feedback import ErrorFeedback
+
+    for name in ("onebit", "tbq", "graddrop", "dgc", "none"):
+        c = compression.get(name)
+        assert c.merged is c, name
+    t = compression.get("terngrad")
+    assert isinstance(t.merged, ErrorFeedback) and t.merged.inner is t and t.merged is t.merged
+    d = compression.get("dgc", momentum=0.9, ratio=0.01)
+    assert d.merged.momentum == 0 and d.merged.params["ratio"] == d.params["ratio"]
+    # what the aggregator's re-encode drops is kept: decode(payload) + residual == input
+    x = torch.randn(1000)
+    st = StateStore(0).get("agg", t.merged, x.numel())
+    out = torch.zeros(1000)
+    t.merged.decode(t.merged.encode(x, st), out)
+    torch.testing.assert_close(out + st.buffers["residual"], x, rtol=0, atol=1e-5)
