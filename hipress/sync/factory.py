@@ -2,9 +2,11 @@
 (strategy name, compressor, local aggregation) into a strategy bound to its context.
 
 * ``strategy``: "ring" (CaSync-Ring), "ps" (CaSync-PS), "allgather" (GRACE's form: every
-  rank decodes every rank's payload, nothing is re-encoded) or "auto": PS for sparsifiers
-  (it avoids the ring's re-sparsification of partial sums at every hop), ring otherwise
-  (paper §5.3: equal for quantization and low-rank).
+  rank decodes every rank's payload, nothing is re-encoded) or "auto": the fastest strategy
+  that keeps the algorithm's accuracy. Ring (bandwidth-optimal) where re-encoding merged sums
+  is safe (``compressor.reencode_safe``: quantizers), allgather where it is not
+  (sparsifiers: it never re-encodes, and sparse payloads are small enough to send to every
+  rank); with a planner (which has no allgather cost model yet), PS for those.
 * multi-round aggregatable compressors (PowerSGD) always use the low-rank strategy.
 * local aggregation wraps the chosen strategy (hierarchical: uncompressed on the host,
   compressed across hosts).
@@ -30,10 +32,13 @@ from hipress.sync.ring import RingStrategy
 STRATEGIES = {"ring": RingStrategy, "ps": PSStrategy, "allgather": AllgatherStrategy}
 
 
-def resolve_strategy(name: str, compressor: Compressor) -> str:
-    """The strategy name "auto" stands for with this compressor; checks the name."""
+def resolve_strategy(name: str, compressor: Compressor, planned: bool = False) -> str:
+    """The strategy name "auto" stands for with this compressor (and a planner or not);
+    checks the name."""
     if name == "auto":
-        return "ps" if compressor.category == "sparsification" else "ring"
+        if compressor.reencode_safe:
+            return "ring"
+        return "ps" if planned else "allgather"
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; expected one of {sorted(STRATEGIES)} or 'auto'")
     return name

@@ -149,7 +149,7 @@ class _HipressOptimizer:
                              f"but hipress's gradient payloads are CPU tensors; use HIPRESS_TRANSPORT=torch or mpi")
         comp = options.compression
         self._hp_compressor = _compression.get(comp, **options.compression_kwargs) if isinstance(comp, str) else comp
-        self._hp_strategy_name = resolve_strategy(options.strategy, self._hp_compressor)
+        self._hp_strategy_name = resolve_strategy(options.strategy, self._hp_compressor, options.plan is not None)
         self._hp_clip = clipping.resolve(options.grad_clip, self._hp_compressor.name)
         self._hp_momentum = (momentum.MomentumCorrection(self, {id(p): n for n, p in named})
                              if momentum.resolve(options.momentum_correction, self, self._hp_compressor) else None)

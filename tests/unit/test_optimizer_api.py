@@ -266,3 +266,16 @@ def test_momentum_correction_choices(model):
     assert wrap(model, opt=sgd(momentum=0.9))._hp_momentum is None
     assert wrap(model, opt=sgd(momentum=0.9), compression="powersgd")._hp_momentum is None
     assert wrap(model, opt=torch.optim.Adam(model.parameters()), compression="onebit")._hp_momentum is None
+
+
+def test_auto_strategy_is_the_fastest_safe_one(model):
+    """Ring where re-encoding merged sums is safe (quantizers), allgather where it is not
+    (sparsifiers), PS for those when a planner (no allgather cost model) decides."""
+    from hipress.sync import resolve_strategy
+
+    for algo, want in [("onebit", "ring"), ("tbq", "ring"), ("terngrad", "ring"), ("dgc", "allgather"),
+                       ("graddrop", "allgather")]:
+        assert wrap(model, compression=algo, strategy="auto")._hp_strategy_name == want, algo
+    assert resolve_strategy("auto", hipress.compression.get("dgc"), planned=True) == "ps"
+    with pytest.raises(ValueError, match="unknown strategy"):
+        wrap(model, compression="dgc", strategy="tree")
