@@ -130,8 +130,9 @@ class Options:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {self.backward_passes_per_step}")
         if self.op not in (Average, Sum):
             raise ValueError(f"op must be hipress.Average or hipress.Sum, got {self.op!r}")
-        if self.compression == "auto":  # TBQ, compressed only where the planner says it pays
-            object.__setattr__(self, "compression", "tbq")
+        if self.compression == "auto":  # TernGrad (docs/convergence.md: the 16x quantizer that keeps
+            # uncompressed accuracy), compressed only where the planner says it pays
+            object.__setattr__(self, "compression", "terngrad")
             object.__setattr__(self, "plan", self.plan if self.plan is not None else "auto")
         if self.coordinator is None:
             object.__setattr__(self, "coordinator", config.get("HIPRESS_COORDINATOR"))
@@ -399,7 +400,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     decode and the link once (cached; see hipress.planner) and then, per gradient,
     compresses only where the cost model says it pays and picks the partition count;
     a hipress.planner.Overrides pins thresholds on top of "auto"; a Plan is used as is.
-    compression="auto" means TBQ with plan="auto".
+    compression="auto" means TernGrad with plan="auto".
     bucket_bytes: tensor fusion: gradients smaller than this share buffers, synced (and
     planned, compressed, partitioned) as one, until an exchange of the buffer sends this
     many bytes (None or 0: every gradient alone). Multi-round compressors such as PowerSGD
