@@ -34,7 +34,7 @@ def main():
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--compression", default="none")
     p.add_argument("--strategy", default="ring")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (DGC carries its own: use 0)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (applied before compression: momentum correction)")
     p.add_argument("--seed", type=int, default=42)
     a = p.parse_args()
 
