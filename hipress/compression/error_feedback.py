@@ -38,6 +38,10 @@ class ErrorFeedback(Compressor):
     def _merged_compressor(self) -> Compressor:
         return self  # the residual is already the error feedback of a re-encode
 
+    @property
+    def reencode_safe(self) -> bool:
+        return self.inner.reencode_safe
+
     def max_encoded_bytes(self, numel: int, shape=None) -> int:
         return self.inner.max_encoded_bytes(numel, shape)
 

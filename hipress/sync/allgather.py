@@ -25,6 +25,7 @@ from hipress.sync.base import Strategy, SyncContext, frame, unframe
 
 class AllgatherStrategy(Strategy):
     name = "allgather"
+    frames_partitions = True
 
     def __init__(self, average: bool = True):
         self.average = average

@@ -145,6 +145,10 @@ class Strategy:
     """
 
     name = "strategy"
+    # Whether all partitions of a gradient travel framed together (one message per peer), so
+    # that more partitions cost compute calls but no messages (allgather, PS; not the ring,
+    # where each partition has its own chain of exchanges).
+    frames_partitions = False
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:

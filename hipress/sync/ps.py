@@ -30,6 +30,7 @@ from hipress.sync.base import Strategy, SyncContext, frame, unframe
 
 class PSStrategy(Strategy):
     name = "ps"
+    frames_partitions = True
 
     def __init__(self, average: bool = True):
         self.average = average

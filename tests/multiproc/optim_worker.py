@@ -88,12 +88,9 @@ def main():
                   for k, v in getattr(getattr(sync.strategy, "cross", sync.strategy), "_owner", {}).items()}
         buckets = []
         for b in opt._hp_buckets:
-            if opt._hp_plan is not None:
-                bounds, compressed = opt._hp_plan.bounds(b.name, b.numel), opt._hp_plan.compress(b.name, b.numel)
-            else:
-                bounds, compressed = opt._hp_partitions(b.numel), True
+            sync, bounds = opt._hp_route(b)
             buckets.append({"name": b.name, "params": [n for n, _ in b.params], "bounds": bounds,
-                            "compressed": compressed})
+                            "compressed": sync is opt._hp_compressed})
         results.append({"config": cfg, "steps": steps, "owners": owners, "buckets": buckets,
                         "hierarchical": opt._hp_hierarchical,
                         "coordinated": type(opt._hp_compressed.ctx.exchange).__name__ == "CoordinatedExchange"})

@@ -269,11 +269,11 @@ def test_momentum_correction_choices(model):
 
 
 def test_auto_strategy_is_the_fastest_safe_one(model):
-    """Ring where re-encoding merged sums is safe (quantizers), allgather where it is not
-    (sparsifiers), PS for those when a planner (no allgather cost model) decides."""
+    """Ring where re-encoding merged sums is safe (TernGrad), allgather where it is not
+    (onebit, TBQ, sparsifiers), PS for those when a planner (no allgather cost model) decides."""
     from hipress.sync import resolve_strategy
 
-    for algo, want in [("onebit", "ring"), ("tbq", "ring"), ("terngrad", "ring"), ("dgc", "allgather"),
+    for algo, want in [("onebit", "allgather"), ("tbq", "allgather"), ("terngrad", "ring"), ("dgc", "allgather"),
                        ("graddrop", "allgather")]:
         assert wrap(model, compression=algo, strategy="auto")._hp_strategy_name == want, algo
     assert resolve_strategy("auto", hipress.compression.get("dgc"), planned=True) == "ps"
