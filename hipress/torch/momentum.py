@@ -2,7 +2,7 @@
 compression, and the wrapped optimizer steps with the averaged result and no momentum.
 
 DGC (Lin et al. 2018, §3.2) prescribes it for sparsification; hipress applies it to every
-single-round algorithm, because the same reasoning holds for any compressor with error
+algorithm, because the same reasoning holds for any compressor with error
 feedback: what compression delays is sent later as part of the velocity, instead of being
 injected into a momentum buffer that then keeps replaying the compression error. On digits
 (4 ranks, lr 0.05, momentum 0.9; docs/convergence.md) it takes onebit from 60.9% to within
@@ -19,9 +19,10 @@ and the wrapped SGD then runs with momentum 0 and weight decay 0 on the average 
 ranks' g. Without compression the result equals plain SGD's (momentum and the average are
 linear); with compression the velocity u stays local, as DGC's does.
 
-"auto" turns it on for a ``torch.optim.SGD`` with momentum and a compressor that is neither
-"none" nor multi-round (PowerSGD's paper applies momentum after aggregation); other
-optimizers (Adam, ...) keep their own state and are left alone.
+"auto" turns it on for a ``torch.optim.SGD`` with momentum and any compressor but "none".
+That includes PowerSGD, whose paper applies momentum after aggregation: on digits (4 ranks,
+seeds 42/1/2) it was 1.35/0.67/0.34 points below uncompressed that way and +0.67/-1.0/+1.3
+with momentum correction. Other optimizers (Adam, ...) keep their own state and are left alone.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def resolve(mode, optimizer: torch.optim.Optimizer, compressor) -> bool:
     if mode is True and why_not:
         raise ValueError(f"momentum_correction=True: {why_not}")
     if mode == "auto":
-        return why_not is None and compressor.name != "none" and compressor.rounds == 1
+        return why_not is None and compressor.name != "none"
     return bool(mode)
 
 
