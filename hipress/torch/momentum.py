@@ -5,8 +5,8 @@ DGC (Lin et al. 2018, §3.2) prescribes it for sparsification; hipress applies i
 algorithm, because the same reasoning holds for any compressor with error
 feedback: what compression delays is sent later as part of the velocity, instead of being
 injected into a momentum buffer that then keeps replaying the compression error. On digits
-(4 ranks, lr 0.05, momentum 0.9; docs/convergence.md) it takes onebit from 60.9% to within
-a point of uncompressed training.
+(4 ranks, lr 0.05, momentum 0.9; docs/convergence.md) it took onebit (ring) from 60.9% to
+87.9% and TBQ from 24.9% to 67.0% (uncompressed: 95.6%).
 
 For a parameter p of a ``torch.optim.SGD`` group (momentum m, dampening d, weight decay w,
 nesterov) with local gradient g, each step, on every rank, exactly as SGD computes it:
