@@ -431,7 +431,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     momentum_correction: with a torch.optim.SGD with momentum, each rank applies the
     momentum (and weight decay) to its own gradient before compression and the SGD steps
     without them (hipress.torch.momentum; DGC's momentum correction, for every algorithm).
-    "auto" (default): on for every compressor but "none".
+    "auto" (default): on for single-round compressors (not "none", not PowerSGD).
     coordinator: batch all communication through the global coordinator on rank 0
     (hipress.comm.coordinator); None reads HIPRESS_COORDINATOR (default off).
     Returns the same optimizer object, whose class is now a subclass of its old class.

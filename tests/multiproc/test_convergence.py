@@ -28,8 +28,8 @@ def strategies_of(algo):
 # (algorithm, strategy) -> why it is known to miss the margin (docs/convergence.md, "Open")
 _TBQ = "TBQ's fixed threshold caps each element's step at tau per sync"
 _DGC = "DGC's 0.1% density sends each element about once in a run this short"
-KNOWN_2 = {("onebit", "ring"): "95.3% vs 98.3%: one scale per chunk of a fused bucket (one test sample short)",
-           ("terngrad", "allgather"): "93.9% vs 98.3%: stochastic rounding noise, never re-encoded here",
+_ONEBIT = "one bit cannot carry a re-encoded sum (onebit.reencode_safe is False; auto uses allgather)"
+KNOWN_2 = {("onebit", "ring"): _ONEBIT, ("onebit", "ps"): _ONEBIT,
            **{("tbq", s): _TBQ for s in ("ring", "ps", "allgather")},
            **{("dgc", s): _DGC for s in ("ring", "ps", "allgather")}}
 KNOWN_4 = {"onebit", "tbq", "dgc", "graddrop", "powersgd"}

@@ -261,10 +261,10 @@ def test_momentum_correction_choices(model):
         wrap(model, opt=sgd(), momentum_correction=True)
     with pytest.raises(ValueError, match="'auto', True or False"):
         wrap(model, opt=sgd(momentum=0.9), momentum_correction="yes")
-    # auto: on for any compressor with momentum SGD; off for none and for Adam
-    for algo in ("onebit", "powersgd"):
-        assert wrap(model, opt=sgd(momentum=0.9), compression=algo)._hp_momentum is not None
+    # auto: on for a single-round compressor with momentum SGD; off for none, PowerSGD and Adam
+    assert wrap(model, opt=sgd(momentum=0.9), compression="onebit")._hp_momentum is not None
     assert wrap(model, opt=sgd(momentum=0.9))._hp_momentum is None
+    assert wrap(model, opt=sgd(momentum=0.9), compression="powersgd")._hp_momentum is None
     assert wrap(model, opt=torch.optim.Adam(model.parameters()), compression="onebit")._hp_momentum is None
 
 
