@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,10 +35,26 @@ RANK_IO = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, star
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on host right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free on host right now, for a listener that starts a moment later (rank 0's
+    rendezvous store). Chosen below the kernel's ephemeral range where possible: outgoing
+    connections (every other job's ranks connect to each other) take ephemeral ports, and one
+    of them took a port the OS had just handed out before rank 0 listened on it (EADDRINUSE,
+    two convergence runs side by side)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()  # not the global one: user code may have seeded it identically everywhere
+    candidates = [rng.randrange(max(1024, low - 8192), low) for _ in range(64)] if low > 2048 else []
+    for port in candidates + [0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port on {host}")
 
 
 def exit_code(returncode: int) -> int:
