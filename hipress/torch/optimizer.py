@@ -97,6 +97,58 @@ def split_at(bounds: List[Tuple[int, int]], cuts: Sequence[int]) -> List[Tuple[i
     return out
 
 
+def fusion_buckets(named, compressor, bucket_bytes) -> List[_Bucket]:
+    """Tensor fusion: consecutive small gradients (in reverse parameter order, roughly
+    the order backward produces them) share one buffer, synced as one gradient, until
+    what one exchange of it sends reaches bucket_bytes; gradients of bucket_bytes or
+    more get a bucket of their own (synced in place, no copy). What is sent is the
+    gradient itself, except with a multi-round (low-rank) compressor, whose exchanges
+    carry only the factors (each matrix of the bucket is still compressed whole): a
+    ResNet50-like model's 161 gradients then make one bucket rather than 8 (4 ranks
+    on 2 cores: 0.59-0.64 s per step instead of 0.69-0.77). A function of its own because
+    the convergence bench's reference simulator (hipress/bench/simulate.py) compresses
+    the same buckets."""
+    fuse = bool(bucket_bytes)
+    groups, cur, cur_bytes = [], [], 0
+    for name, p in reversed(named):
+        if not p.requires_grad:
+            continue
+        nbytes = 4 * p.numel()
+        if not fuse or nbytes >= bucket_bytes:
+            groups.append([(name, p)])
+            continue
+        sent = compressor.max_encoded_bytes(p.numel(), tuple(p.shape)) if compressor.rounds > 1 else nbytes
+        if cur and cur_bytes + sent > bucket_bytes:
+            groups.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append((name, p))
+        cur_bytes += sent
+    if cur:
+        groups.append(cur)
+    return [_Bucket(g) for g in groups]
+
+
+def splits_tensors(compressor, strategy: str) -> bool:
+    """Whether each tensor of a fused bucket gets partitions (payloads) of its own.
+
+    A quantizer's levels come from its payload's values (onebit's means, TernGrad's range):
+    where partitions cost no messages, each tensor of a fused bucket gets payloads of its
+    own, so a layer is not quantized on the scale of another (onebit, digits, 4 ranks,
+    allgather: 85.9% -> 92.6%, docs/convergence.md)."""
+    return compressor.category == "quantization" and STRATEGIES[strategy].frames_partitions
+
+
+def bucket_bounds(bucket: _Bucket, partition_bytes: Optional[int], split_tensors: bool) -> List[Tuple[int, int]]:
+    """The partitions of a bucket without a plan: as many as make each at most
+    ``partition_bytes`` (None or 0: one), cut at its tensors' boundaries if ``split_tensors``.
+    Functions of their own (with :func:`fusion_buckets`) because the convergence bench's
+    reference simulator compresses the same partitions."""
+    numel = bucket.numel
+    k = max(1, math.ceil(4 * numel / partition_bytes)) if partition_bytes else 1
+    bounds = chunk_bounds(numel, max(1, min(k, numel)))
+    return split_at(bounds, [off for off, _, _ in bucket.segments]) if split_tensors else bounds
+
+
 def _resolve_named_parameters(optimizer, named_parameters) -> List[Tuple[str, torch.nn.Parameter]]:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if named_parameters is None:
@@ -174,12 +226,7 @@ class _HipressOptimizer:
             return make_sync(engine, exchanges, compressor, self._hp_strategy_name, self._hp_states,
                              self._hp_average, self._hp_hierarchical, world.size(), world.local_rank() == 0)
 
-        # A quantizer's levels come from its payload's values (onebit's means, TernGrad's range):
-        # where partitions cost no messages, each tensor of a fused bucket gets payloads of its
-        # own, so a layer is not quantized on the scale of another (onebit, digits, 4 ranks,
-        # allgather: 85.9% -> 92.6%, docs/convergence.md).
-        self._hp_split_tensors = (self._hp_compressor.category == "quantization"
-                                  and STRATEGIES[self._hp_strategy_name].frames_partitions)
+        self._hp_split_tensors = splits_tensors(self._hp_compressor, self._hp_strategy_name)
         # Compressed and plain gradients share the exchanges, so communication keeps one order per rank.
         self._hp_compressed = sync_for(self._hp_compressor)
         self._hp_plain = sync_for(NoneCompressor()) if options.plan is not None else self._hp_compressed
@@ -237,38 +284,8 @@ class _HipressOptimizer:
                 f"rank(s) {bad} differ from rank 0 ({table[0][0]} parameters); every rank must wrap the same model")
 
     # ------------------------------------------------------------------ submission
-    def _hp_partitions(self, numel: int) -> List[Tuple[int, int]]:
-        k = max(1, math.ceil(4 * numel / self._hp_partition_bytes)) if self._hp_partition_bytes else 1
-        return chunk_bounds(numel, max(1, min(k, numel)))
-
     def _hp_build_buckets(self, bucket_bytes) -> List["_Bucket"]:
-        """Tensor fusion: consecutive small gradients (in reverse parameter order, roughly
-        the order backward produces them) share one buffer, synced as one gradient, until
-        what one exchange of it sends reaches bucket_bytes; gradients of bucket_bytes or
-        more get a bucket of their own (synced in place, no copy). What is sent is the
-        gradient itself, except with a multi-round (low-rank) compressor, whose exchanges
-        carry only the factors (each matrix of the bucket is still compressed whole): a
-        ResNet50-like model's 161 gradients then make one bucket rather than 8 (4 ranks
-        on 2 cores: 0.59-0.64 s per step instead of 0.69-0.77)."""
-        fuse = bool(bucket_bytes)
-        comp = self._hp_compressor
-        groups, cur, cur_bytes = [], [], 0
-        for name, p in reversed(self._hp_named):
-            if not p.requires_grad:
-                continue
-            nbytes = 4 * p.numel()
-            if not fuse or nbytes >= bucket_bytes:
-                groups.append([(name, p)])
-                continue
-            sent = comp.max_encoded_bytes(p.numel(), tuple(p.shape)) if comp.rounds > 1 else nbytes
-            if cur and cur_bytes + sent > bucket_bytes:
-                groups.append(cur)
-                cur, cur_bytes = [], 0
-            cur.append((name, p))
-            cur_bytes += sent
-        if cur:
-            groups.append(cur)
-        return [_Bucket(g) for g in groups]
+        return fusion_buckets(self._hp_named, self._hp_compressor, bucket_bytes)
 
     def _hp_on_grad(self, p: torch.nn.Parameter):
         if self._hp_skip:
@@ -308,10 +325,7 @@ class _HipressOptimizer:
         if self._hp_plan is not None:
             entry = self._hp_plan.entry(bucket.name, bucket.numel)
             return (self._hp_compressed if entry.compress else self._hp_plain), entry.bounds(bucket.numel)
-        bounds = self._hp_partitions(bucket.numel)
-        if self._hp_split_tensors:
-            bounds = split_at(bounds, [off for off, _, _ in bucket.segments])
-        return self._hp_compressed, bounds
+        return self._hp_compressed, bucket_bounds(bucket, self._hp_partition_bytes, self._hp_split_tensors)
 
     def _hp_submit(self, bucket: "_Bucket"):
         if self._hp_transport.size == 1:

@@ -80,6 +80,8 @@ def test_convergence_tiny_digits_job(tmp_path):
     pts = run_["points"]
     assert [p["epoch"] for p in pts] == [0, 1]
     assert 0 <= pts[-1]["test_accuracy"] <= 100 and pts[-1]["wall_s"] > 0
+    assert [p["epoch"] for p in doc["reference"]["onebit"]["points"]] == [0, 1]  # the simulator's, beside it
+    assert "reference" in doc["rows"][0] and "hipress_minus_reference" in doc["rows"][0]
     assert json.loads((tmp_path / "convergence-digits.json").read_text())["rows"][0]["algorithm"] == "onebit"
     assert (tmp_path / "convergence-digits.md").exists()
     if _has_mpl():

@@ -1,0 +1,328 @@
+"""Reference simulator of compressed data-parallel training: N workers in one process,
+pure torch + the algorithms' numpy references (hipress/compression/reference.py), with
+allgather semantics. It is the figure the convergence bench sets beside hipress's own run
+(``python -m hipress.bench.convergence``; ``--reference-only`` runs only this).
+
+Per step, with the same task, model initialisation, shards, batch order, optimizer and
+hyper-parameters as hipress's ranks (hipress/bench/tasks.py):
+
+  1. every worker computes its gradient on its own batch (one model: under allgather
+     semantics every rank holds bit-identical parameters, so one copy stands for all);
+  2. each worker's gradient is treated as ``hipress.DistributedOptimizer``'s defaults treat
+     it, per parameter, before compression: clipped (``grad_clip="auto"``,
+     hipress/torch/clipping.py; TernGrad: 2.5 sigma), then turned into the worker's own
+     velocity (``momentum_correction="auto"``, hipress/torch/momentum.py: single-round
+     algorithms with a momentum SGD, which then steps without momentum);
+  3. the gradients are fused into the buckets and partitions hipress syncs with the
+     allgather strategy (``fusion_buckets``, ``splits_tensors`` and ``bucket_bounds`` of
+     hipress/torch/optimizer.py with the optimizer's default ``bucket_bytes`` and
+     ``partition_bytes``): quantizers get a payload per tensor; a sparsifier's top-k and a
+     bucket's PowerSGD matrices are per bucket as hipress has them;
+  4. single-round algorithms: each worker's partition goes through the reference encode
+     and decode with that worker's own state (error-feedback residual when the compressor
+     hipress builds has one, DGC's momentum and accumulation, the RNG counter of TernGrad
+     and GradDrop, started where hipress's StateStore starts it: independent per worker);
+     the decoded payloads of all workers are summed in rank order and divided by N:
+     nothing is re-encoded (the allgather strategy, hipress/sync/allgather.py);
+     PowerSGD: the reference's two rounds per matrix (round0 on every worker, P summed over
+     workers, round1 with the sum, Q summed, finish), divided by N (hipress/sync/lowrank.py);
+  5. the mean goes into ``.grad`` and the torch optimizer steps (without momentum where
+     momentum correction applied it).
+
+The algorithm and its parameters are the ones hipress would use: read from the compressor
+``hipress.compression.get(algo, **kwargs)`` builds (its parameters, whether it is wrapped in
+error feedback, beta and gamma), never copied here. Its encode, decode and state never run
+(only its byte count sizes PowerSGD's buckets, as in hipress): no native kernel (hipress._C)
+and no engine computes any of the simulator's numbers. A
+compressor or parameter the references do not implement raises :class:`Unsupported` with
+the reason (the bench prints it as n/a) instead of being approximated.
+
+The ``strategy`` of hipress's run does not apply here: ring and PS re-encode merged partial
+sums, which the allgather semantics leave out on purpose (the difference between the two
+columns of the bench is then the effect of hipress's strategy plus any implementation bug).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from hipress import compression
+from hipress.bench import tasks
+from hipress.compression import reference as ref
+from hipress.compression.error_feedback import ErrorFeedback
+from hipress.sync.base import rng_stream_start
+from hipress.sync.lowrank import matrix_shape
+from hipress.torch import clipping, momentum
+from hipress.torch.optimizer import DistributedOptimizer, bucket_bounds, fusion_buckets, splits_tensors
+
+# hipress's defaults, read from the optimizer's signature so that a change there changes both runs
+_DEFAULTS = {k: v.default for k, v in inspect.signature(DistributedOptimizer).parameters.items()
+             if k in ("bucket_bytes", "partition_bytes", "grad_clip", "momentum_correction")}
+
+
+class Unsupported(Exception):
+    """No pure reference for this algorithm or parameter: the reason is the message."""
+
+
+# ------------------------------------------------------------------ single-round references
+# name -> (parameters the reference takes, parameters its result does not depend on,
+#          make(params, numel, rng counter) -> (encode(x) -> payload, decode(payload, n) -> x)).
+# encode is a closure over one worker's state of one partition.
+
+
+def _none(p, n, counter):
+    return (lambda x: x), (lambda payload, n: payload)
+
+
+def _onebit(p, n, counter):
+    return ref.onebit_encode, ref.onebit_decode
+
+
+def _tbq(p, n, counter):
+    return (lambda x: ref.tbq_encode(x, p["threshold"])), ref.tbq_decode
+
+
+def _terngrad(p, n, counter):
+    st = [counter]
+
+    def encode(x):  # the native kernel draws n numbers per encode, so the counter moves by n
+        out = ref.terngrad_encode(x, int(p["bitwidth"]), int(p["seed"]), st[0])
+        st[0] += n
+        return out
+    return encode, ref.terngrad_decode
+
+
+def _graddrop(p, n, counter):
+    st = [counter]
+
+    def encode(x):  # the counter moves by the number of sampled elements
+        out = ref.graddrop_encode(x, p["ratio"], p["sample_ratio"], int(p["seed"]), st[0])
+        st[0] += ref.graddrop_sample_size(n, p["sample_ratio"])
+        return out
+    return encode, ref.sparse_decode
+
+
+def _dgc(p, n, counter):
+    return ref.DGCReference(n, p["ratio"], p["momentum"], int(p["warmup_steps"])).encode, ref.sparse_decode
+
+
+SINGLE_ROUND = {
+    "none": (set(), set(), _none),
+    "onebit": (set(), set(), _onebit),
+    "tbq": ({"threshold"}, set(), _tbq),
+    "terngrad": ({"bitwidth", "seed"}, set(), _terngrad),
+    # the native kernel samples a threshold, then selects the exact top-k: the sample cannot change the result
+    "dgc": ({"ratio", "momentum", "warmup_steps"}, {"sample_ratio", "seed"}, _dgc),
+    "graddrop": ({"ratio", "sample_ratio", "seed"}, set(), _graddrop),
+}
+POWERSGD_PARAMS = {"rank", "seed", "error_feedback"}
+
+
+def _check_params(name: str, params: Dict[str, float], takes: set, ignores: set) -> None:
+    unknown = sorted(set(params) - takes - ignores)
+    missing = sorted(takes - set(params))
+    if unknown:
+        raise Unsupported(f"the {name} reference has no parameter {', '.join(unknown)}")
+    if missing:
+        raise Unsupported(f"hipress's {name} compressor no longer has parameter {', '.join(missing)} "
+                          f"that the reference needs")
+
+
+class _Worker:
+    """One worker's compressor for one partition: ``decoded = worker(g)``, its state kept."""
+
+    def __init__(self, encode, decode, n: int, ef: Optional[Tuple[float, float]]):
+        self.encode, self.decode, self.n, self.ef = encode, decode, n, ef
+        self.residual = np.zeros(n, np.float32) if ef else None
+
+    def __call__(self, g: np.ndarray) -> np.ndarray:
+        if self.ef is None:
+            return self.decode(self.encode(g), self.n)
+        payload, self.residual = ref.error_feedback_step(self.encode, self.decode, g, self.residual, *self.ef)
+        return self.decode(payload, self.n)
+
+
+# ------------------------------------------------------------------ the simulator
+
+
+class Reference:
+    """Reduces N workers' gradients the way hipress would, with the pure references.
+
+    ``named``: the model's (name, parameter) list, in the optimizer's order. ``optimizer``:
+    the local torch optimizer (momentum correction reads its momentum; None: no momentum
+    correction). ``reduce(grads)`` takes ``grads[r][j]``, worker r's gradient of parameter j
+    (None: unused this step), treats them in place (clipping, momentum correction) and
+    returns the averaged gradient per parameter; ``apply(grads)`` writes it into ``.grad``;
+    the optimizer then steps inside ``plain_step()``.
+    """
+
+    def __init__(self, named: Sequence[Tuple[str, torch.nn.Parameter]], size: int, algo: str,
+                 kwargs: Optional[dict] = None, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                 bucket_bytes=_DEFAULTS["bucket_bytes"], partition_bytes=_DEFAULTS["partition_bytes"],
+                 grad_clip=_DEFAULTS["grad_clip"], momentum_correction=_DEFAULTS["momentum_correction"]):
+        if algo == "auto":  # DistributedOptimizer: TernGrad where the planner says it pays, the rest plain
+            raise Unsupported("compression='auto' is chosen per gradient by the planner, which the simulator "
+                              "does not model")
+        try:
+            comp = compression.get(algo, **(kwargs or {}))
+        except (TypeError, ValueError) as e:
+            raise Unsupported(str(e)) from None
+        ef = (comp.beta, comp.gamma) if isinstance(comp, ErrorFeedback) else None
+        inner = comp.inner if ef else comp
+        self.algo, self.name, self.ef = algo, inner.name, ef
+        self.params = dict(getattr(inner, "params", {}))
+        if comp.rounds > 1:
+            if self.name != "powersgd":
+                raise Unsupported(f"no pure reference for the multi-round compressor {self.name!r}")
+            _check_params(self.name, self.params, POWERSGD_PARAMS, set())
+            self.semantics = "lowrank"
+        else:
+            if self.name not in SINGLE_ROUND:
+                raise Unsupported(f"no pure reference for the compressor {self.name!r}")
+            takes, ignores, self._make = SINGLE_ROUND[self.name]
+            _check_params(self.name, self.params, takes, ignores)
+            self.semantics = "allgather"
+        self.named = list(named)
+        self.size = size
+        self.clip: Optional[Callable] = clipping.resolve(grad_clip, comp.name)
+        names = {id(p): n for n, p in self.named}
+        use_mc = optimizer is not None and momentum.resolve(momentum_correction, optimizer, comp)
+        self.momentum = [momentum.MomentumCorrection(optimizer, names) for _ in range(size)] if use_mc else None
+        self.buckets = fusion_buckets(self.named, comp, bucket_bytes)
+        self.split_tensors = splits_tensors(comp, "allgather")
+        self.partition_bytes = partition_bytes
+        self._index = {id(p): j for j, (_, p) in enumerate(self.named)}
+        self._states: Dict[str, list] = {}  # hipress's state key -> one state per worker
+
+    def _flat(self, bucket, grads_r) -> np.ndarray:
+        return torch.cat([grads_r[self._index[id(p)]].detach().float().reshape(-1)
+                          for _, p in bucket.params]).numpy()
+
+    def _allgather(self, bucket, flats: List[np.ndarray]) -> np.ndarray:
+        out = np.empty(bucket.numel, np.float32)
+        for i, (s, e) in enumerate(bucket_bounds(bucket, self.partition_bytes, self.split_tensors)):
+            if e <= s:
+                continue
+            key = f"{bucket.name}/p{i}/worker"  # the allgather strategy's state key
+            if key not in self._states:
+                self._states[key] = [_Worker(*self._make(self.params, e - s, rng_stream_start(r, key)), e - s,
+                                             self.ef) for r in range(self.size)]
+            acc = np.zeros(e - s, np.float32)
+            for r, worker in enumerate(self._states[key]):  # rank order, as every rank adds them
+                acc += worker(flats[r][s:e])
+            out[s:e] = acc
+        return out
+
+    def _lowrank(self, bucket, flats: List[np.ndarray]) -> np.ndarray:
+        out = np.empty(bucket.numel, np.float32)
+        segments = [sg for sg in bucket.segments if sg[1] > 0]
+        for i, (off, numel, shape) in enumerate(segments):
+            key = f"{bucket.name}/lowrank" + ("" if len(segments) == 1 else f"/{i}")  # the low-rank strategy's
+            if key not in self._states:
+                rows, cols = matrix_shape(shape, numel)
+                self._states[key] = [ref.PowerSGDReference(rows, cols, int(self.params["rank"]),
+                                                           int(self.params["seed"]),
+                                                           bool(self.params["error_feedback"]))
+                                     for _ in range(self.size)]
+            workers = self._states[key]
+            p_sum = sum_in_rank_order(w.round0(f[off:off + numel]) for w, f in zip(workers, flats))
+            q_sum = sum_in_rank_order(w.round1(p_sum) for w in workers)
+            decoded = [w.finish(q_sum) for w in workers]  # the same on every worker: the same sums
+            out[off:off + numel] = decoded[0]
+        return out
+
+    def reduce(self, grads: Sequence[Sequence[Optional[torch.Tensor]]]) -> List[torch.Tensor]:
+        if len(grads) != self.size:
+            raise ValueError(f"expected the gradients of {self.size} workers, got {len(grads)}")
+        grads = [list(g) for g in grads]
+        for r, g in enumerate(grads):  # what DistributedOptimizer does to a final gradient, in its order
+            for j, (name, p) in enumerate(self.named):
+                if g[j] is None:  # unused this step: hipress syncs zeros
+                    g[j] = torch.zeros_like(p)
+                elif self.clip is not None:
+                    self.clip(name, g[j])
+                if self.momentum is not None:
+                    self.momentum[r].apply(p, g[j])
+        mean: List[Optional[torch.Tensor]] = [None] * len(self.named)
+        for bucket in self.buckets:
+            flats = [self._flat(bucket, g) for g in grads]
+            out = self._lowrank(bucket, flats) if self.semantics == "lowrank" else self._allgather(bucket, flats)
+            out /= np.float32(self.size)
+            for (_, p), off in zip(bucket.params, bucket.offsets):
+                mean[self._index[id(p)]] = torch.from_numpy(out[off:off + p.numel()].copy()).view_as(p)
+        return mean
+
+    def apply(self, grads) -> None:
+        for (_, p), g in zip(self.named, self.reduce(grads)):
+            if g is not None:
+                p.grad = g
+
+    def plain_step(self):
+        """The context the optimizer steps in: without momentum where momentum correction applied it."""
+        return self.momentum[0].plain_step() if self.momentum is not None else contextlib.nullcontext()
+
+
+def sum_in_rank_order(arrays) -> np.ndarray:
+    it = iter(arrays)
+    acc = np.array(next(it), dtype=np.float32)
+    for a in it:
+        acc += a
+    return acc
+
+
+class Simulation:
+    """``size`` workers training ``task`` with ``algo``: ``step(epoch, i)`` is one optimizer
+    step of all of them (each worker's batch i of the epoch); returns worker 0's loss, the
+    figure hipress's run reports. Raises :class:`Unsupported` when there is no reference."""
+
+    def __init__(self, task: tasks.Task, size: int, algo: str, kwargs: Optional[dict] = None, *, lr: float,
+                 bucket_bytes=_DEFAULTS["bucket_bytes"]):
+        self.task, self.size = task, size
+        self.named = list(task.model.named_parameters())
+        self.optimizer = tasks.optimizer(task.model, lr)
+        self.reference = Reference(self.named, size, algo, kwargs, self.optimizer, bucket_bytes=bucket_bytes)
+
+    def step(self, epoch: int, i: int) -> float:
+        grads, losses = [], []
+        for r in range(self.size):
+            x, y = self.task.batch(r, self.size, epoch, i)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.task.loss(self.task.model(x), y)
+            loss.backward()
+            grads.append([p.grad for _, p in self.named])
+            losses.append(float(loss.detach()))
+        self.reference.apply(grads)
+        with self.reference.plain_step():
+            self.optimizer.step()
+        return losses[0]
+
+
+def run(task_name: str, size: int, algo: str, kwargs: Optional[dict] = None, *, epochs: int, batch: int,
+        lr: float, seed: int, seq: int = 64, eval_every: int = 1, bucket_bytes=_DEFAULTS["bucket_bytes"]) -> dict:
+    """Trains ``task_name`` as ``size`` simulated workers; the result has the fields of a
+    hipress run's result (algo, points, steps_per_epoch) and ``semantics``, or ``na`` (the
+    reason) when there is no reference."""
+    task = tasks.build(task_name, seed, batch, seq)
+    try:
+        sim = Simulation(task, size, algo, kwargs, lr=lr, bucket_bytes=bucket_bytes)
+    except Unsupported as e:
+        return {"algo": algo, "na": str(e)}
+    # One thread, as each of hipress's ranks runs (convergence.worker): torch's kernels then sum
+    # in the same order, so a step computes the same gradients as the ranks do. With other
+    # thread counts the last bits differ and chaotic runs part ways after a few epochs
+    # (digits, TernGrad: 93.3% at one thread, 86.9% at two; hipress's allgather run: 93.3%).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    try:
+        points = tasks.train(task, size, epochs, eval_every, sim.step)
+    finally:
+        torch.set_num_threads(threads)
+    return {"algo": algo, "points": points, "steps_per_epoch": task.steps_per_epoch(size),
+            "semantics": sim.reference.semantics, "buckets": len(sim.reference.buckets),
+            "wall_s": time.perf_counter() - t0}
