@@ -183,12 +183,11 @@ class Compressor:
     def reencode_safe(self) -> bool:
         """Whether re-encoding merged partial sums (ring hops, PS aggregators) keeps this
         algorithm's accuracy; ``strategy="auto"`` avoids strategies that re-encode when not.
-        Default: no for sparsifiers (re-selecting k of a merged sum cuts the union of the
-        ranks' selections back to k, and the rest waits in residuals: digits, 4 ranks, DGC
-        ring 66.3%, PS 58.9%, allgather 76.1%; GradDrop 84.8 / 91.9 / 92.6), yes for
-        quantizers whose levels rescale to the sum (TernGrad ring 95.0, PS 96.0, allgather
-        94.3). Algorithms override it (onebit, TBQ: no)."""
-        return self.category != "sparsification"
+        No unless an algorithm says so: every built-in lossy algorithm lost accuracy to it
+        (4 ranks, ring / allgather: digits onebit 87.9 / 92.6, TBQ 67.0 / 82.2, DGC 66.3 /
+        76.1, GradDrop 84.8 / 92.6; TernGrad char LM perplexity 16.4 / 14.8, transformer task
+        96.0 / 99.9; docs/convergence.md)."""
+        return False
 
     @property
     def merged(self) -> "Compressor":

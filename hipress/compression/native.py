@@ -95,10 +95,6 @@ class NativeCompressor(Compressor):
 class OneBit(NativeCompressor):
     """1-bit SGD (Seide 2014): sign bits + means of the non-negative and negative parts."""
 
-    # One bit cannot carry a sum of N ranks' levels: every re-encode halves what a sync
-    # moves and leaves the rest to error feedback (digits, 4 ranks: ring 87.9%, PS 69.7%,
-    # allgather 92.6%, uncompressed 95.6%).
-    reencode_safe = False
 
     def __init__(self):
         super().__init__("onebit")
@@ -107,9 +103,6 @@ class OneBit(NativeCompressor):
 class TBQ(NativeCompressor):
     """Threshold binary quantisation (Strom 2015): {0, +tau, -tau} in 2 bits."""
 
-    # A re-encoded sum of N ranks' +-tau is capped at tau again: each hop cuts what a sync
-    # moves up to N-fold (digits, 4 ranks: ring 67.0%, PS 64.3%, allgather 82.2%).
-    reencode_safe = False
 
     def __init__(self, threshold: float = 0.01):
         super().__init__("tbq", threshold=threshold)

@@ -24,6 +24,8 @@ class NoneCompressor(Compressor):
     def max_encoded_bytes(self, numel: int, shape=None) -> int:
         return 4 * numel
 
+    reencode_safe = True  # lossless
+
     def _merged_compressor(self) -> Compressor:
         return self  # lossless: nothing to carry over
 

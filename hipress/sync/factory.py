@@ -4,9 +4,10 @@
 * ``strategy``: "ring" (CaSync-Ring), "ps" (CaSync-PS), "allgather" (GRACE's form: every
   rank decodes every rank's payload, nothing is re-encoded) or "auto": the fastest strategy
   that keeps the algorithm's accuracy. Ring (bandwidth-optimal) where re-encoding merged sums
-  is safe (``compressor.reencode_safe``: quantizers), allgather where it is not
-  (sparsifiers: it never re-encodes, and sparse payloads are small enough to send to every
-  rank); with a planner (which has no allgather cost model yet), PS for those.
+  is safe (``compressor.reencode_safe``: no compression), allgather where it is not (every
+  built-in lossy algorithm: it never re-encodes; its traffic, N-1 payloads received per
+  rank, stays below an uncompressed ring's 2(N-1)/N while N < 2 / rate, e.g. 32 ranks for
+  TernGrad's 2 bits); with a planner (which has no allgather cost model yet), PS.
 * multi-round aggregatable compressors (PowerSGD) always use the low-rank strategy.
 * local aggregation wraps the chosen strategy (hierarchical: uncompressed on the host,
   compressed across hosts).

@@ -35,13 +35,11 @@ KNOWN_2 = {("onebit", "ring"): _ONEBIT, ("onebit", "ps"): _ONEBIT,
 KNOWN_4 = {"onebit", "tbq", "dgc", "graddrop", "powersgd"}
 
 
-def _accuracies(tmp_dir, np, strategy, algos, epochs=None):
+def _accuracies(tmp_dir, np, strategy, algos, reference=False):
     from hipress.bench import convergence
 
     args = ["--task", "digits", "--np", str(np), "--strategy", strategy, "--algos", ",".join(["none"] + algos),
-            "--out-dir", str(tmp_dir), "--no-plots", "--timeout", "600"]
-    if epochs:
-        args += ["--epochs", str(epochs)]
+            "--out-dir", str(tmp_dir), "--no-plots", "--timeout", "600"] + ([] if reference else ["--no-reference"])
     doc = convergence.main(args)
     out = {}
     for algo, r in doc["runs"].items():
@@ -76,7 +74,7 @@ def test_two_ranks_within_3_points(two_rank, algo, strategy):
 
 @pytest.mark.slow
 def test_four_ranks_auto_within_1_point(tmp_path):
-    got = _accuracies(tmp_path, 4, "auto", ALGOS)
+    got = _accuracies(tmp_path, 4, "auto", ALGOS, reference=True)
     base = got.pop("none")[0]
     missed = {a: acc for a, (acc, _) in got.items() if abs(acc - base) > 1.0 and a not in KNOWN_4}
     assert not missed, f"uncompressed {base:.1f}%; outside 1 point: {missed}"
