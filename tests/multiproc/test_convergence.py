@@ -2,7 +2,7 @@
 
 Default suite: every built-in algorithm x every strategy it accepts, 2 ranks, a short seeded
 digits run (``python -m hipress.bench.convergence --task digits --np 2``): test accuracy at
-least uncompressed accuracy - 3 points. Slow: 4 ranks, the full run, strategy "auto", within
+least uncompressed accuracy - 3 points. Slow (``-m slow``): 4 ranks, strategy "auto", within
 1 point. Each run starts and stops its own ranks (hipress.launch, with a timeout).
 
 Where an algorithm is known not to reach the margin yet, the case is marked xfail(strict):
@@ -32,7 +32,8 @@ _ONEBIT = "one bit cannot carry a re-encoded sum (onebit.reencode_safe is False;
 KNOWN_2 = {("onebit", "ring"): _ONEBIT, ("onebit", "ps"): _ONEBIT,
            **{("tbq", s): _TBQ for s in ("ring", "ps", "allgather")},
            **{("dgc", s): _DGC for s in ("ring", "ps", "allgather")}}
-KNOWN_4 = {"onebit", "tbq", "dgc", "graddrop", "powersgd"}
+KNOWN_4 = {"onebit": "92.6% vs 95.6%", "tbq": "82.2% vs 95.6%: " + _TBQ, "terngrad": "94.3% vs 95.6%",
+           "dgc": "76.1% vs 95.6%: " + _DGC, "graddrop": "92.6% vs 95.6%", "powersgd": "94.3% vs 95.6%"}
 
 
 def _accuracies(tmp_dir, np, strategy, algos, reference=False):
@@ -72,9 +73,15 @@ def test_two_ranks_within_3_points(two_rank, algo, strategy):
     assert acc >= base - 3.0, f"{algo} ({strategy}): {acc:.1f}% vs uncompressed {base:.1f}%"
 
 
+@pytest.fixture(scope="module")
+def four_rank_auto(tmp_path_factory):
+    got = _accuracies(tmp_path_factory.mktemp("auto4"), 4, "auto", ALGOS, reference=True)
+    return {a: acc for a, (acc, _) in got.items()}
+
+
 @pytest.mark.slow
-def test_four_ranks_auto_within_1_point(tmp_path):
-    got = _accuracies(tmp_path, 4, "auto", ALGOS, reference=True)
-    base = got.pop("none")[0]
-    missed = {a: acc for a, (acc, _) in got.items() if abs(acc - base) > 1.0 and a not in KNOWN_4}
-    assert not missed, f"uncompressed {base:.1f}%; outside 1 point: {missed}"
+@pytest.mark.parametrize("algo", [pytest.param(a, marks=pytest.mark.xfail(reason=KNOWN_4[a], strict=True))
+                                  if a in KNOWN_4 else a for a in ALGOS])
+def test_four_ranks_auto_within_1_point(four_rank_auto, algo):
+    base, acc = four_rank_auto["none"], four_rank_auto[algo]
+    assert abs(acc - base) <= 1.0, f"{algo}: {acc:.1f}% vs uncompressed {base:.1f}%"
