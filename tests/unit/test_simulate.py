@@ -185,3 +185,19 @@ def test_reference_only_bench_writes_the_reference_column(tmp_path):
     rows = {r["algorithm"]: r for r in doc["rows"]}
     assert rows["none"]["reference_vs_none"] == 0 and isinstance(rows['tbq {"threshold": 0.05}']["reference"], float)
     assert "| reference |" in (tmp_path / "convergence-digits.md").read_text()
+
+
+def test_seeds_runs_each_seed_and_averages(tmp_path):
+    from hipress.bench import convergence
+
+    doc = convergence.main(["--task", "digits", "--np", "2", "--epochs", "1", "--algos", "none,onebit",
+                            "--reference-only", "--seeds", "3,4", "--out-dir", str(tmp_path)])
+    rows = {r["algorithm"]: r for r in doc["rows"]}
+    for r in rows.values():
+        assert r["side"] == "reference"
+        assert r["mean test_accuracy"] == pytest.approx((r["seed 3"] + r["seed 4"]) / 2, abs=0.01)
+    assert rows["none"]["seed 3"] != rows["none"]["seed 4"]  # two different runs, not one twice
+    assert rows["onebit"]["mean_diff_vs_none"] == pytest.approx(
+        rows["onebit"]["mean test_accuracy"] - rows["none"]["mean test_accuracy"], abs=0.02)
+    assert (tmp_path / "seed-3" / "convergence-digits.json").exists()
+    assert (tmp_path / "convergence-digits-seeds.md").exists()
