@@ -33,7 +33,7 @@ def main():
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--compression", default="none")
-    p.add_argument("--strategy", default="ring")
+    p.add_argument("--strategy", default="auto")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (applied before compression: momentum correction)")
     p.add_argument("--seed", type=int, default=42)
     a = p.parse_args()

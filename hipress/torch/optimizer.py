@@ -2,7 +2,7 @@
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                       compression="tbq", strategy="ring")
+                                       compression="terngrad")   # strategy="auto"
     loss.backward(); opt.step()
 
 How it works:
@@ -176,7 +176,7 @@ class Options:
 
     compression: object = "none"          # algorithm name or Compressor instance
     compression_kwargs: dict = dataclasses.field(default_factory=dict)
-    strategy: str = "ring"
+    strategy: str = "auto"
     backward_passes_per_step: int = 1
     op: str = Average
     partition_bytes: Optional[int] = 64 << 20
@@ -416,7 +416,7 @@ class _HipressOptimizer:
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none",
-                         strategy: str = "ring", backward_passes_per_step: int = 1, op: str = Average,
+                         strategy: str = "auto", backward_passes_per_step: int = 1, op: str = Average,
                          partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto", plan=None,
                          coordinator: Optional[bool] = None, bucket_bytes: Optional[int] = 1 << 20,
                          grad_clip="auto", momentum_correction="auto", **compression_kwargs):
@@ -425,7 +425,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     compression: an algorithm name of ``hipress.compression`` ("none", "onebit", "tbq",
     "terngrad", "dgc", "graddrop", "powersgd", or a registered user one) or a
     Compressor instance; extra keyword arguments configure it.
-    strategy: "ring", "ps", "allgather" or "auto". partition_bytes: gradients larger than this are
+    strategy: "ring", "ps", "allgather" or "auto" (default: the fastest the algorithm's accuracy
+    allows; see hipress.sync.factory and docs/convergence.md). partition_bytes: gradients larger than this are
     split into partitions that pipeline independently (None: never).
     local_aggregation: "auto" (default) reduces uncompressed among ranks of one host and
     compresses only across hosts, when there are several hosts with several ranks each;
