@@ -95,14 +95,12 @@ class NativeCompressor(Compressor):
 class OneBit(NativeCompressor):
     """1-bit SGD (Seide 2014): sign bits + means of the non-negative and negative parts."""
 
-
     def __init__(self):
         super().__init__("onebit")
 
 
 class TBQ(NativeCompressor):
     """Threshold binary quantisation (Strom 2015): {0, +tau, -tau} in 2 bits."""
-
 
     def __init__(self, threshold: float = 0.01):
         super().__init__("tbq", threshold=threshold)

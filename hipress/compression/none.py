@@ -20,11 +20,10 @@ class NoneCompressor(Compressor):
     rate = 1.0
     aggregatable = True
     rounds = 1
+    reencode_safe = True  # lossless
 
     def max_encoded_bytes(self, numel: int, shape=None) -> int:
         return 4 * numel
-
-    reencode_safe = True  # lossless
 
     def _merged_compressor(self) -> Compressor:
         return self  # lossless: nothing to carry over

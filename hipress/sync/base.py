@@ -59,7 +59,7 @@ def rng_stream_start(rank: int, key: str) -> int:
     counter space fixed by (rank, key), so ranks draw independent random numbers. With
     one shared stream (every rank's counter starting at 0), TernGrad's stochastic rounding
     rounded every element the same way on every rank: the noise did not average out over
-    ranks and training diverged (digits, 4 ranks: 11.8% -> see docs/convergence.md)."""
+    ranks and training diverged (digits, 4 ranks: 11.8%; docs/convergence.md)."""
     h = zlib.crc32(key.encode()) | (int(rank) << 32)
     return _splitmix64(h) >> 1
 
