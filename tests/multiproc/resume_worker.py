@@ -92,7 +92,18 @@ def main():
             opt = make_optimizer(model, cfg)
             opt.load_state_dict({key: v for key, v in saved["optimizer"].items() if key != "hipress"})
             train(model, opt, rank, k, k + m)
-            results.append({"config": cfg, "resumed": resumed, "without_compressor_state": params(model)})
+            without = params(model)
+            # Horovod's pattern after loading: broadcast the optimizer state from rank 0. It must
+            # keep every rank's own hipress state (residuals, aggregators, streams, velocities).
+            saved = torch.load(ckpt, weights_only=False)
+            model = make_model()
+            model.load_state_dict(saved["model"])
+            opt = make_optimizer(model, cfg)
+            opt.load_state_dict(saved["optimizer"])
+            hipress.broadcast_optimizer_state(opt, root_rank=0)
+            train(model, opt, rank, k, k + m)
+            results.append({"config": cfg, "resumed": resumed, "without_compressor_state": without,
+                            "resumed_then_broadcast": params(model)})
     torch.save(results, os.path.join(out_dir, f"{phase}-rank{rank}.pt"))
     hipress.shutdown()
 
