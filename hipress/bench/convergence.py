@@ -275,7 +275,8 @@ def _over_seeds(a, argv: list) -> dict:
         doc = main(rest + ["--seed", str(seed), "--out-dir", os.path.join(a.out_dir, f"seed-{seed}"), "--no-plots"])
         for side, results in (("hipress", doc["runs"]), ("reference", doc["reference"])):
             for algo, r in results.items():
-                per.setdefault((algo, side), []).append(_final(r, metric)[0] if "points" in r else float("nan"))
+                val = _final(r, metric)[0] if "points" in r else None  # None: failed, n/a or diverged
+                per.setdefault((algo, side), []).append(float("nan") if val is None else val)
     rows = []
     for (algo, side), vals in per.items():
         mean = sum(vals) / len(vals)

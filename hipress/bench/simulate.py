@@ -58,7 +58,8 @@ from hipress.compression.error_feedback import ErrorFeedback
 from hipress.sync.base import rng_stream_start
 from hipress.sync.lowrank import matrix_shape
 from hipress.torch import clipping, momentum
-from hipress.torch.optimizer import DistributedOptimizer, bucket_bounds, fusion_buckets, splits_tensors
+from hipress.torch.optimizer import (DistributedOptimizer, bucket_bounds, final_gradient, fusion_buckets,
+                                     splits_tensors)
 
 # hipress's defaults, read from the optimizer's signature so that a change there changes both runs
 _DEFAULTS = {k: v.default for k, v in inspect.signature(DistributedOptimizer).parameters.items()
@@ -241,13 +242,9 @@ class Reference:
             raise ValueError(f"expected the gradients of {self.size} workers, got {len(grads)}")
         grads = [list(g) for g in grads]
         for r, g in enumerate(grads):  # what DistributedOptimizer does to a final gradient, in its order
+            mc = self.momentum[r] if self.momentum is not None else None
             for j, (name, p) in enumerate(self.named):
-                if g[j] is None:  # unused this step: hipress syncs zeros
-                    g[j] = torch.zeros_like(p)
-                elif self.clip is not None:
-                    self.clip(name, g[j])
-                if self.momentum is not None:
-                    self.momentum[r].apply(p, g[j])
+                g[j] = final_gradient(name, p, g[j], self.clip, mc)
         mean: List[Optional[torch.Tensor]] = [None] * len(self.named)
         for bucket in self.buckets:
             flats = [self._flat(bucket, g) for g in grads]

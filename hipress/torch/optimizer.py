@@ -87,6 +87,20 @@ class _Bucket:
             p.grad.copy_(self.flat[off:off + p.numel()].view_as(p.grad))
 
 
+def final_gradient(name: str, p: torch.nn.Parameter, grad: Optional[torch.Tensor], clip, mc) -> torch.Tensor:
+    """What is synced of p's final gradient of a step: zeros if p was unused (every rank then
+    runs the same collectives), else the gradient clipped (``clip``); then momentum
+    correction (``mc``). Changes ``grad`` in place and returns it. A function of its own
+    because the convergence bench's reference simulator prepares gradients the same way."""
+    if grad is None:
+        grad = torch.zeros_like(p)
+    elif clip is not None:
+        clip(name, grad)
+    if mc is not None:
+        mc.apply(p, grad)
+    return grad
+
+
 def split_at(bounds: List[Tuple[int, int]], cuts: Sequence[int]) -> List[Tuple[int, int]]:
     """``bounds`` (consecutive [start, end) ranges) cut further at every offset in ``cuts``."""
     out = []
@@ -214,7 +228,8 @@ class _HipressOptimizer:
         self._hp_compressor = _compression.get(comp, **options.compression_kwargs) if isinstance(comp, str) else comp
         self._hp_strategy_name = resolve_strategy(options.strategy, self._hp_compressor, options.plan is not None)
         self._hp_clip = clipping.resolve(options.grad_clip, self._hp_compressor.name)
-        self._hp_momentum = (momentum.MomentumCorrection(self, {id(p): n for n, p in named})
+        self._hp_names = {id(p): n for n, p in named}
+        self._hp_momentum = (momentum.MomentumCorrection(self, self._hp_names)
                              if momentum.resolve(options.momentum_correction, self, self._hp_compressor) else None)
         self._hp_average = options.op == Average
         self._hp_hierarchical = use_local_aggregation(options.local_aggregation, world.hostnames())
@@ -235,7 +250,6 @@ class _HipressOptimizer:
         self._hp_buckets = self._hp_build_buckets(options.bucket_bytes)
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
         self._hp_plan = self._hp_make_plan(options.plan) if options.plan is not None else None
-        self._hp_names = {id(p): n for n, p in named}
         self._hp_passes = options.backward_passes_per_step
         self._hp_partition_bytes = options.partition_bytes
         self._hp_counts: Dict[int, int] = {}
@@ -307,12 +321,7 @@ class _HipressOptimizer:
     def _hp_take(self, p: torch.nn.Parameter):
         """p's gradient is final for this step: put it in its bucket; submit a full bucket."""
         key = id(p)
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        elif self._hp_clip is not None:
-            self._hp_clip(self._hp_names[key], p.grad)
-        if self._hp_momentum is not None:
-            self._hp_momentum.apply(p, p.grad)
+        p.grad = final_gradient(self._hp_names[key], p, p.grad, self._hp_clip, self._hp_momentum)
         self._hp_taken.add(key)
         bucket = self._hp_bucket_of[key]
         if self._hp_transport.size > 1:

@@ -59,6 +59,21 @@ def params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def resume(ckpt, cfg, rank, k, m, keep_hipress=True, broadcast=False):
+    """Job C from this rank's checkpoint: M more steps; the final parameters."""
+    # Loaded afresh each time: torch's Optimizer.load_state_dict keeps the loaded momentum
+    # tensors (no copy), so a resume changes them in place.
+    saved = torch.load(ckpt, weights_only=False)
+    model = make_model()
+    model.load_state_dict(saved["model"])
+    opt = make_optimizer(model, cfg)
+    opt.load_state_dict({key: v for key, v in saved["optimizer"].items() if keep_hipress or key != "hipress"})
+    if broadcast:  # Horovod's pattern after loading; every rank keeps its own hipress state
+        hipress.broadcast_optimizer_state(opt, root_rank=0)
+    train(model, opt, rank, k, k + m)
+    return params(model)
+
+
 def main():
     out_dir, phase, configs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     k, m = int(sys.argv[4]), int(sys.argv[5])
@@ -77,33 +92,9 @@ def main():
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, ckpt)
             results.append({"config": cfg, "uninterrupted": uninterrupted})
         else:
-            saved = torch.load(ckpt, weights_only=False)
-            model = make_model()
-            model.load_state_dict(saved["model"])
-            opt = make_optimizer(model, cfg)
-            opt.load_state_dict(saved["optimizer"])
-            train(model, opt, rank, k, k + m)
-            resumed = params(model)
-            # Read the file again: torch's Optimizer.load_state_dict keeps the loaded momentum
-            # tensors (no copy), so job C's steps have changed those of `saved` in place.
-            saved = torch.load(ckpt, weights_only=False)
-            model = make_model()
-            model.load_state_dict(saved["model"])
-            opt = make_optimizer(model, cfg)
-            opt.load_state_dict({key: v for key, v in saved["optimizer"].items() if key != "hipress"})
-            train(model, opt, rank, k, k + m)
-            without = params(model)
-            # Horovod's pattern after loading: broadcast the optimizer state from rank 0. It must
-            # keep every rank's own hipress state (residuals, aggregators, streams, velocities).
-            saved = torch.load(ckpt, weights_only=False)
-            model = make_model()
-            model.load_state_dict(saved["model"])
-            opt = make_optimizer(model, cfg)
-            opt.load_state_dict(saved["optimizer"])
-            hipress.broadcast_optimizer_state(opt, root_rank=0)
-            train(model, opt, rank, k, k + m)
-            results.append({"config": cfg, "resumed": resumed, "without_compressor_state": without,
-                            "resumed_then_broadcast": params(model)})
+            results.append({"config": cfg, "resumed": resume(ckpt, cfg, rank, k, m),
+                            "without_compressor_state": resume(ckpt, cfg, rank, k, m, keep_hipress=False),
+                            "resumed_then_broadcast": resume(ckpt, cfg, rank, k, m, broadcast=True)})
     torch.save(results, os.path.join(out_dir, f"{phase}-rank{rank}.pt"))
     hipress.shutdown()
 

@@ -66,15 +66,16 @@ def differing(a, b):
     return [n for n in a if not torch.equal(a[n], b[n])]
 
 
+def departures(runs, algorithm, key):
+    """'strategy rank r: [parameters]' wherever the resumed run ``key`` differs from job A."""
+    first, resumed, _ = runs
+    return [f"{CONFIGS[i]['strategy']} rank {r}: {names}" for i in indices(algorithm) for r in range(NP)
+            if (names := differing(first[r][i]["uninterrupted"], resumed[r][i][key]))]
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_resume_is_bit_identical(runs, algorithm):
-    first, resumed, _ = runs
-    bad = []
-    for i in indices(algorithm):
-        for r in range(NP):
-            names = differing(first[r][i]["uninterrupted"], resumed[r][i]["resumed"])
-            if names:
-                bad.append(f"{CONFIGS[i]['strategy']} rank {r}: {names}")
+    bad = departures(runs, algorithm, "resumed")
     assert not bad, f"{algorithm}: resumed parameters differ from the uninterrupted run:\n  " + "\n  ".join(bad)
 
 
@@ -83,13 +84,7 @@ def test_broadcast_optimizer_state_after_resume_keeps_each_ranks_state(runs, alg
     """Each rank loads its own checkpoint, then hipress.broadcast_optimizer_state(opt, 0), the
     Horovod way: still bit-identical. Broadcasting rank 0's compressor state to every rank
     used to replace the others' (different by design) and end 0.009-0.049 away."""
-    first, resumed, _ = runs
-    bad = []
-    for i in indices(algorithm):
-        for r in range(NP):
-            names = differing(first[r][i]["uninterrupted"], resumed[r][i]["resumed_then_broadcast"])
-            if names:
-                bad.append(f"{CONFIGS[i]['strategy']} rank {r}: {names}")
+    bad = departures(runs, algorithm, "resumed_then_broadcast")
     assert not bad, f"{algorithm}: resume + broadcast_optimizer_state differs:\n  " + "\n  ".join(bad)
 
 
