@@ -85,7 +85,7 @@ def _onebit(p, n, counter):
 
 
 def _tbq(p, n, counter):
-    return (lambda x: ref.tbq_encode(x, p["threshold"])), ref.tbq_decode
+    return (lambda x: ref.tbq_encode(x, p["threshold"], p["relative"])), ref.tbq_decode
 
 
 def _terngrad(p, n, counter):
@@ -115,7 +115,7 @@ def _dgc(p, n, counter):
 SINGLE_ROUND = {
     "none": (set(), set(), _none),
     "onebit": (set(), set(), _onebit),
-    "tbq": ({"threshold"}, set(), _tbq),
+    "tbq": ({"threshold", "relative"}, set(), _tbq),
     "terngrad": ({"bitwidth", "seed"}, set(), _terngrad),
     # the native kernel samples a threshold, then selects the exact top-k: the sample cannot change the result
     "dgc": ({"ratio", "momentum", "warmup_steps"}, {"sample_ratio", "seed"}, _dgc),

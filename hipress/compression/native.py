@@ -100,10 +100,13 @@ class OneBit(NativeCompressor):
 
 
 class TBQ(NativeCompressor):
-    """Threshold binary quantisation (Strom 2015): {0, +tau, -tau} in 2 bits."""
+    """Threshold binary quantisation (Strom 2015) with a scale: {0, +scale, -scale} in 2 bits,
+    for the elements below / above tau in magnitude; scale is the mean magnitude of those sent.
+    tau is ``threshold`` if set (> 0, Strom's fixed threshold), else ``relative`` times the
+    tensor's mean magnitude. (Strom sends +-tau; docs/convergence.md, cause 7, says why not.)"""
 
-    def __init__(self, threshold: float = 0.01):
-        super().__init__("tbq", threshold=threshold)
+    def __init__(self, threshold: float = 0.0, relative: float = 1.5):
+        super().__init__("tbq", threshold=threshold, relative=relative)
 
 
 class TernGrad(NativeCompressor):

@@ -155,18 +155,27 @@ def onebit_decode(payload, n: int) -> np.ndarray:
 # ---------------------------------------------------------------- TBQ
 
 
-def tbq_encode(g: np.ndarray, threshold: float) -> bytes:
+def tbq_encode(g: np.ndarray, threshold: float = 0.0, relative: float = 1.5) -> bytes:
+    """+-scale where |g| > tau, else 0; tau = threshold if set, else relative * mean |g|;
+    scale = mean |g| over the elements sent (hipress/dsl/specs/tbq.cll)."""
     g = np.asarray(g, dtype=np.float32).reshape(-1)
-    tau = np.float32(threshold)
+    if threshold > 0:
+        tau = np.float32(threshold)
+    else:  # the kernel: the mean accumulated in double, rounded to float, times the float parameter in float
+        tau = np.float32(relative) * np.float32(np.abs(g).astype(np.float64).mean() if g.size else 0.0)
+    above = (g > tau) | (g < -tau)
+    count = int(above.sum())
+    # the kernel: the sum accumulated in double, rounded to float, divided in float by the count as a float
+    scale = np.float32(np.abs(g[above]).astype(np.float64).sum()) / np.float32(count) if count else np.float32(0)
     codes = np.where(g > tau, 1, np.where(g < -tau, 2, 0)).astype(np.uint8)
     body = pack_bits(codes, 2)
-    return make_header("tbq", g.size, body.size, bits=2, words=(f32_word(tau),)) + body.tobytes()
+    return make_header("tbq", g.size, body.size, bits=2, words=(f32_word(scale),)) + body.tobytes()
 
 
 def tbq_decode(payload, n: int) -> np.ndarray:
     h = parse_header(payload)
-    tau = word_f32(h["words"][0])
-    table = np.array([0, tau, -tau, 0], dtype=np.float32)
+    scale = word_f32(h["words"][0])
+    table = np.array([0, scale, -scale, 0], dtype=np.float32)
     return table[unpack_bits(_body(payload), n, 2)]
 
 

@@ -26,13 +26,11 @@ def strategies_of(algo):
 
 
 # (algorithm, strategy) -> why it is known to miss the margin (docs/convergence.md, "Open")
-_TBQ = "TBQ's fixed threshold caps each element's step at tau per sync"
 _DGC = "DGC's 0.1% density sends each element about once in a run this short"
 _ONEBIT = "one bit cannot carry a re-encoded sum (onebit.reencode_safe is False; auto uses allgather)"
 KNOWN_2 = {("onebit", "ring"): _ONEBIT, ("onebit", "ps"): _ONEBIT,
-           **{("tbq", s): _TBQ for s in ("ring", "ps", "allgather")},
            **{("dgc", s): _DGC for s in ("ring", "ps", "allgather")}}
-KNOWN_4 = {"onebit": "92.6% vs 95.6%", "tbq": "82.2% vs 95.6%: " + _TBQ, "terngrad": "94.3% vs 95.6%",
+KNOWN_4 = {"onebit": "92.6% vs 95.6%", "terngrad": "94.3% vs 95.6%",
            "dgc": "76.1% vs 95.6%: " + _DGC, "graddrop": "92.6% vs 95.6%", "powersgd": "94.3% vs 95.6%"}
 
 

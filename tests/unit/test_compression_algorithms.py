@@ -39,14 +39,26 @@ def roundtrip(c, g, payload):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n", SIZES)
-def test_tbq_exact(n, dtype, threads):
+@pytest.mark.parametrize("params", [{"threshold": 0.04}, {}, {"relative": 0.7}], ids=["fixed", "relative", "relative0.7"])
+def test_tbq_exact(n, dtype, params, threads):
     g = grad(n, n, dtype)
-    c = C.get("tbq", threshold=0.04, error_feedback=False)
+    c = C.get("tbq", error_feedback=False, **params)
     p = c.encode(g)
-    expect = ref.tbq_encode(as_np(g), 0.04)
+    expect = ref.tbq_encode(as_np(g), **params)
     assert pbytes(p) == expect
     assert p.numel() <= c.max_encoded_bytes(n)
     np.testing.assert_array_equal(roundtrip(c, g, p).numpy(), ref.tbq_decode(expect, n))
+
+
+def test_tbq_scale_is_the_mean_magnitude_sent():
+    """What the decode gives for a sent element: the mean |g| of the sent ones (not tau), so
+    an error-feedback residual drains; below tau: 0. tau relative to the tensor's mean |g|."""
+    g = torch.tensor([0.5, -0.1, 3.0, -5.0, 0.2, 0.0])  # mean |g| 1.4667: tau 2.2 (relative 1.5)
+    out = C.get("tbq", error_feedback=False).decode(C.get("tbq", error_feedback=False).encode(g), torch.zeros(6))
+    assert out.tolist() == [0, 0, 4.0, -4.0, 0, 0]
+    fixed = C.get("tbq", error_feedback=False, threshold=0.3)
+    out = fixed.decode(fixed.encode(g), torch.zeros(6))
+    torch.testing.assert_close(out, torch.tensor([17 / 6, 0, 17 / 6, -17 / 6, 0, 0]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

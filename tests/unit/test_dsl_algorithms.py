@@ -12,7 +12,7 @@ from hipress import compll
 from hipress import compression as C
 
 SIZES = [0, 1, 2, 7, 8, 9, 31, 33, 63, 65, 1000, 4095, 4097, 65535, 65537, 200003]
-CASES = [("onebit", {}), ("tbq", {"threshold": 0.05}), ("terngrad", {"bitwidth": 2}), ("terngrad", {"bitwidth": 4}),
+CASES = [("onebit", {}), ("tbq", {"threshold": 0.05}), ("tbq", {}), ("tbq", {"relative": 0.5}), ("terngrad", {"bitwidth": 2}), ("terngrad", {"bitwidth": 4}),
          ("terngrad", {"bitwidth": 8}), ("terngrad", {"bitwidth": 2, "seed": 7})]
 
 
@@ -214,10 +214,15 @@ def test_param_ranges_tbq_terngrad(dsl):
     hand-written kernels had (the built-in through ParamReader, the run-time library through hpc_check_params)."""
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         for name in ("dsl_tbq", "tbq"):
-            with pytest.raises(ValueError, match=r"threshold must be a positive finite number|must be finite") as e:
-                C.get(name, error_feedback=False, threshold=bad)
+            with pytest.raises(ValueError, match=r"relative must be a positive finite number|must be finite") as e:
+                C.get(name, error_feedback=False, relative=bad)
             if name == "tbq":  # the built-in checks it itself (the run-time wrapper rejects non-finite first)
-                assert str(e.value) == "tbq: threshold must be a positive finite number"
+                assert str(e.value) == "tbq: relative must be a positive finite number"
+    for bad in (-1.0, -1e-30, float("inf")):  # 'in [0, inf)': 0 is allowed (tau relative to the tensor)
+        for name in ("dsl_tbq", "tbq"):
+            with pytest.raises(ValueError, match="threshold must be|must be finite"):
+                C.get(name, error_feedback=False, threshold=bad)
+    assert C.get("tbq", error_feedback=False, threshold=0.0).params["threshold"] == 0.0
     for bad in (0, 1, 3, 16, 2.5):
         for name in ("dsl_terngrad", "terngrad"):
             with pytest.raises(ValueError, match="bitwidth must be 2, 4 or 8|must be an integer|does not fit"):

@@ -122,7 +122,7 @@ def test_state_dict_carries_compressor_state(model):
     def tbq(m):  # momentum SGD, so the velocities are state too
         return hipress.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                                             named_parameters=m.named_parameters(), compression="tbq",
-                                            strategy="ring", threshold=0.5)
+                                            strategy="ring")
 
     torch.manual_seed(1)
     grads = [{n: torch.randn(p.numel()) for n, p in model.named_parameters()} for _ in range(2)]

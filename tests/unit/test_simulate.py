@@ -161,7 +161,7 @@ def test_unknown_parameter_is_reported(monkeypatch):
     # a parameter hipress's compressor has and the reference does not take
     monkeypatch.setitem(simulate.SINGLE_ROUND, "tbq", (set(), set(), simulate._tbq))
     named = list(torch.nn.Linear(2, 2).named_parameters())
-    with pytest.raises(simulate.Unsupported, match="has no parameter threshold"):
+    with pytest.raises(simulate.Unsupported, match="has no parameter relative, threshold"):
         simulate.Reference(named, 2, "tbq")
 
 
