@@ -68,6 +68,17 @@ HIPRESS_BINDINGS(compress, m) {
   m.attr("compress_header_bytes") = kHeaderBytes;
   m.attr("compress_magic") = kMagic;
   m.attr("compress_format_version") = kFormatVersion;
+  m.def("compress_read_header",
+        [](uintptr_t header, size_t nbytes) {
+          // header: the payload's first kHeaderBytes (or fewer when nbytes is smaller);
+          // nbytes: the whole payload's length. Checks magic, version, check and that
+          // the body is exactly the rest of the payload (read_header), nothing else.
+          const Header h = read_header(P<const uint8_t>(header), nbytes, 0, SIZE_MAX);
+          return py::make_tuple(h.algo, h.version, h.bits, h.kind, h.count, h.numel, h.body_bytes,
+                                std::vector<uint32_t>(h.words, h.words + 4));
+        },
+        py::arg("header_ptr"), py::arg("nbytes"),
+        "Validated header fields of a payload: (algo, version, bits, kind, count, numel, body_bytes, words).");
   m.def("compress_names", &compressor_names, "Names of the native compressors in the C++ registry.");
   m.def("compress_set_num_threads", &set_num_threads, py::arg("n"));
   m.def("compress_num_threads", &num_threads);

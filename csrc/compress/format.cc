@@ -35,9 +35,13 @@ Header read_header(const uint8_t* in, size_t bytes, uint8_t expect_algo, size_t 
   if (expect_algo != 0 && h.algo != expect_algo)
     throw FormatError(std::string("compressed payload was made by ") + algo_name(h.algo) + " (id " +
                       std::to_string(h.algo) + "), cannot decode it with " + algo_name(expect_algo));
-  if (h.body_bytes > bytes - kHeaderBytes)
+  const uint64_t have = bytes - kHeaderBytes;
+  if (h.body_bytes > have)
     throw FormatError("compressed payload truncated: header announces " + std::to_string(h.body_bytes) +
-                      " body bytes, only " + std::to_string(bytes - kHeaderBytes) + " present");
+                      " body bytes, only " + std::to_string(have) + " present");
+  if (h.body_bytes < have)  // a payload is exactly header + body: a longer buffer is not this payload
+    throw FormatError("compressed payload has " + std::to_string(have - h.body_bytes) +
+                      " trailing bytes after the " + std::to_string(h.body_bytes) + " body bytes its header announces");
   if (expect_numel != SIZE_MAX && h.numel != expect_numel)
     throw FormatError("compressed payload holds " + std::to_string(h.numel) + " elements, output has " +
                       std::to_string(expect_numel));

@@ -16,9 +16,13 @@
 //
 // Little-endian (x86/ARM hosts). decode() checks everything it uses, so a
 // truncated, corrupt or foreign payload raises FormatError instead of reading
-// out of bounds. The body itself has no checksum: a flipped bit inside a
-// quantised body decodes to a different (finite, in-range) value; sparse
-// indices are range-checked.
+// out of bounds. A payload is exactly kHeaderBytes + body_bytes long (trailing
+// bytes are rejected); fp32 header words (scales, thresholds) must be finite;
+// single-round payloads have kind 0. The check is FNV-1a: it detects accidents,
+// not forgeries, so every field is validated against what the receiver knows
+// (its output's element count) before anything is allocated. The body itself
+// has no checksum: a flipped bit inside a quantised body decodes to a
+// different (finite, in-range) value; sparse indices are range-checked.
 #pragma once
 
 #include <cstddef>
@@ -89,7 +93,7 @@ inline void write_header(Header h, uint8_t* out) {
 const char* algo_name(uint8_t id);
 
 // Reads and validates the header of a payload of `bytes` bytes: magic, version,
-// check, that the body fits, and (when expect_algo != 0) the algorithm id and
+// check, that the body is exactly the rest of the payload, and (when expect_algo != 0) the algorithm id and
 // (when expect_numel != SIZE_MAX) the element count.
 Header read_header(const uint8_t* in, size_t bytes, uint8_t expect_algo, size_t expect_numel);
 

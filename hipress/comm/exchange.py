@@ -10,6 +10,13 @@ are callables) and handed to ``sinks`` when they arrive.
     allgather(name, send, sinks, deps)           send() to every rank, sinks from every rank
     broadcast(name, buf, root, deps)             root's buf into every rank's buf, in place
 
+``max_bytes`` (sendrecv, bulk, allgather): the most bytes this rank accepts from a source,
+from what it knows itself (the compressor's ``max_encoded_bytes`` of the payloads it
+expects), never from what the peer announces. The direct exchange passes it to the
+transport's ``*_alloc`` calls, which refuse a larger announcement before allocating it
+(:class:`hipress.comm.transport.TransportError` naming the peer). The coordinated exchange
+does not enforce it yet: its receive sizes come from the coordinator's plan.
+
 Two implementations:
 
 * :class:`DirectExchange` runs each operation on the comm queue as transport calls. The
@@ -67,22 +74,29 @@ class Exchange(abc.ABC):
 
     @abc.abstractmethod
     def _exchange(self, name: str, sends: Dict[int, Send], sinks: Dict[int, Sink], deps: Sequence[Handle],
-                  pairwise: bool) -> Handle:
-        """pairwise: exactly one destination and one source (a ring step)."""
+                  pairwise: bool, max_bytes: Optional[Dict[int, int]] = None) -> Handle:
+        """pairwise: exactly one destination and one source (a ring step); max_bytes: {src: bound}."""
 
     @abc.abstractmethod
     def broadcast(self, name: str, buf: torch.Tensor, root: int, deps: Sequence[Handle] = ()) -> Handle:
         """Copies root's ``buf`` (contiguous) into every rank's ``buf``."""
 
-    def sendrecv(self, name: str, send: Send, dst: int, sink: Sink, src: int, deps: Sequence[Handle] = ()) -> Handle:
-        return self._exchange(name, {dst: send}, {src: sink}, deps, pairwise=True)
+    def sendrecv(self, name: str, send: Send, dst: int, sink: Sink, src: int, deps: Sequence[Handle] = (),
+                 max_bytes: Optional[int] = None) -> Handle:
+        """max_bytes: the most this rank accepts from src (None: no bound)."""
+        return self._exchange(name, {dst: send}, {src: sink}, deps, pairwise=True,
+                              max_bytes=None if max_bytes is None else {src: max_bytes})
 
-    def bulk(self, name: str, sends: Dict[int, Send], sinks: Dict[int, Sink], deps: Sequence[Handle] = ()) -> Handle:
-        """Every rank of the group calls it; a rank may send to and hear from any subset."""
-        return self._exchange(name, sends, sinks, deps, pairwise=False)
+    def bulk(self, name: str, sends: Dict[int, Send], sinks: Dict[int, Sink], deps: Sequence[Handle] = (),
+             max_bytes: Optional[Dict[int, int]] = None) -> Handle:
+        """Every rank of the group calls it; a rank may send to and hear from any subset.
+        max_bytes: {src: the most this rank accepts from src} (sources left out: no bound)."""
+        return self._exchange(name, sends, sinks, deps, pairwise=False, max_bytes=max_bytes)
 
-    def allgather(self, name: str, send: Send, sinks: Dict[int, Sink], deps: Sequence[Handle] = ()) -> Handle:
-        """send() goes to every rank (itself included); sinks[src] takes src's payload."""
+    def allgather(self, name: str, send: Send, sinks: Dict[int, Sink], deps: Sequence[Handle] = (),
+                  max_bytes: Optional[int] = None) -> Handle:
+        """send() goes to every rank (itself included); sinks[src] takes src's payload.
+        max_bytes: the most this rank accepts from any one rank (None: no bound)."""
         payload: dict = {}
 
         def once():  # evaluated once, whatever the number of destinations
@@ -90,24 +104,32 @@ class Exchange(abc.ABC):
                 payload["p"] = send()
             return payload["p"]
 
-        return self.bulk(name, {dst: once for dst in range(self.size)}, sinks, deps)
+        return self.bulk(name, {dst: once for dst in range(self.size)}, sinks, deps,
+                         max_bytes=None if max_bytes is None else {src: max_bytes for src in sinks})
 
 
-def transfer(transport, payloads: Dict[int, torch.Tensor], recv_from, pairwise: bool) -> Dict[int, torch.Tensor]:
+def transfer(transport, payloads: Dict[int, torch.Tensor], recv_from, pairwise: bool,
+             max_bytes: Optional[Dict[int, int]] = None) -> Dict[int, torch.Tensor]:
     """Moves payloads now, over the transport; receivers learn the sizes from the transport
     (payload sizes vary with the gradient for sparsifiers). Returns {src: payload}.
 
     pairwise: exactly one destination and one source (a ring step): one sendrecv_alloc.
     Otherwise one alltoallv_alloc (zero bytes to and from every peer not named). Every rank
     of the transport must make the same kind of call at the same point.
+
+    max_bytes: {src: the most bytes accepted from src}, enforced by the transport before it
+    allocates (sources left out: no bound).
     """
+    bound = max_bytes or {}
     if pairwise:
         (dst, payload), = payloads.items()
         (src,) = recv_from
-        return {src: transport.sendrecv_alloc(payload, dst, src)}
+        return {src: transport.sendrecv_alloc(payload, dst, src, max_bytes=bound.get(src))}
     segs = [payloads[j].reshape(-1) if j in payloads else torch.empty(0, dtype=torch.uint8)
             for j in range(transport.size)]
-    recv, recv_counts = transport.alltoallv_alloc(torch.cat(segs), [x.numel() for x in segs])
+    recv, recv_counts = transport.alltoallv_alloc(torch.cat(segs), [x.numel() for x in segs],
+                                                  max_bytes=[bound.get(j) for j in range(transport.size)]
+                                                  if bound else None)
     out, off = {}, 0
     for j, c in enumerate(recv_counts):
         if j in recv_from:
@@ -127,11 +149,11 @@ class DirectExchange(Exchange):
     def _comm(self, name: str, fn: Callable[[], None], deps: Sequence[Handle]) -> Handle:
         return self.chain.push(self.engine.submit(name, fn, queue="comm", deps=self.chain.deps(deps)))
 
-    def _exchange(self, name, sends, sinks, deps, pairwise):
+    def _exchange(self, name, sends, sinks, deps, pairwise, max_bytes=None):
         tr = self.transport
 
         def run():
-            got = transfer(tr, {d: f() for d, f in sends.items()}, set(sinks), pairwise)
+            got = transfer(tr, {d: f() for d, f in sends.items()}, set(sinks), pairwise, max_bytes)
             for src, buf in got.items():
                 sinks[src](buf)
 
@@ -159,7 +181,9 @@ class CoordinatedExchange(Exchange):
         self.members = list(members)
         self._occurrence: Dict[str, int] = {}
 
-    def _exchange(self, name, sends, sinks, deps, pairwise):
+    def _exchange(self, name, sends, sinks, deps, pairwise, max_bytes=None):
+        # max_bytes is not enforced here (see the module docstring): receive sizes are planned
+        # by the coordinator from the senders' announcements.
         occ = self._occurrence.get(name, 0)  # the same sequence of names on every rank of the group
         self._occurrence[name] = occ + 1
         key_name = f"{name}#{occ}"

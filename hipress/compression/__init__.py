@@ -49,33 +49,128 @@ def compress(grad: torch.Tensor, name: str = "tbq", state: Optional[CompressorSt
     return get(name, **params).encode(grad, state)
 
 
+#: Without ``out`` or ``numel``, :func:`decompress` allocates at most
+#: ``max(DECOMPRESS_MIN_NUMEL, DECOMPRESS_NUMEL_PER_BYTE * len(payload))`` elements unless
+#: ``max_numel`` says otherwise (see its docstring).
+DECOMPRESS_MIN_NUMEL = 1 << 16
+DECOMPRESS_NUMEL_PER_BYTE = 1024
+
+_DENSE_BITS = {1: (1,), 2: (2,), 3: (1, 2, 4, 8)}  # onebit, tbq, terngrad: bit widths of the packed body
+_FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 4: 1, 5: 1, 6: 0}  # fp32 header words (scales, thresholds) per built-in
+
+
+def _header_bytes(p: torch.Tensor) -> torch.Tensor:
+    """The payload's first HEADER_BYTES (fewer if shorter) as a CPU uint8 tensor."""
+    h = p[:HEADER_BYTES]
+    return h.cpu().contiguous() if h.device.type != "cpu" else h.contiguous()
+
+
+def _check_layout(algo: int, bits: int, kind: int, count: int, numel: int, body: int, words) -> None:
+    """The body size each built-in's decoder expects for the header's fields (the layouts of
+    hipress/dsl/specs/*.cll as the generated decoders read them); PayloadError otherwise."""
+    name = BUILTIN_IDS[algo].__name__.lower()
+
+    def bad(msg):
+        raise PayloadError(f"{name} payload: {msg}")
+
+    for w in range(_FLOAT_WORDS[algo]):
+        if (words[w] & 0x7F800000) == 0x7F800000:
+            bad(f"field {w + 1} (float) is inf or NaN")
+    if algo in _DENSE_BITS:
+        if bits not in _DENSE_BITS[algo]:
+            bad(f"bit width {bits}, expected one of {_DENSE_BITS[algo]}")
+        if count != 0 or kind != 0:
+            bad(f"unexpected count {count} / kind {kind}")
+        expected = (numel * bits + 7) // 8
+    elif algo in (4, 5):  # DGC, GradDrop: count (uint32 index, fp32 value) pairs
+        if bits != 0 or kind != 0:
+            bad(f"unexpected bit width {bits} / kind {kind}")
+        if count > numel:
+            bad(f"{count} entries for {numel} elements")
+        expected = 8 * count
+    else:  # PowerSGD: rows x cols matrix of rank count; kind 0: P^ and Q, 1: P, 2: Q
+        rows, cols = words[0], words[1]
+        if bits != 0 or kind not in (0, 1, 2):
+            bad(f"unexpected bit width {bits} / kind {kind}")
+        if rows * cols != numel or count > min(rows, cols):
+            bad(f"inconsistent shape {rows} x {cols} rank {count} for {numel} elements")
+        expected = 4 * count * ((rows + cols) if kind == 0 else (rows if kind == 1 else cols))
+    if body != expected:
+        bad(f"body has {body} bytes, {numel} elements need {expected}")
+
+
 def payload_info(payload: torch.Tensor) -> dict:
-    """Header fields of a payload (validated): algo id/name, numel, body bytes, bits, kind, count."""
-    import struct
-    p = payload.contiguous().view(-1)
-    if p.dtype != torch.uint8 or p.numel() < HEADER_BYTES:
-        raise PayloadError("payload truncated or not uint8")
-    raw = bytes(p[:HEADER_BYTES].tolist())
-    magic, algo, ver, bits, kind, _check, count, numel, body = struct.unpack("<IBBBBIIQQ", raw[:32])
-    if magic != _C.compress_magic:
-        raise PayloadError("not a hipress compressed payload")
+    """Header fields of a payload, validated before anything is allocated: magic, format
+    version, header check, a payload exactly header + body long (no trailing bytes), and for
+    the built-in algorithms the body size their decoder expects for the element count and
+    count the header announces, finite fp32 scales and thresholds, known bit width and kind.
+    Ids 7..63 not in ``BUILTIN_IDS`` are rejected; ids >= 64 (user algorithms, hipress.compll)
+    get the generic checks only (their decoders check the rest against the output's size). Raises :class:`PayloadError` (a ``ValueError``) for any malformed payload.
+
+    Returns algo id/name, version, bits, kind, count, numel, body_bytes."""
+    if not isinstance(payload, torch.Tensor):
+        raise TypeError(f"a payload is a uint8 torch.Tensor, got {type(payload).__name__}")
+    p = payload.reshape(-1)
+    if p.dtype != torch.uint8:
+        raise PayloadError(f"a payload is a uint8 tensor, got {p.dtype}")
+    h = _header_bytes(p)
+    algo, ver, bits, kind, count, numel, body, words = _C.compress_read_header(h.data_ptr(), p.numel())
     cls = BUILTIN_IDS.get(algo)
+    if algo in _FLOAT_WORDS:  # the built-ins of hipress/dsl/specs (a compressor added to BUILTIN_IDS
+        _check_layout(algo, bits, kind, count, numel, body, words)  # later gets the generic checks)
+    elif cls is None and algo < _FIRST_USER_ALGO:
+        raise PayloadError(f"payload made by an unknown algorithm id {algo}")
     return {"algo": algo, "name": cls.__name__.lower() if cls else None, "version": ver, "bits": bits, "kind": kind,
             "count": count, "numel": numel, "body_bytes": body}
 
 
-def decompress(payload: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Decode a payload of any built-in algorithm (the header says which) into a new fp32 tensor or ``out``."""
+_FIRST_USER_ALGO = 64  # csrc/compress/format.h kFirstUserAlgo
+
+
+def decompress(payload: torch.Tensor, out: Optional[torch.Tensor] = None, *, numel: Optional[int] = None,
+               max_numel: Optional[int] = None) -> torch.Tensor:
+    """Decode a payload of any built-in algorithm (the header says which) into ``out`` or a new
+    fp32 tensor. The payload is validated (:func:`payload_info`) before anything is allocated,
+    and a payload is never trusted for how much to allocate:
+
+    * ``out`` given: the header's element count must equal ``out.numel()``.
+    * ``numel`` given (the count the caller expects): the header's must equal it.
+    * otherwise the header's count must be at most ``max_numel``, by default
+      ``max(DECOMPRESS_MIN_NUMEL, DECOMPRESS_NUMEL_PER_BYTE * len(payload))`` (65536 elements,
+      or 1024 elements, 4 KiB of fp32, per payload byte). Quantised payloads (onebit, TBQ,
+      TernGrad) always fit it: their body has at least one bit per element. Sparse (DGC,
+      GradDrop) and low-rank (PowerSGD) payloads do not bound their element count (a 56-byte
+      DGC payload may announce 2^63 elements); the default admits DGC/GradDrop down to a
+      density of about 1/8192 and PowerSGD matrices up to 8192 * rank rows and columns. Pass
+      ``numel`` or ``max_numel`` when decoding sparser or larger payloads.
+
+    Every violation raises :class:`PayloadError` (a ``ValueError``) before allocating."""
     info = payload_info(payload)
     cls = BUILTIN_IDS.get(info["algo"])
     if cls is None:
-        raise PayloadError(f"payload made by an unknown algorithm id {info['algo']}")
+        raise PayloadError(f"payload made by algorithm id {info['algo']}, not a built-in: decode it with its "
+                           "compressor (hipress.compression.get(name).decode)")
+    n = info["numel"]
+    if numel is not None and int(numel) != n:
+        raise PayloadError(f"payload holds {n} elements, the caller expects {int(numel)}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.numel() != n:
+            raise PayloadError(f"payload holds {n} elements, out has {out.numel()}")
+    elif numel is None:
+        cap = max(DECOMPRESS_MIN_NUMEL, DECOMPRESS_NUMEL_PER_BYTE * payload.numel()) if max_numel is None \
+            else int(max_numel)
+        if n > cap:
+            raise PayloadError(f"payload announces {n} elements, more than max_numel = {cap} "
+                               f"(pass numel= or max_numel= to decode larger payloads)")
     if out is None:
-        out = torch.empty(info["numel"], dtype=torch.float32)
+        out = torch.empty(n, dtype=torch.float32)
     return cls().decode(payload, out)
 
 
 __all__ = ["CATEGORIES", "Compressor", "CompressorState", "ErrorFeedback", "NativeCompressor", "PayloadError",
            "OneBit", "TBQ", "TernGrad", "DGC", "GradDrop", "PowerSGD", "available", "get", "register",
            "compress", "decompress", "payload_info", "set_num_threads", "num_threads", "HEADER_BYTES",
+           "DECOMPRESS_MIN_NUMEL", "DECOMPRESS_NUMEL_PER_BYTE",
            "NoneCompressor"]

@@ -103,6 +103,8 @@ def parse_header(payload: bytes) -> Dict[str, object]:
         raise ValueError("corrupt header")
     if body > len(payload) - HEADER_BYTES:
         raise ValueError("payload truncated")
+    if body < len(payload) - HEADER_BYTES:
+        raise ValueError("payload has trailing bytes")
     return dict(algo=algo, bits=bits, kind=kind, count=count, numel=numel, body_bytes=body, words=words)
 
 

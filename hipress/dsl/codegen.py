@@ -769,6 +769,8 @@ class Generator:
             self.emit("const size_t cnt = h.count;", ind)
         else:
             self.emit(f"if (h.count != 0) throw {FE}(kName + std::string(\" payload: unexpected count\"));", ind)
+        self.emit(f"if (h.kind != 0) throw {FE}(kName + std::string(\" payload: kind \") + std::to_string(h.kind)"
+                  " + \", single-round payloads have kind 0\");", ind)
         sizes = []
         for ty in layout:
             if is_arr(ty):
@@ -796,7 +798,9 @@ class Generator:
                           f"{self.copy(t.OWNED.format(a=tgt), 'in + off', f'4 * {length}', fresh=True)}; off += 4 * {length};", ind)
 
     def extract_word(self, tgt: str, w: int, ty, ind):
-        if ty == "float":
+        if ty == "float":  # scales and thresholds: a forged inf/NaN would decode to inf/NaN everywhere
+            self.emit(f"if ((h.words[{w}] & 0x7f800000u) == 0x7f800000u) throw {self.t.FORMAT_ERROR}(kName + "
+                      f"std::string(\" payload: field {w + 1} (float) is inf or NaN\"));", ind)
             self.emit(f"{tgt} = h.f({w});", ind)
         elif ty == "int32":
             self.emit(f"{tgt} = static_cast<int64_t>(static_cast<int32_t>(h.words[{w}]));", ind)

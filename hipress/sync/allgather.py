@@ -20,7 +20,7 @@ from typing import Sequence, Tuple
 import torch
 
 from hipress.engine import Handle
-from hipress.sync.base import Strategy, SyncContext, frame, unframe
+from hipress.sync.base import Strategy, SyncContext, frame, frame_bound, payload_bound, unframe
 
 
 class AllgatherStrategy(Strategy):
@@ -56,5 +56,5 @@ class AllgatherStrategy(Strategy):
         enc = ctx.compute(f"encode.{tensor_name}", encode, deps, nbytes=nbytes)
         g = ctx.exchange.allgather(f"allgather.{tensor_name}", lambda: slot.pop("out"),
                                    {src: (lambda buf, src=src: slot["in"].__setitem__(src, buf)) for src in range(n)},
-                                   [enc])
+                                   [enc], max_bytes=frame_bound([payload_bound(comp, e - s) for _, s, e in parts]))
         return ctx.compute(f"aggregate.{tensor_name}", aggregate, [g], nbytes=nbytes)

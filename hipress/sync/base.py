@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,6 +52,25 @@ def unframe(buf: torch.Tensor, expected: int) -> List[torch.Tensor]:
     if off != n:
         raise ValueError(f"framed buffer has {n - off} trailing bytes after {expected} records")
     return out
+
+
+def payload_bound(comp: Compressor, numel: int, shape=None) -> Optional[int]:
+    """The most bytes a peer's payload of ``numel`` elements may take, from the receiver's own
+    knowledge (``max_encoded_bytes`` of the compressor and of its merged form, which re-encodes
+    partial sums); passed to the exchange as ``max_bytes`` so a peer's announcement is never
+    trusted for allocation. None when the compressor does not implement ``max_encoded_bytes``."""
+    try:
+        return max(int(c.max_encoded_bytes(numel) if shape is None else c.max_encoded_bytes(numel, shape))
+                   for c in (comp, comp.merged))
+    except NotImplementedError:
+        return None
+
+
+def frame_bound(bounds: Sequence[Optional[int]]) -> Optional[int]:
+    """The size bound of :func:`frame` of payloads with these bounds (None if any is None)."""
+    if any(b is None for b in bounds):
+        return None
+    return sum(8 + b for b in bounds)
 
 
 def rng_stream_start(rank: int, key: str) -> int:

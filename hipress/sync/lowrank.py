@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from hipress.engine import Handle
-from hipress.sync.base import Strategy, SyncContext
+from hipress.sync.base import Strategy, SyncContext, payload_bound
 
 
 def matrix_shape(shape: Optional[Sequence[int]], numel: int) -> Tuple[int, int]:
@@ -57,6 +57,10 @@ class LowRankStrategy(Strategy):
         states = [ctx.states.get(key, comp, numel, matrix_shape(sh, numel))
                   for key, (_, numel, sh) in zip(keys, segments)]
         views = [flat[off:off + numel] for off, numel, _ in segments]
+        # What each rank's round payload may take, from this rank's own knowledge of the matrices:
+        # a round carries P or Q, at most the single-process payload (P and Q) of each matrix.
+        seg_bounds = [payload_bound(comp, numel, sh) for _, numel, sh in segments]
+        round_max = None if any(b is None for b in seg_bounds) else sum(seg_bounds)
         slot = {}
         prev = list(deps)
         for k in range(comp.rounds):
@@ -82,7 +86,7 @@ class LowRankStrategy(Strategy):
             enc = ctx.compute(f"encode.{tensor_name}.r{k}", encode, prev)
             g = ctx.exchange.allgather(f"allgather.{tensor_name}.r{k}", lambda: slot["mine"],
                                        {src: (lambda buf, src=src, got=got: got.__setitem__(src, buf))
-                                        for src in range(n)}, [enc])
+                                        for src in range(n)}, [enc], max_bytes=round_max)
             prev = [ctx.compute(f"combine.{tensor_name}.r{k}", combine, [g])]
 
         def finish():

@@ -25,7 +25,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from hipress.engine import Handle
-from hipress.sync.base import Strategy, SyncContext, frame, unframe
+from hipress.sync.base import Strategy, SyncContext, frame, frame_bound, payload_bound, unframe
 
 
 class PSStrategy(Strategy):
@@ -100,11 +100,18 @@ class PSStrategy(Strategy):
             return lambda src: (lambda buf: slot[name].__setitem__(src, buf))
 
         gather_sink, bcast_sink = sink("gather_in"), sink("bcast_in")
+        # What each peer may send, from this rank's own knowledge of the partitions (max_bytes):
+        # every worker frames this aggregator's partitions; each aggregator frames its own.
+        part_bound = [payload_bound(comp, e - s) for _, s, e in parts]
+        gather_max = frame_bound([part_bound[i] for i in mine])
+        bcast_max = {a: frame_bound([part_bound[i] for i, o in enumerate(owners) if o == a]) for a in aggregators}
         enc = ctx.compute(f"encode.{tensor_name}", encode, deps, nbytes=4 * flat.numel())
         # Every worker sends to every aggregator of this gradient; aggregators hear from all.
         g = ctx.exchange.bulk(f"gather.{tensor_name}", {a: (lambda a=a: slot["gather_out"].pop(a)) for a in aggregators},
-                              {src: gather_sink(src) for src in range(n)} if mine else {}, [enc])
+                              {src: gather_sink(src) for src in range(n)} if mine else {}, [enc],
+                              max_bytes=None if gather_max is None else {src: gather_max for src in range(n)})
         agg = ctx.compute(f"aggregate.{tensor_name}", aggregate, [g]) if mine else g
         b = ctx.exchange.bulk(f"bcast.{tensor_name}", {dst: (lambda: slot["bcast_out"]) for dst in range(n)} if mine else {},
-                              {a: bcast_sink(a) for a in aggregators}, [agg])
+                              {a: bcast_sink(a) for a in aggregators}, [agg],
+                              max_bytes={a: m for a, m in bcast_max.items() if m is not None})
         return ctx.compute(f"decode.{tensor_name}", decode, [b], nbytes=4 * flat.numel())

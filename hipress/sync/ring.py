@@ -31,7 +31,7 @@ import torch
 
 from hipress.engine import Handle
 from hipress.planner.plan import chunk_bounds
-from hipress.sync.base import Strategy, SyncContext
+from hipress.sync.base import Strategy, SyncContext, payload_bound
 
 
 class RingStrategy(Strategy):
@@ -57,6 +57,9 @@ class RingStrategy(Strategy):
             s, e = chunks[c]
             return x[s:e]
 
+        def bound(c):  # the most a peer's payload of chunk c may take (what this rank knows)
+            return payload_bound(comp, chunks[c][1] - chunks[c][0])
+
         def encode_chunk(c, merged=True):
             # Step 0 encodes this rank's own gradient; later encodes see merged partial sums
             # and use the compressor's merged form (error feedback at every site). A chunk
@@ -80,7 +83,8 @@ class RingStrategy(Strategy):
 
             enc = ctx.compute(f"encode.{key}.rs{s}", encode, last_compute, nbytes=4 * x.numel() // n)
             sr = ctx.exchange.sendrecv(f"sendrecv.{key}.rs{s}", lambda s=s: slot.pop(("out", s)), nxt,
-                                       lambda buf, s=s: slot.__setitem__(("in", s), buf), prv, [enc])
+                                       lambda buf, s=s: slot.__setitem__(("in", s), buf), prv, [enc],
+                                       max_bytes=bound(cr))
             last_compute = [ctx.compute(f"merge.{key}.rs{s}", merge, [sr], nbytes=4 * x.numel() // n)]
 
         # All-gather of the encoded owned chunks.
@@ -103,7 +107,7 @@ class RingStrategy(Strategy):
                 comp.decode(slot.pop(("dec", t)), view(c))
 
             prev = ctx.exchange.sendrecv(f"sendrecv.{key}.ag{t}", lambda t=t: slot.pop(("fwd", t)), nxt,
-                                         received, prv, [prev])
+                                         received, prv, [prev], max_bytes=bound(c_in))
             finals.append(ctx.compute(f"decode.{key}.ag{t}", decode, [prev], nbytes=4 * x.numel() // n))
 
         def finish():

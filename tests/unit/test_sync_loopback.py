@@ -271,3 +271,38 @@ def test_merged_sums_are_reencoded_with_error_feedback():
     out = torch.zeros(1000)
     t.merged.decode(t.merged.encode(x, st), out)
     torch.testing.assert_close(out + st.buffers["residual"], x, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy,algo,kw", [("ring", "dgc", {"ratio": 0.05}), ("ring", "terngrad", {"bitwidth": 2}),
+                                              ("ps", "graddrop", {"ratio": 0.05}), ("allgather", "tbq", {}),
+                                              ("lowrank", "powersgd", {"rank": 2})])
+def test_strategies_bound_what_peers_send(monkeypatch, strategy, algo, kw):
+    """Every receive the strategies make is bounded by the receiver's own max_encoded_bytes
+    (framed where they frame), never unbounded, and the bound admits what peers really send."""
+    from hipress.comm.transport.base import Transport
+    seen = []
+    real_sr, real_a2a = Transport.sendrecv_alloc, Transport.alltoallv_alloc
+
+    def sendrecv_alloc(self, send_buf, dst, src, max_bytes=None):
+        got = real_sr(self, send_buf, dst, src, max_bytes=max_bytes)
+        seen.append(("sr", max_bytes, got.numel()))
+        return got
+
+    def alltoallv_alloc(self, send_buf, send_counts, max_bytes=None):
+        buf, rc = real_a2a(self, send_buf, send_counts, max_bytes=max_bytes)
+        for src, c in enumerate(rc):
+            seen.append(("a2a", None if max_bytes is None else max_bytes[src], c))
+        return buf, rc
+
+    monkeypatch.setattr(Transport, "sendrecv_alloc", sendrecv_alloc)
+    monkeypatch.setattr(Transport, "alltoallv_alloc", alltoallv_alloc)
+    n, numel = 3, 2000
+    bounds = chunk_bounds(numel, 2)
+    run_strategy(strategy, lambda: compression.get(algo, **kw), grads_for(n, numel, seed=3), bounds)
+    received = [(b, c) for _, b, c in seen if c > 0]
+    assert received and all(b is not None and c <= b for b, c in received), received
+    comp = compression.get(algo, **kw)
+    if strategy == "ring":  # exactly the chunk's max_encoded_bytes
+        chunk_max = {comp.max_encoded_bytes(e - s) for s0, e0 in bounds
+                     for s, e in chunk_bounds(e0 - s0, n)}
+        assert {b for b, _ in received} <= chunk_max

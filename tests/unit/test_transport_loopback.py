@@ -240,3 +240,101 @@ def test_nccl_is_import_safe_and_clearly_unavailable_without_cuda(clean_env):
     with pytest.raises(TransportError, match="CUDA is not available"):
         world.init()
     assert not world.is_initialized()
+
+
+# ---- receivers bound what peers announce (max_bytes) ---------------------------------------
+HUGE = 1 << 50  # an announcement no allocator can serve: allocating it raises RuntimeError
+
+
+def _announce(t, nbytes):
+    """Make this rank's transport announce nbytes for any non-empty send (a forged size)."""
+    real = t._header
+    t._header = lambda n, like: real(nbytes if n > 0 else n, like)
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the outcome is what the test checks
+        return e
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bounded", [True, False])
+def test_sendrecv_alloc_refuses_announcement_over_max_bytes(bounded):
+    """Rank 0 announces 2^50 bytes to rank 1. With max_bytes, rank 1 raises a TransportError
+    naming rank 0 before allocating, and still sends its own payload on (rank 2 gets it).
+    Without it (the control), rank 1 tries to allocate 2^50 bytes."""
+    def body(t):
+        n, r = t.size, t.rank
+        if r == 0:
+            _announce(t, HUGE)
+        send = torch.full((10 + r,), r, dtype=torch.uint8)
+        return _outcome(lambda: t.sendrecv_alloc(send, (r + 1) % n, (r - 1) % n,
+                                                 max_bytes=100 if bounded else None))
+
+    res = loopback.spawn(3, body, timeout_s=10)
+    if not bounded:  # allocation attempted; rank 1's payload never goes on, so rank 2 fails too
+        assert isinstance(res[1], RuntimeError) and not isinstance(res[1], TransportError)
+        assert isinstance(res[2], TransportError)
+        return
+    assert isinstance(res[1], TransportError) and res[1].peers == [0], res[1]
+    assert f"announced {HUGE} bytes, more than the 100" in str(res[1])
+    assert torch.equal(res[2], torch.full((11,), 1, dtype=torch.uint8))  # rank 1's payload arrived
+    assert torch.equal(res[0], torch.full((12,), 2, dtype=torch.uint8))
+
+
+@pytest.mark.timeout(60)
+def test_sendrecv_alloc_max_bytes_allows_up_to_the_bound_and_checks_its_type():
+    def body(t):
+        r = t.rank
+        got = t.sendrecv_alloc(torch.full((7,), r, dtype=torch.uint8), 1 - r, 1 - r, max_bytes=7)
+        bad = _outcome(lambda: t.sendrecv_alloc(torch.zeros(1, dtype=torch.uint8), 1 - r, 1 - r, max_bytes=-1))
+        return got, bad
+
+    res = loopback.spawn(2, body, timeout_s=10)
+    for r, (got, bad) in enumerate(res):
+        assert torch.equal(got, torch.full((7,), 1 - r, dtype=torch.uint8))
+        assert isinstance(bad, TransportError) and "max_bytes" in str(bad)
+
+
+@pytest.mark.timeout(60)
+def test_alltoallv_alloc_max_bytes_checked_every_rank_raises_the_same_and_stays_usable():
+    """With checking, the receivers' bounds travel in the validating all-gather: every rank
+    raises the same error naming sender and receiver, and the transport stays usable."""
+    def body(t):
+        n, r = t.size, t.rank
+        sc = [10 if (r, j) == (2, 0) else 1 for j in range(n)]
+        send = torch.full((sum(sc),), r, dtype=torch.uint8)
+        limits = [None, None, 5] if r == 0 else 100
+        err = _outcome(lambda: t.alltoallv_alloc(send, sc, max_bytes=limits))
+        ok = t.alltoallv_alloc(torch.full((n,), r, dtype=torch.uint8), [1] * n, max_bytes=[1] * n)
+        return err, ok
+
+    res = loopback.spawn(3, body, timeout_s=10)
+    msgs = set()
+    for r, (err, ok) in enumerate(res):
+        assert isinstance(err, TransportError) and err.peers == [0, 2], err
+        msgs.add(str(err).split(" failed on ")[1].split(": ", 1)[1])
+        buf, rc = ok
+        assert rc == [1, 1, 1] and buf.tolist() == [0, 1, 2]
+    assert len(msgs) == 1 and "rank 2 announced 10 bytes to rank 0, which accepts at most 5" in msgs.pop()
+
+
+@pytest.mark.timeout(60)
+def test_alltoallv_alloc_max_bytes_unchecked_receiver_raises_before_allocating():
+    """Without checking only the receiver knows: it raises naming the sender (before the
+    payload buffer exists); the others' payload collective then fails, naming it."""
+    def body(t):
+        n, r = t.size, t.rank
+        sc = [HUGE if (r, j) == (1, 0) else 1 for j in range(n)]
+        # rank 1 announces 2^50 bytes to rank 0 (its buffer could never hold them: count only)
+        t._segments = lambda op, side, buf, counts, problems: [int(c) for c in counts]
+        return _outcome(lambda: t.alltoallv_alloc(torch.zeros(n, dtype=torch.uint8), sc,
+                                                  max_bytes=1000 if r == 0 else None))
+
+    res = loopback.spawn(3, body, timeout_s=5, check=False)
+    assert isinstance(res[0], TransportError) and res[0].peers == [1]
+    assert f"rank 1 announced {HUGE} bytes, this rank accepts at most 1000" in str(res[0])
+    for r in (1, 2):
+        assert isinstance(res[r], TransportError) and 0 in res[r].peers

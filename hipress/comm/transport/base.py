@@ -236,12 +236,21 @@ class Transport(abc.ABC):
         if ns or nr:
             self._raw_sendrecv(send_buf if ns else None, dst, recv_buf if nr else None, src, op)
 
-    def sendrecv_alloc(self, send_buf: torch.Tensor, dst: int, src: int) -> torch.Tensor:
+    def sendrecv_alloc(self, send_buf: torch.Tensor, dst: int, src: int,
+                       max_bytes: Optional[int] = None) -> torch.Tensor:
         """A ring step whose receive size is not known in advance: send ``send_buf`` to ``dst``
         and return what ``src`` sent, in a buffer this call allocates (on ``send_buf``'s device).
 
         The sizes travel first, then the payload: two backend exchanges, with or without
-        checking (a caller exchanging a byte count over checked ``sendrecv`` pays four)."""
+        checking (a caller exchanging a byte count over checked ``sendrecv`` pays four).
+
+        ``max_bytes``: the most this rank will accept from ``src`` (what the receiver knows,
+        e.g. the compressor's ``max_encoded_bytes`` for the chunk it expects). A larger
+        announcement raises :class:`TransportError` naming ``src`` before anything of that
+        size is allocated; ``send_buf`` still goes to ``dst``, so ``dst`` is not left waiting,
+        but ``src``'s payload is never received: its send fails or times out on ``src``
+        (eager backends complete it and leave it undelivered), and the link from ``src`` is
+        out of step afterwards. Treat the error as fatal for the job, like a timeout."""
         op = f"sendrecv_alloc(dst={dst}, src={src})"
         self._ensure_open(op)
         self._check_peer(op, dst, "dst")
@@ -249,20 +258,36 @@ class Transport(abc.ABC):
         bad = self._check_buf(op, "send_buf", send_buf)
         if bad:
             raise self._err(op, bad, [dst, src])
+        limit = self._max_bytes(op, max_bytes, [dst, src])
         if dst == self._rank or src == self._rank:
             if dst == src == self._rank:
+                if limit is not None and send_buf.numel() > limit:
+                    raise self._err(op, f"rank {src} announced {send_buf.numel()} bytes, more than the "
+                                    f"{limit} this rank accepts (max_bytes)", [src])
                 return send_buf.clone()
             raise self._err(op, "sendrecv with self on one side only is not supported", [dst, src])
         ns = send_buf.numel()
         hs, hr = self._header(ns, send_buf), self._header(0, send_buf)
         self._raw_sendrecv(hs, dst, hr, src, op)
         nr = self._header_value(hr)
-        if nr < 0:
-            raise self._err(op, f"rank {src} announced {nr} bytes", [src])
+        if nr < 0 or (limit is not None and nr > limit):
+            if ns:  # our leg of the step, so dst is not left waiting; src's payload is refused
+                self._raw_sendrecv(send_buf, dst, None, src, op)
+            if nr < 0:
+                raise self._err(op, f"rank {src} announced {nr} bytes", [src])
+            raise self._err(op, f"rank {src} announced {nr} bytes, more than the {limit} this rank accepts "
+                            "(max_bytes); its payload was not received", [src])
         recv_buf = torch.empty(nr, dtype=torch.uint8, device=send_buf.device)
         if ns or nr:
             self._raw_sendrecv(send_buf if ns else None, dst, recv_buf if nr else None, src, op)
         return recv_buf
+
+    def _max_bytes(self, op: str, max_bytes, peers) -> Optional[int]:
+        if max_bytes is None:
+            return None
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise self._err(op, f"max_bytes must be None or an int >= 0, got {max_bytes!r}", peers)
+        return max_bytes
 
     def _header(self, n: int, like: torch.Tensor) -> torch.Tensor:
         h = torch.frombuffer(bytearray(_HDR.pack(n)), dtype=torch.uint8).clone()
@@ -298,24 +323,44 @@ class Transport(abc.ABC):
             raise self._err(op, "; ".join(problems))
         self._raw_alltoallv(send_buf, sc, recv_buf, rc, op)
 
-    def alltoallv_alloc(self, send_buf: torch.Tensor, send_counts: Sequence[int]):
+    def alltoallv_alloc(self, send_buf: torch.Tensor, send_counts: Sequence[int],
+                        max_bytes=None):
         """The bulk step when receivers do not know what they get: rank i sends
         ``send_counts[j]`` bytes to each rank j; returns ``(recv_buf, recv_counts)``, the
         segments from rank 0, 1, ... back to back in a buffer this call allocates.
 
         Two backend collectives: the counts (with checking, the all-gather that validates
-        every rank's arguments carries them), then the payloads."""
+        every rank's arguments carries them), then the payloads.
+
+        ``max_bytes``: the most this rank accepts from each rank (an int for all, or a
+        sequence of ``size`` ints or None, one per source; None: no bound), from what the
+        receiver knows (``max_encoded_bytes`` of the payloads it expects). A larger count
+        raises :class:`TransportError` naming the sender before the payload buffer is
+        allocated. With checking, every rank's bounds travel in the validating all-gather, so
+        every rank raises the same error and no payload moves (the transport stays usable);
+        without it, only the receiver knows: it raises, and the senders' payload collective
+        fails when it times out."""
         op = "alltoallv_alloc"
         self._ensure_open(op)
         n = self._size
         problems = []
         sc = self._segments(op, "send", send_buf, send_counts, problems)
+        limits = self._limits(max_bytes, problems)
         if problems:
             sc = [0] * n
+            limits = [-1] * n
         if self.check:
-            rows = self._meta_gather(op, [0 if problems else 1] + sc)
+            rows = self._meta_gather(op, [0 if problems else 1] + sc + limits)
             self._raise_local_or_remote(op, problems, rows)
             rc = [rows[i][1 + self._rank] for i in range(n)]
+            over = [(i, j, rows[i][1 + j], rows[j][1 + n + i]) for i in range(n) for j in range(n)
+                    if 0 <= rows[j][1 + n + i] < rows[i][1 + j]]
+            if over:
+                desc = "; ".join(f"rank {i} announced {c} bytes to rank {j}, which accepts at most {m}"
+                                 for i, j, c, m in over[:8])
+                more = f" (+{len(over) - 8} more)" if len(over) > 8 else ""
+                raise self._err(op, f"counts over the receivers' max_bytes: {desc}{more}",
+                                sorted({p for i, j, _, _ in over for p in (i, j)}))
         elif problems:
             raise self._err(op, "; ".join(problems))
         else:
@@ -323,6 +368,11 @@ class Transport(abc.ABC):
             self._raw_alltoallv(self._meta_device(torch.tensor(sc, dtype=torch.int64).view(torch.uint8)), [8] * n,
                                 counts_in, [8] * n, op)
             rc = counts_in.cpu().view(torch.int64).tolist()
+            over = [i for i in range(n) if rc[i] < 0 or 0 <= limits[i] < rc[i]]
+            if over:
+                raise self._err(op, "; ".join(f"rank {i} announced {rc[i]} bytes, this rank accepts at most "
+                                              f"{limits[i] if limits[i] >= 0 else 0}" for i in over[:8])
+                                + " (max_bytes); the payload exchange was not joined", over)
         recv_buf = torch.empty(sum(rc), dtype=torch.uint8, device=send_buf.device)
         self._raw_alltoallv(send_buf, sc, recv_buf, rc, op)
         return recv_buf, rc
@@ -429,6 +479,33 @@ class Transport(abc.ABC):
             problems.append(f"{what} has negative entries: {c}")
             return [0] * self._size
         return c
+
+    def _limits(self, max_bytes, problems: list) -> List[int]:
+        """Per-source byte bounds of alltoallv_alloc (-1: none)."""
+        n = self._size
+        if max_bytes is None:
+            return [-1] * n
+        if isinstance(max_bytes, int) and not isinstance(max_bytes, bool):
+            per = [max_bytes] * n
+        else:
+            try:
+                per = list(max_bytes)
+            except TypeError:
+                per = None
+            if per is None or len(per) != n:
+                problems.append(f"max_bytes must be None, an int or {n} ints/None (one per source), "
+                                f"got {max_bytes!r}")
+                return [-1] * n
+        out = []
+        for m in per:
+            if m is None:
+                out.append(-1)
+            elif isinstance(m, bool) or not isinstance(m, int) or m < 0:
+                problems.append(f"max_bytes entries must be ints >= 0 or None, got {m!r}")
+                return [-1] * n
+            else:
+                out.append(m)
+        return out
 
     def _segments(self, op: str, side: str, buf, counts, problems: list) -> List[int]:
         """Validated per-rank byte counts of one side ("send"/"recv") of an alltoallv and its
