@@ -1,0 +1,179 @@
+"""COVAP (paper 004): a coarse-grained filter that communicates, in each step, only the
+units (fused buckets, or shards of the large ones) whose index t satisfies
+(t + step) % I == 0, with the interval I = ceil(CCR), the communication-to-computation
+ratio measured at the start of training. What a unit does not send stays in a local
+residual, scaled by a coefficient that rises during training (the paper's error-feedback
+scheduler), and goes out the next time the unit is selected.
+
+The rules are plain functions, so they are tested on their own and shared by the
+optimizer (``DistributedOptimizer(compression="covap")``):
+
+* :func:`interval_from_ccr`: I = ceil(CCR), at least 1 (§III-B).
+* :func:`shard_counts`: a bucket of more elements than the median bucket is split evenly
+  into floor(numel / median) parts, at most I (§III-C).
+* :func:`selected`: unit t is sent at ``step`` iff (t + step) % I == 0 (§III-A).
+* :func:`ef_coefficient`: min(init + floor(step / ascend_steps) * ascend_range, 1) (§III-D).
+  The paper states the formula without values; the defaults (0.5, 50, 0.1) are those of
+  the authors' published reducer.
+* :func:`aligned_comm_time`: the distributed profiler's alignment (§III-B, Fig. 3). Ranks
+  start a collective at different times, and one that starts early waits for the others
+  inside it. A collective ends at the same moment everywhere, so aligning the ranks'
+  timelines at its end leaves, as its true duration, the shortest one any rank measured
+  (the last rank to arrive did not wait).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+# The authors' reducer: ef_init(0.5), decay_step(50), and a rise of 0.1 per decay_step.
+EF_INIT = 0.5
+ASCEND_STEPS = 50
+ASCEND_RANGE = 0.1
+
+
+def interval_from_ccr(ccr: float) -> int:
+    if not math.isfinite(ccr) or ccr < 0:
+        raise ValueError(f"COVAP: the communication-to-computation ratio must be a finite number >= 0, got {ccr}")
+    return max(1, math.ceil(ccr))
+
+
+def shard_counts(sizes: Sequence[int], interval: int) -> List[int]:
+    """How many parts each bucket (of ``sizes`` elements) is split into."""
+    if interval < 1:
+        raise ValueError(f"COVAP: interval must be >= 1, got {interval}")
+    if not sizes:
+        return []
+    median = int(torch.tensor(list(sizes), dtype=torch.float64).median().item())  # lower median, as torch
+    if median <= 0:
+        return [1] * len(sizes)
+    return [max(1, min(n // median, interval)) for n in sizes]
+
+
+def split_even(numel: int, parts: int) -> List[Tuple[int, int]]:
+    """``parts`` contiguous ranges covering [0, numel), sizes differing by at most one."""
+    base, extra = divmod(numel, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def selected(unit: int, step: int, interval: int) -> bool:
+    return (unit + step) % interval == 0
+
+
+def ef_coefficient(step: int, init: float = EF_INIT, ascend_steps: int = ASCEND_STEPS,
+                   ascend_range: float = ASCEND_RANGE) -> float:
+    return min(init + (step // ascend_steps) * ascend_range, 1.0)
+
+
+def aligned_comm_time(durations: Sequence[Sequence[float]]) -> float:
+    """``durations[r][k]``: rank r's measured time of collective k. The sum over collectives
+    of the shortest time any rank measured (see the module docstring)."""
+    if not durations:
+        return 0.0
+    n_ops = {len(d) for d in durations}
+    if len(n_ops) != 1:
+        raise ValueError(f"COVAP profiler: ranks timed different numbers of collectives: {sorted(n_ops)}")
+    return float(sum(min(col) for col in zip(*durations)))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The distributed profiler's result (``opt.covap_profile``)."""
+    t_before: float  # s per step before the first gradient is ready (forward, start of backward)
+    t_comp: float    # s per step of backward that communication can overlap
+    t_comm: float    # s per step of uncompressed communication, aligned across ranks
+    ccr: float
+    interval: int
+
+
+def make_profile(t_before: float, t_comp: float, t_comm: float) -> Profile:
+    if t_comp <= 0:
+        raise ValueError(f"COVAP profiler: backward computation time must be > 0, got {t_comp}")
+    ccr = t_comm / t_comp
+    return Profile(t_before, t_comp, t_comm, ccr, interval_from_ccr(ccr))
+
+
+class Filter:
+    """The per-rank filter state: units of each bucket, their residuals and the step.
+
+    ``apply(name, flat)`` runs once per bucket per step, before the bucket is synced: it
+    adds the scaled residual to each unit, keeps what is not selected as the new residual
+    (zeroing it in ``flat``), and returns the selected units' ranges, which are the only
+    ones to synchronize. ``advance()`` ends the step."""
+
+    def __init__(self, bucket_sizes: Dict[str, int], interval: int, *, shard: bool = True,
+                 ef_init: float = EF_INIT, ascend_steps: int = ASCEND_STEPS, ascend_range: float = ASCEND_RANGE):
+        if not 0 <= ef_init <= 1:
+            raise ValueError(f"COVAP: ef_init must be in [0, 1], got {ef_init}")
+        if ascend_steps < 1:
+            raise ValueError(f"COVAP: ascend_steps must be >= 1, got {ascend_steps}")
+        if ascend_range < 0:
+            raise ValueError(f"COVAP: ascend_range must be >= 0, got {ascend_range}")
+        self.interval = int(interval)
+        names = list(bucket_sizes)
+        counts = shard_counts([bucket_sizes[n] for n in names], self.interval) if shard else [1] * len(names)
+        # units numbered in bucket order (the same on every rank): (bucket, range within it)
+        self.units: Dict[str, List[Tuple[int, Tuple[int, int]]]] = {}
+        t = 0
+        for name, parts in zip(names, counts):
+            self.units[name] = []
+            for rng in split_even(bucket_sizes[name], parts):
+                self.units[name].append((t, rng))
+                t += 1
+        self.ef = (float(ef_init), int(ascend_steps), float(ascend_range))
+        self.step = 0
+        self.residual: Dict[str, torch.Tensor] = {}
+
+    @property
+    def coefficient(self) -> float:
+        return ef_coefficient(self.step, *self.ef)
+
+    def apply(self, name: str, flat: torch.Tensor) -> List[Tuple[int, int]]:
+        res = self.residual.get(name)
+        if res is None:
+            res = self.residual[name] = torch.zeros(flat.numel(), dtype=torch.float32)
+        coeff = self.coefficient
+        sent = []
+        for t, (s, e) in self.units[name]:
+            if e <= s:
+                continue
+            g, r = flat[s:e], res[s:e]
+            r.mul_(coeff).add_(g)        # residual = coeff * residual + gradient
+            if selected(t, self.step, self.interval):
+                g.copy_(r)               # sent: all of it
+                r.zero_()
+                sent.append((s, e))
+            else:
+                g.zero_()                # kept: nothing sent, nothing applied
+        return sent
+
+    def advance(self) -> None:
+        self.step += 1
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "interval": self.interval,
+                "residual": {k: v.clone() for k, v in self.residual.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if int(sd["interval"]) != self.interval:
+            raise ValueError(f"COVAP: the checkpoint was made with interval {sd['interval']}, "
+                             f"this optimizer has {self.interval}")
+        self.step = int(sd["step"])
+        self.residual = {k: v.clone() for k, v in sd["residual"].items()}
+
+
+def check_interval(interval) -> Optional[int]:
+    """``interval``: "auto" (None here: profile) or an int >= 1."""
+    if interval == "auto":
+        return None
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ValueError(f"COVAP: interval must be 'auto' or an int >= 1, got {interval!r}")
+    return interval

@@ -1,0 +1,115 @@
+"""COVAP's rules (hipress/torch/covap.py) against paper 004's statements and examples."""
+import pytest
+import torch
+
+from hipress.torch import covap
+
+
+def test_interval_is_ceil_of_ccr():
+    assert [covap.interval_from_ccr(c) for c in (0.0, 0.4, 1.0, 1.01, 2.1, 3.5, 4.0)] == [1, 1, 1, 2, 3, 4, 4]
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            covap.interval_from_ccr(bad)
+
+
+def test_selection_sends_each_unit_once_per_interval():
+    """Fig. 2(a): with I = 4 the first tensor goes at steps 0, 4, ... (the paper counts from 1),
+    the second at 3, 7, ...; every step sends one unit of every four."""
+    interval, units = 4, 8
+    sent = [[t for t in range(units) if covap.selected(t, step, interval)] for step in range(12)]
+    assert sent[0] == [0, 4] and sent[1] == [3, 7] and sent[2] == [2, 6] and sent[3] == [1, 5]
+    for t in range(units):
+        steps = [s for s in range(12) if t in sent[s]]
+        assert len(steps) == 3 and all(b - a == interval for a, b in zip(steps, steps[1:]))
+
+
+def test_sharding_vgg19_example():
+    """§III-C: VGG-19's median tensor has 5,590,260 elements; its tensors of 3 and 19 medians
+    are split into 3 and 19 parts, or into I parts when I is smaller."""
+    m = 5_590_260
+    sizes = [m // 3, m, 3 * m + 17, m, 19 * m + 5, m // 2, 2 * m - 1]
+    assert sorted(sizes)[len(sizes) // 2] == m
+    assert covap.shard_counts(sizes, 32) == [1, 1, 3, 1, 19, 1, 1]
+    assert covap.shard_counts(sizes, 4) == [1, 1, 3, 1, 4, 1, 1]
+    assert covap.shard_counts(sizes, 1) == [1] * len(sizes)
+    assert covap.shard_counts([], 4) == []
+
+
+def test_split_even_covers_the_bucket():
+    for n, parts in ((10, 3), (7, 7), (100, 1), (5, 2)):
+        rngs = covap.split_even(n, parts)
+        assert len(rngs) == parts and rngs[0][0] == 0 and rngs[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(rngs, rngs[1:]))
+        assert max(e - s for s, e in rngs) - min(e - s for s, e in rngs) <= 1
+
+
+def test_ef_coefficient_schedule():
+    assert covap.ef_coefficient(0) == 0.5
+    assert covap.ef_coefficient(49) == 0.5
+    assert covap.ef_coefficient(50) == pytest.approx(0.6)
+    assert covap.ef_coefficient(249) == pytest.approx(0.9)
+    assert covap.ef_coefficient(250) == 1.0 and covap.ef_coefficient(10_000) == 1.0
+    assert covap.ef_coefficient(7, init=0.2, ascend_steps=3, ascend_range=0.25) == pytest.approx(0.7)
+
+
+def test_aligned_comm_time_removes_waiting():
+    """Fig. 3: rank 1 started its first collective 4 ms early and waited inside it; rank 2
+    was late for the second. Aligned at each collective's end, each lasts as long as its
+    last arriver measured."""
+    durations = [[0.010, 0.007, 0.003],   # rank 0
+                 [0.014, 0.005, 0.003],   # rank 1: waited 4 ms in the first
+                 [0.010, 0.009, 0.004]]   # rank 2
+    assert covap.aligned_comm_time(durations) == pytest.approx(0.010 + 0.005 + 0.003)
+    with pytest.raises(ValueError, match="different numbers"):
+        covap.aligned_comm_time([[0.1], [0.1, 0.2]])
+    p = covap.make_profile(0.01, 0.02, 0.05)
+    assert p.ccr == pytest.approx(2.5) and p.interval == 3
+
+
+def test_filter_error_feedback_and_selection():
+    """Two buckets, I = 2: a unit not selected keeps coeff * residual + gradient and sends
+    zeros; when selected it sends all it holds and its residual empties."""
+    f = covap.Filter({"a": 4, "b": 4}, interval=2, shard=False, ef_init=0.5, ascend_steps=2, ascend_range=0.25)
+    g = torch.ones(4)
+    sent = {}
+    for step in range(4):
+        for name in ("a", "b"):
+            flat = g.clone()
+            rngs = f.apply(name, flat)
+            sent[(step, name)] = (rngs, flat[0].item())
+        f.advance()
+    # step 0: unit 0 ("a") selected; step 1: unit 1 ("b"); ...
+    assert sent[(0, "a")] == ([(0, 4)], 1.0) and sent[(0, "b")] == ([], 0.0)
+    # step 1: b sends coeff(1)=0.5 * 1 + 1; a keeps 1
+    assert sent[(1, "b")] == ([(0, 4)], 1.5) and sent[(1, "a")] == ([], 0.0)
+    # step 2: coeff(2) = 0.75: a sends 0.75 * 1 + 1
+    assert sent[(2, "a")] == ([(0, 4)], 1.75)
+    # step 3: b's residual was 1 (kept at step 2): 0.75 * 1 + 1
+    assert sent[(3, "b")] == ([(0, 4)], 1.75)
+    # checkpoint round trip: the same next step from a restored filter
+    g2 = covap.Filter({"a": 4, "b": 4}, interval=2, shard=False, ef_init=0.5, ascend_steps=2, ascend_range=0.25)
+    g2.load_state_dict(f.state_dict())
+    x1, x2 = torch.full((4,), 2.0), torch.full((4,), 2.0)
+    assert f.apply("b", x1) == g2.apply("b", x2) and torch.equal(x1, x2) and x1[0].item() == 0.0
+    with pytest.raises(ValueError, match="interval"):
+        covap.Filter({"a": 4}, interval=3).load_state_dict(f.state_dict())
+
+
+def test_filter_shards_large_buckets_into_units():
+    f = covap.Filter({"small": 10, "big": 35, "mid": 10}, interval=4)
+    assert [u for u, _ in f.units["small"]] == [0]
+    assert [r for _, r in f.units["big"]] == [(0, 12), (12, 24), (24, 35)]  # floor(35/10) = 3 parts
+    assert [u for u, _ in f.units["mid"]] == [4]
+    flat = torch.ones(35)
+    assert f.apply("big", flat) == [] and torch.count_nonzero(flat) == 0  # step 0 sends units 0 and 4
+    f.advance()
+    flat = torch.ones(35)
+    assert f.apply("big", flat) == [(24, 35)]  # step 1 sends unit 3, with what it kept at step 0
+    assert torch.count_nonzero(flat) == 11 and flat[30].item() == 1.5
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "3", True])
+def test_interval_argument_checked(bad):
+    with pytest.raises(ValueError):
+        covap.check_interval(bad)
+    assert covap.check_interval("auto") is None and covap.check_interval(3) == 3
