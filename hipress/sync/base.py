@@ -174,3 +174,9 @@ class Strategy:
         """Extra keywords carry tensor facts some strategies need (low-rank: ``shape``, or
         ``segments``, the (offset, numel, shape) of each matrix of a fused buffer)."""
         raise NotImplementedError
+
+    def reserve(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]) -> None:
+        """Declares a gradient's partitions before its first build. A strategy whose
+        per-partition choices depend on the order partitions first appear in (PS: which rank
+        aggregates) makes them here, so they do not depend on which gradient is synced first
+        (COVAP syncs a different subset each step, and a resumed run starts elsewhere)."""

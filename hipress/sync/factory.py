@@ -67,6 +67,9 @@ class Sync:
     def build(self, name: str, flat: torch.Tensor, bounds: Sequence[Tuple[int, int]], **kw) -> Handle:
         return self.strategy.build(self.ctx, name, flat, bounds, **kw)
 
+    def reserve(self, name: str, bounds: Sequence[Tuple[int, int]]) -> None:
+        self.strategy.reserve(self.ctx, name, bounds)
+
 
 def make_sync(engine: Engine, exchanges: Exchanges, compressor: Compressor, strategy: str, states: StateStore,
               average: bool, hierarchical: bool, world_size: int, is_host_root: bool) -> Sync:

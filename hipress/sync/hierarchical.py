@@ -37,6 +37,10 @@ class HierarchicalStrategy(Strategy):
         self.average = average
         self.local_ring = RingStrategy(average=False)
 
+    def reserve(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]) -> None:
+        if self.cross_ctx is not None:
+            self.cross.reserve(self.cross_ctx, tensor_name, bounds)
+
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
         h = list(deps)

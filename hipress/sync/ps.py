@@ -57,11 +57,18 @@ class PSStrategy(Strategy):
                 self._owner[key] = a
         return [self._owner[key] for key, _ in parts]
 
+    @staticmethod
+    def _parts(tensor_name: str, bounds) -> List[Tuple[str, int, int]]:
+        return [(f"{tensor_name}/p{i}", s, e) for i, (s, e) in enumerate(bounds) if e > s]
+
+    def reserve(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]) -> None:
+        self.owners([(key, 4 * (e - s)) for key, s, e in self._parts(tensor_name, bounds)], ctx.size)
+
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
         n, r = ctx.size, ctx.rank
         comp = ctx.compressor
-        parts = [(f"{tensor_name}/p{i}", s, e) for i, (s, e) in enumerate(bounds) if e > s]
+        parts = self._parts(tensor_name, bounds)
         if not parts:
             return ctx.compute(f"done.{tensor_name}", lambda: None, deps)
         owners = self.owners([(key, 4 * (e - s)) for key, s, e in parts], n)

@@ -23,7 +23,9 @@ optimizer (``DistributedOptimizer(compression="covap")``):
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -94,11 +96,13 @@ class Profile:
     interval: int
 
 
-def make_profile(t_before: float, t_comp: float, t_comm: float) -> Profile:
+def make_profile(t_before: float, t_comp: float, t_comm: float, max_interval: Optional[int] = None) -> Profile:
+    """The profile and its interval, ceil(CCR), at most ``max_interval`` when given."""
     if t_comp <= 0:
         raise ValueError(f"COVAP profiler: backward computation time must be > 0, got {t_comp}")
     ccr = t_comm / t_comp
-    return Profile(t_before, t_comp, t_comm, ccr, interval_from_ccr(ccr))
+    interval = interval_from_ccr(ccr)
+    return Profile(t_before, t_comp, t_comm, ccr, min(interval, max_interval) if max_interval else interval)
 
 
 class Filter:
@@ -177,3 +181,145 @@ def check_interval(interval) -> Optional[int]:
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ValueError(f"COVAP: interval must be 'auto' or an int >= 1, got {interval!r}")
     return interval
+
+
+# ---------------------------------------------------------------- the optimizer's side
+
+PARAMS = ("interval", "max_interval", "ef_init", "ascend_steps", "ascend_range", "shard", "inner", "profile_steps")
+
+
+def split_options(kwargs: dict) -> Tuple[dict, str, dict]:
+    """``compression="covap"``'s keyword arguments -> (COVAP's, the inner algorithm, its own)."""
+    mine = {k: kwargs[k] for k in PARAMS if k in kwargs}
+    rest = {k: v for k, v in kwargs.items() if k not in PARAMS}
+    inner = mine.pop("inner", "none")
+    check_interval(mine.get("interval", "auto"))
+    for key, default in (("profile_steps", PROFILE_STEPS), ("max_interval", MAX_INTERVAL)):
+        v = mine.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"COVAP: {key} must be an int >= 1, got {v!r}")
+    return mine, inner, rest
+
+
+PROFILE_STEPS = 5  # steps timed after one warm-up step (the paper profiles one iteration)
+# hipress's cap on the profiled interval (not the paper's): every unit then still moves at
+# least every 4th step. The paper's CCRs were 2.1-4.0 and its speed-up stopped growing past
+# I = 4 (Fig. 5); on a slow link a small model can measure CCR 15 (digits over loopback
+# gloo), and I = 16 does not train (docs/covap.md). An int interval is used as given.
+MAX_INTERVAL = 4
+
+
+class Run:
+    """COVAP inside one DistributedOptimizer: profiles (interval="auto"), then filters.
+
+    While profiling, every bucket is synced whole and timed: ``submitted``/``completed``
+    per bucket, ``grad_ready`` per gradient, ``step_end`` per step. ``finish_step(gather)``
+    closes a step; after the last timed one it computes the profile from every rank's
+    figures (``gather``: an allgather of a float64 vector, the same result on every rank)
+    and builds the filter."""
+
+    def __init__(self, bucket_sizes: Dict[str, int], interval="auto", max_interval: int = MAX_INTERVAL,
+                 ef_init: float = EF_INIT,
+                 ascend_steps: int = ASCEND_STEPS, ascend_range: float = ASCEND_RANGE, shard: bool = True,
+                 profile_steps: int = PROFILE_STEPS):
+        self.sizes = dict(bucket_sizes)
+        self.filter_args = dict(shard=bool(shard), ef_init=ef_init, ascend_steps=ascend_steps,
+                                ascend_range=ascend_range)
+        self.profile_steps = profile_steps
+        self.max_interval = max_interval
+        self.profile: Optional[Profile] = None
+        self._keep: Optional[Filter] = None  # the filter being re-profiled
+        self.on_filter = None  # called with each filter made after profiling (the optimizer declares its units)
+        fixed = check_interval(interval)
+        self.filter: Optional[Filter] = Filter(self.sizes, fixed, **self.filter_args) if fixed else None
+        self._reset_timing()
+
+    def _reset_timing(self):
+        self._step = 0            # profiling steps seen (the first is warm-up)
+        self._t = {"before": [], "comp": [], "comm": []}
+        self._cur = {"start": None, "first": None, "last": None, "sub": {}, "done": {}}
+
+    def reprofile(self) -> None:
+        """Measure again from the next step (the filter is off meanwhile, its residuals kept)."""
+        self._keep = self.filter
+        self.filter = None
+        self._reset_timing()
+
+    @property
+    def profiling(self) -> bool:
+        return self.filter is None
+
+    # timing hooks (profiling only)
+    def grad_ready(self, now: float) -> None:
+        c = self._cur
+        if c["first"] is None:
+            c["first"] = now
+        c["last"] = now
+
+    def submitted(self, name: str, now: float) -> None:
+        self._cur["sub"][name] = now
+
+    def completed(self, name: str, now: float) -> None:
+        self._cur["done"][name] = now
+
+    def step_end(self, now: float) -> None:
+        self._cur = {"start": now, "first": None, "last": None, "sub": {}, "done": {}}
+
+    def select(self, name: str, flat: torch.Tensor) -> Optional[List[Tuple[int, Tuple[int, int]]]]:
+        """None while profiling (sync all of ``flat``); else the selected units (index,
+        range), ``flat`` now holding what to send."""
+        if self.filter is None:
+            return None
+        ranges = self.filter.apply(name, flat)
+        return [(t, r) for t, r in self.filter.units[name] if r in ranges]
+
+    def finish_step(self, gather) -> Optional[Profile]:
+        """End of a synchronized step; returns the profile when it was just computed."""
+        if self.filter is not None:
+            self.filter.advance()
+            return None
+        c = self._cur
+        if self._step > 0 and c["first"] is not None and c["start"] is not None:
+            # bucket k communicates from when it can (submitted, and bucket k-1 done) to done
+            per_bucket, prev_end = {}, None
+            for name in sorted(c["sub"], key=c["sub"].get):
+                start = c["sub"][name] if prev_end is None else max(c["sub"][name], prev_end)
+                end = c["done"].get(name, start)
+                per_bucket[name] = max(0.0, end - start)
+                prev_end = end
+            self._t["before"].append(c["first"] - c["start"])
+            self._t["comp"].append(max(c["last"] - c["first"], 1e-9))
+            self._t["comm"].append([per_bucket.get(n, 0.0) for n in self.sizes])
+        self._step += 1
+        if len(self._t["comm"]) < self.profile_steps:
+            return None
+        mine = [statistics.median(self._t["before"]), statistics.median(self._t["comp"])]
+        mine += [statistics.median(col) for col in zip(*self._t["comm"])]
+        rows = gather(torch.tensor(mine, dtype=torch.float64)).tolist()  # one row per rank
+        # the slowest rank's computation; each collective's duration aligned at its end
+        self.profile = make_profile(max(r[0] for r in rows), max(r[1] for r in rows),
+                                    aligned_comm_time([r[2:] for r in rows]), self.max_interval)
+        keep, self._keep = self._keep, None
+        self.filter = Filter(self.sizes, self.profile.interval, **self.filter_args)
+        if keep is not None and keep.interval == self.filter.interval:
+            self.filter.residual, self.filter.step = keep.residual, keep.step
+        if self.on_filter is not None:
+            self.on_filter(self.filter)
+        return self.profile
+
+    def state_dict(self) -> dict:
+        sd = {"profile": None if self.profile is None else dataclasses.asdict(self.profile)}
+        if self.filter is not None:
+            sd["filter"] = self.filter.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("profile") is not None:
+            self.profile = Profile(**sd["profile"])
+        if "filter" in sd:
+            if self.filter is None:  # "auto", profiled before the checkpoint: keep its interval
+                self.filter = Filter(self.sizes, int(sd["filter"]["interval"]), **self.filter_args)
+                if self.on_filter is not None:
+                    self.on_filter(self.filter)
+            self.filter.load_state_dict(sd["filter"])
+

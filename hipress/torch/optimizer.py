@@ -38,7 +38,7 @@ from hipress.engine import Handle, get_engine
 from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
 from hipress.planner.online import profile_online
 from hipress.sync import STRATEGIES, StateStore, make_sync, resolve_strategy, use_local_aggregation
-from hipress.torch import clipping, momentum
+from hipress.torch import clipping, covap, momentum
 
 Average = "average"
 Sum = "sum"
@@ -200,12 +200,18 @@ class Options:
     bucket_bytes: Optional[int] = 1 << 20
     grad_clip: object = "auto"            # hipress.torch.clipping: "auto" (the paper's), None or a callable
     momentum_correction: object = "auto"  # hipress.torch.momentum: "auto", True or False
+    covap: Optional[dict] = None          # compression="covap": hipress.torch.covap.Run's arguments
 
     def __post_init__(self):
         if self.backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {self.backward_passes_per_step}")
         if self.op not in (Average, Sum):
             raise ValueError(f"op must be hipress.Average or hipress.Sum, got {self.op!r}")
+        if self.compression == "covap":  # a filter around the inner algorithm (hipress/torch/covap.py)
+            mine, inner, rest = covap.split_options(self.compression_kwargs)
+            object.__setattr__(self, "covap", mine)
+            object.__setattr__(self, "compression", inner)
+            object.__setattr__(self, "compression_kwargs", rest)
         if self.compression == "auto":  # TernGrad (docs/convergence.md: the 16x quantizer that keeps
             # uncompressed accuracy), compressed only where the planner says it pays
             object.__setattr__(self, "compression", "terngrad")
@@ -250,6 +256,7 @@ class _HipressOptimizer:
         self._hp_buckets = self._hp_build_buckets(options.bucket_bytes)
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
         self._hp_plan = self._hp_make_plan(options.plan) if options.plan is not None else None
+        self._hp_covap = self._hp_make_covap(options.covap) if options.covap is not None else None
         self._hp_passes = options.backward_passes_per_step
         self._hp_partition_bytes = options.partition_bytes
         self._hp_counts: Dict[int, int] = {}
@@ -281,6 +288,36 @@ class _HipressOptimizer:
         model = prof.cost_model(n=n_sync)
         return make_plan([(b.name, 4 * b.numel) for b in self._hp_buckets], model, overrides)
 
+    def _hp_make_covap(self, args) -> "covap.Run":
+        if self._hp_compressor.rounds > 1:
+            raise ValueError(f"compression='covap' filters whole buckets; its inner algorithm must be single-round, "
+                             f"got {self._hp_compressor.name!r}")
+        if self._hp_plan is not None:
+            raise ValueError("compression='covap' and plan= both choose what to send; use one")
+        run = covap.Run({b.name: b.numel for b in self._hp_buckets}, **args)
+        run.on_filter = self._hp_reserve_units
+        if run.filter is not None:
+            self._hp_reserve_units(run.filter)
+        return run
+
+    def _hp_reserve_units(self, filt: "covap.Filter") -> None:
+        # every unit declared in unit order, so its sync's choices (PS aggregators) do not
+        # depend on which units happen to be sent first
+        for name, units in filt.units.items():
+            for t, r in units:
+                self._hp_compressed.reserve(f"{name}/u{t}", [r])
+
+    @property
+    def covap_profile(self) -> Optional["covap.Profile"]:
+        """compression="covap": the profiler's figures and the interval (None before it ran)."""
+        return self._hp_covap.profile if self._hp_covap is not None else None
+
+    def covap_reprofile(self) -> None:
+        """compression="covap": measure CCR again over the next steps and reset the interval."""
+        if self._hp_covap is None:
+            raise RuntimeError("covap_reprofile() needs compression='covap'")
+        self._hp_covap.reprofile()
+
     # ------------------------------------------------------------------ checks
     def _hp_check_same_parameters(self):
         tr = self._hp_transport
@@ -309,6 +346,8 @@ class _HipressOptimizer:
         if self._hp_engine.timeline_enabled:
             self._hp_engine.timeline_slice(2, f"grad.{self._hp_names[key]}", self._hp_mark_ns, now)
         self._hp_mark_ns = now
+        if self._hp_covap is not None and self._hp_covap.profiling:
+            self._hp_covap.grad_ready(now * 1e-9)
         if key in self._hp_taken:
             raise RuntimeError(
                 f"gradient of '{self._hp_names[key]}' was computed again before step(): "
@@ -342,10 +381,22 @@ class _HipressOptimizer:
             return
         flat = bucket.flat
         sync, bounds = self._hp_route(bucket)
-        h = sync.build(bucket.name, flat, bounds, segments=bucket.segments)
-        if not bucket.in_place:
-            h = sync.ctx.compute(f"unpack.{bucket.name}", bucket.unpack, [h], nbytes=4 * flat.numel())
-        self._hp_handles[bucket.name] = h
+        units = self._hp_covap.select(bucket.name, flat) if self._hp_covap is not None else None
+        if units is None:
+            handles = [sync.build(bucket.name, flat, bounds, segments=bucket.segments)]
+            if self._hp_covap is not None:  # profiling: time it
+                self._hp_covap.submitted(bucket.name, _C.now_ns() * 1e-9)
+                handles[0].add_done_callback(lambda h, n=bucket.name: self._hp_covap.completed(n, _C.now_ns() * 1e-9))
+        else:  # COVAP: only the selected units, each a sync (and compressor state) of its own
+            handles = [sync.build(f"{bucket.name}/u{t}", flat, [r]) for t, r in units]
+        if bucket.in_place and len(handles) == 1:
+            self._hp_handles[bucket.name] = handles[0]
+        elif not bucket.in_place or handles:
+            unpack = (lambda: None) if bucket.in_place else bucket.unpack
+            self._hp_handles[bucket.name] = sync.ctx.compute(f"unpack.{bucket.name}", unpack, handles,
+                                                             nbytes=4 * flat.numel())
+        else:
+            self._hp_handles[bucket.name] = None  # nothing sent: the gradient (zeros) is already in place
 
     # ------------------------------------------------------------------ public API
     def synchronize(self):
@@ -378,7 +429,20 @@ class _HipressOptimizer:
         if errors:
             shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
             raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(shown))
+        if self._hp_covap is not None:
+            profile = self._hp_covap.finish_step(self._hp_gather)
+            if profile is not None and world.rank() == 0:
+                print(f"hipress COVAP: T_before {profile.t_before * 1e3:.2f} ms, T_comp {profile.t_comp * 1e3:.2f} ms, "
+                      f"T_comm {profile.t_comm * 1e3:.2f} ms per step: CCR {profile.ccr:.2f}, interval "
+                      f"{profile.interval}", flush=True)
         self._hp_synchronized = True
+
+    def _hp_gather(self, v: torch.Tensor) -> torch.Tensor:
+        """Every rank's float64 vector v, one row per rank (nothing else is in flight here)."""
+        tr = self._hp_transport
+        out = torch.empty(tr.size * v.numel(), dtype=torch.float64)
+        tr.allgather(v.contiguous().view(torch.uint8), out.view(torch.uint8))
+        return out.view(tr.size, v.numel())
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -399,6 +463,8 @@ class _HipressOptimizer:
         with self._hp_momentum.plain_step() if self._hp_momentum is not None else contextlib.nullcontext():
             out = super(self.__class__, self).step(closure)
         self._hp_mark_ns = _C.now_ns()
+        if self._hp_covap is not None and self._hp_covap.profiling:
+            self._hp_covap.step_end(self._hp_mark_ns * 1e-9)
         return out
 
     def zero_grad(self, set_to_none: bool = True):
@@ -412,6 +478,8 @@ class _HipressOptimizer:
         sd["hipress"] = {"compressor_state": self._hp_states.state_dict()}
         if self._hp_momentum is not None:
             sd["hipress"]["velocity"] = self._hp_momentum.state_dict()
+        if self._hp_covap is not None:
+            sd["hipress"]["covap"] = self._hp_covap.state_dict()
         return sd
 
     def load_state_dict(self, state_dict):
@@ -422,6 +490,8 @@ class _HipressOptimizer:
             self._hp_states.load_state_dict(hp["compressor_state"])
             if self._hp_momentum is not None:
                 self._hp_momentum.load_state_dict(hp.get("velocity", {}))
+            if self._hp_covap is not None and "covap" in hp:
+                self._hp_covap.load_state_dict(hp["covap"])
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none",
@@ -445,6 +515,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     compresses only where the cost model says it pays and picks the partition count;
     a hipress.planner.Overrides pins thresholds on top of "auto"; a Plan is used as is.
     compression="auto" means TernGrad with plan="auto".
+    compression="covap": COVAP's filter (paper 004; hipress/torch/covap.py, docs/covap.md): each
+    step syncs only the buckets (or shards of large ones) whose index t has (t + step) % I == 0,
+    the rest waits in a residual. Its keywords: interval ("auto": ceil(CCR), profiled over the
+    first profile_steps=5 steps after one warm-up, at most max_interval=4; or an int),
+    ef_init=0.5, ascend_steps=50, ascend_range=0.1 (the residual's coefficient schedule),
+    shard=True, inner="none" (the algorithm that compresses what is sent) and the inner
+    algorithm's own keywords. ``opt.covap_profile`` holds the profile; ``opt.covap_reprofile()``
+    measures again.
     bucket_bytes: tensor fusion: gradients smaller than this share buffers, synced (and
     planned, compressed, partitioned) as one, until an exchange of the buffer sends this
     many bytes (None or 0: every gradient alone). Multi-round compressors such as PowerSGD

@@ -24,16 +24,21 @@ from hipress.sync.factory import STRATEGIES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NP, K, M = 2, 3, 3
-ALGORITHMS = compression.available()
+# every registered algorithm, and COVAP's filter (its residuals and step are state too)
+ALGORITHMS = compression.available() + ["covap"]
 # Defaults everywhere except where they leave part of a state unused: DGC's step counter
 # only matters during warm-up, so let the warm-up cross the checkpoint (step K of 4).
-KWARGS = {"dgc": {"warmup_steps": 4}}
+# COVAP: a fixed interval (the profiled one depends on timing) around TBQ, whose residuals
+# make the compressor state non-empty.
+KWARGS = {"dgc": {"warmup_steps": 4}, "covap": {"interval": 2, "inner": "tbq"}}
 
 
 def strategies(algorithm):
     # Multi-round compressors (PowerSGD) always run the low-rank strategy whatever is
     # asked (hipress.sync.factory.make_sync): one run covers them.
-    return ["ring"] if compression.get(algorithm).rounds > 1 else sorted(STRATEGIES)
+    if algorithm != "covap" and compression.get(algorithm).rounds > 1:
+        return ["ring"]
+    return sorted(STRATEGIES)
 
 
 CONFIGS = [{"compression": a, "strategy": s, "kwargs": KWARGS.get(a, {})} for a in ALGORITHMS for s in strategies(a)]

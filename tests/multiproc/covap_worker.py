@@ -1,0 +1,61 @@
+"""One rank of tests/multiproc/test_covap_ranks.py.
+
+    python covap_worker.py OUT_DIR
+
+Run A: compression="covap" with a fixed interval 2 (and sharding: bucket_bytes=0 makes each
+parameter a bucket, the large weight splits) for STEPS steps; the final parameters go to
+OUT_DIR/fixed-rank{r}.pt. Run B: interval "auto" with 2 profiled steps; its profile and the
+steps it took go to OUT_DIR/auto-rank{r}.pt.
+"""
+import sys
+
+import torch
+import torch.nn as nn
+
+import hipress
+
+STEPS = 7
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 4))
+
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 64, generator=g), torch.randn(16, 4, generator=g)
+
+
+def train(opt, model, rank, steps):
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad(set_to_none=True)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def main(out):
+    hipress.init()
+    rank = hipress.rank()
+    model = make_model()
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), compression="covap",
+                                       interval=2, bucket_bytes=0)
+    train(opt, model, rank, STEPS)
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/fixed-rank{rank}.pt")
+
+    model = make_model()
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), compression="covap",
+                                       profile_steps=2, bucket_bytes=0)
+    train(opt, model, rank, 2)
+    before = opt.covap_profile
+    train(opt, model, rank, 2)
+    torch.save({"before": before, "after": opt.covap_profile, "state": opt.state_dict()["hipress"]["covap"],
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, f"{out}/auto-rank{rank}.pt")
+    hipress.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,77 @@
+"""compression="covap" (hipress/torch/covap.py) with real ranks: the optimizer's result
+equals COVAP's rule applied in one process, and the profiler gives every rank the same
+interval. Two ranks over gloo, one launch with a timeout."""
+import os
+import sys
+
+import pytest
+import torch
+
+from hipress.compression.none import NoneCompressor
+from hipress.launch import run
+from hipress.torch import covap
+from hipress.torch.optimizer import fusion_buckets
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import covap_worker as W  # noqa: E402
+
+NP = 2
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    d = tmp_path_factory.mktemp("covap")
+    code, logs = run([sys.executable, os.path.join(HERE, "covap_worker.py"), str(d)], NP, timeout=180, quiet=True)
+    assert code == 0, "\n".join(logs)[-4000:]
+    return d
+
+
+def replica(interval, steps):
+    """COVAP by hand: the average of the ranks' gradients, filtered unit by unit (every rank
+    selects the same units, and the filter is linear), then momentum SGD."""
+    model = W.make_model()
+    named = list(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    buckets = fusion_buckets(named, NoneCompressor(), 0)  # the optimizer's buckets, in its order
+    filt = covap.Filter({b.name: b.numel for b in buckets}, interval)
+    for step in range(steps):
+        grads = []
+        for r in range(NP):
+            x, y = W.batch(r, step)
+            model.zero_grad(set_to_none=True)
+            ((model(x) - y) ** 2).mean().backward()
+            grads.append({n: p.grad.clone() for n, p in named})
+        for b in buckets:
+            flat = torch.cat([(grads[0][n] + grads[1][n]).reshape(-1) / NP for n, _ in b.params])
+            filt.apply(b.name, flat)
+            for (n, p), off in zip(b.params, b.offsets):
+                p.grad = flat[off:off + p.numel()].view_as(p).clone()
+        filt.advance()
+        opt.step()
+    return {n: p.detach() for n, p in named}, filt
+
+
+def test_fixed_interval_equals_the_rule(out):
+    want, filt = replica(2, W.STEPS)
+    assert sum(len(u) for u in filt.units.values()) > len(filt.units), "the large weight was not sharded"
+    for r in range(NP):
+        got = torch.load(out / f"fixed-rank{r}.pt")
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=f"rank {r} {n}")
+    # the filter mattered: the uncompressed run ends elsewhere
+    plain, _ = replica(1, W.STEPS)
+    assert any(not torch.allclose(plain[n], want[n], atol=1e-4) for n in want)
+
+
+def test_profiler_agrees_across_ranks(out):
+    res = [torch.load(out / f"auto-rank{r}.pt", weights_only=False) for r in range(NP)]
+    for r in res:
+        assert r["before"] is None, "profiled before its 1 warm-up + 2 timed steps were over"
+        p = r["after"]
+        assert p is not None and p.t_comp > 0 and p.t_comm >= 0
+        assert p.interval == min(covap.interval_from_ccr(p.ccr), covap.MAX_INTERVAL)
+    assert res[0]["after"] == res[1]["after"], "ranks computed different profiles"
+    assert res[0]["state"]["filter"]["interval"] == res[0]["after"].interval
+    for n in res[0]["params"]:
+        assert torch.equal(res[0]["params"][n], res[1]["params"][n])
