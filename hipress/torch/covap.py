@@ -31,6 +31,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hipress.planner.plan import chunk_bounds
+
 # The authors' reducer: ef_init(0.5), decay_step(50), and a rise of 0.1 per decay_step.
 EF_INIT = 0.5
 ASCEND_STEPS = 50
@@ -53,17 +55,6 @@ def shard_counts(sizes: Sequence[int], interval: int) -> List[int]:
     if median <= 0:
         return [1] * len(sizes)
     return [max(1, min(n // median, interval)) for n in sizes]
-
-
-def split_even(numel: int, parts: int) -> List[Tuple[int, int]]:
-    """``parts`` contiguous ranges covering [0, numel), sizes differing by at most one."""
-    base, extra = divmod(numel, parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
 
 
 def selected(unit: int, step: int, interval: int) -> bool:
@@ -129,7 +120,7 @@ class Filter:
         t = 0
         for name, parts in zip(names, counts):
             self.units[name] = []
-            for rng in split_even(bucket_sizes[name], parts):
+            for rng in chunk_bounds(bucket_sizes[name], parts):
                 self.units[name].append((t, rng))
                 t += 1
         self.ef = (float(ef_init), int(ascend_steps), float(ascend_range))

@@ -7,24 +7,17 @@ parameter a bucket, the large weight splits) for STEPS steps; the final paramete
 OUT_DIR/fixed-rank{r}.pt. Run B: interval "auto" with 2 profiled steps; its profile and the
 steps it took go to OUT_DIR/auto-rank{r}.pt.
 """
+import os
 import sys
 
 import torch
-import torch.nn as nn
 
 import hipress
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from resume_worker import batch, make_model  # noqa: E402  (the resume test's model and batches)
+
 STEPS = 7
-
-
-def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 4))
-
-
-def batch(rank, step):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(16, 64, generator=g), torch.randn(16, 4, generator=g)
 
 
 def train(opt, model, rank, steps):

@@ -35,14 +35,6 @@ def test_sharding_vgg19_example():
     assert covap.shard_counts([], 4) == []
 
 
-def test_split_even_covers_the_bucket():
-    for n, parts in ((10, 3), (7, 7), (100, 1), (5, 2)):
-        rngs = covap.split_even(n, parts)
-        assert len(rngs) == parts and rngs[0][0] == 0 and rngs[-1][1] == n
-        assert all(a[1] == b[0] for a, b in zip(rngs, rngs[1:]))
-        assert max(e - s for s, e in rngs) - min(e - s for s, e in rngs) <= 1
-
-
 def test_ef_coefficient_schedule():
     assert covap.ef_coefficient(0) == 0.5
     assert covap.ef_coefficient(49) == 0.5
