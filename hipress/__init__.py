@@ -29,6 +29,7 @@ _EXPORTS = {
     "broadcast_parameters": ("hipress.torch.functions", "broadcast_parameters"),
     "broadcast_optimizer_state": ("hipress.torch.functions", "broadcast_optimizer_state"),
     "broadcast_object": ("hipress.torch.functions", "broadcast_object"),
+    "UnsafeObjectError": ("hipress.torch.functions", "UnsafeObjectError"),
     "Engine": ("hipress.engine", "Engine"),
     "Handle": ("hipress.engine", "Handle"),
     "TaskError": ("hipress.engine", "TaskError"),
