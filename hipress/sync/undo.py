@@ -41,6 +41,10 @@ class UndoLog:
         if self.enabled and key not in self._saved:
             self._saved[key] = _Created(info)
 
+    def nbytes(self) -> int:
+        """Bytes held by the copies' buffers (kept from step to step)."""
+        return sum(t.numel() * t.element_size() for ts in self._spare.values() for t in ts)
+
     def commit(self) -> None:
         self._saved.clear()
 
