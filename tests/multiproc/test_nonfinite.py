@@ -35,12 +35,14 @@ def strategies(algorithm):
 
 CONFIGS = [{"compression": a, "strategy": s, "kwargs": KWARGS.get(a, {}), "amp": (a, s) in AMP}
            for a in ALGORITHMS for s in strategies(a)]
-# one fused bucket (all four gradients in one buffer) through a ring
+# one fused bucket (all four gradients in one buffer) through a ring; PS through the coordinator
 CONFIGS.append({"compression": "tbq", "strategy": "ring", "kwargs": {}, "bucket_bytes": 1 << 20, "amp": False})
+CONFIGS.append({"compression": "onebit", "strategy": "ps", "kwargs": {"coordinator": True}, "amp": True})
 
 
 def name(cfg):
-    return f"{cfg['compression']}-{cfg['strategy']}" + ("-fused" if cfg.get("bucket_bytes") else "")
+    return (f"{cfg['compression']}-{cfg['strategy']}" + ("-fused" if cfg.get("bucket_bytes") else "")
+            + ("-coordinated" if cfg["kwargs"].get("coordinator") else ""))
 
 
 @pytest.fixture(scope="module")

@@ -169,6 +169,11 @@ def test_single_rank_raise(model):
         opt.step()
 
 
+def test_exported():
+    assert hipress.NonFiniteGradientError is NonFiniteGradientError
+    assert hipress.NonFiniteGradientWarning is NonFiniteGradientWarning
+
+
 def test_off_and_bad_mode(model):
     with pytest.raises(ValueError, match="nonfinite"):
         hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
