@@ -26,6 +26,8 @@ _EXPORTS = {
     "DistributedOptimizer": ("hipress.torch.optimizer", "DistributedOptimizer"),
     "Average": ("hipress.torch.optimizer", "Average"),
     "Sum": ("hipress.torch.optimizer", "Sum"),
+    "NonFiniteGradientError": ("hipress.torch.nonfinite", "NonFiniteGradientError"),
+    "NonFiniteGradientWarning": ("hipress.torch.nonfinite", "NonFiniteGradientWarning"),
     "broadcast_parameters": ("hipress.torch.functions", "broadcast_parameters"),
     "broadcast_optimizer_state": ("hipress.torch.functions", "broadcast_optimizer_state"),
     "broadcast_object": ("hipress.torch.functions", "broadcast_object"),
