@@ -460,14 +460,33 @@ class _Round:
 def _round(kind: str, tr, members: List[int], meta: dict) -> _Round:
     """One metadata round for an active call; raises on every rank if the ranks disagree."""
     meta = dict(meta, op=kind)
-    with _trace(kind, meta.get("name")):
-        metas = _exchange(tr, meta)
+    if meta.get("name") is not None:
+        meta["name"] = str(meta["name"])
+    metas = _exchange(tr, meta)
     rd = _Round(kind, metas, members)
     if rd.error is not None:
         if meta.get("err"):
             raise ValueError(meta["err"])
         raise HorovodInternalError(rd.error)
     return rd
+
+
+def _traced(kind: str):
+    """Records the whole operation on the timeline (its ``name`` argument, else ``kind``)."""
+    def wrap(fn):
+        import functools
+        import inspect
+
+        pos = list(inspect.signature(fn).parameters).index("name")
+
+        @functools.wraps(fn)
+        def run(*args, **kw):
+            if _timeline is None:
+                return fn(*args, **kw)
+            with _trace(kind, kw.get("name", args[pos] if len(args) > pos else None)):
+                return fn(*args, **kw)
+        return run
+    return wrap
 
 
 # ---------------------------------------------------------------------------- element-wise work
@@ -568,6 +587,7 @@ def _adasum_flat(tr, flat: torch.Tensor, post: float) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- allreduce
+@_traced("allreduce")
 def _allreduce_impl(tensors: Sequence[torch.Tensor], rop: str, pre: float, post: float, process_set,
                     name: Optional[str], kind: str = "allreduce") -> List[torch.Tensor]:
     st, ps, tr = _set_transport(process_set)
@@ -723,6 +743,7 @@ def _assign(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- allgather
+@_traced("allgather")
 def _allgather_impl(tensors: Sequence[torch.Tensor], process_set, name) -> tuple:
     """(outputs, rows[tensor][set rank])."""
     st, ps, tr = _set_transport(process_set)
@@ -870,6 +891,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
 
 
 # ---------------------------------------------------------------------------- broadcast
+@_traced("broadcast")
 def _broadcast_impl(tensor: torch.Tensor, root_rank: int, process_set, name) -> torch.Tensor:
     st, ps, tr = _set_transport(process_set)
     members = _set_ranks(ps)
@@ -925,6 +947,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 
 # ---------------------------------------------------------------------------- alltoall
+@_traced("alltoall")
 def _alltoall_impl(tensor: torch.Tensor, splits, process_set, name):
     """(output, received splits as int32)."""
     st, ps, tr = _set_transport(process_set)
@@ -999,6 +1022,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 
 
 # ---------------------------------------------------------------------------- reducescatter
+@_traced("reducescatter")
 def _reducescatter_impl(tensors: Sequence[torch.Tensor], rop: str, pre: float, post: float, process_set,
                         name) -> List[torch.Tensor]:
     st, ps, tr = _set_transport(process_set)
@@ -1011,7 +1035,7 @@ def _reducescatter_impl(tensors: Sequence[torch.Tensor], rop: str, pre: float, p
         err = "Reducescatter does not support Adasum"
     meta = {"name": name, "err": err, "rop": rop, "pre": float(pre), "post": float(post), "count": len(tensors),
             "t": [] if err else [[_dtype_name(t), list(t.shape)] for t in tensors]}
-    rd = _round("reducescatter", tr, _set_ranks(ps), meta)
+    _round("reducescatter", tr, _set_ranks(ps), meta)
     outs = []
     for t in tensors:
         h = _scale(_host(t), pre)
@@ -1127,7 +1151,8 @@ def synchronize(handle):
 def barrier(process_set=global_process_set) -> None:
     """Returns once every rank of the set has called it."""
     st, ps, tr = _set_transport(process_set)
-    _round("barrier", tr, _set_ranks(ps), {"name": None, "err": None, "count": 0})
+    with _trace("barrier", None):
+        _round("barrier", tr, _set_ranks(ps), {"name": None, "err": None, "count": 0})
 
 
 def join(device=-1) -> int:
@@ -1166,7 +1191,8 @@ _timeline: Optional[dict] = None
 
 
 def start_timeline(file_path, mark_cycles=False) -> None:
-    """Records this process's collectives (one Chrome-trace event each, metadata round and data)
+    """Records this process's collectives (one Chrome-trace event each, from the call to its result;
+    in :func:`join`, one per round served)
     until :func:`stop_timeline`, which writes them to ``file_path`` on rank 0 (as Horovod writes
     one file). ``mark_cycles`` is accepted and ignored."""
     global _timeline

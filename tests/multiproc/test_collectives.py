@@ -109,3 +109,27 @@ def test_collectives_mpi(n, tmp_path):
     env = clean_env("30", EXPECT_TRANSPORT="mpi", HIPRESS_TEST_RESULT_DIR=tmp_path, OMPI_MCA_mpi_yield_when_idle=1)
     rcs, out = _run([(cmd, env)])
     _check(n, rcs, _results(tmp_path), out, "mpi")
+
+
+def _horovod_missing():
+    try:
+        import horovod.torch as hvd_  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"horovod.torch does not import ({type(e).__name__}: {e})"
+    if shutil.which("horovodrun") is None:
+        return "horovodrun is not on PATH"
+    if shutil.which("mpirun") is None or not hvd_.mpi_built():
+        return "Horovod without MPI"
+    return None
+
+
+@pytest.mark.skipif(_horovod_missing() is not None, reason=str(_horovod_missing()))
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,n", [("gloo", 2), ("mpi", 3)])
+def test_collectives_under_horovodrun(mode, n, tmp_path):
+    """The same checks with Horovod's own collectives underneath (the Horovod transport)."""
+    cmd = ["horovodrun", f"--{mode}", "-np", str(n), "-H", f"localhost:{n}", sys.executable, WORKER]
+    env = clean_env("30", EXPECT_TRANSPORT=f"horovod/{mode}", HIPRESS_TEST_RESULT_DIR=tmp_path,
+                    OMPI_MCA_mpi_yield_when_idle=1)
+    rcs, out = _run([(cmd, env)])
+    _check(n, rcs, _results(tmp_path), out, f"horovod/{mode}")
