@@ -1031,11 +1031,16 @@ def _reducescatter_impl(tensors: Sequence[torch.Tensor], rop: str, pre: float, p
         err = err or _tensor_err(t, "reducescatter", reduce=True)
         if err is None and t.dim() == 0:
             err = "Reducescatter does not support scalar inputs"
-    if err is None and rop == Adasum:
-        err = "Reducescatter does not support Adasum"
+    if err is None and rop not in (Average, Sum):
+        err = "Reducescatter currently only supports Average and Sum."
     meta = {"name": name, "err": err, "rop": rop, "pre": float(pre), "post": float(post), "count": len(tensors),
             "t": [] if err else [[_dtype_name(t), list(t.shape)] for t in tensors]}
-    _round("reducescatter", tr, _set_ranks(ps), meta)
+    try:
+        _round("reducescatter", tr, _set_ranks(ps), meta)
+    except ValueError as e:
+        if rop not in (Average, Sum):  # Horovod raises this one as an internal error
+            raise HorovodInternalError(str(e)) from None
+        raise
     outs = []
     for t in tensors:
         h = _scale(_host(t), pre)
@@ -1081,8 +1086,8 @@ def _rs_grad_scale(rop, pre, post, ps) -> float:
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
                   prescale_factor=1.0, postscale_factor=1.0):
-    """Reduces ``tensor`` (same shape on every rank) and returns this rank's part of the result
-    along the first dimension: the first ``d % n`` ranks of the set get ``d // n + 1`` rows,
+    """Reduces ``tensor`` (same shape on every rank; ``op`` Average or Sum, as in Horovod) and
+    returns this rank's part of the result along the first dimension: the first ``d % n`` ranks of the set get ``d // n + 1`` rows,
     the others ``d // n``. Differentiable (Horovod's definition: the allgather of the output
     gradient, times the set size for Sum, times the scale factors)."""
     rop = _norm_op(op)

@@ -133,3 +133,22 @@ def test_collectives_under_horovodrun(mode, n, tmp_path):
                     OMPI_MCA_mpi_yield_when_idle=1)
     rcs, out = _run([(cmd, env)])
     _check(n, rcs, _results(tmp_path), out, f"horovod/{mode}")
+
+
+PARITY_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_parity_worker.py")
+
+
+@pytest.mark.skipif(_horovod_missing() is not None, reason=str(_horovod_missing()))
+@pytest.mark.timeout(300)
+def test_same_results_as_horovod(tmp_path):
+    """Each call made through horovod.torch and through hipress on 3 ranks: same values (integers
+    exactly), shapes, dtypes, gradients and exception types."""
+    n = 3
+    cmd = ["horovodrun", "--gloo", "-np", str(n), "-H", f"localhost:{n}", sys.executable, PARITY_WORKER]
+    rcs, out = _run([(cmd, clean_env("30", HIPRESS_TEST_RESULT_DIR=tmp_path))])
+    res = _results(tmp_path)
+    assert sorted(res) == list(range(n)), out[-6000:]
+    for r, d in res.items():
+        assert d["diffs"] == [], "\n".join(d["diffs"])[:6000]
+        assert d["compared"] >= 150, d["compared"]
+    assert rcs == [0], out[-4000:]
