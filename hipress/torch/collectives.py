@@ -1167,8 +1167,11 @@ def join(device=-1) -> int:
     Max and Product see zeros, as in Horovod) and no rows to allgathers. Returns the rank that
     joined last (the highest such rank if several joined in the same round).
 
-    Other collectives (alltoall, reducescatter, process sets) raise on the working ranks while a
-    rank has joined. ``device`` is accepted for compatibility (zeros are made on the CPU)."""
+    Horovod 0.28 serves only allreduce during a join; allgather, broadcast and barrier are
+    hipress's additions. alltoall and reducescatter raise on the working ranks while a rank has
+    joined (as in Horovod); a collective on a smaller process set that includes a joined rank
+    waits for it until ``HIPRESS_TIMEOUT_S``. ``device`` is accepted for compatibility (zeros are
+    made on the CPU)."""
     st, ps, tr = _set_transport(global_process_set)
     members = _set_ranks(ps)
     first = True

@@ -479,6 +479,30 @@ def run_all():
         close(sbn(xs[R]), ref(xs[R]).detach(), "eval")
 
     @check
+    def metrics_alongside_distributed_optimizer():
+        """A Horovod training loop: the optimizer's exchanges and hvd.allreduce of a metric
+        between steps, with hvd.Compression entries given to DistributedOptimizer."""
+        for comp in (hvd.Compression.none, hvd.Compression.tbq):
+            torch.manual_seed(R)
+            model = torch.nn.Linear(4, 1)
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), compression=comp)
+            for step in range(3):
+                x = torch.full((2, 4), float(R + step))
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                avg = hvd.allreduce(loss.detach(), name="loss")
+                every = hvd.allgather(loss.detach().reshape(1))
+                close(avg, every.double().mean().float(), f"{comp} metric average")
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            allp = hvd.allgather(flat.unsqueeze(0))
+            for r in range(N):
+                eq(allp[r], flat, f"{comp}: parameters equal on every rank")
+
+    @check
     def barrier_timeline_and_queries():
         hvd.barrier()
         assert hvd.is_initialized()
