@@ -165,6 +165,10 @@ def run_all():
         h = hvd.grouped_allreduce_async(ts, op=hvd.Product)
         for g, (t, shp) in zip(hvd.synchronize(h), [(torch.float32, (2, 3)), (torch.int64, (4,))]):
             eq(g, expected_reduce("product", t, shape=shp), "grouped async")
+        # 60 tensors: the description of the call outgrows the first metadata block
+        many = [torch.full((k % 3 + 1, 2), float(R + k)) for k in range(60)]
+        for k, g in enumerate(hvd.grouped_allreduce(many, op=hvd.Sum)):
+            eq(g, torch.full((k % 3 + 1, 2), float(sum(r + k for r in range(N)))), f"many {k}")
         ts2 = [data(R, torch.float64), data(R, torch.int32)]
         out = hvd.grouped_allreduce_(ts2)
         assert out[0] is ts2[0] and out[1] is ts2[1]
