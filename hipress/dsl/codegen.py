@@ -314,6 +314,10 @@ class Generator:
                 f"static_cast<int64_t>(({args[0]}) < 0)"
         if f == "isnan":
             return f"static_cast<int64_t>({M}isnan({args[0]}))" if ts[0] in FP else "int64_t{0}"
+        if f == "ilogb":  # the helpers of prelude.h.txt / hp_device.h (exact, no libm call on the fast path)
+            return f"hp::ilogb({self.conv(args[0], ts[0], 'float')})"
+        if f == "ldexp":
+            return f"hp::ldexp({self.conv(args[0], ts[0], 'float')}, {self.conv(args[1], ts[1], 'int32')})"
         if f == "pow":
             return f"{M}pow({self.conv(args[0], ts[0], e.ty)}, {self.conv(args[1], ts[1], e.ty)})"
         if e.ty in FP:

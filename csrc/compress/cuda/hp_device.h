@@ -122,6 +122,24 @@ HPD float fmin2(float a, float b) { return b < a ? b : a; }
 HPD float fmax2(float a, float b) { return b > a ? b : a; }
 HPD double fmin2(double a, double b) { return b < a ? b : a; }
 HPD double fmax2(double a, double b) { return b > a ? b : a; }
+// ilogb(x): the exponent of |x| (floor(log2 |x|), exact, subnormals included); 0 and NaN: INT32_MIN,
+// inf: INT32_MAX. ldexp(x, k): x * 2^k, correctly rounded (a multiplication by 2^k when 2^k is normal).
+HPD int64_t ilogb(float x) {
+  uint32_t b; memcpy(&b, &x, 4);
+  uint32_t e = (b >> 23) & 0xffu, m = b & 0x7fffffu;
+  if (e == 0xffu) return m ? -2147483647 - 1 : 2147483647;
+  if (e == 0) {
+    if (m == 0) return -2147483647 - 1;
+    int64_t k = -127;
+    while (!(m & 0x400000u)) { m <<= 1; --k; }
+    return k;
+  }
+  return static_cast<int64_t>(e) - 127;
+}
+HPD float ldexp(float x, int64_t k) {
+  if (k >= -126 && k <= 127) { uint32_t b = static_cast<uint32_t>(k + 127) << 23; float p; memcpy(&p, &b, 4); return x * p; }
+  return ::ldexpf(x, static_cast<int>(k < -400 ? -400 : (k > 400 ? 400 : k)));
+}
 // random<float>(0, 1) and random<int32>(a, b) at one counter.
 HPD float uni(hpd::RngKey k, uint64_t ctr) { return hpd::u32_to_unit(hpd::rng_u32(k, ctr)); }
 HPD int64_t rint(hpd::RngKey k, uint64_t ctr, int64_t a, int64_t b) {
