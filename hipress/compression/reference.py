@@ -397,6 +397,12 @@ def sign_decode(payload, n: int) -> np.ndarray:
     return np.array([s, -s], dtype=np.float32)[unpack_bits(_body(payload), n, 1)]
 
 
+def _sign_sums(g: np.ndarray):
+    """The sums (in double, rounded to float) of the elements without and with the sign bit."""
+    neg = np.signbit(g)
+    return np.float32(g[~neg].astype(np.float64).sum()), np.float32(g[neg].astype(np.float64).sum())
+
+
 def signsgd_encode(g: np.ndarray, scale: float = 1.0) -> bytes:
     """signSGD (Bernstein 2018): the sign bit of every element; decoded +-scale."""
     g = np.asarray(g, dtype=np.float32).reshape(-1)
@@ -424,7 +430,8 @@ def signum_encode_stateless(g: np.ndarray, scale: float = 1.0) -> bytes:
 def efsignsgd_encode(g: np.ndarray) -> bytes:
     """EF-SignSGD's compressor (Karimireddy 2019): (||g||_1 / d) * sign(g)."""
     g = np.asarray(g, dtype=np.float32).reshape(-1)
-    scale = np.float32(np.abs(g).astype(np.float64).mean()) if g.size else np.float32(0)
+    pos, neg = _sign_sums(g)  # ||g||_1 / d as the kernel computes it: (pos - neg) / d in float
+    scale = np.float32((pos - neg) / np.float32(g.size)) if g.size else np.float32(0)
     return _sign_payload("efsignsgd", np.signbit(g), scale)
 
 
@@ -494,7 +501,8 @@ def terngrad_grace_encode(g: np.ndarray, clip: float = 2.5, seed: int = 0, count
     n = g.size
     top = np.float32(np.abs(g).max()) if n else np.float32(0)
     if scalar is None:
-        mu = np.float32(g.astype(np.float64).mean()) if n else np.float32(0)
+        pos, neg = _sign_sums(g)
+        mu = np.float32((pos + neg) / np.float32(n)) if n else np.float32(0)
         d = g - mu
         sigma = np.float32(np.sqrt(np.float32((d * d).astype(np.float64).mean()))) if n else np.float32(0)
         scalar = min(np.float32(np.float32(clip) * sigma), top) if clip > 0 else top

@@ -305,6 +305,8 @@ class Generator:
         args = [self.ex(a, env) for a in e.args]
         M = self.t.MATH
         ts = [a.ty for a in e.args]
+        if f == "floor":  # hp::vfloor: std::floor's value, in a form loops vectorise (prelude.h.txt)
+            return f"hp::vfloor({self.conv(args[0], ts[0], e.ty)})"
         if f in ("floor", "ceil", "round", "sqrt", "exp", "log"):
             return f"{M}{f}({self.conv(args[0], ts[0], e.ty)})"
         if f == "abs":
