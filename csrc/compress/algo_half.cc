@@ -13,6 +13,10 @@
 #include "compress/ops.h"
 #include "compress/thread_pool.h"
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace hipress::compress {
 namespace {
 
@@ -30,8 +34,28 @@ inline float from_fp16(uint16_t b) {
 inline uint16_t to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r);  // NaN: a select (vectorises)
+}
+
+// fp16 <-> fp32 of m values: F16C's conversions 8 at a time (GCC does not vectorise _Float16 casts
+// without AVX512-FP16), round to nearest even as the scalar cast; the scalar cast for the rest.
+inline void fp16_from_f32(const float* in, size_t m, uint16_t* out) {
+  size_t j = 0;
+#if defined(__F16C__)
+  for (; j + 8 <= m; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(in + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; j < m; ++j) out[j] = to_fp16(in[j]);
+}
+inline void f32_from_fp16(const uint16_t* in, size_t m, float* out) {
+  size_t j = 0;
+#if defined(__F16C__)
+  for (; j + 8 <= m; j += 8)
+    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + j))));
+#endif
+  for (; j < m; ++j) out[j] = from_fp16(in[j]);
 }
 inline float from_bf16(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -65,7 +89,11 @@ class HalfCast final : public Compressor {
       uint16_t tmp[kTile];
       for (size_t i = b; i < e; i += kTile) {
         const size_t m = std::min(kTile, e - i);
-        for (size_t j = 0; j < m; ++j) tmp[j] = BF ? to_bf16(in[i + j]) : to_fp16(in[i + j]);
+        if (BF) {
+          for (size_t j = 0; j < m; ++j) tmp[j] = to_bf16(in[i + j]);
+        } else {
+          fp16_from_f32(in + i, m, tmp);
+        }
         std::memcpy(body + 2 * i, tmp, 2 * m);
       }
     });
@@ -85,12 +113,18 @@ class HalfCast final : public Compressor {
         const size_t m = std::min(kTile, e - i);
         std::memcpy(tmp, body + 2 * i, 2 * m);
         float* o = out + i;
-        if (add) {
-          for (size_t j = 0; j < m; ++j) o[j] += alpha * (BF ? from_bf16(tmp[j]) : from_fp16(tmp[j]));
-        } else if (alpha == 1.0f) {
-          for (size_t j = 0; j < m; ++j) o[j] = BF ? from_bf16(tmp[j]) : from_fp16(tmp[j]);
+        alignas(64) float v[kTile];
+        if (BF) {
+          for (size_t j = 0; j < m; ++j) v[j] = from_bf16(tmp[j]);
         } else {
-          for (size_t j = 0; j < m; ++j) o[j] = alpha * (BF ? from_bf16(tmp[j]) : from_fp16(tmp[j]));
+          f32_from_fp16(tmp, m, v);
+        }
+        if (add) {
+          for (size_t j = 0; j < m; ++j) o[j] += alpha * v[j];
+        } else if (alpha == 1.0f) {
+          std::memcpy(o, v, 4 * m);
+        } else {
+          for (size_t j = 0; j < m; ++j) o[j] = alpha * v[j];
         }
       }
     });
