@@ -571,7 +571,8 @@ def half_encode(g: np.ndarray, algo: str = "fp16") -> bytes:
     (bf16: the upper 16 bits after adding 0x7FFF + the lowest kept bit; NaN -> 0x7FC0)."""
     g = np.asarray(g, dtype=np.float32).reshape(-1)
     if algo == "fp16":
-        body = g.astype(np.float16).view(np.uint16)
+        with np.errstate(over="ignore"):  # beyond 65504: inf, as the cast
+            body = g.astype(np.float16).view(np.uint16)
     else:
         u = g.view(np.uint32).astype(np.uint64)
         body = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)

@@ -37,7 +37,8 @@ def get(name: Union[str, Compressor], *, error_feedback: Union[bool, None] = Non
 
     error_feedback: wrap in ErrorFeedback(beta, gamma); None uses the algorithm's
     default (onebit, tbq, graddrop: on; terngrad: off (unbiased); dgc, powersgd:
-    built in, their own error feedback / accumulation).
+    built in, their own error feedback / accumulation; GRACE's quantizers as GRACE pairs
+    them: u8bit, efsignsgd, natural on, the others off; docs/grace.md).
     """
     if isinstance(name, Compressor):
         if params:

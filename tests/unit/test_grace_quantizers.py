@@ -370,3 +370,46 @@ def test_signum_momentum_is_not_applied_twice():
         else:
             torch.testing.assert_close(g, torch.full((3,), 0.51))
             assert mc.velocity == {}
+
+
+# ------------------------------------------------------------------ DSL built-ins ilogb / ldexp
+
+PROBE = """
+algorithm ilogb_probe(category = quantization);
+param P { }
+uint8 expo(float x) { return min(max(ilogb(x) + 150, 0), 255); }
+float scale(uint8 c) { return ldexp(1.5, c - 150); }
+void encode(float* gradient, uint8* compressed, P params) {
+    uint8* codes = map(gradient, expo);
+    compressed = concat(codes);
+}
+void decode(uint8* compressed, float* gradient) {
+    extract(compressed, codes);
+    gradient = map(codes, scale);
+}
+"""
+
+
+def test_dsl_ilogb_ldexp(tmp_path):
+    """ilogb: the exact exponent (subnormals included; 0 and NaN lowest, inf highest); ldexp: the
+    correctly rounded 1.5 * 2^k, subnormal and overflowing results included."""
+    from hipress import compll
+    path = tmp_path / "ilogb_probe.cll"
+    path.write_text(PROBE)
+    compll.load(str(path), name="ilogb_probe")
+    c = C.get("ilogb_probe")
+    x = np.concatenate([np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, 3e-39, 2.0**-126, 1.0, -3.0, 2.0**100,
+                                    3.4e38, 0.75]),
+                        np.random.default_rng(0).standard_normal(1000).astype(np.float32) * 10.0 ** np.random.default_rng(1)
+                        .integers(-40, 38, 1000)]).astype(np.float32)
+    p = c.encode(torch.from_numpy(x))
+    codes = np.frombuffer(pbytes(p)[H:], np.uint8).astype(np.int64)
+    _, e = np.frexp(x)
+    expect = np.clip(e.astype(np.int64) - 1 + 150, 0, 255)
+    expect[[0, 1, 4]] = 0       # ilogb(0), ilogb(NaN): INT32_MIN
+    expect[[2, 3]] = 255        # ilogb(inf): INT32_MAX
+    np.testing.assert_array_equal(codes, expect)
+    out = torch.empty(x.size)
+    c.decode(p, out)
+    np.testing.assert_array_equal(out.numpy(), np.ldexp(np.float32(1.5), codes - 150).astype(np.float32))
+    assert out[0] == 2.0**-149 and np.isinf(out[2])  # 1.5 * 2^-150 rounds to 2^-149; 1.5 * 2^105 overflows
