@@ -328,6 +328,11 @@ def test_metadata_registry_and_auto_strategy():
     auto = {n: resolve_strategy("auto", c) for n, c in info.items()}
     assert auto == {n: ("ring" if n in ("fp16", "bf16") else "allgather") for n in GRACE}
     assert resolve_strategy("auto", info["qsgd"], planned=True) == "ps"
+    # merged sums (ring hops, PS aggregators) are re-encoded with error feedback, except by qsgd (its
+    # x - Q(x) is no contraction: a residual of it diverged, PS 9.1% on digits) and the EF ones (themselves)
+    merged = {n: type(c.merged).__name__ for n, c in info.items()}
+    assert merged["qsgd"] == "QSGD" and info["qsgd"].merged is info["qsgd"]
+    assert all(m == "ErrorFeedback" for n, m in merged.items() if n != "qsgd")
     # hipress's terngrad (HiPress's min/max form) and GRACE's stay distinct
     assert C.get("terngrad").name == "terngrad" and C.get("terngrad_grace").name == "terngrad_grace"
     for bad in ({"quantum_num": 128}, {"quantum_num": 0}):
