@@ -12,6 +12,15 @@ const char* algo_name(uint8_t id) {
     case kDGC: return "dgc";
     case kGradDrop: return "graddrop";
     case kPowerSGD: return "powersgd";
+    case kSignSGD: return "signsgd";
+    case kSignum: return "signum";
+    case kEFSignSGD: return "efsignsgd";
+    case kQSGD: return "qsgd";
+    case kNatural: return "natural";
+    case kTernGradGrace: return "terngrad_grace";
+    case kU8bit: return "u8bit";
+    case kFP16: return "fp16";
+    case kBF16: return "bf16";
     default: return id >= kFirstUserAlgo ? "user algorithm" : "unknown algorithm";
   }
 }

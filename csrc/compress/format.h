@@ -49,6 +49,16 @@ enum AlgoId : uint8_t {
   kDGC = 4,
   kGradDrop = 5,
   kPowerSGD = 6,
+  // GRACE's quantizers (docs/grace.md): ids 7-19; 20-29 are kept for GRACE's sparsifiers
+  kSignSGD = 7,
+  kSignum = 8,
+  kEFSignSGD = 9,
+  kQSGD = 10,
+  kNatural = 11,
+  kTernGradGrace = 12,
+  kU8bit = 13,
+  kFP16 = 14,
+  kBF16 = 15,
   kFirstUserAlgo = 64,  // ids >= 64 are free for user algorithms
 };
 

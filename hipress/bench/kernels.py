@@ -72,7 +72,101 @@ def configs():
         ("graddrop-0.1%", lambda: C.GradDrop(ratio=0.001), lambda x: ref.graddrop_encode(x, 0.001),
          ref.sparse_decode),
         ("powersgd-r4", lambda: C.PowerSGD(rank=4), None, None),
+        # GRACE's quantizers (docs/grace.md); u8bit, efsignsgd and natural without their error feedback
+        ("u8bit", lambda: C.U8bit(), ref.u8bit_encode, ref.u8bit_decode),
+        ("signsgd", lambda: C.SignSGD(), ref.signsgd_encode, ref.sign_decode),
+        ("signum", lambda: C.Signum(), None, ref.sign_decode),
+        ("efsignsgd", lambda: C.EFSignSGD(), ref.efsignsgd_encode, ref.sign_decode),
+        ("qsgd-64", lambda: C.QSGD(64), ref.qsgd_encode, ref.qsgd_decode),
+        ("natural", lambda: C.Natural(), ref.natural_encode, ref.natural_decode),
+        ("terngrad_grace", lambda: C.TernGradGrace(), ref.terngrad_grace_encode, ref.terngrad_grace_decode),
+        ("fp16", lambda: C.FP16(), lambda x: ref.half_encode(x, "fp16"), ref.half_decode),
+        ("bf16", lambda: C.BF16(), lambda x: ref.half_encode(x, "bf16"), ref.half_decode),
     ]
+
+
+# ---- pure-torch implementations of GRACE's quantizers (GRACE's own form: torch ops, codes one per byte,
+# not bit-packed), the baseline of the "x torch" column: (make_state(x), encode(x, state) -> codes,
+# decode(codes, n) -> tensor). Timed at one torch thread beside the kernels at one thread.
+_U8 = torch.from_numpy(ref.U8BIT_TABLE)
+
+
+def _t_sign_dec(c, n):
+    neg, s = c
+    return (1.0 - 2.0 * neg.float()) * s
+
+
+def _t_signum_enc(x, m):
+    m.mul_(0.9).add_(x, alpha=0.1)
+    return (m < 0).to(torch.uint8), 1.0
+
+
+def _t_qsgd_enc(x, st, s=64):
+    norm = x.norm()
+    lv = x.abs() * (s / norm)
+    f = lv.floor()
+    q = f + (torch.rand_like(lv) < lv - f).float()
+    return (q + 128.0 * (x < 0).float()).to(torch.uint8), norm / s
+
+
+def _t_qsgd_dec(c, n):
+    codes, unit = c
+    v = (codes & 127).float() * unit
+    return torch.where(codes >= 128, -v, v)
+
+
+def _t_natural_enc(x, st):
+    m, e = torch.frexp(x.abs())            # |x| = m 2^e, m in [0.5, 1)
+    e = e - 1 + (torch.rand_like(x) < 2 * m - 1).to(e.dtype)
+    code = (e.clamp(-109, 18) + 109).to(torch.int32)
+    code = torch.where((x == 0) | (e < -109), torch.zeros_like(code), code)
+    return (code + 128 * torch.signbit(x).to(torch.int32)).to(torch.uint8)
+
+
+def _t_natural_dec(codes, n):
+    k = (codes & 127).to(torch.int32)
+    v = torch.where(k == 0, torch.zeros(n), torch.ldexp(torch.ones(n), (k - 109).float()))
+    return torch.where(codes >= 128, -v, v)
+
+
+def _t_terngrad_enc(x, st):  # GRACE's TernGradCompressor
+    std = (x - x.mean()).pow(2).mean().sqrt()
+    c = 2.5 * std.item()
+    g = x.clamp(-c, c)
+    a = g.abs()
+    scalar = a.max()
+    keep = torch.rand_like(x) * scalar < a
+    return (torch.sign(g) * keep).to(torch.int8), scalar
+
+
+def _t_terngrad_dec(c, n):
+    codes, scalar = c
+    return codes.float() * scalar
+
+
+def _t_u8bit_enc(x, st):  # GRACE's U8bitCompressor (find_bins: bucketize)
+    scale = x.abs().max()
+    b = (torch.bucketize(x.abs() / scale, _U8, right=True) - 1).clamp(min=0)
+    return (b * torch.sign(x)).to(torch.int8), scale
+
+
+def _t_u8bit_dec(c, n):
+    codes, scale = c
+    k = codes.to(torch.int64)
+    return _U8[k.abs()] * scale * torch.sign(k).float()
+
+
+TORCH = {
+    "signsgd": (lambda x: None, lambda x, st: ((x < 0).to(torch.uint8), 1.0), _t_sign_dec),
+    "signum": (torch.zeros_like, _t_signum_enc, _t_sign_dec),
+    "efsignsgd": (lambda x: None, lambda x, st: ((x < 0).to(torch.uint8), x.abs().mean()), _t_sign_dec),
+    "qsgd-64": (lambda x: None, _t_qsgd_enc, _t_qsgd_dec),
+    "natural": (lambda x: None, _t_natural_enc, _t_natural_dec),
+    "terngrad_grace": (lambda x: None, _t_terngrad_enc, _t_terngrad_dec),
+    "u8bit": (lambda x: None, _t_u8bit_enc, _t_u8bit_dec),
+    "fp16": (lambda x: None, lambda x, st: x.half(), lambda c, n: c.float()),
+    "bf16": (lambda x: None, lambda x, st: x.bfloat16(), lambda c, n: c.float()),
+}
 
 
 def matrix_shape(n: int):
@@ -101,14 +195,30 @@ def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int) -> Di
             dec_s = best_time(lambda: c.decode(payload, out), repeat)
             add_s = best_time(lambda: c.decode_add(payload, out), repeat)
             row[f"threads={t}"] = {"encode_gbs": nbytes / enc_s / 1e9, "decode_gbs": nbytes / dec_s / 1e9,
-                                   "decode_add_gbs": nbytes / add_s / 1e9, "payload_bytes": int(payload.numel())}
+                                   "decode_add_gbs": nbytes / add_s / 1e9, "payload_bytes": int(payload.numel()),
+                                   "enc_dec_gbs": nbytes / (enc_s + dec_s) / 1e9}
         C.set_num_threads(1)
+        if label in TORCH:  # the same method in pure torch, one thread
+            mk, tenc, tdec = TORCH[label]
+            tst = mk(x)
+            codes = tenc(x, tst)
+            tthreads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                te = best_time(lambda: tenc(x, tst), repeat)
+                td = best_time(lambda: tdec(codes, n), repeat)
+            finally:
+                torch.set_num_threads(tthreads)
+            row["torch"] = {"encode_gbs": nbytes / te / 1e9, "decode_gbs": nbytes / td / 1e9,
+                            "enc_dec_gbs": nbytes / (te + td) / 1e9}
         if nbytes <= ref_max:
             rref = {}
             if label.startswith("dgc"):
                 ratio = 0.001 if label == "dgc-0.1%" else 0.01
                 r = ref.DGCReference(n, ratio=ratio)
                 ref_enc = r.encode
+            if label == "signum":
+                ref_enc = ref.SignumReference(n).encode
             if label.startswith("powersgd"):
                 r = ref.PowerSGDReference(shape[0], shape[1], 4)
                 e = best_time(lambda: r.round1(r.round0(xn)), 1, 0)
@@ -133,7 +243,8 @@ def markdown(results: Dict) -> str:
         hdr = "| algorithm | payload B |"
         for k in tkeys:
             hdr += f" enc {k} GB/s | dec {k} GB/s | dec+add {k} GB/s |"
-        hdr += " enc %copy (1t) | dec %copy (1t) | ref enc GB/s | ref dec GB/s | enc x ref | dec x ref |"
+        hdr += (" enc %copy (1t) | dec %copy (1t) | ref enc GB/s | ref dec GB/s | enc x ref | dec x ref |"
+                " enc+dec GB/s (1t) | enc+dec %copy | torch enc+dec GB/s (1t) | x torch |")
         lines.append(hdr)
         lines.append("|" + "---|" * (hdr.count("|") - 1))
         for label, row in size["algorithms"].items():
@@ -148,6 +259,10 @@ def markdown(results: Dict) -> str:
                       f" {t1['decode_gbs'] / r['decode_gbs']:.0f}x |")
             else:
                 s += " - | - | - | - |"
+            ed = t1["enc_dec_gbs"]
+            s += f" {ed:.2f} | {100 * ed / cp:.0f}% |"
+            tr = row.get("torch")
+            s += f" {tr['enc_dec_gbs']:.3f} | {ed / tr['enc_dec_gbs']:.1f}x |" if tr else " - | - |"
             lines.append(s)
     return "\n".join(lines)
 

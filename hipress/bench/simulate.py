@@ -112,6 +112,55 @@ def _dgc(p, n, counter):
     return ref.DGCReference(n, p["ratio"], p["momentum"], int(p["warmup_steps"])).encode, ref.sparse_decode
 
 
+def _stream(encode_at):
+    """A stochastic reference whose kernel draws one number per element per encode."""
+    def make(p, n, counter):
+        st = [counter]
+
+        def encode(x):
+            out = encode_at(p, x, st[0])
+            st[0] += n
+            return out
+        return encode
+    return make
+
+
+def _signsgd(p, n, counter):
+    return (lambda x: ref.signsgd_encode(x, p["scale"])), ref.sign_decode
+
+
+def _signum(p, n, counter):
+    return ref.SignumReference(n, p["momentum"], p["scale"]).encode, ref.sign_decode
+
+
+def _efsignsgd(p, n, counter):
+    return ref.efsignsgd_encode, ref.sign_decode
+
+
+def _qsgd(p, n, counter):
+    enc = _stream(lambda p, x, c: ref.qsgd_encode(x, int(p["quantum_num"]), int(p["seed"]), c))(p, n, counter)
+    return enc, ref.qsgd_decode
+
+
+def _natural(p, n, counter):
+    return _stream(lambda p, x, c: ref.natural_encode(x, int(p["seed"]), c))(p, n, counter), ref.natural_decode
+
+
+def _terngrad_grace(p, n, counter):
+    enc = _stream(lambda p, x, c: ref.terngrad_grace_encode(x, p["clip"], int(p["seed"]), c))(p, n, counter)
+    return enc, ref.terngrad_grace_decode
+
+
+def _u8bit(p, n, counter):
+    return ref.u8bit_encode, ref.u8bit_decode
+
+
+def _half(algo):
+    def make(p, n, counter):
+        return (lambda x: ref.half_encode(x, algo)), ref.half_decode
+    return make
+
+
 SINGLE_ROUND = {
     "none": (set(), set(), _none),
     "onebit": (set(), set(), _onebit),
@@ -120,6 +169,16 @@ SINGLE_ROUND = {
     # the native kernel samples a threshold, then selects the exact top-k: the sample cannot change the result
     "dgc": ({"ratio", "momentum", "warmup_steps"}, {"sample_ratio", "seed"}, _dgc),
     "graddrop": ({"ratio", "sample_ratio", "seed"}, set(), _graddrop),
+    # GRACE's quantizers (docs/grace.md)
+    "signsgd": ({"scale"}, set(), _signsgd),
+    "signum": ({"momentum", "scale"}, set(), _signum),
+    "efsignsgd": (set(), set(), _efsignsgd),
+    "qsgd": ({"quantum_num", "seed"}, set(), _qsgd),
+    "natural": ({"seed"}, set(), _natural),
+    "terngrad_grace": ({"clip", "seed"}, set(), _terngrad_grace),
+    "u8bit": (set(), set(), _u8bit),
+    "fp16": (set(), set(), _half("fp16")),
+    "bf16": (set(), set(), _half("bf16")),
 }
 POWERSGD_PARAMS = {"rank", "seed", "error_feedback"}
 
@@ -193,7 +252,9 @@ class Reference:
         self.clip: Optional[Callable] = clipping.resolve(grad_clip, comp.name)
         names = {id(p): n for n, p in self.named}
         use_mc = optimizer is not None and momentum.resolve(momentum_correction, optimizer, comp)
-        self.momentum = [momentum.MomentumCorrection(optimizer, names) for _ in range(size)] if use_mc else None
+        velocity = not momentum.in_compressor(comp)  # signum keeps its own momentum
+        self.momentum = ([momentum.MomentumCorrection(optimizer, names, velocity=velocity) for _ in range(size)]
+                         if use_mc else None)
         self.buckets = fusion_buckets(self.named, comp, bucket_bytes)
         self.split_tensors = splits_tensors(comp, "allgather")
         self.partition_bytes = partition_bytes

@@ -21,8 +21,9 @@ import torch
 from hipress import _C, config
 from hipress.compression.base import CATEGORIES, Compressor, CompressorState
 from hipress.compression.error_feedback import ErrorFeedback
-from hipress.compression.native import (BUILTIN_IDS, DGC, TBQ, GradDrop, NativeCompressor, OneBit, PayloadError,
-                                        PowerSGD, TernGrad)
+from hipress.compression.native import (BF16, BUILTIN_IDS, DGC, FP16, QSGD, TBQ, EFSignSGD, GradDrop, NativeCompressor,
+                                        Natural, OneBit, PayloadError, PowerSGD, SignSGD, Signum, TernGrad,
+                                        TernGradGrace, U8bit)
 from hipress.compression.none import NoneCompressor
 from hipress.compression.registry import available, get, register
 
@@ -55,8 +56,17 @@ def compress(grad: torch.Tensor, name: str = "tbq", state: Optional[CompressorSt
 DECOMPRESS_MIN_NUMEL = 1 << 16
 DECOMPRESS_NUMEL_PER_BYTE = 1024
 
-_DENSE_BITS = {1: (1,), 2: (2,), 3: (1, 2, 4, 8)}  # onebit, tbq, terngrad: bit widths of the packed body
-_FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 4: 1, 5: 1, 6: 0}  # fp32 header words (scales, thresholds) per built-in
+# Bit widths of the packed body: onebit, tbq, terngrad; GRACE's quantizers (docs/grace.md): signsgd, signum,
+# efsignsgd (sign bits), qsgd, natural, u8bit (8-bit codes), terngrad_grace (2-bit), fp16, bf16 (16-bit values)
+_DENSE_BITS = {1: (1,), 2: (2,), 3: (1, 2, 4, 8), 7: (1,), 8: (1,), 9: (1,), 10: (8,), 11: (8,), 12: (2,), 13: (8,),
+               14: (16,), 15: (16,)}
+# fp32 header words (scales, thresholds, norms) per built-in
+_FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 4: 1, 5: 1, 6: 0, 7: 1, 8: 1, 9: 1, 10: 2, 11: 0, 12: 1, 13: 1, 14: 0, 15: 0}
+
+
+def _name_of(cls) -> str:
+    """The registered name of a built-in class (TernGradGrace: terngrad_grace)."""
+    return getattr(cls, "algorithm", None) or cls.__name__.lower()
 
 
 def _header_bytes(p: torch.Tensor) -> torch.Tensor:
@@ -68,7 +78,7 @@ def _header_bytes(p: torch.Tensor) -> torch.Tensor:
 def _check_layout(algo: int, bits: int, kind: int, count: int, numel: int, body: int, words) -> None:
     """The body size each built-in's decoder expects for the header's fields (the layouts of
     hipress/dsl/specs/*.cll as the generated decoders read them); PayloadError otherwise."""
-    name = BUILTIN_IDS[algo].__name__.lower()
+    name = _name_of(BUILTIN_IDS[algo])
 
     def bad(msg):
         raise PayloadError(f"{name} payload: {msg}")
@@ -120,7 +130,7 @@ def payload_info(payload: torch.Tensor) -> dict:
         _check_layout(algo, bits, kind, count, numel, body, words)  # later gets the generic checks)
     elif cls is None and algo < _FIRST_USER_ALGO:
         raise PayloadError(f"payload made by an unknown algorithm id {algo}")
-    return {"algo": algo, "name": cls.__name__.lower() if cls else None, "version": ver, "bits": bits, "kind": kind,
+    return {"algo": algo, "name": _name_of(cls) if cls else None, "version": ver, "bits": bits, "kind": kind,
             "count": count, "numel": numel, "body_bytes": body}
 
 
@@ -138,7 +148,7 @@ def decompress(payload: torch.Tensor, out: Optional[torch.Tensor] = None, *, num
     * otherwise the header's count must be at most ``max_numel``, by default
       ``max(DECOMPRESS_MIN_NUMEL, DECOMPRESS_NUMEL_PER_BYTE * len(payload))`` (65536 elements,
       or 1024 elements, 4 KiB of fp32, per payload byte). Quantised payloads (onebit, TBQ,
-      TernGrad) always fit it: their body has at least one bit per element. Sparse (DGC,
+      TernGrad, GRACE's quantizers) always fit it: their body has at least one bit per element. Sparse (DGC,
       GradDrop) and low-rank (PowerSGD) payloads do not bound their element count (a 56-byte
       DGC payload may announce 2^63 elements); the default admits DGC/GradDrop down to a
       density of about 1/8192 and PowerSGD matrices up to 8192 * rank rows and columns. Pass
@@ -170,7 +180,8 @@ def decompress(payload: torch.Tensor, out: Optional[torch.Tensor] = None, *, num
 
 
 __all__ = ["CATEGORIES", "Compressor", "CompressorState", "ErrorFeedback", "NativeCompressor", "PayloadError",
-           "OneBit", "TBQ", "TernGrad", "DGC", "GradDrop", "PowerSGD", "available", "get", "register",
+           "OneBit", "TBQ", "TernGrad", "DGC", "GradDrop", "PowerSGD", "SignSGD", "Signum", "EFSignSGD", "QSGD",
+           "Natural", "TernGradGrace", "U8bit", "FP16", "BF16", "available", "get", "register",
            "compress", "decompress", "payload_info", "set_num_threads", "num_threads", "HEADER_BYTES",
            "DECOMPRESS_MIN_NUMEL", "DECOMPRESS_NUMEL_PER_BYTE",
            "NoneCompressor"]

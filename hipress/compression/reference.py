@@ -21,7 +21,10 @@ import numpy as np
 MAGIC = 0x5A435048
 VERSION = 1
 HEADER_BYTES = 48
-ALGO_IDS = {"onebit": 1, "tbq": 2, "terngrad": 3, "dgc": 4, "graddrop": 5, "powersgd": 6}
+ALGO_IDS = {"onebit": 1, "tbq": 2, "terngrad": 3, "dgc": 4, "graddrop": 5, "powersgd": 6,
+            # GRACE's quantizers (docs/grace.md)
+            "signsgd": 7, "signum": 8, "efsignsgd": 9, "qsgd": 10, "natural": 11, "terngrad_grace": 12, "u8bit": 13,
+            "fp16": 14, "bf16": 15}
 _HDR = struct.Struct("<IBBBBIIQQ4I")
 _M64 = (1 << 64) - 1
 
@@ -375,3 +378,211 @@ class PowerSGDReference:
         """Single process: both rounds locally; returns the decoded approximation."""
         q = self.round1(self.round0(g))
         return self.finish(q)
+
+
+# ---------------------------------------------------------------- GRACE's quantizers (docs/grace.md)
+# Written from the GRACE paper (Xu et al. 2021, §III-A) and its methods' papers; where GRACE's
+# implementation fixes a detail (8-bit codes, table, clipping) the reference follows it.
+
+
+def _sign_payload(algo: str, neg: np.ndarray, scale) -> bytes:
+    body = np.packbits(neg.astype(np.uint8), bitorder="little")
+    return make_header(algo, neg.size, body.size, bits=1, words=(f32_word(scale),)) + body.tobytes()
+
+
+def sign_decode(payload, n: int) -> np.ndarray:
+    """signsgd / signum / efsignsgd: +-scale by the sign bit."""
+    h = parse_header(payload)
+    s = word_f32(h["words"][0])
+    return np.array([s, -s], dtype=np.float32)[unpack_bits(_body(payload), n, 1)]
+
+
+def _sign_sums(g: np.ndarray):
+    """The sums (in double, rounded to float) of the elements without and with the sign bit."""
+    neg = np.signbit(g)
+    return np.float32(g[~neg].astype(np.float64).sum()), np.float32(g[neg].astype(np.float64).sum())
+
+
+def signsgd_encode(g: np.ndarray, scale: float = 1.0) -> bytes:
+    """signSGD (Bernstein 2018): the sign bit of every element; decoded +-scale."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    return _sign_payload("signsgd", np.signbit(g), np.float32(scale))
+
+
+class SignumReference:
+    """SIGNUM (Bernstein 2018): the sign of m = momentum * m + (1 - momentum) * g (per tensor)."""
+
+    def __init__(self, n: int, momentum: float = 0.9, scale: float = 1.0):
+        self.m = np.zeros(n, np.float32)
+        self.beta, self.scale = np.float32(momentum), np.float32(scale)
+
+    def encode(self, g: np.ndarray) -> bytes:
+        g = np.asarray(g, dtype=np.float32).reshape(-1)
+        self.m = self.beta * self.m + (np.float32(1) - self.beta) * g
+        return _sign_payload("signum", np.signbit(self.m), self.scale)
+
+
+def signum_encode_stateless(g: np.ndarray, scale: float = 1.0) -> bytes:
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    return _sign_payload("signum", np.signbit(g), np.float32(scale))
+
+
+def efsignsgd_encode(g: np.ndarray) -> bytes:
+    """EF-SignSGD's compressor (Karimireddy 2019): (||g||_1 / d) * sign(g)."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    pos, neg = _sign_sums(g)  # ||g||_1 / d as the kernel computes it: (pos - neg) / d in float
+    scale = np.float32((pos - neg) / np.float32(g.size)) if g.size else np.float32(0)
+    return _sign_payload("efsignsgd", np.signbit(g), scale)
+
+
+def qsgd_encode(g: np.ndarray, quantum_num: int = 64, seed: int = 0, counter: int = 0, norm=None) -> bytes:
+    """QSGD (Alistarh 2017): |g_i| / ||g||_2 * s rounded stochastically to a neighbouring level;
+    code = sign * 128 + level. ``norm``: use this ||g||_2 (the kernel's, a double sum in another
+    order, may differ from numpy's in the last bit)."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    n = g.size
+    s = np.float32(quantum_num)
+    if norm is None:
+        norm = np.sqrt(np.square(g).astype(np.float64).sum()) if n else 0.0
+    norm = np.float32(norm)
+    inv = np.float32(s / norm) if norm > 0 else np.float32(0)
+    unit = np.float32(norm / s)
+    with np.errstate(invalid="ignore"):
+        lv = np.abs(g) * inv
+        f = np.floor(lv)
+        u = random_uniform(seed, counter, n)
+        q = np.minimum(f + np.where(u < lv - f, np.float32(1), np.float32(0)), s)
+    codes = (np.where((g < 0) & (q > 0), 128, 0) + np.nan_to_num(q)).astype(np.uint8)
+    return make_header("qsgd", n, n, bits=8, words=(f32_word(norm), f32_word(unit))) + codes.tobytes()
+
+
+def qsgd_decode(payload, n: int) -> np.ndarray:
+    h = parse_header(payload)
+    unit = word_f32(h["words"][1])
+    c = _body(payload)[:n]
+    v = (c & 127).astype(np.float32) * unit
+    return np.where(c >= 128, -v, v).astype(np.float32)
+
+
+def natural_encode(g: np.ndarray, seed: int = 0, counter: int = 0) -> bytes:
+    """Natural compression (Horvath 2019) in GRACE's 8 bits: |x| in [2^e, 2^(e+1)) goes to
+    2^(e+1) with probability |x| / 2^e - 1, else 2^e; code = sign * 128 + (e + 109) for e in
+    [-109, 18], 0 below (zero), 127 above (2^18)."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    n = g.size
+    a = np.abs(g)
+    mant, ex = np.frexp(a)            # a = mant * 2^ex, mant in [0.5, 1): e = ex - 1
+    e = ex.astype(np.int64) - 1
+    frac = (mant * np.float32(2) - np.float32(1)).astype(np.float32)   # a / 2^e - 1, exact
+    u = random_uniform(seed, counter, n)
+    r = np.minimum(e + (u < frac), 18)
+    sign = np.where(np.signbit(g), 128, 0)
+    codes = sign + r + 109
+    codes = np.where(e > 18, sign + 127, codes)
+    codes = np.where((e < -109) | (a == 0) | np.isnan(g), 0, codes)
+    codes = np.where(np.isinf(g), sign + 127, codes)
+    codes = codes.astype(np.uint8)
+    return make_header("natural", n, n, bits=8) + codes.tobytes()
+
+
+def natural_decode(payload, n: int) -> np.ndarray:
+    parse_header(payload)
+    c = _body(payload)[:n].astype(np.int64)
+    k = c & 127
+    v = np.where(k == 0, np.float32(0), np.ldexp(np.float32(1), k - 109).astype(np.float32))
+    return np.where((c >= 128) & (k > 0), -v, v).astype(np.float32)
+
+
+def terngrad_grace_encode(g: np.ndarray, clip: float = 2.5, seed: int = 0, counter: int = 0, scalar=None) -> bytes:
+    """GRACE's TernGrad (Wen 2017): clip to clip * std, s = max |clipped|, send s * sign(x) with
+    probability |clipped x| / s. ``scalar``: use this s (the kernel's mean and variance are
+    double sums in another order than numpy's)."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    n = g.size
+    top = np.float32(np.abs(g).max()) if n else np.float32(0)
+    if scalar is None:
+        pos, neg = _sign_sums(g)
+        mu = np.float32((pos + neg) / np.float32(n)) if n else np.float32(0)
+        d = g - mu
+        sigma = np.float32(np.sqrt(np.float32((d * d).astype(np.float64).mean()))) if n else np.float32(0)
+        scalar = min(np.float32(np.float32(clip) * sigma), top) if clip > 0 else top
+    c = np.float32(scalar)
+    a = np.minimum(np.abs(g), c)
+    u = random_uniform(seed, counter, n)
+    keep = u * c < a
+    codes = np.where(keep, np.where(g > 0, 1, np.where(g < 0, 2, 0)), 0).astype(np.uint8)
+    body = pack_bits(codes, 2)
+    return make_header("terngrad_grace", n, body.size, bits=2, words=(f32_word(c),)) + body.tobytes()
+
+
+def terngrad_grace_decode(payload, n: int) -> np.ndarray:
+    h = parse_header(payload)
+    s = word_f32(h["words"][0])
+    return np.array([0, s, -s, 0], dtype=np.float32)[unpack_bits(_body(payload), n, 2)]
+
+
+# GRACE's dict128 (U8bitCompressor): Dettmers' dynamic tree table, the bin edges of |x| / max |x|.
+U8BIT_TABLE = np.array([
+    1.5000001e-06, 2.7500000e-06, 7.2499997e-06, 1.8750001e-05, 3.6250000e-05, 5.8749996e-05, 8.6249995e-05,
+    1.4375000e-04, 2.3125000e-04, 3.1875001e-04, 4.0625001e-04, 5.1874999e-04, 6.5624999e-04, 7.9374999e-04,
+    9.3124999e-04, 1.2187500e-03, 1.6562500e-03, 2.0937501e-03, 2.5312500e-03, 2.9687500e-03, 3.4062499e-03,
+    3.8437501e-03, 4.2812498e-03, 4.8437500e-03, 5.5312500e-03, 6.2187500e-03, 6.9062500e-03, 7.5937500e-03,
+    8.2812496e-03, 8.9687500e-03, 9.6562495e-03, 1.1093750e-02, 1.3281250e-02, 1.5468750e-02, 1.7656250e-02,
+    1.9843750e-02, 2.2031249e-02, 2.4218749e-02, 2.6406251e-02, 2.8593751e-02, 3.0781250e-02, 3.2968748e-02,
+    3.5156250e-02, 3.7343752e-02, 3.9531250e-02, 4.1718751e-02, 4.3906249e-02, 4.6718750e-02, 5.0156251e-02,
+    5.3593751e-02, 5.7031251e-02, 6.0468748e-02, 6.3906237e-02, 6.7343749e-02, 7.0781253e-02, 7.4218743e-02,
+    7.7656247e-02, 8.1093743e-02, 8.4531240e-02, 8.7968737e-02, 9.1406241e-02, 9.4843738e-02, 9.8281242e-02,
+    1.0546875e-01, 1.1640625e-01, 1.2734374e-01, 1.3828126e-01, 1.4921875e-01, 1.6015625e-01, 1.7109375e-01,
+    1.8203124e-01, 1.9296876e-01, 2.0390625e-01, 2.1484375e-01, 2.2578125e-01, 2.3671874e-01, 2.4765626e-01,
+    2.5859374e-01, 2.6953125e-01, 2.8046876e-01, 2.9140624e-01, 3.0234376e-01, 3.1328124e-01, 3.2421875e-01,
+    3.3515626e-01, 3.4609374e-01, 3.5703126e-01, 3.6796874e-01, 3.7890625e-01, 3.8984376e-01, 4.0078124e-01,
+    4.1171876e-01, 4.2265624e-01, 4.3359375e-01, 4.4453126e-01, 4.5859376e-01, 4.7578123e-01, 4.9296874e-01,
+    5.1015621e-01, 5.2734375e-01, 5.4453123e-01, 5.6171870e-01, 5.7890624e-01, 5.9609371e-01, 6.1328125e-01,
+    6.3046873e-01, 6.4765620e-01, 6.6484374e-01, 6.8203121e-01, 6.9921869e-01, 7.1640623e-01, 7.3359370e-01,
+    7.5078118e-01, 7.6796871e-01, 7.8515619e-01, 8.0234367e-01, 8.1953120e-01, 8.3671868e-01, 8.5390615e-01,
+    8.7109369e-01, 8.8828117e-01, 9.0546864e-01, 9.2265618e-01, 9.3984365e-01, 9.5703113e-01, 9.7421867e-01,
+    9.9140614e-01, 9.9570298e-01], dtype=np.float32)
+
+
+def u8bit_encode(g: np.ndarray) -> bytes:
+    """GRACE's 8-bit quantization: scale = max |g|; the bin of |g| / scale in U8BIT_TABLE (the
+    largest k with table[k] <= v, 0 below the first entry); code = sign * 128 + bin (bin 0: zero)."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    n = g.size
+    scale = np.float32(np.abs(g).max()) if n else np.float32(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        v = np.abs(g) / scale
+    b = np.maximum(np.searchsorted(U8BIT_TABLE, np.nan_to_num(v, nan=-1.0), side="right") - 1, 0)
+    codes = (np.where((g < 0) & (b > 0), 128, 0) + b).astype(np.uint8)
+    return make_header("u8bit", n, n, bits=8, words=(f32_word(scale),)) + codes.tobytes()
+
+
+def u8bit_decode(payload, n: int) -> np.ndarray:
+    h = parse_header(payload)
+    scale = word_f32(h["words"][0])
+    c = _body(payload)[:n].astype(np.int64)
+    k = c & 127
+    v = np.where(k == 0, np.float32(0), U8BIT_TABLE[k] * scale).astype(np.float32)
+    return np.where(c >= 128, -v, v).astype(np.float32)
+
+
+def half_encode(g: np.ndarray, algo: str = "fp16") -> bytes:
+    """fp16 / bf16 casts (GRACE's FP16Compressor): 2 bytes per element, round to nearest even
+    (bf16: the upper 16 bits after adding 0x7FFF + the lowest kept bit; NaN -> 0x7FC0)."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    if algo == "fp16":
+        with np.errstate(over="ignore"):  # beyond 65504: inf, as the cast
+            body = g.astype(np.float16).view(np.uint16)
+    else:
+        u = g.view(np.uint32).astype(np.uint64)
+        body = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        body = np.where(np.isnan(g), np.uint16(0x7FC0), body).astype(np.uint16)
+    return make_header(algo, g.size, 2 * g.size, bits=16) + body.astype("<u2").tobytes()
+
+
+def half_decode(payload, n: int) -> np.ndarray:
+    h = parse_header(payload)
+    raw = _body(payload)[: 2 * n].view("<u2")
+    if h["algo"] == ALGO_IDS["fp16"]:
+        return raw.view(np.float16).astype(np.float32)
+    return (raw.astype(np.uint32) << 16).view(np.float32)

@@ -6,7 +6,8 @@ from typing import Callable, Dict, List, Union
 
 from hipress.compression.base import Compressor
 from hipress.compression.error_feedback import ErrorFeedback
-from hipress.compression.native import DGC, TBQ, GradDrop, OneBit, PowerSGD, TernGrad
+from hipress.compression.native import (BF16, DGC, FP16, QSGD, TBQ, EFSignSGD, GradDrop, Natural, OneBit, PowerSGD,
+                                        SignSGD, Signum, TernGrad, TernGradGrace, U8bit)
 from hipress.compression.none import NoneCompressor
 
 _REGISTRY: Dict[str, Callable[..., Compressor]] = {}
@@ -36,7 +37,8 @@ def get(name: Union[str, Compressor], *, error_feedback: Union[bool, None] = Non
 
     error_feedback: wrap in ErrorFeedback(beta, gamma); None uses the algorithm's
     default (onebit, tbq, graddrop: on; terngrad: off (unbiased); dgc, powersgd:
-    built in, their own error feedback / accumulation).
+    built in, their own error feedback / accumulation; GRACE's quantizers as GRACE pairs
+    them: u8bit, efsignsgd, natural on, the others off; docs/grace.md).
     """
     if isinstance(name, Compressor):
         if params:
@@ -63,3 +65,13 @@ register("terngrad", TernGrad)
 register("dgc", DGC)
 register("graddrop", GradDrop, error_feedback=True)
 register("powersgd", PowerSGD)
+# GRACE's quantizers under GRACE's names (docs/grace.md), with GRACE's memory (Table I)
+register("u8bit", U8bit, error_feedback=True)
+register("signsgd", SignSGD)
+register("signum", Signum)
+register("efsignsgd", EFSignSGD, error_feedback=True)
+register("qsgd", QSGD)
+register("natural", Natural, error_feedback=True)
+register("terngrad_grace", TernGradGrace)
+register("fp16", FP16)
+register("bf16", BF16)

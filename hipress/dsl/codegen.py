@@ -305,6 +305,8 @@ class Generator:
         args = [self.ex(a, env) for a in e.args]
         M = self.t.MATH
         ts = [a.ty for a in e.args]
+        if f == "floor":  # hp::vfloor: std::floor's value, in a form loops vectorise (prelude.h.txt)
+            return f"hp::vfloor({self.conv(args[0], ts[0], e.ty)})"
         if f in ("floor", "ceil", "round", "sqrt", "exp", "log"):
             return f"{M}{f}({self.conv(args[0], ts[0], e.ty)})"
         if f == "abs":
@@ -314,6 +316,10 @@ class Generator:
                 f"static_cast<int64_t>(({args[0]}) < 0)"
         if f == "isnan":
             return f"static_cast<int64_t>({M}isnan({args[0]}))" if ts[0] in FP else "int64_t{0}"
+        if f == "ilogb":  # the helpers of prelude.h.txt / hp_device.h (exact, no libm call on the fast path)
+            return f"hp::ilogb({self.conv(args[0], ts[0], 'float')})"
+        if f == "ldexp":
+            return f"hp::ldexp({self.conv(args[0], ts[0], 'float')}, {self.conv(args[1], ts[1], 'int32')})"
         if f == "pow":
             return f"{M}pow({self.conv(args[0], ts[0], e.ty)}, {self.conv(args[1], ts[1], e.ty)})"
         if e.ty in FP:

@@ -20,8 +20,8 @@ SCALARS = INTS | set(FLOATS)
 MAX_STATE_SCALARS = 3  # CompressorState.scalars[1..3] (scalars[0] is the RNG counter)
 CATEGORIES = ("quantization", "sparsification", "lowrank")
 MATH1 = {"floor": "float", "ceil": "float", "round": "float", "sqrt": "float", "exp": "float", "log": "float",
-         "abs": None, "signbit": "int32", "isnan": "int32"}
-MATH2 = {"min": None, "max": None, "pow": "float"}
+         "abs": None, "signbit": "int32", "isnan": "int32", "ilogb": "int32"}
+MATH2 = {"min": None, "max": None, "pow": "float", "ldexp": "float"}
 REDUCERS = ("smaller", "greater", "sum", "mean", "maxabs", "count")
 COMPARATORS = ("greaterAbs", "greater", "smaller")
 OPERATORS = ("map", "reduce", "filter", "sort", "random", "concat", "extract", "scatter", "threshold", "decomp",

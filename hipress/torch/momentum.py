@@ -24,6 +24,13 @@ PowerSGD keeps its paper's form (momentum after aggregation): char LM, 4 ranks, 
 perplexity 17.7 that way against 22.9 with momentum correction (uncompressed 14.5); on digits
 the two were within seed noise (seeds 42/1/2: -1.35/-0.67/-0.34 points against
 +0.67/-1.0/+1.3). Other optimizers (Adam, ...) keep their own state and are left alone.
+
+A compressor whose algorithm is itself a momentum method (SIGNUM: the sign of its own
+momentum, ``momentum_in_compressor = True``) keeps the momentum: with momentum correction on,
+hipress applies weight decay to the local gradient and steps the SGD without momentum, as
+above, but applies no velocity of its own (``in_compressor``). The momentum is then the
+compressor's (signum's ``momentum``, 0.9 by default as in its paper), not the SGD's, so it is
+not applied twice (a velocity of a velocity, or momentum again after the average).
 """
 from __future__ import annotations
 
@@ -61,12 +68,21 @@ def resolve(mode, optimizer: torch.optim.Optimizer, compressor) -> bool:
     return bool(mode)
 
 
-class MomentumCorrection:
-    """The per-parameter velocities of one rank (see the module docstring)."""
+def in_compressor(compressor) -> bool:
+    """Whether the compressor applies the momentum itself (SIGNUM): momentum correction then
+    applies no velocity (see the module docstring)."""
+    inner = getattr(compressor, "inner", compressor)  # ErrorFeedback(inner)
+    return bool(getattr(inner, "momentum_in_compressor", False))
 
-    def __init__(self, optimizer: torch.optim.Optimizer, names: Dict[int, str]):
+
+class MomentumCorrection:
+    """The per-parameter velocities of one rank (see the module docstring). ``velocity=False``
+    (a compressor with its own momentum, :func:`in_compressor`): weight decay only."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: Dict[int, str], velocity: bool = True):
         self._opt = optimizer
         self._names = names
+        self._velocity = bool(velocity)
         self._group_of: Dict[int, dict] = {}
         self.velocity: Dict[str, torch.Tensor] = {}
         # copy-on-write log of this step's velocity changes (see hipress.sync.undo; enabled by
@@ -86,7 +102,7 @@ class MomentumCorrection:
         m = group.get("momentum", 0.0)
         if group.get("weight_decay", 0.0):
             grad.add_(p.detach(), alpha=group["weight_decay"])
-        if not m:
+        if not m or not self._velocity:
             return
         name = self._names[id(p)]
         u = self.velocity.get(name)

@@ -244,7 +244,8 @@ class _HipressOptimizer:
         self._hp_strategy_name = resolve_strategy(options.strategy, self._hp_compressor, options.plan is not None)
         self._hp_clip = clipping.resolve(options.grad_clip, self._hp_compressor.name)
         self._hp_names = {id(p): n for n, p in named}
-        self._hp_momentum = (momentum.MomentumCorrection(self, self._hp_names)
+        self._hp_momentum = (momentum.MomentumCorrection(self, self._hp_names,
+                                                         velocity=not momentum.in_compressor(self._hp_compressor))
                              if momentum.resolve(options.momentum_correction, self, self._hp_compressor) else None)
         self._hp_average = options.op == Average
         self._hp_hierarchical = use_local_aggregation(options.local_aggregation, world.hostnames())

@@ -12,6 +12,9 @@ N = 300
 ALGOS = {
     "onebit": C.OneBit(), "tbq": C.TBQ(0.01), "terngrad": C.TernGrad(4), "dgc": C.DGC(ratio=0.05),
     "graddrop": C.GradDrop(ratio=0.05), "powersgd": C.PowerSGD(rank=2),
+    # GRACE's quantizers (docs/grace.md)
+    "signsgd": C.SignSGD(), "signum": C.Signum(), "efsignsgd": C.EFSignSGD(), "qsgd": C.QSGD(), "natural": C.Natural(),
+    "terngrad_grace": C.TernGradGrace(), "u8bit": C.U8bit(), "fp16": C.FP16(), "bf16": C.BF16(),
 }
 G = torch.from_numpy(np.random.default_rng(0).standard_normal(N).astype(np.float32))
 PAYLOADS = {name: c.encode(G.view(20, 15)).clone() for name, c in ALGOS.items()}
@@ -133,7 +136,9 @@ from contextlib import contextmanager  # noqa: E402
 
 from hipress.compression import reference as ref  # noqa: E402
 
-IDS = {"onebit": 1, "tbq": 2, "terngrad": 3, "dgc": 4, "graddrop": 5, "powersgd": 6}
+IDS = {"onebit": 1, "tbq": 2, "terngrad": 3, "dgc": 4, "graddrop": 5, "powersgd": 6, "signsgd": 7, "signum": 8,
+       "efsignsgd": 9, "qsgd": 10, "natural": 11, "terngrad_grace": 12, "u8bit": 13, "fp16": 14, "bf16": 15}
+FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 7: 1, 8: 1, 9: 1, 10: 2, 11: 0, 12: 1, 13: 1, 14: 0, 15: 0}  # quantised payloads
 ALLOC_LIMIT = 64 << 20  # bytes: far above any payload here, far below what a forged header asks for
 
 
@@ -256,9 +261,9 @@ BIG = st.one_of(st.integers(0, 2**16), st.sampled_from([2**28, 2**31, 2**32 - 1,
 
 
 @SETTINGS
-@given(algo=st.sampled_from(sorted(IDS.values()) + [0, 7, 63, 64, 255]), numel=BIG,
+@given(algo=st.sampled_from(sorted(IDS.values()) + [0, 19, 63, 64, 255]), numel=BIG,
        count=st.one_of(st.integers(0, 64), st.sampled_from([2**31, 2**32 - 1])),
-       bits=st.sampled_from([0, 1, 2, 3, 4, 8, 255]), kind=st.sampled_from([0, 1, 2, 3]),
+       bits=st.sampled_from([0, 1, 2, 3, 4, 8, 16, 255]), kind=st.sampled_from([0, 1, 2, 3]),
        words=st.lists(st.one_of(st.integers(0, 2**32 - 1),
                                 st.sampled_from([0x7F800000, 0xFF800000, 0x7FC00000, 0x3F800000, 0, 20, 15])),
                       min_size=4, max_size=4),
@@ -271,17 +276,18 @@ def test_forged_headers(algo, numel, count, bits, kind, words, body, body_bytes)
         info = C.payload_info(p)
         assert len(body) == info["body_bytes"] and info["numel"] <= max(C.DECOMPRESS_MIN_NUMEL, 1024 * p.numel())
         assert algo in IDS.values()
-        if algo in (1, 2, 3):  # the scale words of quantised payloads were finite
-            assert all((w & 0x7F800000) != 0x7F800000 for w in words[:{1: 2, 2: 1, 3: 3}[algo]])
+        if algo in FLOAT_WORDS:  # the scale words of quantised payloads were finite
+            assert all((w & 0x7F800000) != 0x7F800000 for w in words[:FLOAT_WORDS[algo]])
 
 
-@pytest.mark.parametrize("name", ["onebit", "tbq", "terngrad", "dgc", "graddrop"])
+@pytest.mark.parametrize("name", ["onebit", "tbq", "terngrad", "dgc", "graddrop", "signsgd", "signum", "efsignsgd",
+                                  "qsgd", "terngrad_grace", "u8bit"])
 @pytest.mark.parametrize("word", [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFFFFFFF])
 def test_nonfinite_scale_rejected(name, word):
     """A forged inf/NaN scale or threshold is a ValueError everywhere, not inf/NaN values."""
     p = PAYLOADS[name]
     h = list(struct.unpack("<IBBBBIIQQ4I", bytes(p[:48].tolist())))
-    nfloat = {"onebit": 2, "tbq": 1, "terngrad": 3, "dgc": 1, "graddrop": 1}[name]
+    nfloat = FLOAT_WORDS.get(IDS[name], 1)
     for w in range(nfloat):
         f = list(h)
         f[9 + w] = word
@@ -308,8 +314,8 @@ def test_forged_sizes_ask_for_numel():
     assert d[7] == 2.5 and float(d.abs().sum()) == 2.5
     with pytest.raises(ValueError, match="max_numel"):
         C.decompress(small, max_numel=999)
-    with pytest.raises(ValueError, match="unknown algorithm id 9"):
-        C.payload_info(forge(9, 8, b""))
+    with pytest.raises(ValueError, match="unknown algorithm id 19"):
+        C.payload_info(forge(19, 8, b""))
 
 
 @pytest.mark.parametrize("name", list(ALGOS))
@@ -376,7 +382,7 @@ def test_no_large_allocation_under_rlimit():
         rng = random.Random(1234)
         good = C.compress(torch.randn(300), "dgc", ratio=0.05)
         for _ in range(3000):  # random header fields with a valid check
-            algo = rng.choice([1, 2, 3, 4, 5, 6])
+            algo = rng.choice(list(range(1, 16)))
             numel = rng.choice([rng.randrange(1 << 70), rng.randrange(1 << 20), 1 << rng.randrange(64)]) % (1 << 64)
             body = bytes(rng.randrange(256) for _ in range(rng.choice([0, 8, 16, 40])))
             words = tuple(rng.choice([rng.randrange(1 << 32), 0x7F800000, 1 << rng.randrange(32)]) for _ in range(4))

@@ -13,7 +13,11 @@ from hipress import compression as C
 
 SIZES = [0, 1, 2, 7, 8, 9, 31, 33, 63, 65, 1000, 4095, 4097, 65535, 65537, 200003]
 CASES = [("onebit", {}), ("tbq", {"threshold": 0.05}), ("tbq", {}), ("tbq", {"relative": 0.5}), ("terngrad", {"bitwidth": 2}), ("terngrad", {"bitwidth": 4}),
-         ("terngrad", {"bitwidth": 8}), ("terngrad", {"bitwidth": 2, "seed": 7})]
+         ("terngrad", {"bitwidth": 8}), ("terngrad", {"bitwidth": 2, "seed": 7}),
+         # GRACE's quantizers (docs/grace.md)
+         ("signsgd", {}), ("signsgd", {"scale": 0.01}), ("signum", {}), ("signum", {"momentum": 0.5}), ("efsignsgd", {}),
+         ("qsgd", {}), ("qsgd", {"quantum_num": 3, "seed": 4}), ("natural", {}), ("terngrad_grace", {}),
+         ("terngrad_grace", {"clip": 0.0}), ("u8bit", {})]
 
 
 def grad(n, seed=0):

@@ -97,7 +97,8 @@ void decode(uint8* compressed, float* gradient) {
 }
 """
 
-SHIPPED = ["onebit", "tbq", "terngrad", "dgc", "graddrop"]
+SHIPPED = ["onebit", "tbq", "terngrad", "dgc", "graddrop",
+           "signsgd", "signum", "efsignsgd", "qsgd", "natural", "terngrad_grace", "u8bit"]  # GRACE (docs/grace.md)
 SOURCES = {s: None for s in SHIPPED}
 SOURCES.update({"fig5.cll": FIG5, "fig5d.cll": FIG5 + FIG5_DECODE, "cudamix.cll": USER_SPEC})
 NAMES = {"fig5.cll": "cuda_fig5", "fig5d.cll": "cuda_fig5d", "cudamix.cll": "cudamix"}

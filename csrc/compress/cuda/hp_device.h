@@ -122,6 +122,29 @@ HPD float fmin2(float a, float b) { return b < a ? b : a; }
 HPD float fmax2(float a, float b) { return b > a ? b : a; }
 HPD double fmin2(double a, double b) { return b < a ? b : a; }
 HPD double fmax2(double a, double b) { return b > a ? b : a; }
+HPD float vfloor(float x) { return ::floorf(x); }  // the CPU prelude's vfloor is std::floor's value
+HPD double vfloor(double x) { return ::floor(x); }
+// ilogb(x): the exponent of |x| (floor(log2 |x|), exact, subnormals included); 0 and NaN: INT32_MIN,
+// inf: INT32_MAX. ldexp(x, k): x * 2^k, correctly rounded (x * 2^k is exact in double for the clamped
+// k, then rounded once to float). Both checked against std::ilogb / std::ldexp (all 2^32 floats for
+// ilogb); written without branches so that a loop calling them vectorises.
+HPD int64_t ilogb(float x) {
+  uint32_t b; memcpy(&b, &x, 4);
+  b &= 0x7fffffffu;
+  const int64_t e = static_cast<int64_t>(b >> 23);
+  const float s = std::fabs(x) * 8388608.0f;  // a subnormal times 2^23 is normal: its exponent - 23
+  uint32_t bs; memcpy(&bs, &s, 4);
+  const int64_t es = static_cast<int64_t>(bs >> 23) - 127 - 23;
+  int64_t r = e == 0 ? es : e - 127;
+  r = b == 0 ? INT64_C(-2147483648) : r;
+  return e == 255 ? ((b & 0x7fffffu) ? INT64_C(-2147483648) : INT64_C(2147483647)) : r;
+}
+HPD float ldexp(float x, int64_t k) {
+  const int64_t kc = k < -400 ? -400 : (k > 400 ? 400 : k);  // beyond: 0 or inf for any float, as 2^k
+  const uint64_t pb = static_cast<uint64_t>(kc + 1023) << 52;
+  double p; memcpy(&p, &pb, 8);
+  return static_cast<float>(static_cast<double>(x) * p);
+}
 // random<float>(0, 1) and random<int32>(a, b) at one counter.
 HPD float uni(hpd::RngKey k, uint64_t ctr) { return hpd::u32_to_unit(hpd::rng_u32(k, ctr)); }
 HPD int64_t rint(hpd::RngKey k, uint64_t ctr, int64_t a, int64_t b) {
