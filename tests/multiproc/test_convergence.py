@@ -32,9 +32,13 @@ def strategies_of(algo):
 # (algorithm, strategy) -> why it is known to miss the margin (docs/convergence.md, "Open")
 _DGC = "DGC's 0.1% density sends each element about once in a run this short"
 _ONEBIT = "one bit cannot carry a re-encoded sum (onebit.reencode_safe is False; auto uses allgather)"
-KNOWN_2 = {("onebit", "ring"): _ONEBIT, ("onebit", "ps"): _ONEBIT,
-           **{("dgc", s): _DGC for s in ("ring", "ps", "allgather")}}
-KNOWN_4 = {"onebit": "92.6% vs 95.6%", "terngrad": "94.3% vs 95.6%",
+_SIGN = "+-1 per element (the paper's scale 1) at lr 0.05 diverges; scale=0.05 trains (docs/grace.md)"
+KNOWN_2 = {("onebit", "ring"): _ONEBIT, ("onebit", "ps"): _ONEBIT, ("efsignsgd", "ps"): _ONEBIT,
+           **{("dgc", s): _DGC for s in ("ring", "ps", "allgather")},
+           **{(a, s): _SIGN for a in ("signsgd", "signum") for s in ("auto", "ring", "ps", "allgather")}}
+KNOWN_4 = {"signsgd": _SIGN, "signum": _SIGN, "efsignsgd": "-3.0 points (as onebit)",
+           "terngrad_grace": "-2.0 points: the paper's 2.5 sigma clipping (clip=0: +0.1 over 3 seeds)",
+           "onebit": "92.6% vs 95.6%", "terngrad": "94.3% vs 95.6%",
            "dgc": "76.1% vs 95.6%: " + _DGC, "graddrop": "92.6% vs 95.6%", "powersgd": "94.3% vs 95.6%"}
 
 

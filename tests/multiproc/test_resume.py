@@ -22,6 +22,9 @@ from hipress import compression
 from hipress.launch import run
 from hipress.sync.factory import STRATEGIES
 
+# every algorithm x strategy in two launches: more than pytest's default 300 s per test
+pytestmark = pytest.mark.timeout(900)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 NP, K, M = 2, 3, 3
 # every registered algorithm, and COVAP's filter (its residuals and step are state too)
@@ -47,7 +50,7 @@ CONFIGS = [{"compression": a, "strategy": s, "kwargs": KWARGS.get(a, {})} for a 
 def launch(out, phase):
     cmd = [sys.executable, os.path.join(HERE, "resume_worker.py"), str(out), phase, json.dumps(CONFIGS),
            str(K), str(M)]
-    code, logs = run(cmd, NP, timeout=120, quiet=True)  # both launches within pytest's 300 s
+    code, logs = run(cmd, NP, timeout=400, quiet=True)  # both launches within the module's 900 s
     assert code == 0, "\n".join(logs)[-4000:]
     return [torch.load(out / f"{phase}-rank{r}.pt", weights_only=False) for r in range(NP)]
 
