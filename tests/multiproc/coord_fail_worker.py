@@ -9,7 +9,11 @@ import torch.nn as nn
 
 import hipress
 
+from worker_common import start_together
+
 victim = int(sys.argv[1])
+if len(sys.argv) > 2:  # a directory: start init together (torch imported)
+    start_together(sys.argv[2], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 hipress.init()
 model = nn.Linear(50, 50)
 opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

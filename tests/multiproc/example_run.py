@@ -32,6 +32,23 @@ def clean_env(timeout_s: str, **extra) -> dict:
     return env
 
 
+def running(program: str, marker: str):
+    """pids of `program` (argv[0]'s base name) whose command line contains marker: processes
+    that got as far as exec'ing it. A process between fork and exec still shows its parent's
+    command line (the marker included), so counting procs_with(marker) while ranks start is a
+    race that load widens; this count only grows to the number of ranks, then holds."""
+    found = []
+    for pid in procs_with(marker):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv0 = f.read().split(b"\0", 1)[0]
+        except OSError:
+            continue
+        if os.path.basename(argv0.decode(errors="replace")) == program:
+            found.append(pid)
+    return found
+
+
 def procs_with(marker: str):
     """pids whose command line contains marker (finds orphans reparented away from the test)."""
     found = []

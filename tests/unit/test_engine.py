@@ -59,15 +59,39 @@ def test_random_dag_runs_in_topological_order(seed):
                     assert pos[p] < pos[i]
 
 
+def _rendezvous(mine, other, timeout=30):
+    """A task body that says it runs, then waits (up to timeout) until the other one runs:
+    both return True only if they ran at the same time. Waiting on an Event frees the GIL."""
+    def body():
+        mine.set()
+        return other.wait(timeout)
+    return body
+
+
 def test_compute_and_comm_overlap(engine):
-    # A native compute task busy for 150 ms and a comm task sleeping 150 ms run at once
-    # (the comm task needs no CPU, so this holds on a loaded machine too).
-    comp = engine.submit("encode", _C.native_spin(150_000))
-    comm = engine.submit("send", _C.native_sleep(150_000), queue="comm")
-    assert comp.wait(10) and comm.wait(10)
-    a, b = comp.native, comm.native
-    overlap = min(a.end_ns, b.end_ns) - max(a.start_ns, b.start_ns)
-    assert overlap > 75e6, f"queues did not overlap: {overlap / 1e6:.1f} ms"
+    # Load-proof: no durations are compared (a 150 ms overlap of timed tasks once stood here;
+    # a loaded machine can start the second queue late). Each task waits until the other
+    # runs: a serial engine would leave the first waiting out its 30 s and returning False.
+    a, b = threading.Event(), threading.Event()
+    comp = engine.submit("encode", _rendezvous(a, b))
+    comm = engine.submit("send", _rendezvous(b, a), queue="comm")
+    assert comp.result(60) is True and comm.result(60) is True, "the two queues did not run at once"
+
+
+@pytest.mark.parametrize("busy,native", [("compute", "comm"), ("comm", "compute")])
+def test_native_task_runs_while_the_other_queue_is_busy(engine, busy, native):
+    # Load-proof: the busy queue's task ends only once the native task on the other queue
+    # has finished (or after 30 s, returning False), so True shows they ran at the same time.
+    handle, known = [], threading.Event()
+
+    def hold():
+        return known.wait(30) and handle[0].wait(30)
+
+    holder = engine.submit("hold", hold, queue=busy)
+    work = _C.native_spin(1000) if native == "compute" else _C.native_sleep(1000)
+    handle.append(engine.submit("native", work, queue=native))
+    known.set()
+    assert holder.result(60) is True and handle[0].state == "done"
 
 
 def test_python_task_releases_gil_between_tasks(engine):
@@ -102,13 +126,17 @@ def test_native_failure(engine):
 
 
 def test_wait_with_timeout_returns(engine):
-    h = engine.submit("slow", _C.native_sleep(400_000), queue="comm")
-    t0 = time.perf_counter()
+    # Load-proof: the task cannot finish before the gate opens (after the waits below), so
+    # False from wait(0.05) shows its timeout ended the wait; a wait that ignored it would
+    # block until the task gave up after 30 s and return True. No elapsed time is compared.
+    gate = threading.Event()
+    h = engine.submit("slow", lambda: gate.wait(30), queue="comm")
     assert h.wait(timeout=0.05) is False
-    assert time.perf_counter() - t0 < 0.3
     with pytest.raises(TaskTimeout):
         h.result(timeout=0.01)
-    assert h.wait(timeout=5)
+    assert not h.poll()
+    gate.set()
+    assert h.wait(timeout=30) and h.result() is True
 
 
 def test_submit_after_shutdown_is_clear_error():
@@ -120,14 +148,29 @@ def test_submit_after_shutdown_is_clear_error():
 
 
 def test_shutdown_cancels_pending():
+    # Load-proof: the running task holds its queue until shutdown has cancelled the task
+    # queued behind it (a helper thread opens its gate then), however late this thread
+    # gets to call shutdown (a 200 ms sleep once held the queue, which load could outlast).
     e = Engine()
-    slow = e.submit("slow", _C.native_sleep(200_000), queue="comm")
+    gate = threading.Event()
+    slow = e.submit("slow", lambda: gate.wait(30), queue="comm")
     queued = e.submit("queued", lambda: None, queue="comm")
     dep = e.submit("dep", lambda: None, deps=[slow])
-    deadline = time.time() + 5
+    deadline = time.time() + 30
     while slow.state != "running" and time.time() < deadline:
         time.sleep(0.001)
+    assert slow.state == "running"
+
+    def open_gate_once_cancelled():
+        end = time.time() + 30
+        while queued.state != "cancelled" and time.time() < end:
+            time.sleep(0.001)
+        gate.set()
+
+    opener = threading.Thread(target=open_gate_once_cancelled)
+    opener.start()
     e.shutdown(drain=False)
+    opener.join()
     assert slow.state == "done"
     assert queued.state == "cancelled" and dep.state == "cancelled"
     with pytest.raises(TaskError, match="cancelled"):
@@ -157,9 +200,12 @@ def test_counters(engine):
 def test_timeline_is_chrome_trace(tmp_path):
     path = tmp_path / "timeline.json"
     e = Engine(str(path), rank=3)
-    a = e.submit("encode.w", _C.native_spin(20_000))
-    b = e.submit("send.w", _C.native_sleep(20_000), queue="comm")
-    e.submit("decode.w", lambda: None, deps=[a, b]).wait(5)
+    # the two slices overlap whatever the load: each body waits until the other runs
+    ea, eb = threading.Event(), threading.Event()
+    a = e.submit("encode.w", lambda: _rendezvous(ea, eb)() and time.sleep(0.02))  # >= 20 ms
+    b = e.submit("send.w", _rendezvous(eb, ea), queue="comm")
+    e.submit("decode.w", lambda: None, deps=[a, b]).wait(60)
+    assert a.state == b.state == "done" and b.result() is True
     e.shutdown()
     events = json.loads(path.read_text())
     names = {ev["args"]["name"] for ev in events if ev["ph"] == "M"}
@@ -231,7 +277,7 @@ def test_deferred_task_completes_from_another_thread(engine):
     a = engine.submit("encode", lambda: 1)
     d = engine.submit_deferred("bulk.send", posted.append, deps=[a])
     after = engine.submit("decode", lambda: "ran", deps=[d])
-    deadline = time.time() + 5
+    deadline = time.time() + 30
     # the work appends the completion and then returns: only then is the task "posted"
     while (not posted or d.state != "posted") and time.time() < deadline:
         time.sleep(0.001)
@@ -254,7 +300,7 @@ def test_deferred_task_failure_and_early_completion(engine):
 def test_shutdown_cancels_posted_deferred_tasks():
     e = Engine()
     d = e.submit_deferred("never", lambda c: None)
-    deadline = time.time() + 5
+    deadline = time.time() + 30
     while d.state != "posted" and time.time() < deadline:
         time.sleep(0.001)
     e.shutdown(drain=False)
@@ -264,10 +310,15 @@ def test_shutdown_cancels_posted_deferred_tasks():
 def test_batched_tasks_run_as_one_batch(tmp_path):
     path = tmp_path / "tl.json"
     e = Engine(str(path))
-    gate = e.submit("gate", _C.native_sleep(30_000))  # holds the queue while the batch queues up
+    # holds the queue until the whole batch has queued up (a 30 ms sleep once did: load
+    # could end it before the last task was submitted, splitting the batch)
+    opened = threading.Event()
+    gate = e.submit("gate", lambda: opened.wait(30))
     order = []
     hs = [e.submit(f"encode.g{i}", (lambda i=i: order.append(i)), deps=[gate], batch="encode") for i in range(10)]
     hs.append(e.submit("decode.x", lambda: order.append("d"), deps=[gate]))
+    opened.set()
+    assert gate.result(timeout=30) is True
     for h in hs:
         h.result(timeout=5)
     c = e.counters()["compute"]
