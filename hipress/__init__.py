@@ -33,6 +33,7 @@ _EXPORTS = {
     "Handle": ("hipress.engine", "Handle"),
     "TaskError": ("hipress.engine", "TaskError"),
     "get_engine": ("hipress.engine", "get_engine"),
+    "ddp": ("hipress.ddp", None),  # the DDP communication hook (a module)
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
@@ -40,7 +41,8 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 def __getattr__(name):
     if name in _EXPORTS:
         mod, attr = _EXPORTS[name]
-        value = getattr(importlib.import_module(mod), attr)
+        module = importlib.import_module(mod)
+        value = module if attr is None else getattr(module, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'hipress' has no attribute {name!r}")
