@@ -18,9 +18,11 @@ future's exception, so ``backward()`` raises; a sync that does not finish within
 
 What the optimizer does and the hook does too: the algorithm's clipping (``grad_clip="auto"``:
 TernGrad's 2.5 sigma per tensor), compressor state per rank (``state.state_dict()``),
-averaging. What the hook cannot do: momentum correction (it changes the optimizer's step;
-a hook sees gradients only), ``plan=`` and ``compression="covap"`` (they need every bucket
-before the first step; DDP makes its buckets itself).
+averaging, and momentum correction, but not by itself: a hook cannot change the optimizer's
+step, so the user moves SGD's momentum into the hook (``momentum_correction=0.9`` and an SGD
+with ``momentum=0``; the optimizer's ``"auto"`` applies it to single-round algorithms). Not
+here: ``plan=`` and ``compression="covap"`` (they need every bucket before the first step;
+DDP makes its buckets itself).
 
 hipress's own traffic runs over a private gloo group (:func:`init`), not over DDP's process
 group: the engine's communication thread and DDP's collectives (the unused-parameter map of
@@ -44,7 +46,7 @@ from hipress.comm import world
 from hipress.comm.exchange import open_exchanges
 from hipress.engine import get_engine
 from hipress.sync import StateStore, make_sync, resolve_strategy, use_local_aggregation
-from hipress.torch import clipping
+from hipress.torch import clipping, momentum
 from hipress.torch.optimizer import Average, Sum, _Bucket, bucket_bounds, splits_tensors
 
 __all__ = ["HookState", "hook", "comm_hook", "register", "fp16_wrapper", "bf16_wrapper", "init"]
@@ -101,10 +103,10 @@ class _Layout:
 
 
 class _Pending:
-    __slots__ = ("fut", "name", "done", "deadline")
+    __slots__ = ("fut", "name", "done", "deadline", "timeout")
 
-    def __init__(self, fut, name, deadline):
-        self.fut, self.name, self.done, self.deadline = fut, name, False, deadline
+    def __init__(self, fut, name):
+        self.fut, self.name, self.done, self.deadline, self.timeout = fut, name, False, None, None
 
 
 class HookState:
@@ -117,6 +119,11 @@ class HookState:
     on every rank): names the buckets (compressor state keys, as the optimizer names them) and
     orders each bucket's gradients as the optimizer fuses them (reverse parameter order). Without
     it, parameters are named ``param.<i>`` in the order DDP's first step shows them to the hook.
+    momentum_correction: None (default: off), SGD's momentum factor, or a dict of SGD's
+    ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``: each rank applies them to its own
+    gradient before compression (hipress.torch.momentum, DGC's momentum correction), and the SGD
+    given to DDP must then run with momentum 0 (and weight decay 0 if given here). Velocities are
+    in :meth:`state_dict`.
     timeout_s: how long a bucket may take (default ``HIPRESS_TIMEOUT_S``).
     Nothing connects or allocates until the first bucket, so a state may be made before
     ``init_process_group`` (Lightning's ``DDPStrategy(ddp_comm_state=...)``).
@@ -124,12 +131,16 @@ class HookState:
 
     def __init__(self, compression="none", strategy: str = "auto", *, named_parameters=None, op: str = Average,
                  partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto",
-                 coordinator: Optional[bool] = None, grad_clip="auto", timeout_s: Optional[float] = None,
-                 **compression_kwargs):
+                 coordinator: Optional[bool] = None, grad_clip="auto", momentum_correction=None,
+                 timeout_s: Optional[float] = None, **compression_kwargs):
         if compression in ("auto", "covap"):
             raise ValueError(f"compression={compression!r} needs hipress.DistributedOptimizer (a plan over "
                              f"every bucket before the first step); the DDP hook takes an algorithm name or "
                              f"a Compressor")
+        self._args = (compression, strategy, dict(op=op, partition_bytes=partition_bytes,
+                                                  local_aggregation=local_aggregation, coordinator=coordinator,
+                                                  grad_clip=grad_clip, momentum_correction=momentum_correction,
+                                                  timeout_s=timeout_s, **compression_kwargs))
         if op not in (Average, Sum):
             raise ValueError(f"op must be hipress.Average or hipress.Sum, got {op!r}")
         self.compressor = (_compression.get(compression, **compression_kwargs) if isinstance(compression, str)
@@ -148,6 +159,8 @@ class HookState:
                 self._order[id(p)] = i
                 self._names[id(p)] = n
         self._named_given = named_parameters is not None
+        group = _momentum_group(momentum_correction)
+        self.momentum = _HookMomentum(group, self._names) if group is not None else None
         self._lock = threading.Lock()
         self._sync = None
         self._states: Optional[StateStore] = None
@@ -248,16 +261,20 @@ class HookState:
             flat = lay.bucket.flat
             for d, c, n in zip(lay.ddp_offsets, lay.canon_offsets, lay.numels):
                 flat[c:c + n].copy_(buf[d:d + n])
-        if self.clip is not None:
-            for (name, _), (o, n, _) in zip(lay.bucket.params, lay.bucket.segments):
-                self.clip(name, flat[o:o + n])
+        if self.clip is not None or self.momentum is not None:  # as the optimizer's final_gradient
+            for (name, p), (o, n, _) in zip(lay.bucket.params, lay.bucket.segments):
+                g = flat[o:o + n].view(p.shape)
+                if self.clip is not None:
+                    self.clip(name, g)
+                if self.momentum is not None:
+                    self.momentum.apply(p, g)
         fut = torch.futures.Future()
         self.buckets_synced += 1
         if self._size == 1:
             self._unpack(lay, flat, buf, in_place)
             fut.set_result(buf)
             return fut
-        pending = _Pending(fut, lay.name, None)
+        pending = _Pending(fut, lay.name)
         handle = self._sync.build(lay.name, flat, lay.bounds, segments=lay.bucket.segments)
         if not in_place:
             handle = self._sync.ctx.compute(f"unpack.ddp.{lay.name}", lambda: self._unpack(lay, flat, buf, False),
@@ -279,6 +296,7 @@ class HookState:
             if pending.done:
                 return
             pending.done = True
+            self._cv.notify()  # the watchdog drops it
         if err is None:
             pending.fut.set_result(buf)
         else:
@@ -288,6 +306,7 @@ class HookState:
     # ------------------------------------------------------------------ timeouts
     def _watch(self, pending: _Pending) -> None:
         timeout = config.get("HIPRESS_TIMEOUT_S") if self.timeout_s is None else float(self.timeout_s)
+        pending.timeout = timeout
         pending.deadline = time.monotonic() + timeout
         with self._cv:
             heapq.heappush(self._heap, (pending.deadline, next(self._seq), pending))
@@ -303,7 +322,10 @@ class HookState:
                 while self._heap and self._heap[0][2].done:
                     heapq.heappop(self._heap)
                 if not self._heap:
-                    self._cv.wait()
+                    self._cv.wait(30.0)
+                    if not self._heap:  # idle: the next bucket starts another
+                        self._watchdog = None
+                        return
                     continue
                 deadline, _, pending = self._heap[0]
                 now = time.monotonic()
@@ -315,29 +337,77 @@ class HookState:
                 expired.append(pending)
             for p in expired:
                 p.fut.set_exception(TimeoutError(
-                    f"hipress: DDP bucket '{p.name}' not synchronized within the timeout (HIPRESS_TIMEOUT_S); "
-                    f"a peer may have died or stalled"))
+                    f"hipress: DDP bucket '{p.name}' not synchronized within {p.timeout:g} s (HIPRESS_TIMEOUT_S or "
+                    f"HookState(timeout_s=)); a peer may have died or stalled"))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """This rank's compressor state (error-feedback residuals, RNG counters, PowerSGD's Q), for
         a checkpoint: save it per rank, beside the model and the optimizer."""
-        if self._states is None:
-            return {"compressor_state": dict(self._loaded or {})}
-        return {"compressor_state": self._states.state_dict()}
+        out = {"compressor_state": dict(self._loaded or {}) if self._states is None else self._states.state_dict()}
+        if self.momentum is not None:
+            out["velocity"] = self.momentum.state_dict()
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores :meth:`state_dict` (before or after the first bucket)."""
         sd = dict(state_dict["compressor_state"])
+        if self.momentum is not None:
+            self.momentum.load_state_dict(state_dict.get("velocity", {}))
         with self._lock:
             if self._states is None:
                 self._loaded = sd
             else:
                 self._states.load_state_dict(sd)
 
+    def __getstate__(self):
+        """Pickling (Lightning's ddp_spawn pickles the strategy, and this state with it) keeps the
+        options and the compressor state; parameter names given by object identity do not survive
+        it, so the copy names parameters in the order DDP shows them (as without named_parameters)."""
+        if self._sync is not None or self._heap:
+            raise RuntimeError("a hipress.ddp.HookState can be pickled only before its first bucket")
+        return {"args": self._args, "loaded": self._loaded}
+
+    def __setstate__(self, st):
+        compression, strategy, kw = st["args"]
+        self.__init__(compression, strategy, **kw)
+        self._loaded = st["loaded"]
+
     def __repr__(self) -> str:
-        return (f"HookState(compression={self.compressor.name!r}, strategy={self.strategy!r}, "
+        strategy = "lowrank" if self.compressor.rounds > 1 else self.strategy
+        return (f"HookState(compression={self.compressor.name!r}, strategy={strategy!r}, "
                 f"buckets synced={self.buckets_synced})")
+
+
+def _momentum_group(mc) -> Optional[dict]:
+    """momentum_correction=: None/False (off), a momentum factor, or a dict of SGD's momentum,
+    dampening, weight_decay and nesterov -> the settings momentum correction applies."""
+    if mc is None or mc is False:
+        return None
+    if isinstance(mc, bool) or not isinstance(mc, (int, float, dict)):
+        raise ValueError(f"momentum_correction must be None, a momentum factor or a dict of SGD's momentum, "
+                         f"dampening, weight_decay and nesterov, got {mc!r}")
+    d = {"momentum": float(mc)} if not isinstance(mc, dict) else dict(mc)
+    unknown = sorted(set(d) - {"momentum", "dampening", "weight_decay", "nesterov"})
+    if unknown:
+        raise ValueError(f"momentum_correction: unknown setting(s) {unknown}")
+    group = {"momentum": float(d.get("momentum", 0.0)), "dampening": float(d.get("dampening", 0.0)),
+             "weight_decay": float(d.get("weight_decay", 0.0)), "nesterov": bool(d.get("nesterov", False))}
+    if not group["momentum"] and not group["weight_decay"]:
+        raise ValueError("momentum_correction: momentum and weight_decay are both 0 (nothing to apply)")
+    return group
+
+
+class _HookMomentum(momentum.MomentumCorrection):
+    """hipress.torch.momentum's correction with the settings given to the hook (the SGD given to
+    DDP runs with momentum 0 and weight decay 0: the hook cannot change its step)."""
+
+    def __init__(self, group: dict, names: Dict[int, str]):
+        super().__init__(None, names)
+        self._fixed = group
+
+    def _group(self, p) -> dict:
+        return self._fixed
 
 
 def hook(state, bucket):

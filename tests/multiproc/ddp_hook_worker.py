@@ -4,15 +4,17 @@
 
 Every config has a "case":
   equiv     the same model, data and seed trained `steps` steps by DistributedDataParallel with
-            hipress's hook and by hipress.DistributedOptimizer (plain SGD: no momentum
-            correction, which a hook cannot do; clipping "auto" on both sides), one bucket on
-            both sides; records both final parameters. "accumulate": 2 micro-batches per step,
+            hipress's hook and by hipress.DistributedOptimizer (clipping "auto" on both sides;
+            "momentum": SGD's momentum, with momentum correction where the optimizer's "auto"
+            applies it: in the hook, momentum_correction=m and an SGD without momentum), one
+            bucket on both sides; records both final parameters. "accumulate": 2 micro-batches per step,
             the first under ddp.no_sync() / backward_passes_per_step=2. "ddp": extra DDP
             keywords (static_graph). "wrapper": "fp16"/"bf16" (hipress's) or "torch-fp16".
   rebuild   compression none, DDP buckets of one parameter each after DDP's first step
             (its first step has one bucket of all): compared with the optimizer's exact average.
-  resume    hook training `steps` steps uninterrupted, against `k` steps, a checkpoint (model,
-            optimizer, state.state_dict() through torch.save), fresh objects loading it and the rest.
+  resume    (momentum SGD, corrected where "auto" would) hook training `steps` steps uninterrupted,
+            against `k` steps, a checkpoint (model, optimizer, state.state_dict() through
+            torch.save), fresh objects loading it and the rest.
   error     a sync whose task fails, then one that never finishes (timeout_s=2): backward()
             must raise both times, not hang.
 Results go to OUT_DIR/rank{r}.pt.
@@ -52,9 +54,17 @@ def params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def corrected(cfg):
+    """Whether momentum correction runs (in the hook; the optimizer's "auto" decides the same):
+    a momentum SGD and a single-round compressor other than none."""
+    comp = hipress.compression.get(cfg["compression"], **cfg.get("kwargs", {}))
+    return bool(cfg.get("momentum")) and comp.name != "none" and comp.rounds == 1
+
+
 def hook_state(model, cfg):
     return hipress.ddp.HookState(cfg["compression"], cfg.get("strategy", "auto"),
                                  named_parameters=model.named_parameters(),
+                                 momentum_correction=cfg["momentum"] if corrected(cfg) else None,
                                  partition_bytes=cfg.get("partition_bytes", 16 << 10),
                                  coordinator=cfg.get("coordinator", False), **cfg.get("kwargs", {}))
 
@@ -63,10 +73,11 @@ WRAPPERS = {None: lambda h: h, "fp16": hipress.ddp.fp16_wrapper, "bf16": hipress
             "torch-fp16": default_hooks.fp16_compress_wrapper}
 
 
-def train_ddp(cfg, rank, model=None, opt=None, state=None, first=0, last=None, momentum=0.0):
+def train_ddp(cfg, rank, model=None, opt=None, state=None, first=0, last=None):
     model = model or make_model()
     ddp = DDP(model, **cfg.get("ddp", {}))
-    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    # with momentum correction the hook applies the momentum: the SGD runs without it
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if corrected(cfg) else cfg.get("momentum", 0))
     state = state or hook_state(model, cfg)
     ddp.register_comm_hook(state, WRAPPERS[cfg.get("wrapper")](hipress.ddp.hook))
     passes = 2 if cfg.get("accumulate") else 1
@@ -85,7 +96,7 @@ def train_ddp(cfg, rank, model=None, opt=None, state=None, first=0, last=None, m
 def train_optimizer(cfg, rank):
     model = make_model()
     passes = 2 if cfg.get("accumulate") else 1
-    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=cfg.get("momentum", 0)),
                                        named_parameters=model.named_parameters(), compression=cfg["compression"],
                                        strategy=cfg.get("strategy", "auto"), backward_passes_per_step=passes,
                                        partition_bytes=cfg.get("partition_bytes", 16 << 10),
@@ -115,8 +126,8 @@ def case_rebuild(cfg, rank):
 
 def case_resume(cfg, rank):
     k, steps = cfg["k"], cfg["steps"]
-    whole, _, _, _ = train_ddp(cfg, rank, momentum=0.9)
-    model, opt, state, _ = train_ddp(cfg, rank, last=k, momentum=0.9)
+    whole, _, _, _ = train_ddp(cfg, rank)
+    model, opt, state, _ = train_ddp(cfg, rank, last=k)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buf)
     del model, opt, state
@@ -124,12 +135,13 @@ def case_resume(cfg, rank):
     ck = torch.load(buf, weights_only=False)
     model = make_model()
     model.load_state_dict(ck["model"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if corrected(cfg) else cfg.get("momentum", 0))
     opt.load_state_dict(ck["opt"])
     state = hook_state(model, cfg)
     state.load_state_dict(ck["hook"])
-    resumed, _, _, _ = train_ddp(cfg, rank, model, opt, state, first=k, last=steps, momentum=0.9)
-    return {"whole": params(whole), "resumed": params(resumed), "n_states": len(ck["hook"]["compressor_state"])}
+    resumed, _, _, _ = train_ddp(cfg, rank, model, opt, state, first=k, last=steps)
+    return {"whole": params(whole), "resumed": params(resumed), "n_states": len(ck["hook"]["compressor_state"]),
+            "n_velocities": len(ck["hook"].get("velocity", {}))}
 
 
 class _Boom:

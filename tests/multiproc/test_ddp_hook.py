@@ -51,6 +51,7 @@ def check(results, np):
                 assert max_diff(res["ddp"], res0["ddp"]) == 0, f"{cfg}: rank {r} differs from rank 0"
             elif cfg["case"] == "resume":
                 assert res["n_states"] > 0
+                assert (res["n_velocities"] > 0) == (cfg["compression"] != "powersgd")
                 for k, v in res["whole"].items():
                     assert torch.equal(v, res["resumed"][k]), f"{cfg} rank {r} {k}: resume not bit-identical"
             elif cfg["case"] == "error":
@@ -83,7 +84,12 @@ def test_hook_matches_optimizer_two_ranks(tmp_path):
         {"case": "equiv", "compression": "onebit", "steps": STEPS, "wrapper": "bf16"},
         {"case": "rebuild", "compression": "none", "steps": STEPS},
     ]
-    configs += [{"case": "resume", "compression": a, "kwargs": ALGORITHMS[a], "steps": 6, "k": 3}
+    # momentum SGD: momentum correction in the hook equals the optimizer's ("auto": single-round algorithms)
+    configs += [{"case": "equiv", "compression": a, "kwargs": kw, "steps": STEPS, "momentum": 0.9}
+                for a, kw in ALGORITHMS.items()]
+    configs += [{"case": "equiv", "compression": "terngrad", "kwargs": ALGORITHMS["terngrad"], "steps": STEPS,
+                 "momentum": 0.9, "accumulate": True}]
+    configs += [{"case": "resume", "compression": a, "kwargs": ALGORITHMS[a], "steps": 6, "k": 3, "momentum": 0.9}
                 for a in ("onebit", "terngrad", "dgc", "graddrop", "powersgd")]
     configs.append({"case": "error", "compression": "none", "steps": 1})  # last: leaves a stalled task behind
     results = launch(tmp_path, np, configs)
@@ -101,7 +107,9 @@ def test_hook_matches_optimizer_four_ranks_two_hosts(tmp_path):
         {"case": "equiv", "compression": "tbq", "kwargs": ALGORITHMS["tbq"], "strategy": "ps", "steps": STEPS,
          "coordinator": True},
         {"case": "equiv", "compression": "onebit", "steps": STEPS, "accumulate": True},
-        {"case": "resume", "compression": "terngrad", "kwargs": ALGORITHMS["terngrad"], "steps": 4, "k": 2},
+        {"case": "equiv", "compression": "tbq", "kwargs": ALGORITHMS["tbq"], "steps": STEPS, "momentum": 0.9},
+        {"case": "resume", "compression": "terngrad", "kwargs": ALGORITHMS["terngrad"], "steps": 4, "k": 2,
+         "momentum": 0.9},
     ]
     results = launch(tmp_path, np, configs, hosts=2)
     check(results, np)
@@ -113,3 +121,24 @@ def test_hook_matches_optimizer_four_ranks(tmp_path, np):
     configs = [{"case": "equiv", "compression": a, "kwargs": kw, "strategy": "allgather" if a != "powersgd" else "auto",
                 "steps": STEPS} for a, kw in ALGORITHMS.items() if a in ("none", "terngrad", "powersgd", "graddrop")]
     check(launch(tmp_path, np, configs), np)
+
+
+@pytest.mark.parametrize("np,algo", [(2, "terngrad"), (4, "tbq")])
+def test_torchrun_example_equals_optimizer_example(np, algo):
+    """examples/train_ddp.py (DDP + the hook, momentum correction in the hook) under torchrun
+    ends with the same parameters, bit for bit, as examples/train.py (DistributedOptimizer)
+    under hipress.launch: one bucket on both sides (the CNN is under 1 MiB)."""
+    import subprocess
+
+    from example_run import DONE, ROOT, TRAIN, clean_env, digests
+
+    args = ["--epochs", "1", "--compression", algo]
+    code, logs = run([sys.executable, TRAIN, *args], np, timeout=300, quiet=True)
+    assert code == 0, "\n".join(logs)[-3000:]
+    want = digests("\n".join(logs), np)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(np),
+                        os.path.join(ROOT, "examples", "train_ddp.py"), *args],
+                       capture_output=True, text=True, timeout=300, env=clean_env("120"))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert DONE.search(p.stdout)
+    assert digests(p.stdout + p.stderr, np) == want
