@@ -222,6 +222,13 @@ class HookState:
         hb = _Bucket([(self._names[id(params[j])], params[j]) for j in canon])
         name = hb.name
         members = frozenset(key)
+        # DDP rebuilt its buckets (once, after its first step): a bucket sharing parameters with
+        # this one but not all of them is gone; its states are dropped, not checkpointed (a
+        # resumed job would otherwise replay old residuals). Names are never reused for another
+        # set of parameters (a resumed job starts from the first step's buckets again).
+        for other, other_members in self._name_owner.items():
+            if other_members != members and other_members & members:
+                self._states.discard(other + "/")
         owner = self._name_owner.setdefault(name, members)
         if owner != members:  # another set of parameters had this name: keep states apart
             digest = zlib.crc32(";".join(n for n, _ in hb.params).encode())

@@ -11,7 +11,8 @@ Every config has a "case":
             the first under ddp.no_sync() / backward_passes_per_step=2. "ddp": extra DDP
             keywords (static_graph). "wrapper": "fp16"/"bf16" (hipress's) or "torch-fp16".
   rebuild   compression none, DDP buckets of one parameter each after DDP's first step
-            (its first step has one bucket of all): compared with the optimizer's exact average.
+            (its first step has one bucket of all): compared with the optimizer's exact average;
+            then TBQ so, whose state must hold the rebuilt buckets only.
   resume    (momentum SGD, corrected where "auto" would) hook training `steps` steps uninterrupted,
             against `k` steps, a checkpoint (model, optimizer, state.state_dict() through
             torch.save), fresh objects loading it and the rest.
@@ -121,7 +122,10 @@ def case_rebuild(cfg, rank):
     cfg = dict(cfg, ddp={"bucket_cap_mb": 1e-5})
     model, _, state, _ = train_ddp(cfg, rank)
     ref = train_optimizer(dict(cfg, bucket_bytes=0), rank)
-    return {"ddp": params(model), "opt": params(ref), "layouts": [lay.name for lay in state._layouts.values()]}
+    # a compressor with state: the first step's bucket's states are dropped once DDP rebuilt its buckets
+    _, _, tbq, _ = train_ddp(dict(cfg, compression="tbq", kwargs={"threshold": 0.01}), rank)
+    return {"ddp": params(model), "opt": params(ref), "layouts": [lay.name for lay in state._layouts.values()],
+            "state_keys": sorted(tbq.state_dict()["compressor_state"])}
 
 
 def case_resume(cfg, rank):

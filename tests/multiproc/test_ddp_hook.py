@@ -96,6 +96,9 @@ def test_hook_matches_optimizer_two_ranks(tmp_path):
     check(results, np)
     rebuild = next(res for res in results[0] if res["config"]["case"] == "rebuild")
     assert len(rebuild["layouts"]) > 1, "DDP did not rebuild its buckets: the rebuild case tests nothing"
+    gone = rebuild["layouts"][0]
+    assert gone.startswith("fused[") and rebuild["state_keys"], rebuild
+    assert not [k for k in rebuild["state_keys"] if k.startswith(gone + "/")], rebuild["state_keys"]
 
 
 def test_hook_matches_optimizer_four_ranks_two_hosts(tmp_path):
