@@ -253,21 +253,23 @@ class HookState:
                 self._setup()
             lay = self._layout(bucket)
         buf = bucket.buffer()
-        if buf.device.type != "cpu":
-            raise ValueError(f"hipress's DDP hook syncs CPU buffers; this bucket is on {buf.device}")
         total = sum(lay.numels)
         if buf.numel() != total:
             raise RuntimeError(f"DDP bucket {bucket.index()} holds {buf.numel()} elements, its parameters "
                                f"{total}: padded or sparse buckets are not supported")
-        in_place = lay.identity and buf.dtype == torch.float32 and buf.is_contiguous()
+        on_cpu = buf.device.type == "cpu"
+        in_place = on_cpu and lay.identity and buf.dtype == torch.float32 and buf.is_contiguous()
         if in_place:
             flat = buf.view(-1)
         else:
             if lay.bucket.flat is None:
                 lay.bucket.flat = torch.empty(total, dtype=torch.float32)
             flat = lay.bucket.flat
+            # a device buffer (CUDA) comes over in one copy, in stream order: hipress's payloads
+            # are CPU tensors (untested here: no GPU)
+            src = buf if on_cpu else buf.detach().to("cpu", torch.float32)
             for d, c, n in zip(lay.ddp_offsets, lay.canon_offsets, lay.numels):
-                flat[c:c + n].copy_(buf[d:d + n])
+                flat[c:c + n].copy_(src[d:d + n])
         if self.clip is not None or self.momentum is not None:  # as the optimizer's final_gradient
             for (name, p), (o, n, _) in zip(lay.bucket.params, lay.bucket.segments):
                 g = flat[o:o + n].view(p.shape)
@@ -294,8 +296,11 @@ class HookState:
     def _unpack(lay: _Layout, flat: torch.Tensor, buf: torch.Tensor, in_place: bool) -> None:
         if in_place:
             return
+        dst = buf if buf.device.type == "cpu" else torch.empty(buf.numel(), dtype=torch.float32)
         for d, c, n in zip(lay.ddp_offsets, lay.canon_offsets, lay.numels):
-            buf[d:d + n].copy_(flat[c:c + n])
+            dst[d:d + n].copy_(flat[c:c + n])
+        if dst is not buf:
+            buf.copy_(dst)  # one copy back to the device
 
     def _finish(self, pending: _Pending, h, buf) -> None:
         err = h.exception(0)
@@ -411,10 +416,22 @@ class _HookMomentum(momentum.MomentumCorrection):
 
     def __init__(self, group: dict, names: Dict[int, str]):
         super().__init__(None, names)
-        self._fixed = group
+        self._fixed = self._current = group
+        self._no_decay = dict(group, weight_decay=0.0)
 
     def _group(self, p) -> dict:
-        return self._fixed
+        return self._current
+
+    def apply(self, p, grad) -> None:
+        if not self._fixed["weight_decay"] or p.device == grad.device:
+            return super().apply(p, grad)
+        # a device parameter, its gradient staged on the CPU: the decay term comes over first
+        grad.add_(p.detach().to(grad.device), alpha=self._fixed["weight_decay"])
+        self._current = self._no_decay
+        try:
+            super().apply(p, grad)
+        finally:
+            self._current = self._fixed
 
 
 def hook(state, bucket):

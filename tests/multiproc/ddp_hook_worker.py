@@ -5,8 +5,8 @@
 Every config has a "case":
   equiv     the same model, data and seed trained `steps` steps by DistributedDataParallel with
             hipress's hook and by hipress.DistributedOptimizer (clipping "auto" on both sides;
-            "momentum": SGD's momentum, with momentum correction where the optimizer's "auto"
-            applies it: in the hook, momentum_correction=m and an SGD without momentum), one
+            "momentum"/"weight_decay": SGD's, with momentum correction where the optimizer's "auto"
+            applies it: in the hook, momentum_correction={m, wd} and a plain SGD), one
             bucket on both sides; records both final parameters. "accumulate": 2 micro-batches per step,
             the first under ddp.no_sync() / backward_passes_per_step=2. "ddp": extra DDP
             keywords (static_graph). "wrapper": "fp16"/"bf16" (hipress's) or "torch-fp16".
@@ -65,7 +65,9 @@ def corrected(cfg):
 def hook_state(model, cfg):
     return hipress.ddp.HookState(cfg["compression"], cfg.get("strategy", "auto"),
                                  named_parameters=model.named_parameters(),
-                                 momentum_correction=cfg["momentum"] if corrected(cfg) else None,
+                                 momentum_correction={"momentum": cfg["momentum"],
+                                                      "weight_decay": cfg.get("weight_decay", 0.0)}
+                                 if corrected(cfg) else None,
                                  partition_bytes=cfg.get("partition_bytes", 16 << 10),
                                  coordinator=cfg.get("coordinator", False), **cfg.get("kwargs", {}))
 
@@ -74,11 +76,19 @@ WRAPPERS = {None: lambda h: h, "fp16": hipress.ddp.fp16_wrapper, "bf16": hipress
             "torch-fp16": default_hooks.fp16_compress_wrapper}
 
 
+def plain_sgd(model, cfg):
+    """The SGD given to DDP: with momentum correction the hook applies momentum and weight decay."""
+    if corrected(cfg):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=cfg.get("momentum", 0),
+                           weight_decay=cfg.get("weight_decay", 0.0))
+
+
 def train_ddp(cfg, rank, model=None, opt=None, state=None, first=0, last=None):
     model = model or make_model()
     ddp = DDP(model, **cfg.get("ddp", {}))
     # with momentum correction the hook applies the momentum: the SGD runs without it
-    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if corrected(cfg) else cfg.get("momentum", 0))
+    opt = opt or plain_sgd(model, cfg)
     state = state or hook_state(model, cfg)
     ddp.register_comm_hook(state, WRAPPERS[cfg.get("wrapper")](hipress.ddp.hook))
     passes = 2 if cfg.get("accumulate") else 1
@@ -97,7 +107,8 @@ def train_ddp(cfg, rank, model=None, opt=None, state=None, first=0, last=None):
 def train_optimizer(cfg, rank):
     model = make_model()
     passes = 2 if cfg.get("accumulate") else 1
-    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=cfg.get("momentum", 0)),
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=cfg.get("momentum", 0),
+                                                       weight_decay=cfg.get("weight_decay", 0.0)),
                                        named_parameters=model.named_parameters(), compression=cfg["compression"],
                                        strategy=cfg.get("strategy", "auto"), backward_passes_per_step=passes,
                                        partition_bytes=cfg.get("partition_bytes", 16 << 10),
@@ -139,7 +150,7 @@ def case_resume(cfg, rank):
     ck = torch.load(buf, weights_only=False)
     model = make_model()
     model.load_state_dict(ck["model"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if corrected(cfg) else cfg.get("momentum", 0))
+    opt = plain_sgd(model, cfg)
     opt.load_state_dict(ck["opt"])
     state = hook_state(model, cfg)
     state.load_state_dict(ck["hook"])

@@ -88,7 +88,10 @@ def test_hook_matches_optimizer_two_ranks(tmp_path):
     configs += [{"case": "equiv", "compression": a, "kwargs": kw, "steps": STEPS, "momentum": 0.9}
                 for a, kw in ALGORITHMS.items()]
     configs += [{"case": "equiv", "compression": "terngrad", "kwargs": ALGORITHMS["terngrad"], "steps": STEPS,
-                 "momentum": 0.9, "accumulate": True}]
+                 "momentum": 0.9, "accumulate": True},
+                {"case": "equiv", "compression": "onebit", "steps": STEPS, "momentum": 0.9, "weight_decay": 0.01},
+                {"case": "equiv", "compression": "powersgd", "kwargs": ALGORITHMS["powersgd"], "steps": STEPS,
+                 "momentum": 0.9, "weight_decay": 0.01}]
     configs += [{"case": "resume", "compression": a, "kwargs": ALGORITHMS[a], "steps": 6, "k": 3, "momentum": 0.9}
                 for a in ("onebit", "terngrad", "dgc", "graddrop", "powersgd")]
     configs.append({"case": "error", "compression": "none", "steps": 1})  # last: leaves a stalled task behind
