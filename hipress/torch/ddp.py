@@ -58,12 +58,14 @@ _generation = itertools.count()
 def init(timeout_s: Optional[float] = None) -> None:
     """hipress's world for a DDP job: when torch.distributed is up, a private gloo group of the
     same ranks over torch.distributed's default store (so hipress's traffic never shares a gloo
-    group with DDP's collectives), else ``hipress.init()``. Idempotent; collective. The hook
-    calls it on its first bucket; call it yourself to choose when the connections are made."""
+    group with DDP's collectives), else, or when ``HIPRESS_TRANSPORT`` names another backend
+    (mpi, horovod, ...), ``hipress.init()``. Idempotent; collective. The hook calls it on its
+    first bucket; call it yourself to choose when the connections are made."""
     if world.is_initialized():
         return
-    if not (dist.is_available() and dist.is_initialized()):
-        world.init(timeout_s=timeout_s)
+    requested = (config.get("HIPRESS_TRANSPORT") or "").lower()
+    if not (dist.is_available() and dist.is_initialized()) or requested not in ("", "torch"):
+        world.init(timeout_s=timeout_s)  # hipress's own connections (HIPRESS_TRANSPORT=mpi, ...)
         return
     from hipress.comm.transport.torch_dist import TorchDistTransport
 

@@ -126,7 +126,7 @@ def case_equiv(cfg, rank):
     model, _, state, _ = train_ddp(cfg, rank)
     ref = train_optimizer(cfg, rank)
     return {"ddp": params(model), "opt": params(ref), "layouts": [lay.name for lay in state._layouts.values()],
-            "hierarchical": state.hierarchical}
+            "hierarchical": state.hierarchical, "transport": type(hipress.comm.world.transport()).__name__}
 
 
 def case_rebuild(cfg, rank):
@@ -197,8 +197,11 @@ CASES = {"equiv": case_equiv, "rebuild": case_rebuild, "resume": case_resume, "e
 
 def main():
     out_dir, configs = sys.argv[1], json.loads(sys.argv[2])
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" in os.environ:  # mpirun: DDP's env:// from MPI's
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = (os.environ["OMPI_COMM_WORLD_RANK"],
+                                                        os.environ["OMPI_COMM_WORLD_SIZE"])
     dist.init_process_group("gloo")
-    hipress.ddp.init()  # hipress's private gloo group; the optimizer runs use it too
+    hipress.ddp.init()  # hipress's private gloo group (or HIPRESS_TRANSPORT's); the optimizer runs use it too
     rank = hipress.rank()
     results = []
     for cfg in configs:

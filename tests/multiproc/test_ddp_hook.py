@@ -6,10 +6,14 @@ import json
 import os
 import sys
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 
 from hipress.launch import run
+from hipress.supervise import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALGORITHMS = {
@@ -97,6 +101,7 @@ def test_hook_matches_optimizer_two_ranks(tmp_path):
     configs.append({"case": "error", "compression": "none", "steps": 1})  # last: leaves a stalled task behind
     results = launch(tmp_path, np, configs)
     check(results, np)
+    assert {res["transport"] for rank in results for res in rank if "transport" in res} == {"TorchDistTransport"}
     rebuild = next(res for res in results[0] if res["config"]["case"] == "rebuild")
     assert len(rebuild["layouts"]) > 1, "DDP did not rebuild its buckets: the rebuild case tests nothing"
     gone = rebuild["layouts"][0]
@@ -134,8 +139,6 @@ def test_torchrun_example_equals_optimizer_example(np, algo):
     """examples/train_ddp.py (DDP + the hook, momentum correction in the hook) under torchrun
     ends with the same parameters, bit for bit, as examples/train.py (DistributedOptimizer)
     under hipress.launch: one bucket on both sides (the CNN is under 1 MiB)."""
-    import subprocess
-
     from example_run import DONE, ROOT, TRAIN, clean_env, digests
 
     args = ["--epochs", "1", "--compression", algo]
@@ -148,3 +151,25 @@ def test_torchrun_example_equals_optimizer_example(np, algo):
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert DONE.search(p.stdout)
     assert digests(p.stdout + p.stderr, np) == want
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+def test_mpirun_with_mpi_transport(tmp_path):
+    """DDP over gloo, hipress over its native MPI transport (HIPRESS_TRANSPORT=mpi) under mpirun."""
+    np = 2
+    configs = [{"case": "equiv", "compression": a, "kwargs": ALGORITHMS[a], "steps": STEPS, "momentum": 0.9}
+               for a in ("tbq", "powersgd")]
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HIPRESS_TRANSPORT="mpi",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    p = subprocess.run(["mpirun", "--oversubscribe", "-np", str(np), sys.executable,
+                        os.path.join(HERE, "ddp_hook_worker.py"), str(out), json.dumps(configs)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(np)]
+    check(results, np)
+    assert {res["transport"] for rank in results for res in rank} == {"MpiTransport"}
