@@ -133,6 +133,12 @@ VARIABLES: Sequence[Var] = (
        shown_default="socket.gethostname()"),
     _V("HIPRESS_ADDR", _text, None, "address rank 0 announces for the rendezvous",
        shown_default="the route's source address"),
+    _V("HIPRESS_BIND_ADDR", _text, None,
+       "local address rank 0's rendezvous store listens on (`*`: every interface); `docs/security.md`",
+       shown_default="the address announced to the ranks"),
+    _V("HIPRESS_JOB_SECRET", _text, None,
+       "per-job secret: the ranks check that the rendezvous store is their job's (an HMAC, not access "
+       "control; `docs/security.md`)", shown_default="set afresh by `hipress.launch`, else off"),
     _V("HIPRESS_COORDINATOR", _bool, False,
        "route all gradient communication through the global coordinator on rank 0 (`docs/coordinator.md`)"),
     _V("HIPRESS_BATCH_BYTES", _nonneg_int, 4 << 20, "coordinator: bytes per link and slot",
@@ -189,6 +195,7 @@ VARIABLES: Sequence[Var] = (
        group="test"),
 )
 _BY_NAME: Dict[str, Var] = {v.name: v for v in VARIABLES}
+_SECRET = ("HIPRESS_JOB_SECRET",)  # never printed
 
 
 def get(name: str, env: Optional[Mapping[str, str]] = None) -> Any:
@@ -230,6 +237,9 @@ def _main(argv=None) -> int:
         print(markdown_table(args.markdown))
         return 0
     for v in VARIABLES:
+        if v.name in _SECRET and os.environ.get(v.name):
+            print(f"{v.name}=<set, not shown>")
+            continue
         print(f"{v.name}={os.environ.get(v.name, '')!s:<12} -> {get(v.name)!r}")
     return 0
 

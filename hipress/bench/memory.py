@@ -1,7 +1,8 @@
 """Memory benchmark: per-rank peak memory of hipress versus the same training without
 it, and growth over many steps.
 
-    python -m hipress.bench.memory [--np 2] [--steps 1000] [--compression tbq] [--out results/memory.json]
+    python -m hipress.bench.memory [--np 2] [--steps 1000] [--compression tbq] [--nonfinite skip]
+                                   [--out results/memory.json]
 
 Each configuration runs as its own job (fresh processes) so peaks do not mix:
   baseline   the same model and optimizer, torch DDP (gloo), no hipress
@@ -9,7 +10,10 @@ Each configuration runs as its own job (fresh processes) so peaks do not mix:
 Reported per rank: peak RSS (VmHWM), RSS sampled every --sample steps, the model's
 parameter bytes and hipress's compressor-state bytes. Goal (issue 5): hipress adds at
 most one model size of error-feedback state plus the compressed buffers over the
-baseline, and RSS does not grow between the first sample and the last.
+baseline, and RSS does not grow between the first sample and the last. With
+``nonfinite="skip"`` or ``"raise"`` (the default "skip"; hipress/torch/nonfinite.py) one more
+copy of the compressor state and the momentum velocities is kept, to undo a step with a NaN
+(reported as undo_copy_mb); ``--nonfinite off`` measures without it.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ def _model():
     return nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 512), nn.ReLU(), nn.Linear(512, 10))
 
 
-def worker(mode: str, steps: int, sample: int, compression: str, strategy: str, out: str) -> None:
+def worker(mode: str, steps: int, sample: int, compression: str, strategy: str, out: str,
+           nonfinite: str = "skip") -> None:
     import torch
     import torch.nn.functional as F
 
@@ -44,7 +49,7 @@ def worker(mode: str, steps: int, sample: int, compression: str, strategy: str, 
     torch.manual_seed(0)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    state_bytes = lambda: 0  # noqa: E731
+    state_bytes = undo_bytes = lambda: 0  # noqa: E731
     if mode == "baseline":
         import torch.distributed as dist
         dist.init_process_group("gloo")
@@ -55,8 +60,12 @@ def worker(mode: str, steps: int, sample: int, compression: str, strategy: str, 
         hipress.init()
         rank = hipress.rank()
         opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
-                                           strategy=strategy)
+                                           strategy=strategy, nonfinite=nonfinite)
         net = model
+
+        def undo_bytes():
+            mc = opt._hp_momentum
+            return opt._hp_states.undo_log.nbytes() + (mc.undo_log.nbytes() if mc is not None else 0)
 
         def state_bytes():
             total = 0
@@ -73,7 +82,8 @@ def worker(mode: str, steps: int, sample: int, compression: str, strategy: str, 
         if step % sample == 0 or step == 1:
             samples.append({"step": step, "rss_kb": _status_kb("VmRSS")})
     res = {"rank": rank, "mode": mode, "peak_kb": _status_kb("VmHWM"), "samples": samples,
-           "param_bytes": sum(p.numel() * 4 for p in model.parameters()), "state_bytes": state_bytes()}
+           "param_bytes": sum(p.numel() * 4 for p in model.parameters()), "state_bytes": state_bytes(),
+           "undo_bytes": undo_bytes()}
     with open(os.path.join(out, f"{mode}.rank{rank}.json"), "w") as f:
         json.dump(res, f)
 
@@ -85,12 +95,13 @@ def main(argv=None) -> dict:
     p.add_argument("--sample", type=int, default=100)
     p.add_argument("--compression", default="tbq")
     p.add_argument("--strategy", default="ring")
+    p.add_argument("--nonfinite", default="skip", choices=["skip", "raise", "off"])
     p.add_argument("--out", default="results/memory.json")
     p.add_argument("--worker", choices=["baseline", "hipress"], help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        worker(a.worker, a.steps, a.sample, a.compression, a.strategy, a.dir)
+        worker(a.worker, a.steps, a.sample, a.compression, a.strategy, a.dir, a.nonfinite)
         return {}
     from hipress.launch import run
 
@@ -98,7 +109,8 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         for mode in ("baseline", "hipress"):
             cmd = [sys.executable, "-m", "hipress.bench.memory", "--worker", mode, "--dir", d, "--steps", str(a.steps),
-                   "--sample", str(a.sample), "--compression", a.compression, "--strategy", a.strategy]
+                   "--sample", str(a.sample), "--compression", a.compression, "--strategy", a.strategy,
+                   "--nonfinite", a.nonfinite]
             code, logs = run(cmd, a.np, timeout=1800, quiet=True)
             if code != 0:
                 raise SystemExit(f"{mode} run failed ({code}):\n" + "\n".join(logs)[-3000:])
@@ -113,6 +125,7 @@ def main(argv=None) -> dict:
             "extra_mb": (h["peak_kb"] - b["peak_kb"]) / 1024,
             "model_mb": h["param_bytes"] / 2**20,
             "compressor_state_mb": h["state_bytes"] / 2**20,
+            "undo_copy_mb": h.get("undo_bytes", 0) / 2**20,
             "rss_growth_mb": (last["rss_kb"] - first["rss_kb"]) / 1024,
             "growth_window": f"step {first['step']}..{last['step']}",
         })

@@ -8,7 +8,8 @@ horovodrun (gloo)  HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_GLOO_
                    rank 0 publishes a TCPStore address in Horovod's HTTP key-value store
 mpirun / horovodrun --mpi
                    OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK (OpenMPI), PMI_RANK/PMI_SIZE (MPICH, Slurm)
-torchrun           RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (torch's env:// rendezvous)
+torchrun           RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; TORCHELASTIC_USE_AGENT_STORE=True:
+                   torchrun's agent hosts the store (else rank 0 does, as under ``hipress.launch``)
 none               a single process: size 1
 =================  =====================================================================
 
@@ -36,6 +37,7 @@ class LaunchInfo:
     master_port: Optional[int] = None
     rendezvous_addr: Optional[str] = None   # Horovod's HTTP rendezvous server (gloo mode)
     rendezvous_port: Optional[int] = None
+    agent_store: bool = False               # torchrun's agent hosts the store at master_addr:master_port
 
     @property
     def is_mpi(self) -> bool:
@@ -88,7 +90,8 @@ def detect_launch(env=None, rank: Optional[int] = None, size: Optional[int] = No
                           _env_int(env, "MPI_LOCALRANKID"), _env_int(env, "MPI_LOCALNRANKS"), m_addr, m_port)
     if env.get("RANK") is not None and env.get("WORLD_SIZE") is not None:
         return LaunchInfo("torchrun", _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE"),
-                          _env_int(env, "LOCAL_RANK"), _env_int(env, "LOCAL_WORLD_SIZE"), m_addr, m_port)
+                          _env_int(env, "LOCAL_RANK"), _env_int(env, "LOCAL_WORLD_SIZE"), m_addr, m_port,
+                          agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
     return LaunchInfo("single", 0, 1)
 
 

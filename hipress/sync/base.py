@@ -19,6 +19,7 @@ from hipress import config
 from hipress.comm.exchange import Exchange
 from hipress.compression.base import Compressor
 from hipress.engine import Engine, Handle
+from hipress.sync.undo import UndoLog
 
 _LEN = struct.Struct("<q")
 
@@ -104,17 +105,44 @@ class StateStore:
         self.rank = int(rank)
         self._states: Dict[str, object] = {}
         self._pending: Dict[str, dict] = {}
+        # Copy-on-write log of the states this step touched (off unless enabled): the optimizer
+        # undoes a step whose gradients were not finite on some rank (hipress/torch/nonfinite.py).
+        # Every site that uses a state gets it here first, in the step it changes it.
+        self.undo_log = UndoLog()
 
     def get(self, key: str, compressor, numel: int, shape=None):
         st = self._states.get(key)
         if st is None:
             st = compressor.new_state(numel, shape)
-            if key in self._pending:
-                st.load_state_dict(self._pending.pop(key))
+            pending = self._pending.pop(key, None)
+            if pending is not None:
+                st.load_state_dict(pending)
             elif not compressor.aggregatable:
                 st.scalars[0] = rng_stream_start(self.rank, key)
             self._states[key] = st
+            self.undo_log.created(key, pending)
+        else:
+            self.undo_log.touch(key, [*st.buffers.values(), st.scalars])
         return st
+
+    def commit(self) -> None:
+        """Keeps this step's changes (forgets the undo log's copies)."""
+        self.undo_log.commit()
+
+    def undo(self) -> None:
+        """Every state as before this step: touched ones copied back, new ones dropped (made
+        again, the same, on next use; one restored from a checkpoint goes back to pending)."""
+        def restore(key, copies, pending):
+            if copies is None:
+                self._states.pop(key, None)
+                if pending is not None:
+                    self._pending[key] = pending
+                return
+            st = self._states[key]
+            for dst, src in zip([*st.buffers.values(), st.scalars], copies):
+                dst.copy_(src)
+
+        self.undo_log.undo(restore)
 
     def state_dict(self) -> dict:
         out = {k: v.state_dict() for k, v in self._states.items()}
@@ -122,6 +150,7 @@ class StateStore:
         return out
 
     def load_state_dict(self, sd: dict) -> None:
+        self.undo_log.commit()
         self._states.clear()
         self._pending = dict(sd)
 

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hipress.planner.plan import chunk_bounds
+from hipress.sync.undo import UndoLog
 
 # The authors' reducer: ef_init(0.5), decay_step(50), and a rise of 0.1 per decay_step.
 EF_INIT = 0.5
@@ -126,6 +127,17 @@ class Filter:
         self.ef = (float(ef_init), int(ascend_steps), float(ascend_range))
         self.step = 0
         self.residual: Dict[str, torch.Tensor] = {}
+        self.undo_log = UndoLog()  # this step's residual changes (hipress.sync.undo)
+
+    def undo(self) -> None:
+        """Every residual as before this step (the step is not advanced either)."""
+        def restore(name, copies, _):
+            if copies is None:
+                self.residual.pop(name, None)
+            else:
+                self.residual[name].copy_(copies[0])
+
+        self.undo_log.undo(restore)
 
     @property
     def coefficient(self) -> float:
@@ -134,7 +146,10 @@ class Filter:
     def apply(self, name: str, flat: torch.Tensor) -> List[Tuple[int, int]]:
         res = self.residual.get(name)
         if res is None:
+            self.undo_log.created(name)
             res = self.residual[name] = torch.zeros(flat.numel(), dtype=torch.float32)
+        else:
+            self.undo_log.touch(name, [res])
         coeff = self.coefficient
         sent = []
         for t, (s, e) in self.units[name]:
@@ -151,6 +166,7 @@ class Filter:
         return sent
 
     def advance(self) -> None:
+        self.undo_log.commit()
         self.step += 1
 
     def state_dict(self) -> dict:
@@ -161,6 +177,7 @@ class Filter:
         if int(sd["interval"]) != self.interval:
             raise ValueError(f"COVAP: the checkpoint was made with interval {sd['interval']}, "
                              f"this optimizer has {self.interval}")
+        self.undo_log.commit()
         self.step = int(sd["step"])
         self.residual = {k: v.clone() for k, v in sd["residual"].items()}
 

@@ -32,6 +32,8 @@ from typing import Dict, Optional
 
 import torch
 
+from hipress.sync.undo import UndoLog
+
 #: the group settings momentum correction takes over from the wrapped SGD during step()
 _TAKEN = {"momentum": 0.0, "weight_decay": 0.0, "nesterov": False, "dampening": 0.0}
 
@@ -67,6 +69,9 @@ class MomentumCorrection:
         self._names = names
         self._group_of: Dict[int, dict] = {}
         self.velocity: Dict[str, torch.Tensor] = {}
+        # copy-on-write log of this step's velocity changes (see hipress.sync.undo; enabled by
+        # the optimizer unless nonfinite="off")
+        self.undo_log = UndoLog()
 
     def _group(self, p) -> dict:
         g = self._group_of.get(id(p))
@@ -86,8 +91,10 @@ class MomentumCorrection:
         name = self._names[id(p)]
         u = self.velocity.get(name)
         if u is None:
+            self.undo_log.created(name)
             self.velocity[name] = u = grad.detach().clone()
         else:
+            self.undo_log.touch(name, [u])
             u.mul_(m).add_(grad, alpha=1.0 - group.get("dampening", 0.0))
         if group.get("nesterov", False):
             grad.add_(u, alpha=m)
@@ -106,8 +113,22 @@ class MomentumCorrection:
             for g, s in zip(self._opt.param_groups, saved):
                 g.update(s)
 
+    def commit(self) -> None:
+        self.undo_log.commit()
+
+    def undo(self) -> None:
+        """Every velocity as before this step (a new one dropped)."""
+        def restore(name, copies, _):
+            if copies is None:
+                self.velocity.pop(name, None)
+            else:
+                self.velocity[name].copy_(copies[0])
+
+        self.undo_log.undo(restore)
+
     def state_dict(self) -> dict:
         return {k: v.clone() for k, v in self.velocity.items()}
 
     def load_state_dict(self, sd: dict) -> None:
+        self.undo_log.commit()
         self.velocity = {k: v.detach().clone() for k, v in sd.items()}

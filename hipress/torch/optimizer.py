@@ -16,6 +16,11 @@ How it works:
      fire (unused this step: zero gradient, so every rank runs the same collectives),
      waits for all tasks (bounded by ``HIPRESS_TIMEOUT_S``), then runs the wrapped
      optimizer's step.
+  4. Non-finite gradients (``nonfinite=``, hipress/torch/nonfinite.py): each gradient is
+     checked before it is clipped, momentum-corrected or compressed (a non-finite one is
+     sent as zeros); every state is copied on first change in a step; ``synchronize()``
+     agrees across ranks (one byte per parameter) and, if any rank saw NaN/Inf, undoes the
+     step's state changes on every rank and skips the step (or raises) on every rank.
 Semantics: every rank ends with decode(aggregate of decoded gradients) / N; bytes of
 compressed gradients are never averaged.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -38,7 +44,8 @@ from hipress.engine import Handle, get_engine
 from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
 from hipress.planner.online import profile_online
 from hipress.sync import STRATEGIES, StateStore, make_sync, resolve_strategy, use_local_aggregation
-from hipress.torch import clipping, covap, momentum
+from hipress.torch import clipping, covap, momentum, nonfinite
+from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWarning  # noqa: F401 (re-exported)
 
 Average = "average"
 Sum = "sum"
@@ -201,12 +208,14 @@ class Options:
     grad_clip: object = "auto"            # hipress.torch.clipping: "auto" (the paper's), None or a callable
     momentum_correction: object = "auto"  # hipress.torch.momentum: "auto", True or False
     covap: Optional[dict] = None          # compression="covap": hipress.torch.covap.Run's arguments
+    nonfinite: str = "skip"               # hipress.torch.nonfinite: "skip", "raise" or "off"
 
     def __post_init__(self):
         if self.backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {self.backward_passes_per_step}")
         if self.op not in (Average, Sum):
             raise ValueError(f"op must be hipress.Average or hipress.Sum, got {self.op!r}")
+        nonfinite.resolve(self.nonfinite)
         if self.compression == "covap":  # a filter around the inner algorithm (hipress/torch/covap.py)
             mine, inner, rest = covap.split_options(self.compression_kwargs)
             object.__setattr__(self, "covap", mine)
@@ -242,6 +251,16 @@ class _HipressOptimizer:
         engine = get_engine()
         exchanges = open_exchanges(engine, coordinated=options.coordinator)
         self._hp_states = StateStore(world.rank())
+        # Non-finite gradients (hipress/torch/nonfinite.py): checked per gradient, states logged
+        # copy-on-write, agreed on in synchronize()
+        self._hp_nonfinite = options.nonfinite
+        self._hp_guard = options.nonfinite != "off"
+        self._hp_states.undo_log.enabled = self._hp_guard
+        if self._hp_momentum is not None:
+            self._hp_momentum.undo_log.enabled = self._hp_guard
+        self._hp_bad: set = set()  # ids of parameters whose gradient was not finite here this step
+        self._hp_skip_step = False
+        self.last_nonfinite: Dict[str, List[int]] = {}
 
         def sync_for(compressor):
             return make_sync(engine, exchanges, compressor, self._hp_strategy_name, self._hp_states,
@@ -301,6 +320,7 @@ class _HipressOptimizer:
         return run
 
     def _hp_reserve_units(self, filt: "covap.Filter") -> None:
+        filt.undo_log.enabled = self._hp_guard
         # every unit declared in unit order, so its sync's choices (PS aggregators) do not
         # depend on which units happen to be sent first
         for name, units in filt.units.items():
@@ -360,7 +380,13 @@ class _HipressOptimizer:
     def _hp_take(self, p: torch.nn.Parameter):
         """p's gradient is final for this step: put it in its bucket; submit a full bucket."""
         key = id(p)
-        p.grad = final_gradient(self._hp_names[key], p, p.grad, self._hp_clip, self._hp_momentum)
+        grad = p.grad
+        if self._hp_guard and grad is not None and not nonfinite.all_finite(grad):
+            # never clipped, momentum-corrected, compressed or sent: zeros instead (every rank
+            # runs the same collectives); synchronize() undoes the step on every rank
+            self._hp_bad.add(key)
+            grad = torch.zeros_like(grad)
+        p.grad = final_gradient(self._hp_names[key], p, grad, self._hp_clip, self._hp_momentum)
         self._hp_taken.add(key)
         bucket = self._hp_bucket_of[key]
         if self._hp_transport.size > 1:
@@ -400,7 +426,16 @@ class _HipressOptimizer:
 
     # ------------------------------------------------------------------ public API
     def synchronize(self):
-        """Waits until every gradient is synchronized (submitting unused ones first)."""
+        """Waits until every gradient is synchronized (submitting unused ones first).
+
+        With ``nonfinite="skip"`` (default), if any rank's gradient of some parameter was NaN
+        or Inf, every rank warns (:class:`NonFiniteGradientWarning`), every compressor and
+        momentum state is as before this step, the gradients of those parameters are NaN
+        on every rank (so a GradScaler finds inf) and the next ``step()`` does not run the
+        wrapped optimizer; ``last_nonfinite`` maps each such parameter to the ranks that
+        saw it (empty when none). ``nonfinite="raise"``: the same, but it raises
+        :class:`NonFiniteGradientError` on every rank instead of warning."""
+        self._hp_skip_step = False
         if not self._hp_handles and not self._hp_counts:
             raise RuntimeError("step()/synchronize() called without a backward pass since the last step")
         incomplete = {self._hp_names[k]: c for k, c in self._hp_counts.items() if c < self._hp_passes}
@@ -426,9 +461,13 @@ class _HipressOptimizer:
         self._hp_handles.clear()
         self._hp_counts.clear()
         self._hp_taken.clear()
+        bad, self._hp_bad = self._hp_bad, set()
         if errors:
+            self._hp_commit()  # nothing to agree on: the collectives themselves failed
             shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
             raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(shown))
+        if self._hp_guard and self._hp_agree_nonfinite(bad):
+            return
         if self._hp_covap is not None:
             profile = self._hp_covap.finish_step(self._hp_gather)
             if profile is not None and world.rank() == 0:
@@ -436,6 +475,50 @@ class _HipressOptimizer:
                       f"T_comm {profile.t_comm * 1e3:.2f} ms per step: CCR {profile.ccr:.2f}, interval "
                       f"{profile.interval}", flush=True)
         self._hp_synchronized = True
+
+    def _hp_commit(self) -> None:
+        self._hp_states.commit()
+        if self._hp_momentum is not None:
+            self._hp_momentum.commit()
+        if self._hp_covap is not None and self._hp_covap.filter is not None:
+            self._hp_covap.filter.undo_log.commit()
+
+    def _hp_agree_nonfinite(self, bad: set) -> bool:
+        """One allgather of a byte per parameter (which were not finite on this rank); if any
+        rank had one: undo this step's state changes, NaN the gradients of those parameters,
+        then warn and mark the step skipped, or raise. True if the step is not taken. Every
+        rank reaches the same decision from the same table."""
+        tr = self._hp_transport
+        mine = torch.tensor([id(p) in bad for _, p in self._hp_named], dtype=torch.uint8)
+        if tr.size > 1:
+            table = torch.empty(tr.size * mine.numel(), dtype=torch.uint8)
+            tr.allgather(mine, table)
+            table = table.view(tr.size, mine.numel())
+        else:
+            table = mine.view(1, -1)
+        hit = table.any(0).nonzero().view(-1).tolist()
+        if not hit:
+            self.last_nonfinite = {}
+            self._hp_commit()
+            return False
+        self._hp_states.undo()
+        if self._hp_momentum is not None:
+            self._hp_momentum.undo()
+        if self._hp_covap is not None and self._hp_covap.filter is not None:
+            self._hp_covap.filter.undo()
+        where = {}
+        for i in hit:
+            name, p = self._hp_named[i]
+            where[name] = table[:, i].nonzero().view(-1).tolist()
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+        self.last_nonfinite = where
+        if self._hp_nonfinite == "raise":
+            raise NonFiniteGradientError(nonfinite.describe(where, "step not taken"), where)
+        warnings.warn(nonfinite.describe(where, "step skipped on every rank"), NonFiniteGradientWarning,
+                      stacklevel=3)
+        self._hp_skip_step = self._hp_synchronized = True
+        return True
 
     def _hp_gather(self, v: torch.Tensor) -> torch.Tensor:
         """Every rank's float64 vector v, one row per rank (nothing else is in flight here)."""
@@ -460,8 +543,12 @@ class _HipressOptimizer:
         else:
             self.synchronize()
         self._hp_synchronized = False
-        with self._hp_momentum.plain_step() if self._hp_momentum is not None else contextlib.nullcontext():
-            out = super(self.__class__, self).step(closure)
+        if self._hp_skip_step:  # a rank's gradient was not finite (see synchronize()): not taken
+            self._hp_skip_step = False
+            out = None
+        else:
+            with self._hp_momentum.plain_step() if self._hp_momentum is not None else contextlib.nullcontext():
+                out = super(self.__class__, self).step(closure)
         self._hp_mark_ns = _C.now_ns()
         if self._hp_covap is not None and self._hp_covap.profiling:
             self._hp_covap.step_end(self._hp_mark_ns * 1e-9)
@@ -498,7 +585,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          strategy: str = "auto", backward_passes_per_step: int = 1, op: str = Average,
                          partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto", plan=None,
                          coordinator: Optional[bool] = None, bucket_bytes: Optional[int] = 1 << 20,
-                         grad_clip="auto", momentum_correction="auto", **compression_kwargs):
+                         grad_clip="auto", momentum_correction="auto", nonfinite: str = "skip",
+                         **compression_kwargs):
     """Wraps ``optimizer`` so that step() uses gradients averaged over all ranks.
 
     compression: an algorithm name of ``hipress.compression`` ("none", "onebit", "tbq",
@@ -536,6 +624,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     "auto" (default): on for single-round compressors (not "none", not PowerSGD).
     coordinator: batch all communication through the global coordinator on rank 0
     (hipress.comm.coordinator); None reads HIPRESS_COORDINATOR (default off).
+    nonfinite: what a NaN or Inf in some rank's gradient does (hipress.torch.nonfinite). Each
+    gradient is checked before clipping, momentum correction and compression (one sum per
+    gradient), and every compressor/momentum state is copied on first change in a step.
+    "skip" (default): every rank warns (hipress.torch.nonfinite.NonFiniteGradientWarning,
+    naming the parameters and ranks), every state is restored, those parameters' gradients
+    are NaN on every rank, and step() does not run the wrapped optimizer: the step is as if
+    its batch had not been taken, on every rank; with a GradScaler (Horovod's pattern:
+    synchronize(); scaler.unscale_(opt); with opt.skip_synchronize(): scaler.step(opt)) every
+    rank finds inf and lowers its scale alike. "raise": the states are restored and
+    synchronize()/step() raise NonFiniteGradientError on every rank. "off": no check, no
+    copies (a non-finite value then corrupts compressor state for good).
     Returns the same optimizer object, whose class is now a subclass of its old class.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -547,7 +646,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(base.__name__, (base,), {k: v for k, v in _HipressOptimizer.__dict__.items()
                                         if not k.startswith("__")} | {"__module__": base.__module__})
     options = Options(compression, compression_kwargs, strategy, backward_passes_per_step, op, partition_bytes,
-                      local_aggregation, plan, coordinator, bucket_bytes, grad_clip, momentum_correction)
+                      local_aggregation, plan, coordinator, bucket_bytes, grad_clip, momentum_correction,
+                      nonfinite=nonfinite)
     optimizer.__class__ = cls
     try:
         optimizer._hipress_setup(named, options)

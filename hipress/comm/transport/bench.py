@@ -125,16 +125,15 @@ def _pairs(hp, hp_nc, n: int, raw: Dict[str, Callable]) -> Dict[str, Dict[str, C
 
 
 def _worker_torch(args) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     from hipress.comm.transport.torch_dist import TorchDistTransport
 
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), n, rank == 0,
-                          timeout=datetime.timedelta(seconds=120))
+    from hipress.comm.rendezvous import tcp_store
+
+    store = tcp_store("127.0.0.1", int(os.environ["MASTER_PORT"]), n, rank, 120.0)  # loopback only
     dist.init_process_group("gloo", store=dist.PrefixStore("raw", store), rank=rank, world_size=n)
     hp = TorchDistTransport.create(rank, n, store=store, timeout_s=120)
     hp_nc = TorchDistTransport.create(rank, n, store=dist.PrefixStore("nocheck", store), timeout_s=120, check=False)

@@ -63,13 +63,11 @@ class TorchDistTransport(Transport):
         from hipress.comm.transport.base import default_timeout_s
 
         timeout = default_timeout_s() if timeout_s is None else float(timeout_s)
-        if store is None:
-            try:
-                store = dist.TCPStore(master_addr, int(master_port), int(size), int(rank) == 0,
-                                      timeout=_td(timeout), wait_for_workers=True)
-            except Exception as e:  # noqa: BLE001
-                raise TransportError("rendezvous", f"TCPStore at {master_addr}:{master_port} (world size {size}) "
-                                     f"failed: {e}", None, rank, f"torch/{backend}") from e
+        if store is None:  # rank 0 listens on master_addr only (hipress.comm.rendezvous)
+            from hipress.comm import rendezvous
+
+            store = rendezvous.tcp_store(master_addr, int(master_port), int(size), int(rank), timeout,
+                                         secret=config.get("HIPRESS_JOB_SECRET"), transport=f"torch/{backend}")
         pg = cls._new_pg(dist.PrefixStore("hipress/world", store), rank, size, backend, timeout)
         return cls(pg, rank, size, store, backend, timeout, check)
 

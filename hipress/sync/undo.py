@@ -1,0 +1,65 @@
+"""Copy-on-write undo of one step's state changes (used for non-finite gradients:
+hipress/torch/nonfinite.py): compressor states (:class:`hipress.sync.StateStore`), momentum
+correction's velocities and COVAP's residuals log what they are about to change."""
+from __future__ import annotations
+
+from typing import Callable, Dict, Hashable, List, Optional, Sequence
+
+import torch
+
+
+class UndoLog:
+    """Copy-on-write copies of tensors, per key, taken the first time a key is touched in a
+    step: ``undo(restore)`` hands each back, ``commit()`` forgets them. The copies go into
+    buffers kept from step to step (allocating fresh ones costs ~4x a copy). Disabled
+    (every call a no-op) until ``enabled`` is set.
+
+    Thread-safety: keys are touched from the training thread and engine threads; each key
+    from one site per step, and commit/undo run when nothing is in flight."""
+
+    __slots__ = ("enabled", "_saved", "_spare")
+
+    def __init__(self):
+        self.enabled = False
+        self._saved: Dict[Hashable, object] = {}
+        self._spare: Dict[Hashable, List[torch.Tensor]] = {}
+
+    def touch(self, key: Hashable, tensors: Sequence[torch.Tensor]) -> None:
+        """Copies ``tensors`` (about to change) unless ``key`` was touched this step."""
+        if not self.enabled or key in self._saved:
+            return
+        spare = self._spare.get(key)
+        if spare is None or len(spare) != len(tensors) or any(
+                s.shape != t.shape or s.dtype != t.dtype for s, t in zip(spare, tensors)):
+            spare = self._spare[key] = [torch.empty_like(t) for t in tensors]
+        for s, t in zip(spare, tensors):
+            s.copy_(t)
+        self._saved[key] = spare
+
+    def created(self, key: Hashable, info=None) -> None:
+        """``key`` did not exist before this step (``info``: what ``undo`` needs to drop it)."""
+        if self.enabled and key not in self._saved:
+            self._saved[key] = _Created(info)
+
+    def nbytes(self) -> int:
+        """Bytes held by the copies' buffers (kept from step to step)."""
+        return sum(t.numel() * t.element_size() for ts in self._spare.values() for t in ts)
+
+    def commit(self) -> None:
+        self._saved.clear()
+
+    def undo(self, restore: Callable[[Hashable, Optional[List[torch.Tensor]], object], None]) -> None:
+        """restore(key, copies, None) for a touched key, restore(key, None, info) for a created one."""
+        saved, self._saved = self._saved, {}
+        for key, v in saved.items():
+            if isinstance(v, _Created):
+                restore(key, None, v.info)
+            else:
+                restore(key, v, None)
+
+
+class _Created:
+    __slots__ = ("info",)
+
+    def __init__(self, info):
+        self.info = info

@@ -1,0 +1,187 @@
+"""Non-finite gradients without peers (hipress/torch/nonfinite.py, hipress/sync/undo.py); the
+multi-rank behaviour is tested in tests/multiproc/test_nonfinite.py."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hipress
+from hipress import compression
+from hipress.sync import StateStore
+from hipress.sync.undo import UndoLog
+from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWarning, all_finite
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite(dtype):
+    t = torch.randn(1000).to(dtype)
+    assert all_finite(t)
+    assert all_finite(torch.empty(0, dtype=dtype))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        u = t.clone()
+        u[517] = bad
+        assert not all_finite(u)
+    # finite elements whose sum overflows: still finite
+    big = torch.full((64,), torch.finfo(dtype).max, dtype=dtype)
+    assert all_finite(big)
+    big[::2] = -torch.finfo(dtype).max
+    big[:2] = torch.finfo(dtype).max
+    assert all_finite(big)
+
+
+def test_undo_log_copies_on_first_touch_only():
+    log = UndoLog()
+    a = torch.arange(4.0)
+    log.touch("a", [a])  # disabled: nothing kept
+    log.enabled = True
+    log.touch("a", [a])
+    a.add_(1)
+    log.touch("a", [a])  # second touch in the step: the first copy stays
+    a.add_(1)
+    log.created("b", "info")
+    got = {}
+    log.undo(lambda k, copies, info: got.__setitem__(k, (copies, info)))
+    assert torch.equal(got["a"][0][0], torch.arange(4.0)) and got["b"] == (None, "info")
+    log.undo(lambda *a: pytest.fail("undo after undo restores nothing"))
+    log.touch("a", [a])
+    spare = log._spare["a"][0]
+    log.commit()
+    log.touch("a", [a])
+    assert log._spare["a"][0] is spare  # the copy's buffer is kept from step to step
+
+
+@pytest.mark.parametrize("name", sorted(set(compression.available()) - {"powersgd"}))
+def test_state_store_undo_restores_exactly(name):
+    comp = compression.get(name)
+    store = StateStore(rank=1)
+    store.undo_log.enabled = True
+    g = torch.randn(300)
+    comp.encode(g, store.get("k", comp, 300))
+    store.commit()
+    before = store.state_dict()
+    comp.encode(g * 3, store.get("k", comp, 300))
+    comp.encode(g, store.get("new", comp, 300))  # created this step
+    store.undo()
+    after = store.state_dict()
+    assert set(after) == {"k"}
+    for k, v in before["k"]["buffers"].items():
+        assert torch.equal(after["k"]["buffers"][k], v), k
+    assert torch.equal(after["k"]["scalars"], before["k"]["scalars"])
+    # a dropped state comes back the same as it would have been made
+    fresh = StateStore(rank=1)
+    st_a, st_b = store.get("new", comp, 300), fresh.get("new", comp, 300)
+    assert torch.equal(st_a.scalars, st_b.scalars)
+
+
+def test_state_store_undo_puts_pending_back():
+    comp = compression.get("tbq")
+    store = StateStore()
+    store.undo_log.enabled = True
+    comp.encode(torch.randn(10), store.get("k", comp, 10))
+    sd = store.state_dict()
+    other = StateStore()
+    other.undo_log.enabled = True
+    other.load_state_dict(sd)
+    comp.encode(torch.randn(10), other.get("k", comp, 10))
+    other.undo()
+    assert "k" in other.state_dict() and torch.equal(other.state_dict()["k"]["buffers"]["residual"],
+                                                     sd["k"]["buffers"]["residual"])
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
+
+
+def poison(p, value, index=0):
+    """p's next gradient gets ``value`` at flat ``index``, during backward (before hipress sees it)."""
+    def hook(g):
+        handle.remove()
+        g = g.clone()
+        g.view(-1)[index] = value
+        return g
+
+    handle = p.register_hook(hook)
+
+
+def run(model, opt, batches, nan_at=None):
+    for i, x in enumerate(batches):
+        opt.zero_grad()
+        if i == nan_at:
+            poison(model[0].weight, float("nan"), 5)
+        model(x).sum().backward()
+        opt.step()
+
+
+def test_single_rank_skip_equals_not_taking_the_batch(model):
+    ref = copy.deepcopy(model)
+    kw = dict(compression="tbq", momentum_correction=True)
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), **kw)
+    ref_opt = hipress.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+                                           named_parameters=ref.named_parameters(), **kw)
+    torch.manual_seed(1)
+    batches = [torch.randn(5, 4) for _ in range(5)]
+    with pytest.warns(NonFiniteGradientWarning, match=r"'0\.weight' \(rank 0\)"):
+        run(model, opt, batches, nan_at=2)
+    assert opt.last_nonfinite == {}  # the last step was fine
+    run(ref, ref_opt, batches[:2] + batches[3:])
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    for k, v in ref_opt.state_dict()["hipress"]["velocity"].items():
+        assert torch.equal(opt.state_dict()["hipress"]["velocity"][k], v)
+
+
+def test_single_rank_first_step_nonfinite_drops_new_velocity(model):
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), compression="tbq")
+    before = copy.deepcopy(model.state_dict())
+    opt.zero_grad()
+    poison(model[2].bias, float("inf"))
+    model(torch.randn(5, 4)).sum().backward()
+    with pytest.warns(NonFiniteGradientWarning):
+        opt.synchronize()
+    assert opt.last_nonfinite == {"2.bias": [0]}
+    assert torch.isnan(model[2].bias.grad).all() and torch.isfinite(model[0].weight.grad).all()
+    with opt.skip_synchronize():
+        assert opt.step() is None
+    assert opt.state_dict()["hipress"]["velocity"] == {}
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_single_rank_raise(model):
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), nonfinite="raise")
+    opt.zero_grad()
+    poison(model[0].bias, float("nan"))
+    model(torch.randn(5, 4)).sum().backward()
+    with pytest.raises(NonFiniteGradientError, match=r"'0\.bias' \(rank 0\)") as e:
+        opt.step()
+    assert e.value.where == {"0.bias": [0]}
+    opt.zero_grad()  # training goes on
+    model(torch.randn(5, 4)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+
+
+def test_exported():
+    assert hipress.NonFiniteGradientError is NonFiniteGradientError
+    assert hipress.NonFiniteGradientWarning is NonFiniteGradientWarning
+
+
+def test_off_and_bad_mode(model):
+    with pytest.raises(ValueError, match="nonfinite"):
+        hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), nonfinite="ignore")
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), nonfinite="off")
+    opt.zero_grad()
+    poison(model[0].bias, float("nan"))
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()  # taken as it is
+    assert torch.isnan(model[0].bias).any()
