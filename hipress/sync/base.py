@@ -162,6 +162,7 @@ class StateStore:
         for k in gone:
             self._states.pop(k, None)
             self._pending.pop(k, None)
+        self.undo_log.forget(gone)
         return len(gone)
 
 

@@ -318,3 +318,10 @@ def test_state_store_discard_drops_in_use_and_restored_states():
     for store in (st, restored):
         assert store.discard("a/") == 2
         assert sorted(store.state_dict()) == ["ab/p0/worker", "b/p0/worker"]
+    st.undo_log.enabled = True  # a discarded state is not restored by an undo either
+    st.get("c/p0/worker", comp, 4)
+    st.get("b/p0/worker", comp, 4)
+    st.discard("c/")
+    st.discard("b/")
+    st.undo()
+    assert sorted(st.state_dict()) == ["ab/p0/worker"]
