@@ -89,6 +89,7 @@ _EXPORTS = {
     "is_homogeneous": ("hipress.torch.collectives", "is_homogeneous"),
     "Compression": ("hipress.torch.compression", "Compression"),
     "SyncBatchNorm": ("hipress.torch.sync_batch_norm", "SyncBatchNorm"),
+    "ddp": ("hipress.ddp", None),  # the DDP communication hook (a module; hipress/torch/ddp.py)
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
@@ -96,7 +97,8 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 def __getattr__(name):
     if name in _EXPORTS:
         mod, attr = _EXPORTS[name]
-        value = getattr(importlib.import_module(mod), attr)
+        module = importlib.import_module(mod)
+        value = module if attr is None else getattr(module, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'hipress' has no attribute {name!r}")

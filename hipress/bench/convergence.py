@@ -5,6 +5,7 @@ pure reference of the same training.
     python -m hipress.bench.convergence --task charlm --np 4        # character LM: validation perplexity
     python -m hipress.bench.convergence --task transformer --np 4   # transformer on a synthetic sequence task
     python -m hipress.bench.convergence --task digits --np 4 --reference-only   # the simulator alone (fast)
+    python -m hipress.bench.convergence --task digits --np 4 --ddp --no-reference   # through DDP's comm hook
 
 Every algorithm (and no compression) trains the same model from the same seed with the
 same hyper-parameters, data order and number of epochs / steps, as ``--np`` local ranks
@@ -51,20 +52,41 @@ def worker(a) -> None:
     import hipress
 
     torch.set_num_threads(1)
-    hipress.init()
+    if a.ddp:  # torch DistributedDataParallel with hipress's comm hook (hipress/torch/ddp.py)
+        import torch.distributed as dist
+
+        import hipress.ddp
+        dist.init_process_group("gloo")
+        hipress.ddp.init()
+    else:
+        hipress.init()
     rank, size = hipress.rank(), hipress.size()
     task = tasks.build(a.task, a.seed, a.batch, a.seq)
-    model = task.model
+    model = net = task.model
     opt = tasks.optimizer(model, a.lr)
-    extra = {} if a.bucket_bytes is None else {"bucket_bytes": a.bucket_bytes}
-    opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=a.algo,
-                                       strategy=a.strategy, **extra, **json.loads(a.algo_kwargs or "{}"))
-    hipress.broadcast_parameters(model.state_dict(), root_rank=0)
+    if a.ddp:
+        from hipress import compression
+        from hipress.torch import momentum
+
+        kw = json.loads(a.algo_kwargs or "{}")
+        mc = None  # momentum correction where the optimizer's "auto" applies it: in the hook, the SGD without
+        if momentum.resolve("auto", opt, compression.get(a.algo, **kw)):
+            mc = opt.param_groups[0]["momentum"]
+            opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.0)
+        net = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's parameters
+        state = hipress.ddp.HookState(a.algo, a.strategy, named_parameters=model.named_parameters(),
+                                      momentum_correction=mc, **kw)
+        net.register_comm_hook(state, hipress.ddp.hook)
+    else:
+        extra = {} if a.bucket_bytes is None else {"bucket_bytes": a.bucket_bytes}
+        opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=a.algo,
+                                           strategy=a.strategy, **extra, **json.loads(a.algo_kwargs or "{}"))
+        hipress.broadcast_parameters(model.state_dict(), root_rank=0)
 
     def step(epoch, i):
         x, y = task.batch(rank, size, epoch, i)
         opt.zero_grad()
-        loss = task.loss(model(x), y)
+        loss = task.loss(net(x), y)
         loss.backward()
         opt.step()
         return float(loss.detach())
@@ -73,7 +95,8 @@ def worker(a) -> None:
     if rank == 0:
         with open(a.result, "w") as f:
             # multi-round compressors (PowerSGD) sync with the low-rank strategy whatever the option says
-            strategy = "lowrank" if opt._hp_compressor.rounds > 1 else opt._hp_strategy_name
+            comp, name = (state.compressor, state.strategy) if a.ddp else (opt._hp_compressor, opt._hp_strategy_name)
+            strategy = ("lowrank" if comp.rounds > 1 else name) + (" (DDP hook)" if a.ddp else "")
             json.dump({"algo": a.algo, "points": points, "steps_per_epoch": task.steps_per_epoch(size),
                        "strategy": strategy}, f)
 
@@ -99,6 +122,8 @@ def _hipress_run(a, algo: str, kwargs: dict, d: str, env: dict) -> dict:
            "--strategy", a.strategy, "--algo-kwargs", json.dumps(kwargs)]
     if a.bucket_bytes is not None:
         cmd += ["--bucket-bytes", str(a.bucket_bytes)]
+    if a.ddp:
+        cmd += ["--ddp"]
     t0 = time.time()
     code, logs = run(cmd, a.np, timeout=a.timeout, quiet=True, env=env)
     if code != 0 or not os.path.exists(res):
@@ -171,6 +196,9 @@ def main(argv=None) -> dict:
                         "own); the reference always has allgather semantics")
     p.add_argument("--bucket-bytes", type=int,
                    help="tensor fusion of hipress and the reference (0: every gradient alone; default: hipress's)")
+    p.add_argument("--ddp", action="store_true",
+                   help="hipress runs as torch DistributedDataParallel with hipress's comm hook (hipress.ddp): "
+                        "no momentum correction (a hook cannot change the optimizer; docs/ddp.md), DDP's buckets")
     p.add_argument("--reference-only", action="store_true", help="run only the reference simulator (no hipress)")
     p.add_argument("--no-reference", action="store_true", help="run only hipress (no reference simulator)")
     p.add_argument("--out-dir", default="results")
@@ -229,6 +257,8 @@ def main(argv=None) -> dict:
             for algo in algos]
     cols = list(dict.fromkeys(k for r in rows for k in r))
     what = "reference simulator only" if a.reference_only else f"hipress strategy {a.strategy}"
+    if a.ddp and not a.reference_only:
+        what += ", DDP comm hook"
     md = (f"### convergence: {a.task}, {a.np} ranks, {a.epochs} epochs, batch {a.batch}/rank, lr {a.lr}, "
           f"seed {a.seed}, {what}\n\n" + markdown_table(rows, cols) + "\n")
     if refs:

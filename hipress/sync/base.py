@@ -154,6 +154,17 @@ class StateStore:
         self._states.clear()
         self._pending = dict(sd)
 
+    def discard(self, prefix: str) -> int:
+        """Drops every state (in use or restored and not used yet) whose key starts with
+        ``prefix``; returns how many. For buckets that no longer exist (DDP rebuilt its buckets:
+        hipress/torch/ddp.py), so their residuals are neither checkpointed nor replayed later."""
+        gone = [k for k in self._states if k.startswith(prefix)] + [k for k in self._pending if k.startswith(prefix)]
+        for k in gone:
+            self._states.pop(k, None)
+            self._pending.pop(k, None)
+        self.undo_log.forget(gone)
+        return len(gone)
+
 
 @dataclass
 class SyncContext:

@@ -41,6 +41,12 @@ class UndoLog:
         if self.enabled and key not in self._saved:
             self._saved[key] = _Created(info)
 
+    def forget(self, keys) -> None:
+        """Drops what is kept for ``keys`` (their states no longer exist: StateStore.discard)."""
+        for k in keys:
+            self._saved.pop(k, None)
+            self._spare.pop(k, None)
+
     def nbytes(self) -> int:
         """Bytes held by the copies' buffers (kept from step to step)."""
         return sum(t.numel() * t.element_size() for ts in self._spare.values() for t in ts)

@@ -306,3 +306,22 @@ def test_strategies_bound_what_peers_send(monkeypatch, strategy, algo, kw):
         chunk_max = {comp.max_encoded_bytes(e - s) for s0, e0 in bounds
                      for s, e in chunk_bounds(e0 - s0, n)}
         assert {b for b, _ in received} <= chunk_max
+
+
+def test_state_store_discard_drops_in_use_and_restored_states():
+    comp = compression.get("onebit")
+    st = StateStore(0)
+    for k in ("a/p0/worker", "a/p1/worker", "ab/p0/worker", "b/p0/worker"):
+        st.get(k, comp, 4)
+    restored = StateStore(0)
+    restored.load_state_dict(st.state_dict())
+    for store in (st, restored):
+        assert store.discard("a/") == 2
+        assert sorted(store.state_dict()) == ["ab/p0/worker", "b/p0/worker"]
+    st.undo_log.enabled = True  # a discarded state is not restored by an undo either
+    st.get("c/p0/worker", comp, 4)
+    st.get("b/p0/worker", comp, 4)
+    st.discard("c/")
+    st.discard("b/")
+    st.undo()
+    assert sorted(st.state_dict()) == ["ab/p0/worker"]

@@ -1,0 +1,488 @@
+"""A DDP communication hook: hipress's algorithms and strategies under ``DistributedDataParallel``.
+
+    import hipress.ddp
+    dist.init_process_group("gloo")                      # torchrun, Accelerate, Lightning, Ray Train...
+    model = DistributedDataParallel(model)
+    state = hipress.ddp.HookState(compression="terngrad", named_parameters=model.named_parameters())
+    model.register_comm_hook(state, hipress.ddp.hook)    # or hipress.ddp.fp16_wrapper(hipress.ddp.hook)
+
+DDP fuses gradients into buckets and, instead of its allreduce, calls ``hook(state, bucket)``
+once per bucket and step; the hook returns a ``torch.futures.Future`` whose value is the
+bucket's averaged gradient. Here a DDP bucket is a hipress bucket: its gradients, in
+hipress's canonical order (reverse parameter order, as ``DistributedOptimizer`` fuses them),
+are handed to the same sync (``hipress.sync.make_sync``: the algorithm, the strategy,
+partitions, per-tensor payloads for quantizers, whole matrices for PowerSGD) and the future
+completes when the engine's last task of that sync does. Errors of the sync become the
+future's exception, so ``backward()`` raises; a sync that does not finish within
+``HIPRESS_TIMEOUT_S`` fails the future with a ``TimeoutError``.
+
+What the optimizer does and the hook does too: the algorithm's clipping (``grad_clip="auto"``:
+TernGrad's 2.5 sigma per tensor), compressor state per rank (``state.state_dict()``),
+averaging, and momentum correction, but not by itself: a hook cannot change the optimizer's
+step, so the user moves SGD's momentum into the hook (``momentum_correction=0.9`` and an SGD
+with ``momentum=0``; the optimizer's ``"auto"`` applies it to single-round algorithms). Not
+here: ``plan=`` and ``compression="covap"`` (they need every bucket before the first step;
+DDP makes its buckets itself).
+
+hipress's own traffic runs over a private gloo group (:func:`init`), not over DDP's process
+group: the engine's communication thread and DDP's collectives (the unused-parameter map of
+``find_unused_parameters``/``static_graph``, bucket rebuilds, buffer broadcasts) would
+otherwise interleave on one gloo group in different orders on different ranks.
+See docs/ddp.md.
+"""
+import heapq
+import itertools
+import threading
+import time
+import zlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from hipress import compression as _compression
+from hipress import config
+from hipress.comm import world
+from hipress.comm.exchange import open_exchanges
+from hipress.engine import get_engine
+from hipress.sync import StateStore, make_sync, resolve_strategy, use_local_aggregation
+from hipress.torch import clipping, momentum
+from hipress.torch.optimizer import Average, Sum, _Bucket, bucket_bounds, splits_tensors
+
+__all__ = ["HookState", "hook", "comm_hook", "register", "fp16_wrapper", "bf16_wrapper", "init"]
+
+_generation = itertools.count()
+
+
+# ---------------------------------------------------------------------------- world
+def init(timeout_s: Optional[float] = None) -> None:
+    """hipress's world for a DDP job: when torch.distributed is up, a private gloo group of the
+    same ranks over torch.distributed's default store (so hipress's traffic never shares a gloo
+    group with DDP's collectives), else, or when ``HIPRESS_TRANSPORT`` names another backend
+    (mpi, horovod, ...), ``hipress.init()``. Idempotent; collective. The hook calls it on its
+    first bucket; call it yourself to choose when the connections are made."""
+    if world.is_initialized():
+        return
+    requested = (config.get("HIPRESS_TRANSPORT") or "").lower()
+    if not (dist.is_available() and dist.is_initialized()) or requested not in ("", "torch"):
+        world.init(timeout_s=timeout_s)  # hipress's own connections (HIPRESS_TRANSPORT=mpi, ...)
+        return
+    from hipress.comm.transport.torch_dist import TorchDistTransport
+
+    timeout = config.get("HIPRESS_TIMEOUT_S") if timeout_s is None else float(timeout_s)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"hipress/ddp{next(_generation)}"  # every rank counts its inits the same way
+    pg = TorchDistTransport._new_pg(dist.PrefixStore(prefix, store), rank, size, "gloo", timeout)
+    world.init(transport=TorchDistTransport(pg, rank, size, store, "gloo", timeout, prefix=prefix))
+
+
+def _shares_default_group() -> bool:
+    """Whether hipress's world transport is torch.distributed's default group (``hipress.init()``
+    called after ``init_process_group``), which DDP uses too."""
+    if not (dist.is_available() and dist.is_initialized() and world.is_initialized()):
+        return False
+    return getattr(world.transport(), "pg", None) is dist.distributed_c10d._get_default_group()
+
+
+# ---------------------------------------------------------------------------- buckets
+class _Layout:
+    """One DDP bucket layout (a set of parameters in DDP's order) as a hipress bucket."""
+
+    __slots__ = ("bucket", "ddp_offsets", "canon_offsets", "numels", "bounds", "identity")
+
+    def __init__(self, bucket: _Bucket, ddp_offsets, canon_offsets, numels, bounds):
+        self.bucket = bucket
+        self.ddp_offsets = ddp_offsets      # where each parameter's gradient lies in DDP's buffer
+        self.canon_offsets = canon_offsets  # and in the hipress bucket (canonical order)
+        self.numels = numels
+        self.bounds = bounds
+        self.identity = ddp_offsets == canon_offsets  # DDP's buffer is already in canonical order
+
+    @property
+    def name(self) -> str:
+        return self.bucket.name
+
+
+class _Pending:
+    __slots__ = ("fut", "name", "done", "deadline", "timeout")
+
+    def __init__(self, fut, name):
+        self.fut, self.name, self.done, self.deadline, self.timeout = fut, name, False, None, None
+
+
+class HookState:
+    """The state of hipress's DDP hook: the algorithm and its options, and once the first bucket
+    arrived, the sync and every rank's compressor state.
+
+    compression, compression_kwargs, strategy, op, partition_bytes, local_aggregation,
+    coordinator and grad_clip mean what they mean for ``hipress.DistributedOptimizer``.
+    named_parameters: ``model.named_parameters()`` (of the model or of the DDP wrapper, the same
+    on every rank): names the buckets (compressor state keys, as the optimizer names them) and
+    orders each bucket's gradients as the optimizer fuses them (reverse parameter order). Without
+    it, parameters are named ``param.<i>`` in the order DDP's first step shows them to the hook.
+    momentum_correction: None (default: off), SGD's momentum factor, or a dict of SGD's
+    ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``: each rank applies them to its own
+    gradient before compression (hipress.torch.momentum, DGC's momentum correction), and the SGD
+    given to DDP must then run with momentum 0 (and weight decay 0 if given here). Velocities are
+    in :meth:`state_dict`.
+    timeout_s: how long a bucket may take (default ``HIPRESS_TIMEOUT_S``).
+    Nothing connects or allocates until the first bucket, so a state may be made before
+    ``init_process_group`` (Lightning's ``DDPStrategy(ddp_comm_state=...)``).
+    """
+
+    def __init__(self, compression="none", strategy: str = "auto", *, named_parameters=None, op: str = Average,
+                 partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto",
+                 coordinator: Optional[bool] = None, grad_clip="auto", momentum_correction=None,
+                 timeout_s: Optional[float] = None, **compression_kwargs):
+        if compression in ("auto", "covap"):
+            raise ValueError(f"compression={compression!r} needs hipress.DistributedOptimizer (a plan over "
+                             f"every bucket before the first step); the DDP hook takes an algorithm name or "
+                             f"a Compressor")
+        self._args = (compression, strategy, dict(op=op, partition_bytes=partition_bytes,
+                                                  local_aggregation=local_aggregation, coordinator=coordinator,
+                                                  grad_clip=grad_clip, momentum_correction=momentum_correction,
+                                                  timeout_s=timeout_s, **compression_kwargs))
+        if op not in (Average, Sum):
+            raise ValueError(f"op must be hipress.Average or hipress.Sum, got {op!r}")
+        self.compressor = (_compression.get(compression, **compression_kwargs) if isinstance(compression, str)
+                           else compression)
+        self.strategy = resolve_strategy(strategy, self.compressor)
+        self.average = op == Average
+        self.partition_bytes = partition_bytes
+        self.local_aggregation = local_aggregation
+        self.coordinator = config.get("HIPRESS_COORDINATOR") if coordinator is None else bool(coordinator)
+        self.clip = clipping.resolve(grad_clip, self.compressor.name)
+        self.timeout_s = timeout_s
+        self._order: Dict[int, int] = {}
+        self._names: Dict[int, str] = {}
+        if named_parameters is not None:
+            for i, (n, p) in enumerate(named_parameters):
+                self._order[id(p)] = i
+                self._names[id(p)] = n
+        self._named_given = named_parameters is not None
+        group = _momentum_group(momentum_correction)
+        self.momentum = _HookMomentum(group, self._names) if group is not None else None
+        self._lock = threading.Lock()
+        self._sync = None
+        self._states: Optional[StateStore] = None
+        self._loaded: Optional[dict] = None
+        self._layouts: Dict[Tuple[int, ...], _Layout] = {}
+        self._name_owner: Dict[str, frozenset] = {}
+        self._size = None
+        # watchdog of in-flight buckets (started with the first one)
+        self._cv = threading.Condition()
+        self._heap: List[Tuple[float, int, _Pending]] = []
+        self._seq = itertools.count()
+        self._watchdog: Optional[threading.Thread] = None
+        self.buckets_synced = 0
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        init()
+        if _shares_default_group():
+            raise RuntimeError(
+                "hipress's world uses torch.distributed's default group, which DDP uses too: their "
+                "collectives could interleave on one gloo group and deadlock. Call hipress.ddp.init() "
+                "instead of hipress.init() (a private gloo group of the same ranks)")
+        transport = world.transport()
+        device = getattr(transport, "device", None)
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"the {transport.name} transport moves {torch.device(device).type} buffers only, "
+                             f"but hipress's gradient payloads are CPU tensors; use HIPRESS_TRANSPORT=torch or mpi")
+        self._size = world.size()
+        engine = get_engine()
+        exchanges = open_exchanges(engine, coordinated=self.coordinator)
+        self._states = StateStore(world.rank())
+        if self._loaded is not None:
+            self._states.load_state_dict(self._loaded)
+            self._loaded = None
+        hierarchical = use_local_aggregation(self.local_aggregation, world.hostnames())
+        self.hierarchical = hierarchical
+        self._split_tensors = splits_tensors(self.compressor, self.strategy)
+        self._sync = make_sync(engine, exchanges, self.compressor, self.strategy, self._states, self.average,
+                               hierarchical, world.size(), world.local_rank() == 0)
+
+    def _layout(self, bucket) -> _Layout:
+        params = bucket.parameters()
+        key = tuple(id(p) for p in params)
+        lay = self._layouts.get(key)
+        if lay is not None:
+            return lay
+        for p in params:  # without named_parameters: named in the order DDP's first step shows them
+            if id(p) not in self._order:
+                if self._named_given:
+                    raise ValueError("a parameter of a DDP bucket is not in the named_parameters given to "
+                                     "hipress.ddp.HookState; pass the DDP model's (or its module's) parameters")
+                self._order[id(p)] = i = len(self._order)
+                self._names[id(p)] = f"param.{i}"
+        ddp_offsets, off = [], 0
+        for p in params:
+            ddp_offsets.append(off)
+            off += p.numel()
+        canon = sorted(range(len(params)), key=lambda j: -self._order[id(params[j])])  # reverse parameter order
+        hb = _Bucket([(self._names[id(params[j])], params[j]) for j in canon])
+        name = hb.name
+        members = frozenset(key)
+        # DDP rebuilt its buckets (once, after its first step): a bucket sharing parameters with
+        # this one but not all of them is gone; its states are dropped, not checkpointed (a
+        # resumed job would otherwise replay old residuals). Names are never reused for another
+        # set of parameters (a resumed job starts from the first step's buckets again).
+        for other, other_members in self._name_owner.items():
+            if other_members != members and other_members & members:
+                self._states.discard(other + "/")
+        owner = self._name_owner.setdefault(name, members)
+        if owner != members:  # another set of parameters had this name: keep states apart
+            digest = zlib.crc32(";".join(n for n, _ in hb.params).encode())
+            name = f"{name}#{digest:08x}"
+            self._name_owner.setdefault(name, members)
+        hb.name = name
+        canon_offsets = [0] * len(params)
+        for j, o in zip(canon, hb.offsets):
+            canon_offsets[j] = o
+        lay = _Layout(hb, ddp_offsets, canon_offsets, [p.numel() for p in params],
+                      bucket_bounds(hb, self.partition_bytes, self._split_tensors))
+        if lay.identity:
+            hb.flat = None  # synced in DDP's buffer (when it is fp32)
+        self._layouts[key] = lay
+        return lay
+
+    # ------------------------------------------------------------------ the hook
+    def submit(self, bucket) -> torch.futures.Future:
+        """``hook(self, bucket)``: starts the sync of one DDP bucket; returns its future."""
+        with self._lock:
+            if self._sync is None:
+                self._setup()
+            lay = self._layout(bucket)
+        buf = bucket.buffer()
+        total = sum(lay.numels)
+        if buf.numel() != total:
+            raise RuntimeError(f"DDP bucket {bucket.index()} holds {buf.numel()} elements, its parameters "
+                               f"{total}: padded or sparse buckets are not supported")
+        on_cpu = buf.device.type == "cpu"
+        in_place = on_cpu and lay.identity and buf.dtype == torch.float32 and buf.is_contiguous()
+        if in_place:
+            flat = buf.view(-1)
+        else:
+            if lay.bucket.flat is None:
+                lay.bucket.flat = torch.empty(total, dtype=torch.float32)
+            flat = lay.bucket.flat
+            # a device buffer (CUDA) comes over in one copy, in stream order: hipress's payloads
+            # are CPU tensors (untested here: no GPU)
+            src = buf if on_cpu else buf.detach().to("cpu", torch.float32)
+            for d, c, n in zip(lay.ddp_offsets, lay.canon_offsets, lay.numels):
+                flat[c:c + n].copy_(src[d:d + n])
+        if self.clip is not None or self.momentum is not None:  # as the optimizer's final_gradient
+            for (name, p), (o, n, _) in zip(lay.bucket.params, lay.bucket.segments):
+                g = flat[o:o + n].view(p.shape)
+                if self.clip is not None:
+                    self.clip(name, g)
+                if self.momentum is not None:
+                    self.momentum.apply(p, g)
+        fut = torch.futures.Future()
+        self.buckets_synced += 1
+        if self._size == 1:
+            self._unpack(lay, flat, buf, in_place)
+            fut.set_result(buf)
+            return fut
+        pending = _Pending(fut, lay.name)
+        handle = self._sync.build(lay.name, flat, lay.bounds, segments=lay.bucket.segments)
+        if not in_place:
+            handle = self._sync.ctx.compute(f"unpack.ddp.{lay.name}", lambda: self._unpack(lay, flat, buf, False),
+                                            [handle], nbytes=4 * total)
+        self._watch(pending)
+        handle.add_done_callback(lambda h: self._finish(pending, h, buf))
+        return fut
+
+    @staticmethod
+    def _unpack(lay: _Layout, flat: torch.Tensor, buf: torch.Tensor, in_place: bool) -> None:
+        if in_place:
+            return
+        dst = buf if buf.device.type == "cpu" else torch.empty(buf.numel(), dtype=torch.float32)
+        for d, c, n in zip(lay.ddp_offsets, lay.canon_offsets, lay.numels):
+            dst[d:d + n].copy_(flat[c:c + n])
+        if dst is not buf:
+            buf.copy_(dst)  # one copy back to the device
+
+    def _finish(self, pending: _Pending, h, buf) -> None:
+        err = h.exception(0)
+        with self._cv:
+            if pending.done:
+                return
+            pending.done = True
+            self._cv.notify()  # the watchdog drops it
+        if err is None:
+            pending.fut.set_result(buf)
+        else:
+            pending.fut.set_exception(RuntimeError(
+                f"hipress gradient synchronization of DDP bucket '{pending.name}' failed: {err}"))
+
+    # ------------------------------------------------------------------ timeouts
+    def _watch(self, pending: _Pending) -> None:
+        timeout = config.get("HIPRESS_TIMEOUT_S") if self.timeout_s is None else float(self.timeout_s)
+        pending.timeout = timeout
+        pending.deadline = time.monotonic() + timeout
+        with self._cv:
+            heapq.heappush(self._heap, (pending.deadline, next(self._seq), pending))
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch_loop, name="hipress-ddp-watchdog", daemon=True)
+                self._watchdog.start()
+            self._cv.notify()
+
+    def _watch_loop(self) -> None:
+        while True:
+            expired = []
+            with self._cv:
+                while self._heap and self._heap[0][2].done:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cv.wait(30.0)
+                    if not self._heap:  # idle: the next bucket starts another
+                        self._watchdog = None
+                        return
+                    continue
+                deadline, _, pending = self._heap[0]
+                now = time.monotonic()
+                if now < deadline:
+                    self._cv.wait(deadline - now)
+                    continue
+                heapq.heappop(self._heap)
+                pending.done = True
+                expired.append(pending)
+            for p in expired:
+                p.fut.set_exception(TimeoutError(
+                    f"hipress: DDP bucket '{p.name}' not synchronized within {p.timeout:g} s (HIPRESS_TIMEOUT_S or "
+                    f"HookState(timeout_s=)); a peer may have died or stalled"))
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """This rank's compressor state (error-feedback residuals, RNG counters, PowerSGD's Q), for
+        a checkpoint: save it per rank, beside the model and the optimizer."""
+        out = {"compressor_state": dict(self._loaded or {}) if self._states is None else self._states.state_dict()}
+        if self.momentum is not None:
+            out["velocity"] = self.momentum.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores :meth:`state_dict` (before or after the first bucket)."""
+        sd = dict(state_dict["compressor_state"])
+        if self.momentum is not None:
+            self.momentum.load_state_dict(state_dict.get("velocity", {}))
+        with self._lock:
+            if self._states is None:
+                self._loaded = sd
+            else:
+                self._states.load_state_dict(sd)
+
+    def __getstate__(self):
+        """Pickling (Lightning's ddp_spawn pickles the strategy, and this state with it) keeps the
+        options and the compressor state; parameter names given by object identity do not survive
+        it, so the copy names parameters in the order DDP shows them (as without named_parameters)."""
+        if self._sync is not None or self._heap:
+            raise RuntimeError("a hipress.ddp.HookState can be pickled only before its first bucket")
+        return {"args": self._args, "loaded": self._loaded}
+
+    def __setstate__(self, st):
+        compression, strategy, kw = st["args"]
+        self.__init__(compression, strategy, **kw)
+        self._loaded = st["loaded"]
+
+    def __repr__(self) -> str:
+        strategy = "lowrank" if self.compressor.rounds > 1 else self.strategy
+        return (f"HookState(compression={self.compressor.name!r}, strategy={strategy!r}, "
+                f"buckets synced={self.buckets_synced})")
+
+
+def _momentum_group(mc) -> Optional[dict]:
+    """momentum_correction=: None/False (off), a momentum factor, or a dict of SGD's momentum,
+    dampening, weight_decay and nesterov -> the settings momentum correction applies."""
+    if mc is None or mc is False:
+        return None
+    if isinstance(mc, bool) or not isinstance(mc, (int, float, dict)):
+        raise ValueError(f"momentum_correction must be None, a momentum factor or a dict of SGD's momentum, "
+                         f"dampening, weight_decay and nesterov, got {mc!r}")
+    d = {"momentum": float(mc)} if not isinstance(mc, dict) else dict(mc)
+    unknown = sorted(set(d) - {"momentum", "dampening", "weight_decay", "nesterov"})
+    if unknown:
+        raise ValueError(f"momentum_correction: unknown setting(s) {unknown}")
+    group = {"momentum": float(d.get("momentum", 0.0)), "dampening": float(d.get("dampening", 0.0)),
+             "weight_decay": float(d.get("weight_decay", 0.0)), "nesterov": bool(d.get("nesterov", False))}
+    if not group["momentum"] and not group["weight_decay"]:
+        raise ValueError("momentum_correction: momentum and weight_decay are both 0 (nothing to apply)")
+    return group
+
+
+class _HookMomentum(momentum.MomentumCorrection):
+    """hipress.torch.momentum's correction with the settings given to the hook (the SGD given to
+    DDP runs with momentum 0 and weight decay 0: the hook cannot change its step)."""
+
+    def __init__(self, group: dict, names: Dict[int, str]):
+        super().__init__(None, names)
+        self._fixed = self._current = group
+        self._no_decay = dict(group, weight_decay=0.0)
+
+    def _group(self, p) -> dict:
+        return self._current
+
+    def apply(self, p, grad) -> None:
+        if not self._fixed["weight_decay"] or p.device == grad.device:
+            return super().apply(p, grad)
+        # a device parameter, its gradient staged on the CPU: the decay term comes over first
+        grad.add_(p.detach().to(grad.device), alpha=self._fixed["weight_decay"])
+        self._current = self._no_decay
+        try:
+            super().apply(p, grad)
+        finally:
+            self._current = self._fixed
+
+
+def hook(state, bucket):
+    """The DDP communication hook: ``model.register_comm_hook(state, hipress.ddp.hook)`` with a
+    :class:`HookState`. Returns a future of the bucket's averaged gradient."""
+    return state.submit(bucket)
+
+
+def comm_hook(compression="none", strategy: str = "auto", **kwargs):
+    """``(state, hook)`` for ``model.register_comm_hook(*hipress.ddp.comm_hook("tbq"))`` and for
+    frameworks that take the two (Lightning's ``ddp_comm_state``/``ddp_comm_hook``)."""
+    return HookState(compression, strategy, **kwargs), hook
+
+
+def register(model: torch.nn.parallel.DistributedDataParallel, compression="none", strategy: str = "auto",
+             wrapper=None, **kwargs) -> HookState:
+    """Registers hipress's hook on a DDP model, its parameters naming the buckets; ``wrapper``:
+    :func:`fp16_wrapper` or :func:`bf16_wrapper` (or torch's). Returns the state (checkpoint it)."""
+    kwargs.setdefault("named_parameters", model.named_parameters())
+    state = HookState(compression, strategy, **kwargs)
+    model.register_comm_hook(state, wrapper(hook) if wrapper is not None else hook)
+    return state
+
+
+# ---------------------------------------------------------------------------- fp16 / bf16
+def _cast_wrapper(dtype, label):
+    def wrap(inner):
+        def wrapped(state, bucket):
+            bucket.set_buffer(bucket.buffer().to(dtype))
+            fut = inner(state, bucket)
+
+            def cast_back(f):
+                out = bucket.buffer()
+                out.copy_(f.value())
+                return out
+
+            return fut.then(cast_back)
+
+        wrapped.__name__ = wrapped.__qualname__ = f"hipress_{label}_wrapper_hook"
+        wrapped.__doc__ = f"{inner.__name__} on gradients cast to {dtype}"
+        return wrapped
+
+    wrap.__name__ = wrap.__qualname__ = f"{label}_wrapper"
+    wrap.__doc__ = (f"Like torch's {label}_compress_wrapper: the bucket is cast to {dtype} before the hook and "
+                    f"the result cast back by DDP. With hipress's hook this rounds gradients to {dtype} before "
+                    f"compression (the compressors work in fp32: what travels is the algorithm's payload). "
+                    f"Works on CPU (torch's bf16 wrapper refuses to run without CUDA and NCCL).")
+    return wrap
+
+
+fp16_wrapper = _cast_wrapper(torch.float16, "fp16")
+bf16_wrapper = _cast_wrapper(torch.bfloat16, "bf16")
