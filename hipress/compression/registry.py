@@ -6,7 +6,8 @@ from typing import Callable, Dict, List, Union
 
 from hipress.compression.base import Compressor
 from hipress.compression.error_feedback import ErrorFeedback
-from hipress.compression.native import DGC, TBQ, GradDrop, OneBit, PowerSGD, TernGrad
+from hipress.compression.native import (DGC, TBQ, Adaq, DGCGrace, GradDrop, OneBit, PowerSGD, RandomK, Sketch,
+                                        TernGrad, Threshold, TopK)
 from hipress.compression.none import NoneCompressor
 
 _REGISTRY: Dict[str, Callable[..., Compressor]] = {}
@@ -63,3 +64,11 @@ register("terngrad", TernGrad)
 register("dgc", DGC)
 register("graddrop", GradDrop, error_feedback=True)
 register("powersgd", PowerSGD)
+# GRACE's sparsifiers and hybrids, under GRACE's names, with the memory GRACE pairs them with
+# (Table I: error feedback on; DGC: its own memory). docs/grace_sparsifiers.md
+register("randomk", RandomK, error_feedback=True)
+register("topk", TopK, error_feedback=True)
+register("threshold", Threshold, error_feedback=True)
+register("adaq", Adaq, error_feedback=True)
+register("dgc_grace", DGCGrace)
+register("sketch", Sketch, error_feedback=True)

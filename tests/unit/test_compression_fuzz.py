@@ -12,6 +12,9 @@ N = 300
 ALGOS = {
     "onebit": C.OneBit(), "tbq": C.TBQ(0.01), "terngrad": C.TernGrad(4), "dgc": C.DGC(ratio=0.05),
     "graddrop": C.GradDrop(ratio=0.05), "powersgd": C.PowerSGD(rank=2),
+    # GRACE's sparsifiers and hybrids (docs/grace_sparsifiers.md)
+    "randomk": C.RandomK(ratio=0.05), "topk": C.TopK(ratio=0.05), "threshold": C.Threshold(0.5),
+    "adaq": C.Adaq(ratio=0.05), "dgc_grace": C.DGCGrace(ratio=0.05), "sketch": C.Sketch(quantiles=16),
 }
 G = torch.from_numpy(np.random.default_rng(0).standard_normal(N).astype(np.float32))
 PAYLOADS = {name: c.encode(G.view(20, 15)).clone() for name, c in ALGOS.items()}
@@ -88,7 +91,7 @@ def test_wrong_output_size(name):
             ALGOS[name].decode(PAYLOADS[name], torch.zeros(n))
 
 
-@pytest.mark.parametrize("name", ["dgc", "graddrop"])
+@pytest.mark.parametrize("name", ["dgc", "graddrop", "randomk", "topk", "threshold", "dgc_grace"])
 @SETTINGS
 @given(data=st.data())
 def test_sparse_indices_rewritten_with_valid_header(name, data):
@@ -275,13 +278,14 @@ def test_forged_headers(algo, numel, count, bits, kind, words, body, body_bytes)
             assert all((w & 0x7F800000) != 0x7F800000 for w in words[:{1: 2, 2: 1, 3: 3}[algo]])
 
 
-@pytest.mark.parametrize("name", ["onebit", "tbq", "terngrad", "dgc", "graddrop"])
+@pytest.mark.parametrize("name", ["onebit", "tbq", "terngrad", "dgc", "graddrop", "threshold", "adaq", "dgc_grace"])
 @pytest.mark.parametrize("word", [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFFFFFFF])
 def test_nonfinite_scale_rejected(name, word):
     """A forged inf/NaN scale or threshold is a ValueError everywhere, not inf/NaN values."""
     p = PAYLOADS[name]
     h = list(struct.unpack("<IBBBBIIQQ4I", bytes(p[:48].tolist())))
-    nfloat = {"onebit": 2, "tbq": 1, "terngrad": 3, "dgc": 1, "graddrop": 1}[name]
+    nfloat = {"onebit": 2, "tbq": 1, "terngrad": 3, "dgc": 1, "graddrop": 1, "threshold": 1, "adaq": 2,
+              "dgc_grace": 1}[name]
     for w in range(nfloat):
         f = list(h)
         f[9 + w] = word
