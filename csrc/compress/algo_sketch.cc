@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -40,6 +41,18 @@ namespace {
 
 constexpr uint8_t kSketchId = 25;
 constexpr size_t kMaxBuckets = 256;
+
+// codes[i] = min(top, number of E[0..NE) <= in[i]) for edges E sorted ascending, padded with +inf
+// (a NaN compares false everywhere: bucket 0; +inf counts the padding too: clamped to top).
+template <size_t NE>
+void bucket_codes(const float* in, size_t n, const float* E, uint8_t top, uint8_t* codes) {
+  for (size_t i = 0; i < n; ++i) {
+    const float x = in[i];
+    uint32_t k = 0;
+    for (size_t j = 0; j < NE; ++j) k += E[j] <= x ? 1u : 0u;
+    codes[i] = static_cast<uint8_t>(k < top ? k : top);
+  }
+}
 
 class Sketch final : public Compressor {
  public:
@@ -94,30 +107,39 @@ class Sketch final : public Compressor {
     }
     const size_t ne = q - 1;
     std::vector<float>().swap(sorted);
-    // 3. bucket = number of interior edges <= x; codes and per-chunk sums (merged in chunk order)
+    // 3. bucket = number of interior edges <= x (NaN: 0), counted against the edges padded with
+    //    +inf to a power of two so the count is a fixed-length, vectorisable loop; codes, then
+    //    per-chunk sums (4 interleaved partial sums per bucket, merged in a fixed order, so the
+    //    result does not depend on the thread count)
+    size_t padded = 8;
+    while (padded < ne) padded *= 2;
+    alignas(64) float E[kMaxBuckets];
+    for (size_t j = 0; j < padded; ++j) E[j] = j < ne ? edges[j] : std::numeric_limits<float>::infinity();
     uint8_t* codes = out + kHeaderBytes + 4 * q;
     const size_t nch = (n + ops::kGrain - 1) / ops::kGrain;
     std::vector<double> sums(nch * q, 0.0);
     std::vector<uint64_t> counts(nch * q, 0);
+    const uint8_t top = static_cast<uint8_t>(q - 1);
     parallel_range(n, ops::kGrain, [&](size_t b, size_t e) {
+      switch (padded) {
+        case 8: bucket_codes<8>(in + b, e - b, E, top, codes + b); break;
+        case 16: bucket_codes<16>(in + b, e - b, E, top, codes + b); break;
+        case 32: bucket_codes<32>(in + b, e - b, E, top, codes + b); break;
+        case 64: bucket_codes<64>(in + b, e - b, E, top, codes + b); break;
+        case 128: bucket_codes<128>(in + b, e - b, E, top, codes + b); break;
+        default: bucket_codes<256>(in + b, e - b, E, top, codes + b); break;
+      }
       const size_t c = b / ops::kGrain;
-      double* s = sums.data() + c * q;
-      uint64_t* k = counts.data() + c * q;
-      for (size_t i = b; i < e; ++i) {
-        const float x = in[i];
-        size_t lo = 0, len = ne;  // upper bound: first edge > x
-        while (len > 0) {
-          const size_t half = len / 2;
-          if (edges[lo + half] <= x) {
-            lo += half + 1;
-            len -= half + 1;
-          } else {
-            len = half;
-          }
-        }
-        codes[i] = static_cast<uint8_t>(lo);
-        s[lo] += static_cast<double>(x);
-        k[lo] += 1;
+      double part[4][kMaxBuckets] = {};
+      uint64_t cnt[kMaxBuckets] = {};
+      size_t i = b;
+      for (; i + 4 <= e; i += 4)
+        for (int l = 0; l < 4; ++l) part[l][codes[i + l]] += static_cast<double>(in[i + l]);
+      for (; i < e; ++i) part[0][codes[i]] += static_cast<double>(in[i]);
+      for (size_t i2 = b; i2 < e; ++i2) ++cnt[codes[i2]];
+      for (size_t j = 0; j < q; ++j) {
+        sums[c * q + j] = (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]);
+        counts[c * q + j] = cnt[j];
       }
     });
     float means[kMaxBuckets];
