@@ -14,7 +14,7 @@
 // not describe.
 //
 // Where it differs from GRACE: with more than `sample` elements the edges are the quantiles of
-// `sample` elements drawn uniformly at random (with replacement, counter-based RNG: counters
+// `sample` (default 16384) elements drawn uniformly at random (with replacement, counter-based RNG: counters
 // c .. c + sample - 1 of the tensor's stream), as SketchML's own quantile sketch is an
 // approximation too; exact below that (and with sample = 0). Bucket means are always exact
 // over all elements. SketchML's MinMaxSketch hashing of the bucket indices is not in GRACE
@@ -60,7 +60,7 @@ class Sketch final : public Compressor {
       : Compressor({"sketch", kSketchId, Category::kQuantization, 0.25, false, 1}) {
     ParamReader r("sketch", p);
     const double q = r.get("quantiles", 64);
-    const double s = r.get("sample", 65536);
+    const double s = r.get("sample", 16384);
     const double seed = r.get("seed", 0);
     r.finish();
     if (!(q >= 1 && q <= static_cast<double>(kMaxBuckets)) || q != std::floor(q))
@@ -92,8 +92,9 @@ class Sketch final : public Compressor {
       for (size_t j = 0; j < sample_; ++j) sorted[j] = in[pos[j]];
       if (st && st->scalars) st->scalars[kRngCounter] = counter + sample_;
     }
-    // NaN sorts last (a strict weak order even with NaN inputs)
-    std::sort(sorted.begin(), sorted.end(), [](float a, float b) { return a < b || (!std::isnan(a) && std::isnan(b)); });
+    // NaN sorts last: moved behind the numbers first, so the sort compares numbers only
+    auto nan_at = std::partition(sorted.begin(), sorted.end(), [](float v) { return !std::isnan(v); });
+    std::sort(sorted.begin(), nan_at);
     // 2. interior edges 1..q-1 (edge 0 and edge q only bound the outer buckets)
     const size_t m = sorted.size();
     float edges[kMaxBuckets] = {};
@@ -194,7 +195,7 @@ class Sketch final : public Compressor {
 
  private:
   size_t q_ = 64;
-  size_t sample_ = 65536;
+  size_t sample_ = 16384;
   RngKey key_{};
 };
 

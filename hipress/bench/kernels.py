@@ -72,7 +72,116 @@ def configs():
         ("graddrop-0.1%", lambda: C.GradDrop(ratio=0.001), lambda x: ref.graddrop_encode(x, 0.001),
          ref.sparse_decode),
         ("powersgd-r4", lambda: C.PowerSGD(rank=4), None, None),
+        # GRACE's sparsifiers and hybrids at GRACE's defaults (docs/grace_sparsifiers.md)
+        ("randomk-1%", lambda: C.RandomK(0.01), ref.randomk_encode, ref.sparse_decode),
+        ("topk-1%", lambda: C.TopK(0.01), ref.topk_encode, ref.sparse_decode),
+        ("threshold-0.01", lambda: C.Threshold(0.01), ref.threshold_encode, ref.sparse_decode),  # 32% of N(0, 0.01)
+        ("threshold-1%", lambda: C.Threshold(0.02576), lambda x: ref.threshold_encode(x, 0.02576), ref.sparse_decode),
+        ("adaq-1%", lambda: C.Adaq(0.01), ref.adaq_encode, ref.adaq_decode),
+        ("dgc_grace-1%", lambda: C.DGCGrace(0.01), ref.dgc_grace_encode_stateless, ref.sparse_decode),
+        ("sketch-64", lambda: C.Sketch(64), ref.sketch_encode, ref.sketch_decode),
+        ("powersgd_grace-r1", lambda: C.PowerSGDGrace(rank=1), None, None),
     ]
+
+
+# ------------------------------------------------------------------ pure torch, for the "x torch" columns
+# The same methods written with torch tensor ops only (as a framework-level implementation such as
+# GRACE's would be), timed on one intra-op thread. Encode returns the tensors sent, decode rebuilds.
+
+def _torch_sparse_dec(t, n):
+    idx, val = t
+    return torch.zeros(n).index_put_((idx,), val)
+
+
+def _torch_k(n, ratio):
+    return max(1, int(n * ratio))
+
+
+def _torch_randomk(x, ratio=0.01):
+    idx = torch.randperm(x.numel())[:_torch_k(x.numel(), ratio)]
+    return idx, x[idx]
+
+
+def _torch_topk(x, ratio=0.01):
+    _, idx = torch.topk(x.abs(), _torch_k(x.numel(), ratio), sorted=False)
+    return idx, x[idx]
+
+
+def _torch_threshold(x, v=0.01):
+    idx = torch.nonzero(x.abs() >= v).view(-1)
+    return idx, x[idx]
+
+
+def _torch_sample_thr(a, keep, s):
+    sm = a[torch.randint(0, a.numel(), (s,))]
+    return torch.topk(sm, max(1, min(s, math.ceil(keep * s)))).values.min()
+
+
+def _torch_adaq(x, ratio=0.01):
+    n = x.numel()
+    thr0 = _torch_sample_thr(x.abs(), ratio, max(1, n // 100))
+    out = []
+    for part in (x.clamp(min=0), (-x).clamp(min=0)):
+        k = math.ceil(float((part > 0).sum()) * ratio)
+        thr, sel = thr0, int((part > thr0).sum())
+        for _ in range(20):
+            if not (sel > 1.25 * k or sel < 0.8 * k):
+                break
+            thr = thr * (1.25 if sel > 1.25 * k else 0.9)
+            sel = int((part >= thr).sum())
+        if sel < 1:
+            thr = thr * 0.8
+        idx = torch.nonzero(part > thr).view(-1)
+        out += [idx, x[idx].mean() if idx.numel() else torch.tensor(0.0)]
+    return out
+
+
+def _torch_adaq_dec(t, n):
+    ip, mp, ineg, mn = t
+    out = torch.zeros(n)
+    out[ip] = mp
+    out[ineg] = mn
+    return out
+
+
+def _torch_dgc_grace(x, ratio=0.01):
+    n = x.numel()
+    a = x.abs()
+    s = max(1, n // 100)
+    thr = _torch_sample_thr(a, max(1, int(n * ratio / 100)) / s, s)
+    sel = int((a >= thr).sum())
+    for _ in range(10):
+        if not (sel > 1.3 * n * ratio or sel < 0.7 * n * ratio):
+            break
+        thr = thr * (1.3 if sel > 1.3 * n * ratio else 0.7)
+        sel = int((a >= thr).sum())
+    idx = torch.nonzero(a >= thr).view(-1)
+    return idx, x[idx]
+
+
+def _torch_sketch(x, q=64, sample=65536):
+    n = x.numel()
+    vals = x if n <= sample else x[torch.randint(0, n, (sample,))]
+    srt = torch.sort(vals).values.double()
+    pos = torch.arange(1, q, dtype=torch.float64) * (srt.numel() - 1) / q
+    lo = pos.floor().long()
+    hi = (lo + 1).clamp(max=srt.numel() - 1)
+    edges = (srt[lo] + (srt[hi] - srt[lo]) * (pos - lo)).float()
+    codes = torch.bucketize(x, edges, right=True)
+    sums = torch.zeros(q, dtype=torch.float64).index_add_(0, codes, x.double())
+    cnt = torch.bincount(codes, minlength=q).clamp(min=1)
+    return codes.to(torch.uint8), (sums / cnt).float()
+
+
+TORCH = {
+    "randomk-1%": (_torch_randomk, _torch_sparse_dec),
+    "topk-1%": (_torch_topk, _torch_sparse_dec),
+    "threshold-0.01": (_torch_threshold, _torch_sparse_dec),
+    "threshold-1%": (lambda x: _torch_threshold(x, 0.02576), _torch_sparse_dec),
+    "adaq-1%": (_torch_adaq, _torch_adaq_dec),
+    "dgc_grace-1%": (_torch_dgc_grace, _torch_sparse_dec),
+    "sketch-64": (_torch_sketch, lambda t, n: t[1][t[0].long()]),
+}
 
 
 def matrix_shape(n: int):
@@ -110,7 +219,8 @@ def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int) -> Di
                 r = ref.DGCReference(n, ratio=ratio)
                 ref_enc = r.encode
             if label.startswith("powersgd"):
-                r = ref.PowerSGDReference(shape[0], shape[1], 4)
+                grace = label.startswith("powersgd_grace")
+                r = ref.PowerSGDReference(shape[0], shape[1], 1 if grace else 4, fresh_q=grace)
                 e = best_time(lambda: r.round1(r.round0(xn)), 1, 0)
                 d = best_time(lambda: r.P @ r.Q.T, 1, 0)
             else:
@@ -119,6 +229,17 @@ def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int) -> Di
                 d = best_time(lambda: ref_dec(pb, n), 1, 0)
             rref = {"encode_gbs": nbytes / e / 1e9, "decode_gbs": nbytes / d / 1e9}
             row["reference"] = rref
+        if label in TORCH:  # pure torch on one intra-op thread
+            tenc, tdec = TORCH[label]
+            old = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                tp = tenc(x)
+                e = best_time(lambda: tenc(x), repeat)
+                d = best_time(lambda: tdec(tp, n), repeat)
+            finally:
+                torch.set_num_threads(old)
+            row["torch"] = {"encode_gbs": nbytes / e / 1e9, "decode_gbs": nbytes / d / 1e9}
         res["algorithms"][label] = row
     return res
 
@@ -133,7 +254,8 @@ def markdown(results: Dict) -> str:
         hdr = "| algorithm | payload B |"
         for k in tkeys:
             hdr += f" enc {k} GB/s | dec {k} GB/s | dec+add {k} GB/s |"
-        hdr += " enc %copy (1t) | dec %copy (1t) | ref enc GB/s | ref dec GB/s | enc x ref | dec x ref |"
+        hdr += (" enc %copy (1t) | dec %copy (1t) | ref enc GB/s | ref dec GB/s | enc x ref | dec x ref |"
+                " torch enc GB/s | torch dec GB/s | enc+dec x torch |")
         lines.append(hdr)
         lines.append("|" + "---|" * (hdr.count("|") - 1))
         for label, row in size["algorithms"].items():
@@ -148,6 +270,13 @@ def markdown(results: Dict) -> str:
                       f" {t1['decode_gbs'] / r['decode_gbs']:.0f}x |")
             else:
                 s += " - | - | - | - |"
+            tt = row.get("torch")
+            if tt:
+                both = 1 / (1 / t1["encode_gbs"] + 1 / t1["decode_gbs"])
+                tboth = 1 / (1 / tt["encode_gbs"] + 1 / tt["decode_gbs"])
+                s += f" {tt['encode_gbs']:.3f} | {tt['decode_gbs']:.3f} | {both / tboth:.1f}x |"
+            else:
+                s += " - | - | - |"
             lines.append(s)
     return "\n".join(lines)
 

@@ -112,6 +112,51 @@ def _dgc(p, n, counter):
     return ref.DGCReference(n, p["ratio"], p["momentum"], int(p["warmup_steps"])).encode, ref.sparse_decode
 
 
+def _counted(encode_at, advance):
+    """encode(x) at the worker's RNG counter, which then moves as the native kernel's does."""
+    def make(p, n, counter):
+        st = [counter]
+
+        def encode(x):
+            out = encode_at(p, x, st[0])
+            st[0] += advance(p, n)
+            return out
+        return encode
+    return make
+
+
+_randomk_enc = _counted(lambda p, x, c: ref.randomk_encode(x, p["ratio"], int(p["seed"]), c),
+                        lambda p, n: ref.randomk_counter_advance(n, p["ratio"]))
+_adaq_enc = _counted(lambda p, x, c: ref.adaq_encode(x, p["ratio"], int(p["seed"]), c),
+                     lambda p, n: ref.adaq_counter_advance(n))
+_sketch_enc = _counted(lambda p, x, c: ref.sketch_encode(x, int(p["quantiles"]), int(p["sample"]), int(p["seed"]), c),
+                       lambda p, n: ref.sketch_counter_advance(n, int(p["sample"])))
+
+
+def _randomk(p, n, counter):
+    return _randomk_enc(p, n, counter), ref.sparse_decode
+
+
+def _topk(p, n, counter):
+    return (lambda x: ref.topk_encode(x, p["ratio"])), ref.sparse_decode
+
+
+def _threshold(p, n, counter):
+    return (lambda x: ref.threshold_encode(x, p["threshold"])), ref.sparse_decode
+
+
+def _adaq(p, n, counter):
+    return _adaq_enc(p, n, counter), ref.adaq_decode
+
+
+def _dgc_grace(p, n, counter):
+    return ref.DGCGraceReference(n, p["ratio"], p["momentum"], int(p["seed"]), counter).encode, ref.sparse_decode
+
+
+def _sketch(p, n, counter):
+    return _sketch_enc(p, n, counter), ref.sketch_decode
+
+
 SINGLE_ROUND = {
     "none": (set(), set(), _none),
     "onebit": (set(), set(), _onebit),
@@ -120,6 +165,13 @@ SINGLE_ROUND = {
     # the native kernel samples a threshold, then selects the exact top-k: the sample cannot change the result
     "dgc": ({"ratio", "momentum", "warmup_steps"}, {"sample_ratio", "seed"}, _dgc),
     "graddrop": ({"ratio", "sample_ratio", "seed"}, set(), _graddrop),
+    # GRACE's sparsifiers and hybrids (docs/grace_sparsifiers.md)
+    "randomk": ({"ratio", "seed"}, set(), _randomk),
+    "topk": ({"ratio"}, {"sample_ratio", "seed"}, _topk),  # the sample only speeds the exact selection up
+    "threshold": ({"threshold"}, set(), _threshold),
+    "adaq": ({"ratio", "seed"}, set(), _adaq),
+    "dgc_grace": ({"ratio", "momentum", "seed"}, set(), _dgc_grace),
+    "sketch": ({"quantiles", "sample", "seed"}, set(), _sketch),
 }
 POWERSGD_PARAMS = {"rank", "seed", "error_feedback"}
 
@@ -178,8 +230,10 @@ class Reference:
         self.algo, self.name, self.ef = algo, inner.name, ef
         self.params = dict(getattr(inner, "params", {}))
         if comp.rounds > 1:
-            if self.name != "powersgd":
+            if self.name not in ("powersgd", "powersgd_grace"):
                 raise Unsupported(f"no pure reference for the multi-round compressor {self.name!r}")
+            if self.name == "powersgd_grace":  # GRACE's: fresh Q every step, error feedback always
+                self.params.setdefault("error_feedback", 1.0)
             _check_params(self.name, self.params, POWERSGD_PARAMS, set())
             self.semantics = "lowrank"
         else:
@@ -228,7 +282,8 @@ class Reference:
                 rows, cols = matrix_shape(shape, numel)
                 self._states[key] = [ref.PowerSGDReference(rows, cols, int(self.params["rank"]),
                                                            int(self.params["seed"]),
-                                                           bool(self.params["error_feedback"]))
+                                                           bool(self.params["error_feedback"]),
+                                                           fresh_q=self.name == "powersgd_grace")
                                      for _ in range(self.size)]
             workers = self._states[key]
             p_sum = sum_in_rank_order(w.round0(f[off:off + numel]) for w, f in zip(workers, flats))

@@ -22,7 +22,8 @@ from hipress import _C, config
 from hipress.compression.base import CATEGORIES, Compressor, CompressorState
 from hipress.compression.error_feedback import ErrorFeedback
 from hipress.compression.native import (BUILTIN_IDS, DGC, TBQ, Adaq, DGCGrace, GradDrop, NativeCompressor, OneBit,
-                                        PayloadError, PowerSGD, RandomK, Sketch, TernGrad, Threshold, TopK)
+                                        PayloadError, PowerSGD, PowerSGDGrace, RandomK, Sketch, TernGrad, Threshold,
+                                        TopK)
 from hipress.compression.none import NoneCompressor
 from hipress.compression.registry import available, get, register
 
@@ -58,9 +59,9 @@ DECOMPRESS_NUMEL_PER_BYTE = 1024
 _DENSE_BITS = {1: (1,), 2: (2,), 3: (1, 2, 4, 8)}  # onebit, tbq, terngrad: bit widths of the packed body
 _FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 4: 1, 5: 1, 6: 0,  # fp32 header words (scales, thresholds) per built-in
                 # GRACE's: randomk, topk, threshold (v), adaq (two means), dgc_grace (threshold), sketch
-                20: 0, 21: 0, 22: 1, 23: 2, 24: 1, 25: 0}
+                20: 0, 21: 0, 22: 1, 23: 2, 24: 1, 25: 0, 26: 0}
 _SPARSE_PAIRS = (4, 5, 20, 21, 22, 24)  # count (uint32 index, fp32 value) pairs
-_NAMES = {24: "dgc_grace"}  # payload names that are not the class name in lower case
+_NAMES = {24: "dgc_grace", 26: "powersgd_grace"}  # payload names that are not the class name in lower case
 
 
 def _algo_name(algo: int) -> str:
@@ -108,7 +109,7 @@ def _check_layout(algo: int, bits: int, kind: int, count: int, numel: int, body:
         if not 1 <= count <= 256:
             bad(f"{count} buckets, expected 1..256")
         expected = 4 * count + numel
-    else:  # PowerSGD: rows x cols matrix of rank count; kind 0: P^ and Q, 1: P, 2: Q
+    else:  # PowerSGD (6, 26): rows x cols matrix of rank count; kind 0: P^ and Q, 1: P, 2: Q
         rows, cols = words[0], words[1]
         if bits != 0 or kind not in (0, 1, 2):
             bad(f"unexpected bit width {bits} / kind {kind}")
@@ -191,7 +192,7 @@ def decompress(payload: torch.Tensor, out: Optional[torch.Tensor] = None, *, num
 
 __all__ = ["CATEGORIES", "Compressor", "CompressorState", "ErrorFeedback", "NativeCompressor", "PayloadError",
            "OneBit", "TBQ", "TernGrad", "DGC", "GradDrop", "PowerSGD", "RandomK", "TopK", "Threshold", "Adaq",
-           "DGCGrace", "Sketch", "available", "get", "register",
+           "DGCGrace", "Sketch", "PowerSGDGrace", "available", "get", "register",
            "compress", "decompress", "payload_info", "set_num_threads", "num_threads", "HEADER_BYTES",
            "DECOMPRESS_MIN_NUMEL", "DECOMPRESS_NUMEL_PER_BYTE",
            "NoneCompressor"]

@@ -263,9 +263,18 @@ class Sketch(NativeCompressor):
     ``quantiles`` buckets between quantile edges (of ``sample`` random elements when there are
     more; 0: all), one byte per element, decoded to the bucket's mean; residual memory by default."""
 
-    def __init__(self, quantiles: int = 64, sample: int = 65536, seed: int = 0):
+    def __init__(self, quantiles: int = 64, sample: int = 16384, seed: int = 0):
         super().__init__("sketch", quantiles=quantiles, sample=sample, seed=seed)
 
 
+class PowerSGDGrace(PowerSGD):
+    """PowerSGD as GRACE implements it (``powersgd_grace``): rank 1 by default and a fresh random
+    Q every step, orthonormalised (no warm start); error feedback. hipress's ``powersgd``
+    warm-starts Q (the PowerSGD paper's form) and defaults to rank 4."""
+
+    def __init__(self, rank: int = 1, seed: int = 0):
+        NativeCompressor.__init__(self, "powersgd_grace", rank=rank, seed=seed)
+
+
 BUILTIN_IDS = {1: OneBit, 2: TBQ, 3: TernGrad, 4: DGC, 5: GradDrop, 6: PowerSGD,
-               20: RandomK, 21: TopK, 22: Threshold, 23: Adaq, 24: DGCGrace, 25: Sketch}
+               20: RandomK, 21: TopK, 22: Threshold, 23: Adaq, 24: DGCGrace, 25: Sketch, 26: PowerSGDGrace}

@@ -23,7 +23,8 @@ VERSION = 1
 HEADER_BYTES = 48
 ALGO_IDS = {"onebit": 1, "tbq": 2, "terngrad": 3, "dgc": 4, "graddrop": 5, "powersgd": 6,
             # GRACE's sparsifiers and hybrids (docs/grace_sparsifiers.md)
-            "randomk": 20, "topk": 21, "threshold": 22, "adaq": 23, "dgc_grace": 24, "sketch": 25}
+            "randomk": 20, "topk": 21, "threshold": 22, "adaq": 23, "dgc_grace": 24, "sketch": 25,
+            "powersgd_grace": 26}
 _HDR = struct.Struct("<IBBBBIIQQ4I")
 _M64 = (1 << 64) - 1
 
@@ -481,11 +482,11 @@ def dgc_grace_encode_stateless(g: np.ndarray, ratio: float = 0.01, seed: int = 0
     return sparse_payload("dgc_grace", g.size, idx, g[idx], float(thr))
 
 
-def sketch_counter_advance(n: int, sample: int = 65536) -> int:
+def sketch_counter_advance(n: int, sample: int = 16384) -> int:
     return sample if 0 < sample < n else 0
 
 
-def sketch_encode(g: np.ndarray, quantiles: int = 64, sample: int = 65536, seed: int = 0,
+def sketch_encode(g: np.ndarray, quantiles: int = 64, sample: int = 16384, seed: int = 0,
                   counter: int = 0) -> bytes:
     """SketchML as GRACE implements it: q buckets between the j/q quantiles (linear
     interpolation) of the values (of `sample` random ones when there are more), each element
@@ -549,20 +550,30 @@ def orthogonalize(P: np.ndarray, eps: float = 1e-8) -> np.ndarray:
 
 class PowerSGDReference:
     """One rank of PowerSGD (Vogels 2019); for N ranks, call round0 on all, sum
-    the P's, round1 on all with the sum, sum the Q's, finish on all."""
+    the P's, round1 on all with the sum, sum the Q's, finish on all. fresh_q: GRACE's variant
+    (powersgd_grace), a new random Q every step, orthonormalised, instead of the warm start."""
 
-    def __init__(self, rows: int, cols: int, rank: int = 4, seed: int = 0, error_feedback: bool = True):
+    def __init__(self, rows: int, cols: int, rank: int = 4, seed: int = 0, error_feedback: bool = True,
+                 fresh_q: bool = False, counter: int = 0):
         self.rows, self.cols = rows, cols
         self.r = min(rank, rows, cols)
         self.ef = error_feedback
         self.e = np.zeros((rows, cols), np.float32)
-        self.Q = (np.float32(2) * random_uniform(seed, 0, cols * self.r) - np.float32(1)).reshape(cols, self.r)
+        self.seed, self.counter, self.fresh_q = seed, counter, fresh_q
+        self.Q = None if fresh_q else self._draw()
         self.P = None
         self.M = None
+
+    def _draw(self) -> np.ndarray:
+        q = (np.float32(2) * random_uniform(self.seed, self.counter, self.cols * self.r) - np.float32(1))
+        self.counter += self.cols * self.r
+        return q.reshape(self.cols, self.r)
 
     def round0(self, g: np.ndarray) -> np.ndarray:
         g = np.asarray(g, np.float32).reshape(self.rows, self.cols)
         self.M = (self.e + g) if self.ef else g.copy()
+        if self.fresh_q:  # GRACE's PowerSGD (powersgd_grace): a new orthonormalised Q every step
+            self.Q = orthogonalize(self._draw())
         return self.M @ self.Q
 
     def round1(self, p_sum: np.ndarray) -> np.ndarray:

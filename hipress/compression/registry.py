@@ -6,8 +6,8 @@ from typing import Callable, Dict, List, Union
 
 from hipress.compression.base import Compressor
 from hipress.compression.error_feedback import ErrorFeedback
-from hipress.compression.native import (DGC, TBQ, Adaq, DGCGrace, GradDrop, OneBit, PowerSGD, RandomK, Sketch,
-                                        TernGrad, Threshold, TopK)
+from hipress.compression.native import (DGC, TBQ, Adaq, DGCGrace, GradDrop, OneBit, PowerSGD, PowerSGDGrace,
+                                        RandomK, Sketch, TernGrad, Threshold, TopK)
 from hipress.compression.none import NoneCompressor
 
 _REGISTRY: Dict[str, Callable[..., Compressor]] = {}
@@ -72,3 +72,4 @@ register("threshold", Threshold, error_feedback=True)
 register("adaq", Adaq, error_feedback=True)
 register("dgc_grace", DGCGrace)
 register("sketch", Sketch, error_feedback=True)
+register("powersgd_grace", PowerSGDGrace)  # its own error feedback (residual memory), as GRACE's
