@@ -82,7 +82,106 @@ def configs():
         ("terngrad_grace", lambda: C.TernGradGrace(), ref.terngrad_grace_encode, ref.terngrad_grace_decode),
         ("fp16", lambda: C.FP16(), lambda x: ref.half_encode(x, "fp16"), ref.half_decode),
         ("bf16", lambda: C.BF16(), lambda x: ref.half_encode(x, "bf16"), ref.half_decode),
+        # GRACE's sparsifiers and hybrids at GRACE's defaults (docs/grace_sparsifiers.md)
+        ("randomk-1%", lambda: C.RandomK(0.01), ref.randomk_encode, ref.sparse_decode),
+        ("topk-1%", lambda: C.TopK(0.01), ref.topk_encode, ref.sparse_decode),
+        ("threshold-0.01", lambda: C.Threshold(0.01), ref.threshold_encode, ref.sparse_decode),  # 32% of N(0, 0.01)
+        ("threshold-1%", lambda: C.Threshold(0.02576), lambda x: ref.threshold_encode(x, 0.02576), ref.sparse_decode),
+        ("adaq-1%", lambda: C.Adaq(0.01), ref.adaq_encode, ref.adaq_decode),
+        ("dgc_grace-1%", lambda: C.DGCGrace(0.01), ref.dgc_grace_encode_stateless, ref.sparse_decode),
+        ("sketch-64", lambda: C.Sketch(64), ref.sketch_encode, ref.sketch_decode),
+        ("powersgd_grace-r1", lambda: C.PowerSGDGrace(rank=1), None, None),
     ]
+
+
+# ---- pure-torch implementations of GRACE's sparsifiers and hybrids (same use as the quantizers' below)
+# The same methods written with torch tensor ops only (as a framework-level implementation such as
+# GRACE's would be), timed on one intra-op thread. Encode returns the tensors sent, decode rebuilds.
+
+def _torch_sparse_dec(t, n):
+    idx, val = t
+    return torch.zeros(n).index_put_((idx,), val)
+
+
+def _torch_k(n, ratio):
+    return max(1, int(n * ratio))
+
+
+def _torch_randomk(x, ratio=0.01):
+    idx = torch.randperm(x.numel())[:_torch_k(x.numel(), ratio)]
+    return idx, x[idx]
+
+
+def _torch_topk(x, ratio=0.01):
+    _, idx = torch.topk(x.abs(), _torch_k(x.numel(), ratio), sorted=False)
+    return idx, x[idx]
+
+
+def _torch_threshold(x, v=0.01):
+    idx = torch.nonzero(x.abs() >= v).view(-1)
+    return idx, x[idx]
+
+
+def _torch_sample_thr(a, keep, s):
+    sm = a[torch.randint(0, a.numel(), (s,))]
+    return torch.topk(sm, max(1, min(s, math.ceil(keep * s)))).values.min()
+
+
+def _torch_adaq(x, ratio=0.01):
+    n = x.numel()
+    thr0 = _torch_sample_thr(x.abs(), ratio, max(1, n // 100))
+    out = []
+    for part in (x.clamp(min=0), (-x).clamp(min=0)):
+        k = math.ceil(float((part > 0).sum()) * ratio)
+        thr, sel = thr0, int((part > thr0).sum())
+        for _ in range(20):
+            if not (sel > 1.25 * k or sel < 0.8 * k):
+                break
+            thr = thr * (1.25 if sel > 1.25 * k else 0.9)
+            sel = int((part >= thr).sum())
+        if sel < 1:
+            thr = thr * 0.8
+        idx = torch.nonzero(part > thr).view(-1)
+        out += [idx, x[idx].mean() if idx.numel() else torch.tensor(0.0)]
+    return out
+
+
+def _torch_adaq_dec(t, n):
+    ip, mp, ineg, mn = t
+    out = torch.zeros(n)
+    out[ip] = mp
+    out[ineg] = mn
+    return out
+
+
+def _torch_dgc_grace(x, ratio=0.01):
+    n = x.numel()
+    a = x.abs()
+    s = max(1, n // 100)
+    thr = _torch_sample_thr(a, max(1, int(n * ratio / 100)) / s, s)
+    sel = int((a >= thr).sum())
+    for _ in range(10):
+        if not (sel > 1.3 * n * ratio or sel < 0.7 * n * ratio):
+            break
+        thr = thr * (1.3 if sel > 1.3 * n * ratio else 0.7)
+        sel = int((a >= thr).sum())
+    idx = torch.nonzero(a >= thr).view(-1)
+    return idx, x[idx]
+
+
+def _torch_sketch(x, q=64, sample=65536):
+    n = x.numel()
+    vals = x if n <= sample else x[torch.randint(0, n, (sample,))]
+    srt = torch.sort(vals).values.double()
+    pos = torch.arange(1, q, dtype=torch.float64) * (srt.numel() - 1) / q
+    lo = pos.floor().long()
+    hi = (lo + 1).clamp(max=srt.numel() - 1)
+    edges = (srt[lo] + (srt[hi] - srt[lo]) * (pos - lo)).float()
+    codes = torch.bucketize(x, edges, right=True)
+    sums = torch.zeros(q, dtype=torch.float64).index_add_(0, codes, x.double())
+    cnt = torch.bincount(codes, minlength=q).clamp(min=1)
+    return codes.to(torch.uint8), (sums / cnt).float()
+
 
 
 # ---- pure-torch implementations of GRACE's quantizers (GRACE's own form: torch ops, codes one per byte,
@@ -166,6 +265,13 @@ TORCH = {
     "u8bit": (lambda x: None, _t_u8bit_enc, _t_u8bit_dec),
     "fp16": (lambda x: None, lambda x, st: x.half(), lambda c, n: c.float()),
     "bf16": (lambda x: None, lambda x, st: x.bfloat16(), lambda c, n: c.float()),
+    "randomk-1%": (lambda x: None, lambda x, st, f=_torch_randomk: f(x), _torch_sparse_dec),
+    "topk-1%": (lambda x: None, lambda x, st, f=_torch_topk: f(x), _torch_sparse_dec),
+    "threshold-0.01": (lambda x: None, lambda x, st, f=_torch_threshold: f(x), _torch_sparse_dec),
+    "threshold-1%": (lambda x: None, lambda x, st, f=lambda x: _torch_threshold(x, 0.02576): f(x), _torch_sparse_dec),
+    "adaq-1%": (lambda x: None, lambda x, st, f=_torch_adaq: f(x), _torch_adaq_dec),
+    "dgc_grace-1%": (lambda x: None, lambda x, st, f=_torch_dgc_grace: f(x), _torch_sparse_dec),
+    "sketch-64": (lambda x: None, lambda x, st, f=_torch_sketch: f(x), lambda t, n: t[1][t[0].long()]),
 }
 
 
@@ -220,7 +326,8 @@ def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int) -> Di
             if label == "signum":
                 ref_enc = ref.SignumReference(n).encode
             if label.startswith("powersgd"):
-                r = ref.PowerSGDReference(shape[0], shape[1], 4)
+                grace = label.startswith("powersgd_grace")
+                r = ref.PowerSGDReference(shape[0], shape[1], 1 if grace else 4, fresh_q=grace)
                 e = best_time(lambda: r.round1(r.round0(xn)), 1, 0)
                 d = best_time(lambda: r.P @ r.Q.T, 1, 0)
             else:

@@ -112,17 +112,22 @@ def _dgc(p, n, counter):
     return ref.DGCReference(n, p["ratio"], p["momentum"], int(p["warmup_steps"])).encode, ref.sparse_decode
 
 
-def _stream(encode_at):
-    """A stochastic reference whose kernel draws one number per element per encode."""
+def _counted(encode_at, advance):
+    """encode(x) at the worker's RNG counter, which then moves as the native kernel's does."""
     def make(p, n, counter):
         st = [counter]
 
         def encode(x):
             out = encode_at(p, x, st[0])
-            st[0] += n
+            st[0] += advance(p, n)
             return out
         return encode
     return make
+
+
+def _stream(encode_at):
+    """A stochastic reference whose kernel draws one number per element per encode."""
+    return _counted(encode_at, lambda p, n: n)
 
 
 def _signsgd(p, n, counter):
@@ -160,6 +165,37 @@ def _half(algo):
         return (lambda x: ref.half_encode(x, algo)), ref.half_decode
     return make
 
+_randomk_enc = _counted(lambda p, x, c: ref.randomk_encode(x, p["ratio"], int(p["seed"]), c),
+                        lambda p, n: ref.randomk_counter_advance(n, p["ratio"]))
+_adaq_enc = _counted(lambda p, x, c: ref.adaq_encode(x, p["ratio"], int(p["seed"]), c),
+                     lambda p, n: ref.adaq_counter_advance(n))
+_sketch_enc = _counted(lambda p, x, c: ref.sketch_encode(x, int(p["quantiles"]), int(p["sample"]), int(p["seed"]), c),
+                       lambda p, n: ref.sketch_counter_advance(n, int(p["sample"])))
+
+
+def _randomk(p, n, counter):
+    return _randomk_enc(p, n, counter), ref.sparse_decode
+
+
+def _topk(p, n, counter):
+    return (lambda x: ref.topk_encode(x, p["ratio"])), ref.sparse_decode
+
+
+def _threshold(p, n, counter):
+    return (lambda x: ref.threshold_encode(x, p["threshold"])), ref.sparse_decode
+
+
+def _adaq(p, n, counter):
+    return _adaq_enc(p, n, counter), ref.adaq_decode
+
+
+def _dgc_grace(p, n, counter):
+    return ref.DGCGraceReference(n, p["ratio"], p["momentum"], int(p["seed"]), counter).encode, ref.sparse_decode
+
+
+def _sketch(p, n, counter):
+    return _sketch_enc(p, n, counter), ref.sketch_decode
+
 
 SINGLE_ROUND = {
     "none": (set(), set(), _none),
@@ -179,6 +215,13 @@ SINGLE_ROUND = {
     "u8bit": (set(), set(), _u8bit),
     "fp16": (set(), set(), _half("fp16")),
     "bf16": (set(), set(), _half("bf16")),
+    # GRACE's sparsifiers and hybrids (docs/grace_sparsifiers.md)
+    "randomk": ({"ratio", "seed"}, set(), _randomk),
+    "topk": ({"ratio"}, {"sample_ratio", "seed"}, _topk),  # the sample only speeds the exact selection up
+    "threshold": ({"threshold"}, set(), _threshold),
+    "adaq": ({"ratio", "seed"}, set(), _adaq),
+    "dgc_grace": ({"ratio", "momentum", "seed"}, set(), _dgc_grace),
+    "sketch": ({"quantiles", "sample", "seed"}, set(), _sketch),
 }
 POWERSGD_PARAMS = {"rank", "seed", "error_feedback"}
 
@@ -237,8 +280,10 @@ class Reference:
         self.algo, self.name, self.ef = algo, inner.name, ef
         self.params = dict(getattr(inner, "params", {}))
         if comp.rounds > 1:
-            if self.name != "powersgd":
+            if self.name not in ("powersgd", "powersgd_grace"):
                 raise Unsupported(f"no pure reference for the multi-round compressor {self.name!r}")
+            if self.name == "powersgd_grace":  # GRACE's: fresh Q every step, error feedback always
+                self.params.setdefault("error_feedback", 1.0)
             _check_params(self.name, self.params, POWERSGD_PARAMS, set())
             self.semantics = "lowrank"
         else:
@@ -289,7 +334,8 @@ class Reference:
                 rows, cols = matrix_shape(shape, numel)
                 self._states[key] = [ref.PowerSGDReference(rows, cols, int(self.params["rank"]),
                                                            int(self.params["seed"]),
-                                                           bool(self.params["error_feedback"]))
+                                                           bool(self.params["error_feedback"]),
+                                                           fresh_q=self.name == "powersgd_grace")
                                      for _ in range(self.size)]
             workers = self._states[key]
             p_sum = sum_in_rank_order(w.round0(f[off:off + numel]) for w, f in zip(workers, flats))

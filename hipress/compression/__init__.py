@@ -21,9 +21,10 @@ import torch
 from hipress import _C, config
 from hipress.compression.base import CATEGORIES, Compressor, CompressorState
 from hipress.compression.error_feedback import ErrorFeedback
-from hipress.compression.native import (BF16, BUILTIN_IDS, DGC, FP16, QSGD, TBQ, EFSignSGD, GradDrop, NativeCompressor,
-                                        Natural, OneBit, PayloadError, PowerSGD, SignSGD, Signum, TernGrad,
-                                        TernGradGrace, U8bit)
+from hipress.compression.native import (BF16, BUILTIN_IDS, DGC, FP16, QSGD, TBQ, Adaq, DGCGrace, EFSignSGD, GradDrop,
+                                        NativeCompressor, Natural, OneBit, PayloadError, PowerSGD, PowerSGDGrace,
+                                        RandomK, SignSGD, Signum, Sketch, TernGrad, TernGradGrace, Threshold, TopK,
+                                        U8bit)
 from hipress.compression.none import NoneCompressor
 from hipress.compression.registry import available, get, register
 
@@ -60,13 +61,18 @@ DECOMPRESS_NUMEL_PER_BYTE = 1024
 # efsignsgd (sign bits), qsgd, natural, u8bit (8-bit codes), terngrad_grace (2-bit), fp16, bf16 (16-bit values)
 _DENSE_BITS = {1: (1,), 2: (2,), 3: (1, 2, 4, 8), 7: (1,), 8: (1,), 9: (1,), 10: (8,), 11: (8,), 12: (2,), 13: (8,),
                14: (16,), 15: (16,)}
-# fp32 header words (scales, thresholds, norms) per built-in
-_FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 4: 1, 5: 1, 6: 0, 7: 1, 8: 1, 9: 1, 10: 2, 11: 0, 12: 1, 13: 1, 14: 0, 15: 0}
+# fp32 header words (scales, thresholds, norms) per built-in; GRACE's sparsifiers (docs/grace_sparsifiers.md):
+# randomk, topk, threshold (v), adaq (two means), dgc_grace (threshold), sketch, powersgd_grace
+_FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 4: 1, 5: 1, 6: 0, 7: 1, 8: 1, 9: 1, 10: 2, 11: 0, 12: 1, 13: 1, 14: 0, 15: 0,
+                20: 0, 21: 0, 22: 1, 23: 2, 24: 1, 25: 0, 26: 0}
+_SPARSE_PAIRS = (4, 5, 20, 21, 22, 24)  # count (uint32 index, fp32 value) pairs
+_NAMES = {24: "dgc_grace", 26: "powersgd_grace"}  # payload names that are not the class name in lower case
 
 
-def _name_of(cls) -> str:
-    """The registered name of a built-in class (TernGradGrace: terngrad_grace)."""
-    return getattr(cls, "algorithm", None) or cls.__name__.lower()
+def _algo_name(algo: int) -> str:
+    """The registered name of a built-in (TernGradGrace: terngrad_grace)."""
+    cls = BUILTIN_IDS[algo]
+    return _NAMES.get(algo) or getattr(cls, "algorithm", None) or cls.__name__.lower()
 
 
 def _header_bytes(p: torch.Tensor) -> torch.Tensor:
@@ -78,7 +84,7 @@ def _header_bytes(p: torch.Tensor) -> torch.Tensor:
 def _check_layout(algo: int, bits: int, kind: int, count: int, numel: int, body: int, words) -> None:
     """The body size each built-in's decoder expects for the header's fields (the layouts of
     hipress/dsl/specs/*.cll as the generated decoders read them); PayloadError otherwise."""
-    name = _name_of(BUILTIN_IDS[algo])
+    name = _algo_name(algo)
 
     def bad(msg):
         raise PayloadError(f"{name} payload: {msg}")
@@ -92,13 +98,25 @@ def _check_layout(algo: int, bits: int, kind: int, count: int, numel: int, body:
         if count != 0 or kind != 0:
             bad(f"unexpected count {count} / kind {kind}")
         expected = (numel * bits + 7) // 8
-    elif algo in (4, 5):  # DGC, GradDrop: count (uint32 index, fp32 value) pairs
+    elif algo in _SPARSE_PAIRS:  # DGC, GradDrop, GRACE's sparsifiers: count (uint32 index, fp32 value) pairs
         if bits != 0 or kind != 0:
             bad(f"unexpected bit width {bits} / kind {kind}")
         if count > numel:
             bad(f"{count} entries for {numel} elements")
         expected = 8 * count
-    else:  # PowerSGD: rows x cols matrix of rank count; kind 0: P^ and Q, 1: P, 2: Q
+    elif algo == 23:  # adaq: count uint32 indices, then count sign bits (packed)
+        if bits != 1 or kind != 0:
+            bad(f"unexpected bit width {bits} / kind {kind}")
+        if count > numel:
+            bad(f"{count} entries for {numel} elements")
+        expected = 4 * count + (count + 7) // 8
+    elif algo == 25:  # sketch: count fp32 bucket means, then numel uint8 codes
+        if bits != 8 or kind != 0:
+            bad(f"unexpected bit width {bits} / kind {kind}")
+        if not 1 <= count <= 256:
+            bad(f"{count} buckets, expected 1..256")
+        expected = 4 * count + numel
+    else:  # PowerSGD (6, 26): rows x cols matrix of rank count; kind 0: P^ and Q, 1: P, 2: Q
         rows, cols = words[0], words[1]
         if bits != 0 or kind not in (0, 1, 2):
             bad(f"unexpected bit width {bits} / kind {kind}")
@@ -130,7 +148,7 @@ def payload_info(payload: torch.Tensor) -> dict:
         _check_layout(algo, bits, kind, count, numel, body, words)  # later gets the generic checks)
     elif cls is None and algo < _FIRST_USER_ALGO:
         raise PayloadError(f"payload made by an unknown algorithm id {algo}")
-    return {"algo": algo, "name": _name_of(cls) if cls else None, "version": ver, "bits": bits, "kind": kind,
+    return {"algo": algo, "name": _algo_name(algo) if cls else None, "version": ver, "bits": bits, "kind": kind,
             "count": count, "numel": numel, "body_bytes": body}
 
 
@@ -181,7 +199,8 @@ def decompress(payload: torch.Tensor, out: Optional[torch.Tensor] = None, *, num
 
 __all__ = ["CATEGORIES", "Compressor", "CompressorState", "ErrorFeedback", "NativeCompressor", "PayloadError",
            "OneBit", "TBQ", "TernGrad", "DGC", "GradDrop", "PowerSGD", "SignSGD", "Signum", "EFSignSGD", "QSGD",
-           "Natural", "TernGradGrace", "U8bit", "FP16", "BF16", "available", "get", "register",
+           "Natural", "TernGradGrace", "U8bit", "FP16", "BF16", "RandomK", "TopK", "Threshold", "Adaq", "DGCGrace",
+           "Sketch", "PowerSGDGrace", "available", "get", "register",
            "compress", "decompress", "payload_info", "set_num_threads", "num_threads", "HEADER_BYTES",
            "DECOMPRESS_MIN_NUMEL", "DECOMPRESS_NUMEL_PER_BYTE",
            "NoneCompressor"]

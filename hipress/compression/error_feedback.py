@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 
 from hipress import _C
 from hipress.compression.base import Compressor, CompressorState, flat_f32

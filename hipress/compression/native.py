@@ -6,7 +6,6 @@ arithmetic runs in C++ with the GIL released.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -312,6 +311,78 @@ class BF16(NativeCompressor):
         return True  # as FP16 (relative error 2^-8 per re-encode, carried by error feedback)
 
 
+# ---- GRACE's sparsifiers and hybrids (GRACE, Xu et al. ICDCS 2021; docs/grace_sparsifiers.md)
+
+
+class RandomK(NativeCompressor):
+    """Random-k (GRACE's ``randomk``): k = max(1, floor(ratio n)) distinct random positions per
+    rank (counter-based RNG, each rank its own stream), sent as index + value; residual memory
+    (ErrorFeedback) by default."""
+
+    def __init__(self, ratio: float = 0.01, seed: int = 0):
+        super().__init__("randomk", ratio=ratio, seed=seed)
+
+
+class TopK(NativeCompressor):
+    """Top-k (GRACE's ``topk``): the max(1, floor(ratio n)) largest |g|, index + value; residual
+    memory (ErrorFeedback) by default. sample_ratio only speeds the exact selection up."""
+
+    def __init__(self, ratio: float = 0.01, sample_ratio: float = 0.01, seed: int = 0):
+        super().__init__("topk", ratio=ratio, sample_ratio=sample_ratio, seed=seed)
+
+
+class Threshold(NativeCompressor):
+    """Threshold-v (GRACE's ``threshold``): every element with |g| >= threshold (GRACE's 0.01),
+    index + value; residual memory (ErrorFeedback) by default."""
+
+    def __init__(self, threshold: float = 0.01):
+        super().__init__("threshold", threshold=threshold)
+
+
+class Adaq(NativeCompressor):
+    """Adaptive threshold SGD as GRACE implements it (``adaq``, Dryden et al. 2016): per sign,
+    about ratio of the elements above an adjusted threshold, sent as index + sign bit and
+    decoded to the mean of that sign's selected values; residual memory by default."""
+
+    def __init__(self, ratio: float = 0.01, seed: int = 0):
+        super().__init__("adaq", ratio=ratio, seed=seed)
+
+
+class DGCGrace(NativeCompressor):
+    """GRACE's DGC (``dgc_grace``): a sampled threshold adjusted at most 10 times until 0.7..1.3
+    ratio n elements reach it, all of them sent; DGC memory (accumulation, and with momentum > 0
+    GRACE's momentum correction with momentum factor masking: then use an optimizer without
+    momentum). hipress's ``dgc`` selects exactly the top k instead."""
+
+    def __init__(self, ratio: float = 0.01, momentum: float = 0.0, seed: int = 0):
+        super().__init__("dgc_grace", ratio=ratio, momentum=momentum, seed=seed)
+        self._args = dict(ratio=ratio, seed=seed)
+        self.momentum = float(momentum)
+
+    def _merged_compressor(self) -> Compressor:
+        # as DGC: a merged sum already carries momentum, so it is re-selected with accumulation only
+        return self if self.momentum == 0 else DGCGrace(momentum=0.0, **self._args)
+
+
+class Sketch(NativeCompressor):
+    """SketchML as GRACE implements it (``sketch``, hand-written C++, csrc/compress/algo_sketch.cc):
+    ``quantiles`` buckets between quantile edges (of ``sample`` random elements when there are
+    more; 0: all), one byte per element, decoded to the bucket's mean; residual memory by default."""
+
+    def __init__(self, quantiles: int = 64, sample: int = 16384, seed: int = 0):
+        super().__init__("sketch", quantiles=quantiles, sample=sample, seed=seed)
+
+
+class PowerSGDGrace(PowerSGD):
+    """PowerSGD as GRACE implements it (``powersgd_grace``): rank 1 by default and a fresh random
+    Q every step, orthonormalised (no warm start); error feedback. hipress's ``powersgd``
+    warm-starts Q (the PowerSGD paper's form) and defaults to rank 4."""
+
+    def __init__(self, rank: int = 1, seed: int = 0):
+        NativeCompressor.__init__(self, "powersgd_grace", rank=rank, seed=seed)
+
+
 BUILTIN_IDS = {1: OneBit, 2: TBQ, 3: TernGrad, 4: DGC, 5: GradDrop, 6: PowerSGD,
                7: SignSGD, 8: Signum, 9: EFSignSGD, 10: QSGD, 11: Natural, 12: TernGradGrace, 13: U8bit,
-               14: FP16, 15: BF16}
+               14: FP16, 15: BF16,
+               20: RandomK, 21: TopK, 22: Threshold, 23: Adaq, 24: DGCGrace, 25: Sketch, 26: PowerSGDGrace}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 
@@ -24,7 +24,10 @@ HEADER_BYTES = 48
 ALGO_IDS = {"onebit": 1, "tbq": 2, "terngrad": 3, "dgc": 4, "graddrop": 5, "powersgd": 6,
             # GRACE's quantizers (docs/grace.md)
             "signsgd": 7, "signum": 8, "efsignsgd": 9, "qsgd": 10, "natural": 11, "terngrad_grace": 12, "u8bit": 13,
-            "fp16": 14, "bf16": 15}
+            "fp16": 14, "bf16": 15,
+# GRACE's sparsifiers and hybrids (docs/grace_sparsifiers.md)
+            "randomk": 20, "topk": 21, "threshold": 22, "adaq": 23, "dgc_grace": 24, "sketch": 25,
+            "powersgd_grace": 26}
 _HDR = struct.Struct("<IBBBBIIQQ4I")
 _M64 = (1 << 64) - 1
 
@@ -320,6 +323,208 @@ def dgc_encode_stateless(g: np.ndarray, ratio: float = 0.001) -> bytes:
     return sparse_payload("dgc", g.size, idx, val, ratio)
 
 
+# ---------------------------------------------------------------- GRACE's sparsifiers and hybrids
+# Written from GRACE (Xu et al., ICDCS 2021, Table I and section IV-C) and its code
+# (github.com/sands-lab/grace), with the differences hipress's versions document
+# (hipress/dsl/specs/{randomk,topk,threshold,adaq,dgc_grace}.cll, csrc/compress/algo_sketch.cc).
+# An encoder that draws random numbers takes the RNG counter; *_counter_advance says by how much
+# the native kernel moves it per encode.
+
+
+def grace_count(ratio: float, n: int) -> int:
+    """GRACE's k = max(1, int(n * ratio)) (floor), at most n; 0 for an empty tensor."""
+    if n == 0:
+        return 0
+    return int(min(n, max(1, math.floor(ratio * n))))
+
+
+def sampled_threshold(x: np.ndarray, keep: float, s: int, seed: int, counter: int) -> np.float32:
+    """The ceil(keep * s)-th largest |x| over s random positions (with replacement); 0 if empty."""
+    n = x.size
+    if n == 0 or s == 0:
+        return np.float32(0)
+    sm = np.abs(x[random_index(seed, counter, n, s)])
+    r = max(1, min(s, math.ceil(keep * s)))
+    return np.float32(np.sort(sm)[::-1][r - 1])
+
+
+def randomk_counter_advance(n: int, ratio: float = 0.01) -> int:
+    return n + min(n, 4096)  # one key per element, then the sort's sample (only speeds it up)
+
+
+def randomk_encode(g: np.ndarray, ratio: float = 0.01, seed: int = 0, counter: int = 0) -> bytes:
+    """k = max(1, floor(ratio n)) distinct uniformly random positions: the k largest of n random
+    keys (counters counter .. counter + n - 1; ties to the lower index). Selected elements equal
+    to 0 or NaN are not sent."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    n = g.size
+    keys = random_uniform(seed, counter, n)
+    idx, _ = topk_abs_exact(keys, grace_count(ratio, n))
+    idx = idx[np.abs(g[idx]) > 0]
+    return sparse_payload("randomk", n, idx, g[idx])
+
+
+def topk_counter_advance(n: int, sample_ratio: float = 0.01) -> int:
+    return min(n, max(4096, math.ceil(sample_ratio * n)))
+
+
+def topk_encode(g: np.ndarray, ratio: float = 0.01) -> bytes:
+    """GRACE's Top-k: the max(1, floor(ratio n)) largest |g| (ties to the lower index)."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    idx, val = topk_abs_exact(g, grace_count(ratio, g.size))
+    return sparse_payload("topk", g.size, idx, val)
+
+
+def threshold_encode(g: np.ndarray, threshold: float = 0.01) -> bytes:
+    """Threshold-v: every element with |g| >= v (and g != 0)."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    a = np.abs(g)
+    v = np.float32(threshold)
+    idx = np.flatnonzero((a >= v) & (a > 0)).astype(np.uint32)
+    return sparse_payload("threshold", g.size, idx, g[idx], float(v))
+
+
+def adaq_counter_advance(n: int) -> int:
+    return max(1, n // 100)
+
+
+def _mean_f32(v: np.ndarray) -> np.float32:
+    """The kernels' reduce(..., mean): a double sum over the count, rounded to float."""
+    return np.float32(v.astype(np.float64).sum() / v.size) if v.size else np.float32(0)
+
+
+def adaq_encode(g: np.ndarray, ratio: float = 0.01, seed: int = 0, counter: int = 0) -> bytes:
+    """GRACE's adaptive threshold (adaq): per sign, a threshold adjusted at most 20 times (x1.25
+    above 1.25 K selected, x0.9 below 0.8 K, K = ceil(ratio * count of that sign)), starting at
+    the ceil(ratio s)-th largest |g| of s = max(1, n // 100) random elements; the selected
+    elements are sent as index + sign bit, decoded to the mean of that sign's selected values."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    n = g.size
+    thr0 = sampled_threshold(g, ratio, max(1, n // 100), seed, counter)
+    masks, means = [], []
+    for part in (np.where(g > 0, g, np.float32(0)), np.where(g < 0, -g, np.float32(0))):
+        k = np.float32(np.ceil(np.float32(int((part > 0).sum())) * np.float32(ratio)))  # float32, as GRACE's TF
+        hi, lo = np.float32(np.float32(1.25) * k), np.float32(np.float32(0.8) * k)
+        thr = thr0
+        sel = int((part > thr).sum())
+        for _ in range(20):
+            if not (sel > hi or sel < lo):
+                break
+            thr = np.float32(np.float32(1.25) * thr) if sel > hi else np.float32(np.float32(0.9) * thr)
+            sel = int((part >= thr).sum())
+        if sel < 1:
+            thr = np.float32(np.float32(0.8) * thr)
+        m = part > thr
+        masks.append(m)
+        means.append(_mean_f32(g[m]))
+    idx = np.flatnonzero(masks[0] | masks[1]).astype(np.uint32)
+    signs = pack_bits((g[idx] < 0).astype(np.uint8), 1)
+    k = idx.size
+    return (make_header("adaq", n, 4 * k + signs.size, bits=1, count=k,
+                        words=(f32_word(means[0]), f32_word(means[1])))
+            + idx.astype("<u4").tobytes() + signs.tobytes())
+
+
+def adaq_decode(payload, n: int) -> np.ndarray:
+    h = parse_header(payload)
+    k = h["count"]
+    body = _body(payload)
+    idx = body[: 4 * k].view("<u4")
+    neg = unpack_bits(body[4 * k:], k, 1)
+    table = np.array([word_f32(h["words"][0]), word_f32(h["words"][1])], dtype=np.float32)
+    out = np.zeros(n, np.float32)
+    out[idx] = table[neg]
+    return out
+
+
+def dgc_grace_counter_advance(n: int) -> int:
+    return max(1, n // 100)
+
+
+class DGCGraceReference:
+    """GRACE's DGC (grace_dl/torch compressor + DGC memory) as hipress's dgc_grace: u = m u + g,
+    v = v + u; threshold: the max(1, floor(ratio n / 100))-th largest |v| of max(1, n // 100)
+    random elements, adjusted at most 10 times (x1.3 above 1.3 ratio n, x0.7 below 0.7 ratio n);
+    every |v| >= threshold (v != 0) sent; u and v zeroed where sent."""
+
+    def __init__(self, n: int, ratio=0.01, momentum=0.0, seed=0, counter=0):
+        self.ratio, self.m, self.seed, self.counter = ratio, np.float32(momentum), int(seed), int(counter)
+        self.u = np.zeros(n, np.float32)
+        self.v = np.zeros(n, np.float32)
+
+    def select(self, x: np.ndarray, counter: int):
+        n = x.size
+        s = max(1, n // 100)
+        ks = max(1, math.floor(self.ratio * n / 100))
+        thr = sampled_threshold(x, (ks - 0.5) / s, s, self.seed, counter)
+        a = np.abs(x)
+        hi, lo = np.float32(13 * n * self.ratio / 10), np.float32(7 * n * self.ratio / 10)  # torch: float32
+        sel = int(((a >= thr) & (a > 0)).sum())
+        for _ in range(10):
+            if not (sel > hi or sel < lo):
+                break
+            thr = np.float32(np.float32(1.3) * thr) if sel > hi else np.float32(np.float32(0.7) * thr)
+            sel = int(((a >= thr) & (a > 0)).sum())
+        return np.flatnonzero((a >= thr) & (a > 0)).astype(np.uint32), thr
+
+    def encode(self, g: np.ndarray) -> bytes:
+        g = np.asarray(g, dtype=np.float32).reshape(-1)
+        self.u = self.m * self.u + g
+        self.v = self.v + self.u
+        idx, thr = self.select(self.v, self.counter)
+        self.counter += dgc_grace_counter_advance(g.size)
+        val = self.v[idx].copy()
+        self.v[idx] = 0
+        self.u[idx] = 0
+        return sparse_payload("dgc_grace", g.size, idx, val, float(thr))
+
+
+def dgc_grace_encode_stateless(g: np.ndarray, ratio: float = 0.01, seed: int = 0) -> bytes:
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    idx, thr = DGCGraceReference(0, ratio, 0.0, seed).select(g, 0)
+    return sparse_payload("dgc_grace", g.size, idx, g[idx], float(thr))
+
+
+def sketch_counter_advance(n: int, sample: int = 16384) -> int:
+    return sample if 0 < sample < n else 0
+
+
+def sketch_encode(g: np.ndarray, quantiles: int = 64, sample: int = 16384, seed: int = 0,
+                  counter: int = 0) -> bytes:
+    """SketchML as GRACE implements it: q buckets between the j/q quantiles (linear
+    interpolation) of the values (of `sample` random ones when there are more), each element
+    sent as its bucket's index (uint8), decoded to its bucket's mean."""
+    g = np.asarray(g, dtype=np.float32).reshape(-1)
+    n, q = g.size, int(quantiles)
+    vals = g if (sample == 0 or n <= sample) else g[random_index(seed, counter, n, sample)]
+    srt = np.sort(vals).astype(np.float64)
+    m = srt.size
+    edges = np.zeros(max(0, q - 1), np.float32)
+    if m:
+        for j in range(1, q):
+            pos = j * (m - 1) / q
+            lo = math.floor(pos)
+            hi = min(m - 1, lo + 1)
+            edges[j - 1] = np.float32(srt[lo] + (srt[hi] - srt[lo]) * (pos - lo))
+    codes = np.searchsorted(edges, g, side="right").astype(np.int64)
+    codes[np.isnan(g)] = 0
+    sums = np.bincount(codes, weights=g.astype(np.float64), minlength=q)
+    counts = np.bincount(codes, minlength=q)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = np.where(counts > 0, sums / np.maximum(counts, 1), 0.0).astype(np.float32)
+    means[~np.isfinite(means)] = 0
+    return (make_header("sketch", n, 4 * q + n, bits=8, count=q) + means.astype("<f4").tobytes()
+            + codes.astype(np.uint8).tobytes())
+
+
+def sketch_decode(payload, n: int) -> np.ndarray:
+    h = parse_header(payload)
+    q = h["count"]
+    body = _body(payload)
+    means = body[: 4 * q].view("<f4")
+    return means[body[4 * q: 4 * q + n]].astype(np.float32)
+
+
 # ---------------------------------------------------------------- error feedback (GRACE eq. 4)
 
 
@@ -348,20 +553,30 @@ def orthogonalize(P: np.ndarray, eps: float = 1e-8) -> np.ndarray:
 
 class PowerSGDReference:
     """One rank of PowerSGD (Vogels 2019); for N ranks, call round0 on all, sum
-    the P's, round1 on all with the sum, sum the Q's, finish on all."""
+    the P's, round1 on all with the sum, sum the Q's, finish on all. fresh_q: GRACE's variant
+    (powersgd_grace), a new random Q every step, orthonormalised, instead of the warm start."""
 
-    def __init__(self, rows: int, cols: int, rank: int = 4, seed: int = 0, error_feedback: bool = True):
+    def __init__(self, rows: int, cols: int, rank: int = 4, seed: int = 0, error_feedback: bool = True,
+                 fresh_q: bool = False, counter: int = 0):
         self.rows, self.cols = rows, cols
         self.r = min(rank, rows, cols)
         self.ef = error_feedback
         self.e = np.zeros((rows, cols), np.float32)
-        self.Q = (np.float32(2) * random_uniform(seed, 0, cols * self.r) - np.float32(1)).reshape(cols, self.r)
+        self.seed, self.counter, self.fresh_q = seed, counter, fresh_q
+        self.Q = None if fresh_q else self._draw()
         self.P = None
         self.M = None
+
+    def _draw(self) -> np.ndarray:
+        q = (np.float32(2) * random_uniform(self.seed, self.counter, self.cols * self.r) - np.float32(1))
+        self.counter += self.cols * self.r
+        return q.reshape(self.cols, self.r)
 
     def round0(self, g: np.ndarray) -> np.ndarray:
         g = np.asarray(g, np.float32).reshape(self.rows, self.cols)
         self.M = (self.e + g) if self.ef else g.copy()
+        if self.fresh_q:  # GRACE's PowerSGD (powersgd_grace): a new orthonormalised Q every step
+            self.Q = orthogonalize(self._draw())
         return self.M @ self.Q
 
     def round1(self, p_sum: np.ndarray) -> np.ndarray:

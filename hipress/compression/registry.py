@@ -6,8 +6,9 @@ from typing import Callable, Dict, List, Union
 
 from hipress.compression.base import Compressor
 from hipress.compression.error_feedback import ErrorFeedback
-from hipress.compression.native import (BF16, DGC, FP16, QSGD, TBQ, EFSignSGD, GradDrop, Natural, OneBit, PowerSGD,
-                                        SignSGD, Signum, TernGrad, TernGradGrace, U8bit)
+from hipress.compression.native import (BF16, DGC, FP16, QSGD, TBQ, Adaq, DGCGrace, EFSignSGD, GradDrop, Natural,
+                                        OneBit, PowerSGD, PowerSGDGrace, RandomK, SignSGD, Signum, Sketch, TernGrad,
+                                        TernGradGrace, Threshold, TopK, U8bit)
 from hipress.compression.none import NoneCompressor
 
 _REGISTRY: Dict[str, Callable[..., Compressor]] = {}
@@ -75,3 +76,12 @@ register("natural", Natural, error_feedback=True)
 register("terngrad_grace", TernGradGrace)
 register("fp16", FP16)
 register("bf16", BF16)
+# GRACE's sparsifiers and hybrids, under GRACE's names, with the memory GRACE pairs them with
+# (Table I: error feedback on; DGC: its own memory). docs/grace_sparsifiers.md
+register("randomk", RandomK, error_feedback=True)
+register("topk", TopK, error_feedback=True)
+register("threshold", Threshold, error_feedback=True)
+register("adaq", Adaq, error_feedback=True)
+register("dgc_grace", DGCGrace)
+register("sketch", Sketch, error_feedback=True)
+register("powersgd_grace", PowerSGDGrace)  # its own error feedback (residual memory), as GRACE's

@@ -137,9 +137,14 @@ class CppTarget:
         val, ety, keep = g.fused_value(g.elem(acode, st, "i"), st, pred, mapf)
         n = f"{acode}.n"
         if r in ("sum", "mean", "count"):
-            red = (f"hp::reduce_chunks({n}, hp::SumAcc{{}}, [&](hp::SumAcc& a, size_t i) {{ if ({keep}) {{ "
-                   f"a.s += static_cast<double>({val}); ++a.cnt; }} }}, [](hp::SumAcc& a, const hp::SumAcc& b) "
-                   f"{{ a.s += b.s; a.cnt += b.cnt; }})")
+            # Branch-free (a data-dependent predicate such as a sign test mispredicts half the time):
+            # a count adds the predicate, a sum adds the value or +0.0 (the same double: the sum
+            # starts at +0.0, so adding +0.0 for a dropped element changes nothing); user-defined
+            # functions are pure, so evaluating the value of a dropped element is harmless.
+            step = (f"a.cnt += ({keep}) ? 1u : 0u;" if r == "count" else
+                    f"const bool k_ = ({keep}); a.s += k_ ? static_cast<double>({val}) : 0.0; a.cnt += k_ ? 1u : 0u;")
+            red = (f"hp::reduce_chunks({n}, hp::SumAcc{{}}, [&](hp::SumAcc& a, size_t i) {{ {step} }}, "
+                   f"[](hp::SumAcc& a, const hp::SumAcc& b) {{ a.s += b.s; a.cnt += b.cnt; }})")
             if r == "count":
                 return f"hp::w32(static_cast<int64_t>({red}.cnt))"
             if r == "sum":

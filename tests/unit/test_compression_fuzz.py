@@ -15,6 +15,9 @@ ALGOS = {
     # GRACE's quantizers (docs/grace.md)
     "signsgd": C.SignSGD(), "signum": C.Signum(), "efsignsgd": C.EFSignSGD(), "qsgd": C.QSGD(), "natural": C.Natural(),
     "terngrad_grace": C.TernGradGrace(), "u8bit": C.U8bit(), "fp16": C.FP16(), "bf16": C.BF16(),
+    # GRACE's sparsifiers and hybrids (docs/grace_sparsifiers.md)
+    "randomk": C.RandomK(ratio=0.05), "topk": C.TopK(ratio=0.05), "threshold": C.Threshold(0.5),
+    "adaq": C.Adaq(ratio=0.05), "dgc_grace": C.DGCGrace(ratio=0.05), "sketch": C.Sketch(quantiles=16),
 }
 G = torch.from_numpy(np.random.default_rng(0).standard_normal(N).astype(np.float32))
 PAYLOADS = {name: c.encode(G.view(20, 15)).clone() for name, c in ALGOS.items()}
@@ -91,7 +94,7 @@ def test_wrong_output_size(name):
             ALGOS[name].decode(PAYLOADS[name], torch.zeros(n))
 
 
-@pytest.mark.parametrize("name", ["dgc", "graddrop"])
+@pytest.mark.parametrize("name", ["dgc", "graddrop", "randomk", "topk", "threshold", "dgc_grace"])
 @SETTINGS
 @given(data=st.data())
 def test_sparse_indices_rewritten_with_valid_header(name, data):
@@ -281,7 +284,7 @@ def test_forged_headers(algo, numel, count, bits, kind, words, body, body_bytes)
 
 
 @pytest.mark.parametrize("name", ["onebit", "tbq", "terngrad", "dgc", "graddrop", "signsgd", "signum", "efsignsgd",
-                                  "qsgd", "terngrad_grace", "u8bit"])
+                                  "qsgd", "terngrad_grace", "u8bit", "threshold", "adaq", "dgc_grace"])
 @pytest.mark.parametrize("word", [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFFFFFFF])
 def test_nonfinite_scale_rejected(name, word):
     """A forged inf/NaN scale or threshold is a ValueError everywhere, not inf/NaN values."""
