@@ -158,6 +158,13 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, master_addr: Op
             raise
 
 
+def init_private_gloo(store, prefix: str, rank: int, size: int, timeout_s: float) -> None:
+    """The world over a private gloo group on ``store`` (see TorchDistTransport.private_gloo)."""
+    from hipress.comm.transport.torch_dist import TorchDistTransport
+
+    init(transport=TorchDistTransport.private_gloo(store, prefix, rank, size, timeout_s))
+
+
 def on_shutdown(hook: Callable[[], None]) -> None:
     """Runs ``hook`` (once) at the next :func:`shutdown`, before the transports close:
     what rides on them (the coordinator's executors) stops first."""

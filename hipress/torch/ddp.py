@@ -67,14 +67,10 @@ def init(timeout_s: Optional[float] = None) -> None:
     if not (dist.is_available() and dist.is_initialized()) or requested not in ("", "torch"):
         world.init(timeout_s=timeout_s)  # hipress's own connections (HIPRESS_TRANSPORT=mpi, ...)
         return
-    from hipress.comm.transport.torch_dist import TorchDistTransport
-
     timeout = config.get("HIPRESS_TIMEOUT_S") if timeout_s is None else float(timeout_s)
-    rank, size = dist.get_rank(), dist.get_world_size()
-    store = dist.distributed_c10d._get_default_store()
     prefix = f"hipress/ddp{next(_generation)}"  # every rank counts its inits the same way
-    pg = TorchDistTransport._new_pg(dist.PrefixStore(prefix, store), rank, size, "gloo", timeout)
-    world.init(transport=TorchDistTransport(pg, rank, size, store, "gloo", timeout, prefix=prefix))
+    world.init_private_gloo(dist.distributed_c10d._get_default_store(), prefix, dist.get_rank(),
+                            dist.get_world_size(), timeout)
 
 
 def _shares_default_group() -> bool:

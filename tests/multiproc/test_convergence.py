@@ -32,10 +32,15 @@ def strategies_of(algo):
 # (algorithm, strategy) -> why it is known to miss the margin (docs/convergence.md, "Open")
 _DGC = "DGC's 0.1% density sends each element about once in a run this short"
 _ONEBIT = "one bit cannot carry a re-encoded sum (onebit.reencode_safe is False; auto uses allgather)"
+_RANDOMK = ("random 1% with residual memory: each element goes out about every 50 steps with a stale "
+            "velocity, and the run diverges (docs/grace_sparsifiers.md)")
+_PSGD_GRACE = "GRACE's PowerSGD: rank 1 and no warm start of Q (95.0 vs 98.3 at 2 ranks; docs/grace_sparsifiers.md)"
 _SIGN = "+-1 per element (the paper's scale 1) at lr 0.05 diverges; scale=0.05 trains (docs/grace.md)"
 KNOWN_2 = {("onebit", "ring"): _ONEBIT, ("onebit", "ps"): _ONEBIT, ("efsignsgd", "ps"): _ONEBIT,
            **{("dgc", s): _DGC for s in ("ring", "ps", "allgather")},
-           **{(a, s): _SIGN for a in ("signsgd", "signum") for s in ("auto", "ring", "ps", "allgather")}}
+           **{(a, s): _SIGN for a in ("signsgd", "signum") for s in ("auto", "ring", "ps", "allgather")},
+           **{("randomk", s): _RANDOMK for s in ("auto", "ring", "ps", "allgather")},
+           ("powersgd_grace", "auto"): _PSGD_GRACE, ("powersgd_grace", "lowrank"): _PSGD_GRACE}
 KNOWN_4 = {"signsgd": _SIGN, "signum": _SIGN, "efsignsgd": "-3.0 points (as onebit)",
            "terngrad_grace": "-2.0 points: the paper's 2.5 sigma clipping (clip=0: +0.1 over 3 seeds)",
            "onebit": "92.6% vs 95.6%", "terngrad": "94.3% vs 95.6%",

@@ -140,8 +140,11 @@ from contextlib import contextmanager  # noqa: E402
 from hipress.compression import reference as ref  # noqa: E402
 
 IDS = {"onebit": 1, "tbq": 2, "terngrad": 3, "dgc": 4, "graddrop": 5, "powersgd": 6, "signsgd": 7, "signum": 8,
-       "efsignsgd": 9, "qsgd": 10, "natural": 11, "terngrad_grace": 12, "u8bit": 13, "fp16": 14, "bf16": 15}
+       "efsignsgd": 9, "qsgd": 10, "natural": 11, "terngrad_grace": 12, "u8bit": 13, "fp16": 14, "bf16": 15,
+       "randomk": 20, "topk": 21, "threshold": 22, "adaq": 23, "dgc_grace": 24, "sketch": 25, "powersgd_grace": 26}
 FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 7: 1, 8: 1, 9: 1, 10: 2, 11: 0, 12: 1, 13: 1, 14: 0, 15: 0}  # quantised payloads
+# fp32 header words that are scales or thresholds, sparse payloads included (DGC, GradDrop and GRACE's)
+SCALE_WORDS = {**FLOAT_WORDS, 4: 1, 5: 1, 22: 1, 23: 2, 24: 1}
 ALLOC_LIMIT = 64 << 20  # bytes: far above any payload here, far below what a forged header asks for
 
 
@@ -290,7 +293,7 @@ def test_nonfinite_scale_rejected(name, word):
     """A forged inf/NaN scale or threshold is a ValueError everywhere, not inf/NaN values."""
     p = PAYLOADS[name]
     h = list(struct.unpack("<IBBBBIIQQ4I", bytes(p[:48].tolist())))
-    nfloat = FLOAT_WORDS.get(IDS[name], 1)
+    nfloat = SCALE_WORDS[IDS[name]]
     for w in range(nfloat):
         f = list(h)
         f[9 + w] = word

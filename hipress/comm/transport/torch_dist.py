@@ -85,6 +85,13 @@ class TorchDistTransport(Transport):
         backend = "nccl" if "nccl" in backend and torch.cuda.is_available() and "gloo" not in backend else "gloo"
         return cls(pg, dist.get_rank(), dist.get_world_size(), store, backend, timeout_s, check, prefix="hipress/default")
 
+    @classmethod
+    def private_gloo(cls, store, prefix: str, rank: int, size: int, timeout_s: float) -> "TorchDistTransport":
+        """A gloo group of its own over an existing store (keys under ``prefix``): hipress's
+        traffic then never shares a group with the user's torch.distributed collectives (DDP)."""
+        pg = cls._new_pg(dist.PrefixStore(prefix, store), rank, size, "gloo", timeout_s)
+        return cls(pg, rank, size, store, "gloo", timeout_s, prefix=prefix)
+
     @staticmethod
     def _new_pg(store, rank: int, size: int, backend: str, timeout_s: float):
         try:
