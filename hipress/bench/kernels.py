@@ -82,7 +82,7 @@ def configs():
         ("terngrad_grace", lambda: C.TernGradGrace(), ref.terngrad_grace_encode, ref.terngrad_grace_decode),
         ("fp16", lambda: C.FP16(), lambda x: ref.half_encode(x, "fp16"), ref.half_decode),
         ("bf16", lambda: C.BF16(), lambda x: ref.half_encode(x, "bf16"), ref.half_decode),
-        # GRACE's sparsifiers and hybrids at GRACE's defaults (docs/grace_sparsifiers.md)
+        # GRACE's sparsifiers and hybrids at GRACE's defaults (docs/grace.md)
         ("randomk-1%", lambda: C.RandomK(0.01), ref.randomk_encode, ref.sparse_decode),
         ("topk-1%", lambda: C.TopK(0.01), ref.topk_encode, ref.sparse_decode),
         ("threshold-0.01", lambda: C.Threshold(0.01), ref.threshold_encode, ref.sparse_decode),  # 32% of N(0, 0.01)

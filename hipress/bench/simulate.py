@@ -215,7 +215,7 @@ SINGLE_ROUND = {
     "u8bit": (set(), set(), _u8bit),
     "fp16": (set(), set(), _half("fp16")),
     "bf16": (set(), set(), _half("bf16")),
-    # GRACE's sparsifiers and hybrids (docs/grace_sparsifiers.md)
+    # GRACE's sparsifiers and hybrids (docs/grace.md)
     "randomk": ({"ratio", "seed"}, set(), _randomk),
     "topk": ({"ratio"}, {"sample_ratio", "seed"}, _topk),  # the sample only speeds the exact selection up
     "threshold": ({"threshold"}, set(), _threshold),

@@ -61,7 +61,7 @@ DECOMPRESS_NUMEL_PER_BYTE = 1024
 # efsignsgd (sign bits), qsgd, natural, u8bit (8-bit codes), terngrad_grace (2-bit), fp16, bf16 (16-bit values)
 _DENSE_BITS = {1: (1,), 2: (2,), 3: (1, 2, 4, 8), 7: (1,), 8: (1,), 9: (1,), 10: (8,), 11: (8,), 12: (2,), 13: (8,),
                14: (16,), 15: (16,)}
-# fp32 header words (scales, thresholds, norms) per built-in; GRACE's sparsifiers (docs/grace_sparsifiers.md):
+# fp32 header words (scales, thresholds, norms) per built-in; GRACE's sparsifiers (docs/grace.md):
 # randomk, topk, threshold (v), adaq (two means), dgc_grace (threshold), sketch, powersgd_grace
 _FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 4: 1, 5: 1, 6: 0, 7: 1, 8: 1, 9: 1, 10: 2, 11: 0, 12: 1, 13: 1, 14: 0, 15: 0,
                 20: 0, 21: 0, 22: 1, 23: 2, 24: 1, 25: 0, 26: 0}

@@ -311,7 +311,7 @@ class BF16(NativeCompressor):
         return True  # as FP16 (relative error 2^-8 per re-encode, carried by error feedback)
 
 
-# ---- GRACE's sparsifiers and hybrids (GRACE, Xu et al. ICDCS 2021; docs/grace_sparsifiers.md)
+# ---- GRACE's sparsifiers and hybrids (GRACE, Xu et al. ICDCS 2021; docs/grace.md)
 
 
 class RandomK(NativeCompressor):

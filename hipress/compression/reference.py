@@ -25,7 +25,7 @@ ALGO_IDS = {"onebit": 1, "tbq": 2, "terngrad": 3, "dgc": 4, "graddrop": 5, "powe
             # GRACE's quantizers (docs/grace.md)
             "signsgd": 7, "signum": 8, "efsignsgd": 9, "qsgd": 10, "natural": 11, "terngrad_grace": 12, "u8bit": 13,
             "fp16": 14, "bf16": 15,
-# GRACE's sparsifiers and hybrids (docs/grace_sparsifiers.md)
+# GRACE's sparsifiers and hybrids (docs/grace.md)
             "randomk": 20, "topk": 21, "threshold": 22, "adaq": 23, "dgc_grace": 24, "sketch": 25,
             "powersgd_grace": 26}
 _HDR = struct.Struct("<IBBBBIIQQ4I")

@@ -77,7 +77,7 @@ register("terngrad_grace", TernGradGrace)
 register("fp16", FP16)
 register("bf16", BF16)
 # GRACE's sparsifiers and hybrids, under GRACE's names, with the memory GRACE pairs them with
-# (Table I: error feedback on; DGC: its own memory). docs/grace_sparsifiers.md
+# (Table I: error feedback on; DGC: its own memory). docs/grace.md
 register("randomk", RandomK, error_feedback=True)
 register("topk", TopK, error_feedback=True)
 register("threshold", Threshold, error_feedback=True)

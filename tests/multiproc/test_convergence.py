@@ -33,8 +33,8 @@ def strategies_of(algo):
 _DGC = "DGC's 0.1% density sends each element about once in a run this short"
 _ONEBIT = "one bit cannot carry a re-encoded sum (onebit.reencode_safe is False; auto uses allgather)"
 _RANDOMK = ("random 1% with residual memory: each element goes out about every 50 steps with a stale "
-            "velocity, and the run diverges (docs/grace_sparsifiers.md)")
-_PSGD_GRACE = "GRACE's PowerSGD: rank 1 and no warm start of Q (95.0 vs 98.3 at 2 ranks; docs/grace_sparsifiers.md)"
+            "velocity, and the run diverges (docs/grace.md)")
+_PSGD_GRACE = "GRACE's PowerSGD: rank 1 and no warm start of Q (95.0 vs 98.3 at 2 ranks; docs/grace.md)"
 _SIGN = "+-1 per element (the paper's scale 1) at lr 0.05 diverges; scale=0.05 trains (docs/grace.md)"
 KNOWN_2 = {("onebit", "ring"): _ONEBIT, ("onebit", "ps"): _ONEBIT, ("efsignsgd", "ps"): _ONEBIT,
            **{("dgc", s): _DGC for s in ("ring", "ps", "allgather")},

@@ -15,7 +15,7 @@ ALGOS = {
     # GRACE's quantizers (docs/grace.md)
     "signsgd": C.SignSGD(), "signum": C.Signum(), "efsignsgd": C.EFSignSGD(), "qsgd": C.QSGD(), "natural": C.Natural(),
     "terngrad_grace": C.TernGradGrace(), "u8bit": C.U8bit(), "fp16": C.FP16(), "bf16": C.BF16(),
-    # GRACE's sparsifiers and hybrids (docs/grace_sparsifiers.md)
+    # GRACE's sparsifiers and hybrids (docs/grace.md)
     "randomk": C.RandomK(ratio=0.05), "topk": C.TopK(ratio=0.05), "threshold": C.Threshold(0.5),
     "adaq": C.Adaq(ratio=0.05), "dgc_grace": C.DGCGrace(ratio=0.05), "sketch": C.Sketch(quantiles=16),
 }

@@ -1,5 +1,5 @@
 """GRACE's sparsifiers and hybrids (randomk, topk, threshold, adaq, dgc_grace, sketch) against the
-numpy reference (hipress/compression/reference.py). docs/grace_sparsifiers.md"""
+numpy reference (hipress/compression/reference.py). docs/grace.md"""
 import numpy as np
 import pytest
 import torch
