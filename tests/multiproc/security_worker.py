@@ -1,4 +1,4 @@
-"""One rank of tests/multiproc/test_security.py (run by hipress.launch): where this rank
+"""One rank of tests/multiproc/test_security_ranks.py (run by hipress.launch): where this rank
 listens, whether rank 0's store is reachable from a non-loopback address of this host, and
 broadcast_object / broadcast_optimizer_state between real processes."""
 import errno

@@ -1,5 +1,5 @@
 """Non-finite gradients without peers (hipress/torch/nonfinite.py, hipress/sync/undo.py); the
-multi-rank behaviour is tested in tests/multiproc/test_nonfinite.py."""
+multi-rank behaviour is tested in tests/multiproc/test_nonfinite_ranks.py."""
 import copy
 import warnings
 

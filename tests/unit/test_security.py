@@ -1,7 +1,7 @@
 """docs/security.md, in one process: rank 0's store listens only on the announced address,
 the job-secret check, and nothing a peer sends is unpickled by default (broadcast_object,
 broadcast_optimizer_state; ranks as threads over the loopback transport).
-The same through hipress.launch, with real processes: tests/multiproc/test_security.py."""
+The same through hipress.launch, with real processes: tests/multiproc/test_security_ranks.py."""
 import datetime
 import errno
 import fcntl
