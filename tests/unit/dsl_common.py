@@ -4,10 +4,30 @@ bit (a generated kernel against the hand-written one)."""
 import os
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 
 os.environ.setdefault("HIPRESS_COMPLL_CACHE", os.path.join(tempfile.gettempdir(), f"hipress-compll-tests-{os.getuid()}"))
+
+
+# sizes around the kernels' block and vector boundaries, and the input dtypes they accept
+SIZES = [0, 1, 2, 7, 8, 9, 31, 33, 63, 65, 1000, 4095, 4097, 65535, 65537, 200003]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def grad(n, seed=0, dtype=torch.float32):
+    """A seeded N(0, 0.05^2) gradient of n elements."""
+    g = torch.from_numpy(np.random.default_rng(seed).standard_normal(n).astype(np.float32) * 0.05)
+    return g.to(dtype)
+
+
+def as_np(t):
+    return t.to(torch.float32).numpy()
+
+
+def pbytes(p):
+    return p.numpy().tobytes()
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])

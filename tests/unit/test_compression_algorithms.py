@@ -1,29 +1,13 @@
 """Every native CompLL algorithm against the numpy reference (hipress/compression/reference.py)."""
-import math
-
 import numpy as np
 import pytest
 import torch
 
 from hipress import compression as C
-from dsl_common import threads  # noqa: F401  (fixture)
+from dsl_common import SIZES, as_np, grad, pbytes, threads  # noqa: F401  (threads: a fixture)
 from hipress.compression import reference as ref
 
-SIZES = [0, 1, 2, 7, 8, 9, 31, 33, 63, 65, 1000, 4095, 4097, 65535, 65537, 200003]
 H = ref.HEADER_BYTES
-
-
-def grad(n, seed=0, dtype=torch.float32):
-    g = torch.from_numpy(np.random.default_rng(seed).standard_normal(n).astype(np.float32) * 0.05)
-    return g.to(dtype)
-
-
-def as_np(t):
-    return t.to(torch.float32).numpy()
-
-
-def pbytes(p):
-    return p.numpy().tobytes()
 
 
 def roundtrip(c, g, payload):

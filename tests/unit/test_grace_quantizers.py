@@ -5,14 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from dsl_common import threads  # noqa: F401  (fixture)
+from dsl_common import DTYPES, SIZES, as_np, pbytes, threads  # noqa: F401  (threads: a fixture)
 from hipress import compression as C
 from hipress.compression import reference as ref
 from hipress.sync.factory import resolve_strategy
 from hipress.torch import momentum
 
-SIZES = [0, 1, 2, 7, 8, 9, 31, 33, 63, 65, 1000, 4095, 4097, 65535, 65537, 200003]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 H = ref.HEADER_BYTES
 GRACE = ["u8bit", "signsgd", "signum", "efsignsgd", "qsgd", "natural", "terngrad_grace", "fp16", "bf16"]
 
@@ -22,14 +20,6 @@ def grad(n, seed=0, dtype=torch.float32, special=True):
     if special and n > 8:  # signed zeros, a subnormal, a tiny and a large value
         g[1], g[2], g[3], g[4], g[5] = -0.0, 0.0, 3e-40, -1e-37, 7.5
     return torch.from_numpy(g).to(dtype)
-
-
-def as_np(t):
-    return t.to(torch.float32).numpy()
-
-
-def pbytes(p):
-    return p.numpy().tobytes()
 
 
 def words(p):

@@ -5,27 +5,12 @@ import pytest
 import torch
 
 from hipress import compression as C
-from dsl_common import threads  # noqa: F401  (fixture)
+from dsl_common import DTYPES, SIZES, as_np, grad, pbytes, threads  # noqa: F401  (threads: a fixture)
 from hipress.compression import reference as ref
 from hipress.sync.factory import resolve_strategy
 
-SIZES = [0, 1, 2, 7, 8, 9, 31, 33, 63, 65, 1000, 4095, 4097, 65535, 65537, 200003]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 H = ref.HEADER_BYTES
 GRACE = ["randomk", "topk", "threshold", "adaq", "dgc_grace", "sketch"]
-
-
-def grad(n, seed=0, dtype=torch.float32):
-    g = torch.from_numpy(np.random.default_rng(seed).standard_normal(n).astype(np.float32) * 0.05)
-    return g.to(dtype)
-
-
-def as_np(t):
-    return t.to(torch.float32).numpy()
-
-
-def pbytes(p):
-    return p.numpy().tobytes()
 
 
 def roundtrip(c, g, payload):
