@@ -556,7 +556,7 @@ class PowerSGDReference:
     the P's, round1 on all with the sum, sum the Q's, finish on all. fresh_q: GRACE's variant
     (powersgd_grace), a new random Q every step, orthonormalised, instead of the warm start."""
 
-    def __init__(self, rows: int, cols: int, rank: int = 4, seed: int = 0, error_feedback: bool = True,
+    def __init__(self, rows: int, cols: int, rank: int = 8, seed: int = 0, error_feedback: bool = True,
                  fresh_q: bool = False, counter: int = 0):
         self.rows, self.cols = rows, cols
         self.r = min(rank, rows, cols)

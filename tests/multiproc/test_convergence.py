@@ -48,7 +48,7 @@ KNOWN_4 = {"signsgd": _SIGN, "signum": _SIGN, "efsignsgd": "-3.0 points (as oneb
            "topk": "93.9%: 1% density in 110 steps", "threshold": "94.6% vs 95.6% at seed 42",
            "terngrad_grace": "-2.0 points: the paper's 2.5 sigma clipping (clip=0: +0.1 over 3 seeds)",
            "onebit": "92.6% vs 95.6%", "terngrad": "94.3% vs 95.6%",
-           "dgc": "76.1% vs 95.6%: " + _DGC, "graddrop": "92.6% vs 95.6%", "powersgd": "94.3% vs 95.6%"}
+           "dgc": "76.1% vs 95.6%: " + _DGC, "graddrop": "92.6% vs 95.6%"}
 
 
 def _accuracies(tmp_dir, np, strategy, algos, reference=False):

@@ -165,7 +165,7 @@ def test_buckets_fill_by_bytes_sent():
     # 64x64 fp32 = 16 KiB: four fill a 64 KiB bucket; the 1 MiB matrix is alone
     assert layout(compression="none") == [["0.weight"], ["4.weight", "3.weight", "2.weight", "1.weight"],
                                           ["8.weight", "7.weight", "6.weight", "5.weight"]]
-    # PowerSGD rank 4 sends 48 + 4*4*(64+64) bytes per 64x64 matrix: all eight fit one bucket
+    # PowerSGD rank 8 sends 48 + 8*4*(64+64) bytes per 64x64 matrix: all eight fit one bucket
     assert layout(compression="powersgd") == [["0.weight"], [f"{i}.weight" for i in range(8, 0, -1)]]
 
 
