@@ -39,7 +39,7 @@ DTYPES = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # ------------------------------------------------------------------ equiv
 def make_mlp():
     torch.manual_seed(0)
-    # 7x11 weight, 7 rows: uneven for 2 and 3 ranks; the 2x7 weight and its bias have fewer
+    # 7x11 weight, 7 rows: uneven for 2 and 3 ranks; the 2x5 weight and its bias have fewer
     # rows than 3 ranks (one rank's shard is empty)
     return nn.Sequential(nn.Linear(11, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 2))
 
