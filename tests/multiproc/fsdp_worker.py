@@ -16,11 +16,14 @@ Every config has a "case":
           with hipress's reduce-scatter and `compression`; records the test loss and accuracy,
           the compressor's state keys and sizes after the last step, and whether the states of
           step `steps - 1` were the same objects, changed, at the last step.
+  error   a reduce-scatter whose encode fails, then one that takes longer than timeout_s: the
+          backward() of both raises, not hangs.
 Results go to OUT_DIR/rank{r}.pt.
 """
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -153,7 +156,50 @@ def case_train(cfg, rank, mesh):
                               for n, m in model.named_modules() if n}}
 
 
-CASES = {"equiv": case_equiv, "train": case_train}
+# ------------------------------------------------------------------ error
+class _Faulty:
+    """The real compressor, except that its encode raises (fail) or takes 4 s (stall)."""
+
+    def __init__(self, inner, stall):
+        self.inner, self.stall = inner, stall
+
+    @property
+    def merged(self):
+        return self
+
+    def encode(self, x, state):
+        if not self.stall:
+            raise RuntimeError("injected failure")
+        time.sleep(4.0)
+        return self.inner.encode(x, state)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def case_error(cfg, rank, mesh):
+    """A reduce-scatter whose encode fails, then one slower than timeout_s=2: backward() must
+    raise both times, within bounded time, on every rank."""
+    out = {}
+    for what in ("fail", "stall"):
+        torch.manual_seed(0)
+        model = fully_shard(nn.Linear(11, 2), mesh=mesh)
+        state = hipress.fsdp.register(model, "none", timeout_s=2.0)
+        x, y = batch(rank, 0)
+        F.mse_loss(model(x), y).backward()  # one good step sets the sync up
+        state._ctx.compressor = _Faulty(state._ctx.compressor, what == "stall")
+        t0 = time.monotonic()
+        try:
+            F.mse_loss(model(x), y).backward()
+            out[what] = {"raised": None}
+        except Exception as e:  # noqa: BLE001
+            out[what] = {"raised": f"{type(e).__name__}: {e}"[:500], "seconds": time.monotonic() - t0}
+        if what == "stall":
+            time.sleep(4.0)  # the slow encodes finish and the ring's hops complete before shutdown
+    return out
+
+
+CASES = {"equiv": case_equiv, "train": case_train, "error": case_error}
 
 
 def main():

@@ -80,12 +80,20 @@ def check_state(res, np, r):
 @pytest.mark.parametrize("np", [2, 3])
 def test_none_matches_fsdp_and_single_process(tmp_path, np):
     configs = EQUIV + [{"case": "train", "compression": "onebit", "steps": 4}]
+    if np == 2:
+        configs.append({"case": "error"})
     results = launch(tmp_path, np, configs)
     for c in range(len(EQUIV)):
         for r in range(np):
             check_equiv(results[r][c], results[0][c], np, r)
     for r in range(np):
         check_state(results[r][len(EQUIV)], np, r)
+        if np == 2:
+            res = results[r][len(EQUIV) + 1]
+            for what, marker in (("fail", "injected failure"), ("stall", "not done within")):
+                raised = res[what]["raised"]
+                assert raised is not None and marker in raised, f"rank {r} {what}: {raised}"
+                assert res[what]["seconds"] < 30
 
 
 # Compressed digits training: test accuracy at least the uncompressed run's minus MARGIN.
