@@ -176,7 +176,7 @@ class FsdpState:
             ctx = self._ctx
             name = f"{key}@{m}"  # a module's buffer changes size when some of its parameters get no gradient
             finals = [ring_reduce_scatter(ctx, f"{name}/p{i}", [rows[c, a:b] for c in range(n)], owned_offset=0)
-                      for i, (a, b) in enumerate(self._column_bounds(n, m))]
+                      for i, (a, b) in enumerate(self._column_bounds(n, m)) if b > a]
             done = ctx.compute(f"done.fsdp.{name}", lambda: None, finals)
             timeout = config.get("HIPRESS_TIMEOUT_S") if self.timeout_s is None else float(self.timeout_s)
             if not done.wait(timeout):

@@ -89,3 +89,27 @@ def test_clipping_without_layout_is_an_error():
     st = FsdpState("terngrad")
     with pytest.raises(RuntimeError, match="grad_clip=None"):
         st._clip(torch.zeros(2, 3), None)
+
+
+def test_clipping_sees_each_whole_parameter():
+    """FSDP's layout for 2 ranks: a 3x2 parameter padded to 4x2 (rows 0-1 on rank 0, row 2 and
+    a zero row on rank 1), then a 2-element one; the clip gets each parameter whole, in order,
+    and what it writes lands where the parameter lies."""
+    n = 2
+    w = torch.arange(1.0, 7.0).view(3, 2)
+    b = torch.tensor([10.0, 20.0])
+    rows = torch.zeros(n, 4 + 1)
+    rows[0, :4], rows[1, :2] = w[:2].reshape(-1), w[2]
+    rows[0, 4], rows[1, 4] = b
+    seen = {}
+
+    def clip(name, g):
+        seen[name] = g.clone()
+        g.neg_()
+
+    st = FsdpState("none", grad_clip=clip)
+    st._clip(rows, [("w", 4, 6), ("b", 1, 2)])
+    assert torch.equal(seen["w"], w.reshape(-1)) and torch.equal(seen["b"], b)
+    assert torch.equal(rows[0, :4], -w[:2].reshape(-1)) and torch.equal(rows[1, :2], -w[2])
+    assert torch.equal(rows[1, 2:4], torch.zeros(2))  # the padding stays zero
+    assert torch.equal(rows[:, 4], -b)
