@@ -90,6 +90,7 @@ _EXPORTS = {
     "Compression": ("hipress.torch.compression", "Compression"),
     "SyncBatchNorm": ("hipress.torch.sync_batch_norm", "SyncBatchNorm"),
     "ddp": ("hipress.ddp", None),  # the DDP communication hook (a module; hipress/torch/ddp.py)
+    "fsdp": ("hipress.fsdp", None),  # FSDP2's reduce-scatter (a module; hipress/torch/fsdp.py)
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

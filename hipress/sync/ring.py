@@ -52,50 +52,20 @@ class RingStrategy(Strategy):
         n, r = ctx.size, ctx.rank
         comp = ctx.compressor
         chunks = chunk_bounds(x.numel(), n)
-
-        def view(c):
-            s, e = chunks[c]
-            return x[s:e]
-
-        def bound(c):  # the most a peer's payload of chunk c may take (what this rank knows)
-            return payload_bound(comp, chunks[c][1] - chunks[c][0])
-
-        def encode_chunk(c, merged=True):
-            # Step 0 encodes this rank's own gradient; later encodes see merged partial sums
-            # and use the compressor's merged form (error feedback at every site). A chunk
-            # key has one role per rank, so its state always belongs to the same compressor.
-            enc = comp.merged if merged else comp
-            return enc.encode(view(c), ctx.states.get(f"{key}/c{c}", enc, chunks[c][1] - chunks[c][0]))
-
-        nxt, prv = (r + 1) % n, (r - 1) % n
-        slot = {}
-        last_compute = list(deps)
-
-        # Reduce-scatter.
-        for s in range(n - 1):
-            cs, cr = (r - s) % n, (r - s - 1) % n
-
-            def encode(s=s, cs=cs):
-                slot[("out", s)] = encode_chunk(cs, merged=s > 0)
-
-            def merge(s=s, cr=cr):
-                comp.decode_add(slot.pop(("in", s)), view(cr))
-
-            enc = ctx.compute(f"encode.{key}.rs{s}", encode, last_compute, nbytes=4 * x.numel() // n)
-            sr = ctx.exchange.sendrecv(f"sendrecv.{key}.rs{s}", lambda s=s: slot.pop(("out", s)), nxt,
-                                       lambda buf, s=s: slot.__setitem__(("in", s), buf), prv, [enc],
-                                       max_bytes=bound(cr))
-            last_compute = [ctx.compute(f"merge.{key}.rs{s}", merge, [sr], nbytes=4 * x.numel() // n)]
+        views = [x[s:e] for s, e in chunks]
+        reduced = reduce_scatter(ctx, key, views, deps, owned_offset=1)
 
         # All-gather of the encoded owned chunks.
+        nxt, prv = (r + 1) % n, (r - 1) % n
         owned = (r + 1) % n
+        slot = {}
 
         def encode_owned():
-            p = encode_chunk(owned)
-            comp.decode(p, view(owned))
+            p = encode_chunk(ctx, key, views, owned)
+            comp.decode(p, views[owned])
             slot[("fwd", 0)] = p
 
-        prev = ctx.compute(f"encode.{key}.ag", encode_owned, last_compute)
+        prev = ctx.compute(f"encode.{key}.ag", encode_owned, [reduced])
         finals = [prev]
         for t in range(n - 1):
             c_in = (r - t) % n
@@ -104,10 +74,11 @@ class RingStrategy(Strategy):
                 slot[("fwd", t + 1)] = slot[("dec", t)] = buf
 
             def decode(t=t, c=c_in):
-                comp.decode(slot.pop(("dec", t)), view(c))
+                comp.decode(slot.pop(("dec", t)), views[c])
 
             prev = ctx.exchange.sendrecv(f"sendrecv.{key}.ag{t}", lambda t=t: slot.pop(("fwd", t)), nxt,
-                                         received, prv, [prev], max_bytes=bound(c_in))
+                                         received, prv, [prev],
+                                         max_bytes=payload_bound(comp, views[c_in].numel()))
             finals.append(ctx.compute(f"decode.{key}.ag{t}", decode, [prev], nbytes=4 * x.numel() // n))
 
         def finish():
@@ -116,3 +87,47 @@ class RingStrategy(Strategy):
                 x.div_(n)
 
         return ctx.compute(f"average.{key}", finish, finals)
+
+
+def encode_chunk(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], c: int, merged: bool = True):
+    """Encodes chunk ``c`` with its state. Step 0 of the reduce-scatter encodes this rank's own
+    gradient; later encodes see merged partial sums and use the compressor's merged form (error
+    feedback at every site). A chunk key has one role per rank, so its state always belongs to
+    the same compressor."""
+    enc = ctx.compressor.merged if merged else ctx.compressor
+    return enc.encode(views[c], ctx.states.get(f"{key}/c{c}", enc, views[c].numel()))
+
+
+def reduce_scatter(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], deps: Sequence[Handle] = (),
+                   owned_offset: int = 1) -> Handle:
+    """The ring's compressed reduce-scatter phase over ``views`` (one contiguous chunk per rank,
+    the same sizes on every rank): N-1 steps of encode, sendrecv to r+1 from r-1, decode-and-add.
+    When the returned handle is done, rank r's chunk ``(r + owned_offset) mod N`` holds the sum
+    over ranks (its own gradient exact, the peers' as decoded); the other chunks hold partial
+    sums. The ring's all-reduce uses offset 1; FSDP2's reduce-scatter (hipress/torch/fsdp.py)
+    offset 0, rank r owning chunk r. State keys are ``{key}/c{chunk}``."""
+    n, r = ctx.size, ctx.rank
+    comp = ctx.compressor
+    if len(views) != n:
+        raise ValueError(f"a ring reduce-scatter needs one chunk per rank ({n}), got {len(views)}")
+    if n == 1:  # nothing to reduce
+        return ctx.compute(f"reduced.{key}", lambda: None, list(deps))
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    slot = {}
+    last_compute = list(deps)
+    for s in range(n - 1):
+        cs, cr = (r - s + owned_offset - 1) % n, (r - s + owned_offset - 2) % n
+
+        def encode(s=s, cs=cs):
+            slot[("out", s)] = encode_chunk(ctx, key, views, cs, merged=s > 0)
+
+        def merge(s=s, cr=cr):
+            comp.decode_add(slot.pop(("in", s)), views[cr])
+
+        nbytes = 4 * views[cs].numel()
+        enc = ctx.compute(f"encode.{key}.rs{s}", encode, last_compute, nbytes=nbytes)
+        sr = ctx.exchange.sendrecv(f"sendrecv.{key}.rs{s}", lambda s=s: slot.pop(("out", s)), nxt,
+                                   lambda buf, s=s: slot.__setitem__(("in", s), buf), prv, [enc],
+                                   max_bytes=payload_bound(comp, views[cr].numel()))
+        last_compute = [ctx.compute(f"merge.{key}.rs{s}", merge, [sr], nbytes=nbytes)]
+    return last_compute[0]
