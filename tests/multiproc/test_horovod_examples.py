@@ -5,6 +5,7 @@ the same files run on Horovod itself with that line changed to ``import horovod.
 The MNIST example (scikit-learn's digits) reaches a stated accuracy, and for a fixed seed every
 launcher gives the same parameters bit for bit: hipress's averages do not depend on the transport.
 """
+import ast
 import os
 import re
 import shutil
@@ -63,8 +64,12 @@ def launch_horovodrun(mode):
 def on_horovod(script, tmp_path):
     """A copy of script whose import line is Horovod's: the only line that differs."""
     text = open(script).read()
-    assert text.count(HIPRESS_IMPORT) == 1 and "hipress" not in text.replace(HIPRESS_IMPORT, ""), \
-        f"{script} must use hipress only through its one import line"
+    tree = ast.parse(text)
+    imports = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+               and "hipress" in ast.unparse(n)]
+    names = [n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "hipress"]
+    assert imports == [HIPRESS_IMPORT.strip()] and not names and text.count(HIPRESS_IMPORT) == 1, \
+        f"{script} must use hipress only through its one import line: {imports} {names}"
     copy = tmp_path / os.path.basename(script)
     copy.write_text(text.replace(HIPRESS_IMPORT, HOROVOD_IMPORT))
     return str(copy)
