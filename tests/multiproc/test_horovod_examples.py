@@ -26,8 +26,8 @@ MNIST_ARGS = ["--no-cuda", "--lr", "0.1", "--batch-size", "32", "--epochs", "2"]
 MNIST_ACCURACY = 0.6
 SYNTHETIC_ARGS = ["--no-cuda", "--model", "resnet_tiny", "--image-size", "32", "--num-classes", "10",
                   "--batch-size", "8", "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "2"]
-HIPRESS_IMPORT = "import hipress as hvd\n"
-HOROVOD_IMPORT = "import horovod.torch as hvd\n"
+IMPORT_LINE_OF_HIPRESS = "import hipress as hvd\n"
+IMPORT_LINE_OF_HOROVOD = "import horovod.torch as hvd\n"
 needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
 
 
@@ -68,10 +68,10 @@ def on_horovod(script, tmp_path):
     imports = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                and "hipress" in ast.unparse(n)]
     names = [n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "hipress"]
-    assert imports == [HIPRESS_IMPORT.strip()] and not names and text.count(HIPRESS_IMPORT) == 1, \
+    assert imports == [IMPORT_LINE_OF_HIPRESS.strip()] and not names and text.count(IMPORT_LINE_OF_HIPRESS) == 1, \
         f"{script} must use hipress only through its one import line: {imports} {names}"
     copy = tmp_path / os.path.basename(script)
-    copy.write_text(text.replace(HIPRESS_IMPORT, HOROVOD_IMPORT))
+    copy.write_text(text.replace(IMPORT_LINE_OF_HIPRESS, IMPORT_LINE_OF_HOROVOD))
     return str(copy)
 
 
