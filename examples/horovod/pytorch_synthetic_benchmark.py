@@ -4,10 +4,11 @@ random data, the throughput of timed batches per rank and in total.
 Plain Horovod code: the one hipress line is the import (``import horovod.torch as hvd``
 runs it on Horovod). Any launcher:
 
-    python -m hipress.launch -np 2 python examples/horovod/pytorch_synthetic_benchmark.py --no-cuda --model resnet_tiny --image-size 32
-    torchrun --nproc_per_node 2 examples/horovod/pytorch_synthetic_benchmark.py --no-cuda --model resnet_tiny --image-size 32
-    mpirun -np 2 python examples/horovod/pytorch_synthetic_benchmark.py --no-cuda --model resnet_tiny --image-size 32
-    horovodrun -np 2 python examples/horovod/pytorch_synthetic_benchmark.py --no-cuda --model resnet_tiny --image-size 32
+    A="--no-cuda --model resnet_tiny --image-size 32"
+    python -m hipress.launch -np 2 python examples/horovod/pytorch_synthetic_benchmark.py $A
+    torchrun --nproc_per_node 2 examples/horovod/pytorch_synthetic_benchmark.py $A
+    mpirun -np 2 python examples/horovod/pytorch_synthetic_benchmark.py $A
+    horovodrun -np 2 python examples/horovod/pytorch_synthetic_benchmark.py $A
 
 --model takes the small built-in models below (no torchvision needed) or, where torchvision
 is installed, any of torchvision.models (Horovod's default, resnet50).
@@ -96,7 +97,8 @@ parser.add_argument("--fp16-allreduce", action="store_true", default=False,
                     help="use fp16 compression during allreduce")
 parser.add_argument("--model", type=str, default="resnet50", help="model to benchmark")
 parser.add_argument("--batch-size", type=int, default=32, help="input batch size")
-parser.add_argument("--num-warmup-batches", type=int, default=10, help="number of warm-up batches that don't count towards benchmark")
+parser.add_argument("--num-warmup-batches", type=int, default=10,
+                    help="number of warm-up batches that don't count towards benchmark")
 parser.add_argument("--num-batches-per-iter", type=int, default=10, help="number of batches per benchmark iteration")
 parser.add_argument("--num-iters", type=int, default=10, help="number of benchmark iterations")
 parser.add_argument("--no-cuda", action="store_true", default=False, help="disables CUDA training")
