@@ -149,6 +149,54 @@ def fusion_buckets(named, compressor, bucket_bytes) -> List[_Bucket]:
     return [_Bucket(g) for g in groups]
 
 
+def split_evenly(items: list, n: int) -> List[list]:
+    """items cut into n consecutive runs whose lengths differ by at most one (longer ones
+    first), empty runs dropped: Horovod's ``groups=n``."""
+    q, r = divmod(len(items), n)
+    runs, start = [], 0
+    for i in range(n):
+        end = start + q + (1 if i < r else 0)
+        runs.append(items[start:end])
+        start = end
+    return [run for run in runs if run]
+
+
+def explicit_groups(named, groups) -> List[list]:
+    """``groups`` (Horovod's ``DistributedOptimizer(groups=...)``) as lists of (name, parameter)
+    in the optimizer's order, checked: an int n >= 1 (the parameters that need a gradient, in
+    the optimizer's order, cut into n runs), or a list of lists of this optimizer's parameters,
+    none twice (parameters that need no gradient are left out, as Horovod does; the parameters in
+    no group are not in the result)."""
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if isinstance(groups, bool) or not isinstance(groups, (int, list)):
+        raise ValueError(f"groups must be a positive int or a list of lists of parameters, got {type(groups).__name__}")
+    if isinstance(groups, int):
+        if groups < 1:
+            raise ValueError(f"groups (or num_groups) must be >= 1, got {groups}")
+        return split_evenly(trainable, groups)
+    position = {id(p): i for i, (_, p) in enumerate(named)}
+    seen: set = set()
+    out = []
+    for g, group in enumerate(groups):
+        if not isinstance(group, (list, tuple)):
+            raise ValueError(f"groups[{g}] must be a list of parameters, got {type(group).__name__}")
+        for p in group:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"groups[{g}] holds a {type(p).__name__}; groups must consist of torch.Tensor")
+            if id(p) not in position:
+                raise ValueError(f"groups[{g}] holds a tensor of shape {tuple(p.shape)} that is not a parameter "
+                                 f"of this optimizer")
+            if id(p) in seen:
+                raise ValueError(f"parameter '{named[position[id(p)]][0]}' appears twice in groups; "
+                                 f"a parameter can only be in one group")
+            seen.add(id(p))
+        # the optimizer's order inside a group, so every rank fills the buffer alike
+        members = sorted((position[id(p)] for p in group if p.requires_grad))
+        if members:
+            out.append([named[i] for i in members])
+    return out
+
+
 def splits_tensors(compressor, strategy: str) -> bool:
     """Whether each tensor of a fused bucket gets partitions (payloads) of its own.
 
@@ -209,6 +257,9 @@ class Options:
     momentum_correction: object = "auto"  # hipress.torch.momentum: "auto", True or False
     covap: Optional[dict] = None          # compression="covap": hipress.torch.covap.Run's arguments
     nonfinite: str = "skip"               # hipress.torch.nonfinite: "skip", "raise" or "off"
+    gradient_predivide_factor: float = 1.0  # Horovod's: op=Average as (sum of g / f) * f / size
+    groups: object = None                 # Horovod's: None, an int, or lists of parameters (explicit_groups)
+    sparse_as_dense: bool = False         # Horovod's: sparse gradients densified and synchronized
 
     def __post_init__(self):
         if self.backward_passes_per_step < 1:
@@ -216,6 +267,12 @@ class Options:
         if self.op not in (Average, Sum):
             raise ValueError(f"op must be hipress.Average or hipress.Sum, got {self.op!r}")
         nonfinite.resolve(self.nonfinite)
+        f = self.gradient_predivide_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+            raise ValueError(f"gradient_predivide_factor must be a positive finite number, got {f!r}")
+        if f != 1.0 and self.op != Average:
+            raise ValueError(f"gradient_predivide_factor is only supported with op=hipress.Average "
+                             f"(as in Horovod), got op={self.op!r}")
         if self.compression == "covap":  # a filter around the inner algorithm (hipress/torch/covap.py)
             mine, inner, rest = covap.split_options(self.compression_kwargs)
             object.__setattr__(self, "covap", mine)
@@ -273,7 +330,10 @@ class _HipressOptimizer:
         self._hp_plain = sync_for(NoneCompressor()) if options.plan is not None else self._hp_compressed
         self._hp_engine = engine
         self._hp_named = named
-        self._hp_buckets = self._hp_build_buckets(options.bucket_bytes)
+        self._hp_predivide = float(options.gradient_predivide_factor)
+        self._hp_sparse_as_dense = options.sparse_as_dense
+        self._hp_densified: set = set()  # ids of parameters whose sparse gradient was made dense this step
+        self._hp_buckets = self._hp_build_buckets(options.bucket_bytes, options.groups)
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
         self._hp_plan = self._hp_make_plan(options.plan) if options.plan is not None else None
         self._hp_covap = self._hp_make_covap(options.covap) if options.covap is not None else None
@@ -356,8 +416,15 @@ class _HipressOptimizer:
                 f"rank(s) {bad} differ from rank 0 ({table[0][0]} parameters); every rank must wrap the same model")
 
     # ------------------------------------------------------------------ submission
-    def _hp_build_buckets(self, bucket_bytes) -> List["_Bucket"]:
-        return fusion_buckets(self._hp_named, self._hp_compressor, bucket_bytes)
+    def _hp_build_buckets(self, bucket_bytes, groups=None) -> List["_Bucket"]:
+        """Tensor fusion (fusion_buckets); with Horovod's ``groups``, each group is one bucket and
+        the parameters in no group are fused as usual."""
+        if groups is None:
+            return fusion_buckets(self._hp_named, self._hp_compressor, bucket_bytes)
+        grouped = explicit_groups(self._hp_named, groups)
+        in_group = {id(p) for g in grouped for _, p in g}
+        rest = [(n, p) for n, p in self._hp_named if id(p) not in in_group]
+        return [_Bucket(g) for g in grouped] + fusion_buckets(rest, self._hp_compressor, bucket_bytes)
 
     def _hp_on_grad(self, p: torch.nn.Parameter):
         if self._hp_skip:
@@ -382,12 +449,21 @@ class _HipressOptimizer:
         """p's gradient is final for this step: put it in its bucket; submit a full bucket."""
         key = id(p)
         grad = p.grad
+        if grad is not None and grad.is_sparse:
+            if not self._hp_sparse_as_dense:
+                raise ValueError(f"the gradient of '{self._hp_names[key]}' is sparse (e.g. nn.Embedding(sparse=True)); "
+                                 f"hipress synchronizes dense gradients: pass sparse_as_dense=True to "
+                                 f"DistributedOptimizer, or use a dense embedding")
+            grad = grad.to_dense()
+            self._hp_densified.add(key)
         if self._hp_guard and grad is not None and not nonfinite.all_finite(grad):
             # never clipped, momentum-corrected, compressed or sent: zeros instead (every rank
             # runs the same collectives); synchronize() undoes the step on every rank
             self._hp_bad.add(key)
             grad = torch.zeros_like(grad)
         p.grad = final_gradient(self._hp_names[key], p, grad, self._hp_clip, self._hp_momentum)
+        if self._hp_predivide != 1.0:  # Horovod's gradient_predivide_factor: 1/f before the sum
+            p.grad.div_(self._hp_predivide)
         self._hp_taken.add(key)
         bucket = self._hp_bucket_of[key]
         if self._hp_transport.size > 1:
@@ -463,6 +539,7 @@ class _HipressOptimizer:
         self._hp_counts.clear()
         self._hp_taken.clear()
         bad, self._hp_bad = self._hp_bad, set()
+        self._hp_finish_gradients()
         if errors:
             self._hp_commit()  # nothing to agree on: the collectives themselves failed
             shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
@@ -476,6 +553,20 @@ class _HipressOptimizer:
                       f"T_comm {profile.t_comm * 1e3:.2f} ms per step: CCR {profile.ccr:.2f}, interval "
                       f"{profile.interval}", flush=True)
         self._hp_synchronized = True
+
+    def _hp_finish_gradients(self) -> None:
+        """After the sync: f times each gradient (gradient_predivide_factor: the sync averaged
+        the gradients divided by f), and densified gradients back to sparse (as Horovod does, for
+        optimizers that want sparse gradients)."""
+        densified, self._hp_densified = self._hp_densified, set()
+        for bucket in self._hp_buckets:
+            for _, p in bucket.params:
+                if p.grad is None:
+                    continue
+                if self._hp_predivide != 1.0:
+                    p.grad.mul_(self._hp_predivide)
+                if id(p) in densified:
+                    p.grad = p.grad.to_sparse()
 
     def _hp_commit(self) -> None:
         self._hp_states.commit()
@@ -587,7 +678,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto", plan=None,
                          coordinator: Optional[bool] = None, bucket_bytes: Optional[int] = 1 << 20,
                          grad_clip="auto", momentum_correction="auto", nonfinite: str = "skip",
-                         **compression_kwargs):
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                         sparse_as_dense: bool = False, **compression_kwargs):
     """Wraps ``optimizer`` so that step() uses gradients averaged over all ranks.
 
     compression: an algorithm name of ``hipress.compression`` ("none", "onebit", "tbq",
@@ -636,6 +728,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     rank finds inf and lowers its scale alike. "raise": the states are restored and
     synchronize()/step() raise NonFiniteGradientError on every rank. "off": no check, no
     copies (a non-finite value then corrupts compressor state for good).
+    gradient_predivide_factor, num_groups, groups, sparse_as_dense: Horovod's, same names and
+    meaning (docs/horovod.md). gradient_predivide_factor=f (op=Average only): each gradient is
+    divided by f before the sync and multiplied by f after it (f / size of the sum). groups=n
+    (num_groups=n is its deprecated name): the trainable parameters, in the optimizer's order,
+    cut into n runs, each synchronized as one bucket; groups=[[p, ...], ...]: each list one
+    bucket, the parameters in none fused as usual (bucket_bytes). sparse_as_dense=True: a sparse
+    gradient (nn.Embedding(sparse=True)) is made dense, synchronized, and made sparse again;
+    without it a sparse gradient raises ValueError.
     Returns the same optimizer object, whose class is now a subclass of its old class.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -648,7 +748,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                                         if not k.startswith("__")} | {"__module__": base.__module__})
     options = Options(compression, compression_kwargs, strategy, backward_passes_per_step, op, partition_bytes,
                       local_aggregation, plan, coordinator, bucket_bytes, grad_clip, momentum_correction,
-                      nonfinite=nonfinite)
+                      nonfinite=nonfinite, gradient_predivide_factor=gradient_predivide_factor,
+                      groups=_horovod_groups(num_groups, groups), sparse_as_dense=bool(sparse_as_dense))
     optimizer.__class__ = cls
     try:
         optimizer._hipress_setup(named, options)
@@ -656,3 +757,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         optimizer.__class__ = base
         raise
     return optimizer
+
+
+def _horovod_groups(num_groups, groups):
+    """Horovod's deprecated ``num_groups`` is ``groups`` given as a count."""
+    if not num_groups:
+        return groups
+    warnings.warn("DistributedOptimizer's num_groups is Horovod's deprecated name of groups; pass groups=",
+                  DeprecationWarning, stacklevel=3)
+    if groups is not None:
+        raise ValueError(f"pass groups or num_groups, not both (num_groups={num_groups!r}, groups given)")
+    return num_groups

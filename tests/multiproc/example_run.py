@@ -1,6 +1,11 @@
 """Helpers shared by the multi-process tests (launch environments, the example's digests, leftover processes)."""
 import os
 import re
+import shutil
+import signal
+import subprocess
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "examples", "train.py")
@@ -61,3 +66,46 @@ def procs_with(marker: str):
             except OSError:
                 pass
     return found
+
+
+def horovod_missing():
+    """Why horovodrun with Horovod's PyTorch extension cannot run here (None: it can)."""
+    try:
+        import horovod.torch  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"horovod.torch does not import ({type(e).__name__}: {e}); install it: bash scripts/install_horovod.sh"
+    if shutil.which("horovodrun") is None:
+        return "horovodrun is not on PATH"
+    return None
+
+
+def horovod_mpi_missing():
+    if shutil.which("mpirun") is None:
+        return "mpirun not found"
+    import horovod.torch as hvd
+
+    return None if hvd.mpi_built() else "Horovod was built without MPI"
+
+
+def horovodrun(mode, n, cmd, timeout=150, **extra):
+    """Run ``horovodrun --gloo|--mpi -np n cmd`` from the repository root; return (rc, output).
+    Skips where Horovod cannot run in that mode; fails (killing the job) on a hang."""
+    reason = horovod_missing() or (horovod_mpi_missing() if mode == "mpi" else None)
+    if reason:
+        pytest.skip(reason)
+    if mode == "mpi":  # ranks waiting in MPI yield the CPU (more ranks than cores here)
+        extra.setdefault("OMPI_MCA_mpi_yield_when_idle", 1)
+    full = ["horovodrun", f"--{mode}", "-np", str(n), "-H", f"localhost:{n}", *cmd]
+    p = subprocess.Popen(full, env=clean_env("60", **extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True, cwd=ROOT)
+    try:
+        out = p.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out = p.communicate()[0]
+        pytest.fail(f"horovodrun --{mode} -np {n} still running after {timeout} s (a hang):\n{out[-4000:]}")
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return p.returncode, out

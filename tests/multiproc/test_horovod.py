@@ -8,69 +8,24 @@ without Horovod (one log line, hipress's own transport) always run.
 """
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
-from example_run import clean_env
-from example_run import TRAIN
+from example_run import TRAIN, clean_env
 from example_run import digests as _digests
+from example_run import horovod_missing, horovodrun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_worker.py")
 # larger batches than test_example.py's run: fewer steps, same comparison, within the time budget
 EXAMPLE = [TRAIN, "--epochs", "1", "--batch-size", "64"]
 
 
-def _horovod_missing():
-    try:
-        import horovod.torch  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        return f"horovod.torch does not import ({type(e).__name__}: {e}); install it: bash scripts/install_horovod.sh"
-    if shutil.which("horovodrun") is None:
-        return "horovodrun is not on PATH"
-    return None
-
-
-def _mpi_missing():
-    if shutil.which("mpirun") is None:
-        return "mpirun not found"
-    import horovod.torch as hvd
-
-    return None if hvd.mpi_built() else "Horovod was built without MPI"
-
-
-needs_horovod = pytest.mark.skipif(_horovod_missing() is not None, reason=str(_horovod_missing()))
+needs_horovod = pytest.mark.skipif(horovod_missing() is not None, reason=str(horovod_missing()))
 
 
 def _env(**extra):
     return clean_env("60", **extra)
-
-
-def horovodrun(mode, n, cmd, timeout=150, **extra):
-    """Run ``horovodrun --gloo|--mpi -np n cmd``; return (rc, output)."""
-    if mode == "mpi":
-        reason = _mpi_missing()
-        if reason:
-            pytest.skip(reason)
-        # ranks waiting in MPI yield the CPU (more ranks than cores here)
-        extra.setdefault("OMPI_MCA_mpi_yield_when_idle", 1)
-    full = ["horovodrun", f"--{mode}", "-np", str(n), "-H", f"localhost:{n}", *cmd]
-    p = subprocess.Popen(full, env=_env(**extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True, cwd=ROOT)
-    try:
-        out = p.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out = p.communicate()[0]
-        pytest.fail(f"horovodrun --{mode} -np {n} still running after {timeout} s (a hang):\n{out[-4000:]}")
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    return p.returncode, out
 
 
 def _results(result_dir):
