@@ -42,16 +42,38 @@ class RingStrategy(Strategy):
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
-        finals = [self._partition(ctx, f"{tensor_name}/p{i}", flat[s:e], deps)
+        def both(ctx, key, x, deps):  # each partition pipelines on its own
+            return self._all_gather(ctx, key, x, [self._reduce_scatter(ctx, key, x, deps)])
+        return self._each_partition(ctx, tensor_name, flat, bounds, deps, both)
+
+    # The two phases are separate builds so that a schedule may run them apart (strategy
+    # "dear": reduce-scatter in backward, all-gather before the next forward). Between them
+    # the state lives in ``flat`` itself: rank r's reduced chunk (r + 1) mod N of each partition.
+    def reduce_scatter(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
+                       bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
+        """Reduce-scatter of every partition: afterwards this rank holds, in ``flat``, the sum
+        over all ranks of chunk (rank + 1) mod N of each partition (not yet averaged)."""
+        return self._each_partition(ctx, tensor_name, flat, bounds, deps, self._reduce_scatter)
+
+    def all_gather(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
+                   bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
+        """All-gather of the chunks :meth:`reduce_scatter` left on each rank (same name and
+        bounds), then the average: afterwards ``flat`` is the synchronized gradient."""
+        return self._each_partition(ctx, tensor_name, flat, bounds, deps, self._all_gather)
+
+    @staticmethod
+    def _each_partition(ctx, tensor_name, flat, bounds, deps, phase) -> Handle:
+        finals = [phase(ctx, f"{tensor_name}/p{i}", flat[s:e], deps)
                   for i, (s, e) in enumerate(bounds) if e > s]
         if len(finals) == 1:
             return finals[0]
         return ctx.compute(f"done.{tensor_name}", lambda: None, deps=finals or list(deps))
 
-    def _partition(self, ctx: SyncContext, key: str, x: torch.Tensor, deps: Sequence[Handle]) -> Handle:
-        n, r = ctx.size, ctx.rank
+    @staticmethod
+    def _chunks(ctx: SyncContext, key: str, x: torch.Tensor):
+        """(view of chunk c, payload bound of chunk c, encode chunk c) for partition x."""
         comp = ctx.compressor
-        chunks = chunk_bounds(x.numel(), n)
+        chunks = chunk_bounds(x.numel(), ctx.size)
 
         def view(c):
             s, e = chunks[c]
@@ -67,11 +89,15 @@ class RingStrategy(Strategy):
             enc = comp.merged if merged else comp
             return enc.encode(view(c), ctx.states.get(f"{key}/c{c}", enc, chunks[c][1] - chunks[c][0]))
 
+        return view, bound, encode_chunk
+
+    def _reduce_scatter(self, ctx: SyncContext, key: str, x: torch.Tensor, deps: Sequence[Handle]) -> Handle:
+        n, r = ctx.size, ctx.rank
+        comp = ctx.compressor
+        view, bound, encode_chunk = self._chunks(ctx, key, x)
         nxt, prv = (r + 1) % n, (r - 1) % n
         slot = {}
         last_compute = list(deps)
-
-        # Reduce-scatter.
         for s in range(n - 1):
             cs, cr = (r - s) % n, (r - s - 1) % n
 
@@ -86,8 +112,17 @@ class RingStrategy(Strategy):
                                        lambda buf, s=s: slot.__setitem__(("in", s), buf), prv, [enc],
                                        max_bytes=bound(cr))
             last_compute = [ctx.compute(f"merge.{key}.rs{s}", merge, [sr], nbytes=4 * x.numel() // n)]
+        if len(last_compute) == 1:
+            return last_compute[0]
+        return ctx.compute(f"reduced.{key}", lambda: None, last_compute)
 
-        # All-gather of the encoded owned chunks.
+    def _all_gather(self, ctx: SyncContext, key: str, x: torch.Tensor, deps: Sequence[Handle]) -> Handle:
+        """All-gather of the encoded owned chunks."""
+        n, r = ctx.size, ctx.rank
+        comp = ctx.compressor
+        view, bound, encode_chunk = self._chunks(ctx, key, x)
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        slot = {}
         owned = (r + 1) % n
 
         def encode_owned():
@@ -95,7 +130,7 @@ class RingStrategy(Strategy):
             comp.decode(p, view(owned))
             slot[("fwd", 0)] = p
 
-        prev = ctx.compute(f"encode.{key}.ag", encode_owned, last_compute)
+        prev = ctx.compute(f"encode.{key}.ag", encode_owned, list(deps))
         finals = [prev]
         for t in range(n - 1):
             c_in = (r - t) % n
