@@ -171,3 +171,22 @@ def test_dear_call_order_errors():
     x = torch.randn(2, 4)
     with pytest.raises(RuntimeError, match="'b.weight' got a gradient"):
         (torch.relu(model.a(x)) @ model.b.weight.t()).sum().backward()
+
+
+def test_dear_nonfinite_step_is_skipped_and_nothing_is_deferred():
+    model = make_model()
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy="dear", model=model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randn(2, 4)
+    x[0, 0] = float("nan")
+    model(x).sum().backward()
+    with pytest.warns(hipress.NonFiniteGradientWarning):
+        opt.step()
+    assert opt._hp_dear.pending == []
+    opt.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()  # the next step goes on as usual
+    opt.step()
+    assert len(opt._hp_dear.pending) == len(opt._hp_buckets)
+    opt.synchronize()
+    for n, p in model.named_parameters():
+        assert p.isfinite().all() and not torch.equal(p, before[n]), n
