@@ -47,7 +47,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ALL_SYSTEMS = (["ddp", "ddp-fp16", "ddp-powersgd", "horovod"]
                + [f"hipress-{s}-{a}" for s in ("ring", "ps")
                   for a in ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")]
-               + ["hipress-powersgd", "hipress-auto", "hipress-ps-tbq-plan"])
+               + ["hipress-powersgd", "hipress-auto", "hipress-ps-tbq-plan"]
+               + ["hipress-dear"] + [f"hipress-dear-{a}" for a in ("onebit", "tbq", "terngrad", "dgc", "graddrop")])
 
 PRESETS = {
     # One command for issue 9: 4 ranks at 1 and 10 Gbit/s, VGG19- and ResNet50-like (< 15 min here).
