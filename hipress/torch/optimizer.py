@@ -311,10 +311,11 @@ class _HipressOptimizer:
         if engine.timeline_enabled:
             engine.timeline_row(2, "backward (gradient ready)")
         self._hp_check_same_parameters()
-        self._hp_hooks = [p.register_post_accumulate_grad_hook(self._hp_on_grad)
-                          for _, p in named if p.requires_grad]
+        # before any hook is registered: it refuses parameters no module of the model holds
         self._hp_dear = (dear.Schedule(self._hp_buckets, model, self._hp_names, self._hp_dear_update)
                          if options.dear else None)
+        self._hp_hooks = [p.register_post_accumulate_grad_hook(self._hp_on_grad)
+                          for _, p in named if p.requires_grad]
 
     def _hp_make_plan(self, plan):
         """plan: a Plan, "auto" (profile now, collectively), or an Overrides."""
