@@ -277,11 +277,14 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
         import contextlib
         net, opt = base_step
         no_sync, base_step = contextlib.nullcontext, opt.step
+    fftimes = []
     for _ in range(a.compute_steps):
         t = time.perf_counter()
         opt.zero_grad()
         with no_sync():
-            spec.loss(net(x), y).backward()
+            loss_c = spec.loss(net(x), y)
+            fftimes.append(time.perf_counter() - t)
+            loss_c.backward()
         base_step()
         ctimes.append(time.perf_counter() - t)
         done += 1
@@ -290,8 +293,11 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     dist.barrier()
     ctimes.sort()
     compute_local = ctimes[len(ctimes) // 2] if ctimes else float("nan")
+    fftimes.sort()
+    ff_local = fftimes[len(fftimes) // 2] if fftimes else float("nan")
     elapsed_all = _gather(elapsed)
     compute_all = _gather(compute_local)
+    ff_all = _gather(ff_local)
     step_s = max(elapsed_all) / steps
     compute_s = sum(compute_all) / len(compute_all)
     rec.update(
@@ -300,6 +306,8 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
         throughput=size * a.batch * steps / max(elapsed_all),
         compute_s=compute_s,
         compute_s_per_rank=compute_all,
+        ff_s=sum(ff_all) / len(ff_all),  # forward + loss of the compute steps; the rest of compute_s is
+        # backward + local update (eq. 6's t_bp in docs/dear.md)
         exposed_comm_s=max(0.0, step_s - compute_s),
         final_loss=loss,
         loadavg_end=os.getloadavg()[0],

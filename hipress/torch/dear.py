@@ -158,3 +158,15 @@ class Schedule:
 
     def end_backward(self) -> None:
         self._stale = set()
+
+
+def speedup_bound(workers: int, t_ff: float, t_bp: float, t_rs: float, t_ag: float) -> float:
+    """Paper 001's eq. 6: the most any schedule that overlaps the reduce-scatter with backward
+    and the all-gather with forward can speed ``workers`` up over one worker, from per-step
+    times of forward (t_ff), backward (t_bp), reduce-scatter (t_rs) and all-gather (t_ag):
+    P (t_ff + t_bp) / (t_ff + t_bp + t_rs + t_ag - min(t_rs, t_bp) - min(t_ag, t_ff))."""
+    if workers < 1 or min(t_ff, t_bp, t_rs, t_ag) < 0 or t_ff + t_bp <= 0:
+        raise ValueError(f"speedup_bound needs workers >= 1, non-negative times and t_ff + t_bp > 0; got "
+                         f"{workers}, {t_ff}, {t_bp}, {t_rs}, {t_ag}")
+    compute = t_ff + t_bp
+    return workers * compute / (compute + t_rs + t_ag - min(t_rs, t_bp) - min(t_ag, t_ff))

@@ -190,3 +190,12 @@ def test_dear_nonfinite_step_is_skipped_and_nothing_is_deferred():
     opt.synchronize()
     for n, p in model.named_parameters():
         assert p.isfinite().all() and not torch.equal(p, before[n]), n
+
+
+def test_speedup_bound_is_paper_eq6():
+    # communication fully hidden: linear speed-up
+    assert dear.speedup_bound(4, t_ff=1.0, t_bp=2.0, t_rs=0.5, t_ag=0.5) == 4.0
+    # reduce-scatter longer than backward by 1, all-gather longer than forward by 2: 3 of 6 exposed
+    assert dear.speedup_bound(4, t_ff=1.0, t_bp=2.0, t_rs=3.0, t_ag=3.0) == pytest.approx(4 * 3 / 6)
+    with pytest.raises(ValueError):
+        dear.speedup_bound(4, 0.0, 0.0, 1.0, 1.0)
