@@ -270,6 +270,8 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     elapsed = time.perf_counter() - t0
     c1 = engine.counters() if engine else None
     loss = float(loss.detach())
+    if cfg["kind"] == "hipress" and cfg["strategy"] == "dear":
+        opt.synchronize()  # the last step's all-gathers and updates, not inside the first compute step
     # compute only: forward + backward + local optimizer step, no synchronization
     dist.barrier()
     ctimes = []
