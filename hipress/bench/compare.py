@@ -47,7 +47,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ALL_SYSTEMS = (["ddp", "ddp-fp16", "ddp-powersgd", "horovod"]
                + [f"hipress-{s}-{a}" for s in ("ring", "ps")
                   for a in ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")]
-               + ["hipress-powersgd", "hipress-auto", "hipress-ps-tbq-plan"])
+               + ["hipress-powersgd", "hipress-auto", "hipress-ps-tbq-plan"]
+               + ["hipress-dear"] + [f"hipress-dear-{a}" for a in ("onebit", "tbq", "terngrad", "dgc", "graddrop")])
 
 PRESETS = {
     # One command for issue 9: 4 ranks at 1 and 10 Gbit/s, VGG19- and ResNet50-like (< 15 min here).
@@ -239,8 +240,10 @@ def summarize(records: List[dict], bandwidths: Sequence[str], systems: Sequence[
                 row["note"] = rs[0].get("skipped") or rs[0].get("error", "")
                 rows.append(row)
                 continue
-            for k in ("throughput", "step_s", "compute_s", "compression_s", "exposed_comm_s", "comm_busy_s"):
+            for k in ("throughput", "step_s", "compute_s", "compression_s", "exposed_comm_s", "comm_busy_s", "ff_s"):
                 row[k] = _median([r.get(k) for r in ok])
+            if s.startswith("hipress-dear") and row["comm_busy_s"] and row["ff_s"]:
+                _eq6(row, ok[0]["np"])
             row["throughput_all"] = [r["throughput"] for r in ok]
             exposed = row["exposed_comm_s"] or 0.0
             row["compression_stack_s"] = min(row["compression_s"] or 0.0, exposed)
@@ -257,6 +260,21 @@ def summarize(records: List[dict], bandwidths: Sequence[str], systems: Sequence[
             if r["bandwidth"] == bw and base and r.get("throughput"):
                 r["x_ddp"] = r["throughput"] / base["throughput"]
     return rows
+
+
+def _eq6(row: dict, workers: int) -> None:
+    """DeAR's speed-up bound (paper 001 eq. 6) next to the achieved speed-up over one worker
+    (workers x compute time / step time). t_ff and t_bp come from the compute-only steps
+    (t_bp includes the local update); t_rs + t_ag is the comm queue's busy time per step,
+    split evenly: the ring's two phases send the same N-1 chunks per partition."""
+    from hipress.torch.dear import speedup_bound
+
+    t_ff = row["ff_s"]
+    t_bp = max(row["compute_s"] - t_ff, 0.0)
+    half = row["comm_busy_s"] / 2
+    row["eq6_bound"] = speedup_bound(workers, t_ff, t_bp, half, half)
+    row["speedup"] = workers * row["compute_s"] / row["step_s"]
+    row["of_bound"] = row["speedup"] / row["eq6_bound"]
 
 
 def goals(model: str, rows: List[dict], bandwidths: Sequence[str]) -> List[dict]:
@@ -308,7 +326,7 @@ def goals(model: str, rows: List[dict], bandwidths: Sequence[str]) -> List[dict]
 
 
 COLUMNS = ["bandwidth", "system", "throughput", "x_ddp", "step_ms", "compute_ms", "compression_ms",
-           "exposed_comm_ms", "runs", "note"]
+           "exposed_comm_ms", "speedup", "eq6_bound", "runs", "note"]
 
 
 def table(rows: List[dict]) -> str:
@@ -322,6 +340,8 @@ def table(rows: List[dict]) -> str:
             v["throughput"] = round(r["throughput"], 1)
         if r.get("x_ddp") is not None:
             v["x_ddp"] = f"{r['x_ddp']:.2f}"
+        for k in ("speedup", "eq6_bound"):  # hipress-dear rows (paper 001 eq. 6)
+            v[k] = f"{r[k]:.2f}" if r.get(k) is not None else ""
         view.append(v)
     return markdown_table(view, COLUMNS)
 

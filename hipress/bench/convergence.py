@@ -79,8 +79,10 @@ def worker(a) -> None:
         net.register_comm_hook(state, hipress.ddp.hook)
     else:
         extra = {} if a.bucket_bytes is None else {"bucket_bytes": a.bucket_bytes}
-        opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=a.algo,
-                                           strategy=a.strategy, **extra, **json.loads(a.algo_kwargs or "{}"))
+        # strategy "dear" updates in the model's forward pre-hooks, so it takes the model itself
+        extra.update({"model": model} if a.strategy == "dear" else {"named_parameters": model.named_parameters()})
+        opt = hipress.DistributedOptimizer(opt, compression=a.algo, strategy=a.strategy, **extra,
+                                           **json.loads(a.algo_kwargs or "{}"))
         hipress.broadcast_parameters(model.state_dict(), root_rank=0)
 
     def step(epoch, i):
@@ -96,6 +98,7 @@ def worker(a) -> None:
         with open(a.result, "w") as f:
             # multi-round compressors (PowerSGD) sync with the low-rank strategy whatever the option says
             comp, name = (state.compressor, state.strategy) if a.ddp else (opt._hp_compressor, opt._hp_strategy_name)
+            name = "dear" if a.strategy == "dear" else name  # dear syncs with the ring's phases
             strategy = ("lowrank" if comp.rounds > 1 else name) + (" (DDP hook)" if a.ddp else "")
             json.dump({"algo": a.algo, "points": points, "steps_per_epoch": task.steps_per_epoch(size),
                        "strategy": strategy}, f)
@@ -191,7 +194,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--seeds", help="comma-separated seeds: one full run per seed, then each algorithm's mean "
                                    "(single runs move by about 1.5 points on digits with the seed alone)")
-    p.add_argument("--strategy", default="auto", choices=["auto", "ring", "ps", "allgather"],
+    p.add_argument("--strategy", default="auto", choices=["auto", "ring", "ps", "allgather", "dear"],
                    help="CaSync strategy of every compressed hipress run (low-rank compressors always use their "
                         "own); the reference always has allgather semantics")
     p.add_argument("--bucket-bytes", type=int,

@@ -15,6 +15,8 @@ group; hipress wraps it), each on a freshly built model with the same seed:
                            hipress.DistributedOptimizer(compression=<algo>, strategy=<strategy>
                            [, plan="auto"]); strategy ring|ps|auto, algo none|onebit|tbq|terngrad|
                            dgc|graddrop|powersgd|auto (powersgd always runs the low-rank sync)
+  hipress-dear[-<algo>]    strategy="dear" (docs/dear.md): reduce-scatter in backward, all-gather
+                           and update before the next forward; algo: a single-round one (default none)
 
 Per system: ``--warmup`` steps, then ``--steps`` timed steps (throughput = world samples /
 slowest rank's time), then ``--compute-steps`` steps of forward + backward + local
@@ -44,6 +46,7 @@ from hipress.bench import models
 DDP_SYSTEMS = ("ddp", "ddp-fp16", "ddp-powersgd")
 ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop", "powersgd", "auto")
 STRATEGIES = ("ring", "ps", "auto")
+DEAR_ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")  # single-round: the ring's phases carry them
 
 
 def parse_system(name: str) -> dict:
@@ -59,10 +62,15 @@ def parse_system(name: str) -> dict:
             plan, parts = "auto", parts[:-1]
         if len(parts) == 2 and parts[1] in ("powersgd", "auto"):      # hipress-powersgd, hipress-auto
             parts = ["hipress", "ring", parts[1]]
+        if parts[1:] == ["dear"]:                                     # hipress-dear: uncompressed
+            parts = ["hipress", "dear", "none"]
+        if len(parts) == 3 and parts[1] == "dear" and parts[2] in DEAR_ALGOS and plan is None:
+            return {"kind": "hipress", "strategy": "dear", "compression": parts[2], "plan": None}
         if len(parts) == 3 and parts[1] in STRATEGIES and parts[2] in ALGOS:
             return {"kind": "hipress", "strategy": parts[1], "compression": parts[2], "plan": plan}
     raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, horovod, "
-                     f"hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, hipress-auto")
+                     f"hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, hipress-auto, "
+                     f"hipress-dear[-<{'|'.join(DEAR_ALGOS)}>]")
 
 
 def _progress(out: str, text: str) -> None:
@@ -174,10 +182,11 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
     kw = {}
     if cfg["plan"]:
         kw["plan"] = cfg["plan"]
-    opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                       compression=cfg["compression"], strategy=cfg["strategy"], **kw)
+    # strategy "dear" updates in the model's forward pre-hooks, so it takes the model itself
+    kw.update({"model": model} if cfg["strategy"] == "dear" else {"named_parameters": model.named_parameters()})
+    opt = hipress.DistributedOptimizer(opt, compression=cfg["compression"], strategy=cfg["strategy"], **kw)
     base = type(opt).__mro__[1]
-    info["hipress"] = {"strategy": opt._hp_strategy_name, "compressor": opt._hp_compressor.name,
+    info["hipress"] = {"strategy": "dear" if cfg["strategy"] == "dear" else opt._hp_strategy_name, "compressor": opt._hp_compressor.name,
                        "hierarchical": opt._hp_hierarchical}
     if opt._hp_plan is not None:
         try:
@@ -261,6 +270,8 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     elapsed = time.perf_counter() - t0
     c1 = engine.counters() if engine else None
     loss = float(loss.detach())
+    if cfg["kind"] == "hipress" and cfg["strategy"] == "dear":
+        opt.synchronize()  # the last step's all-gathers and updates, not inside the first compute step
     # compute only: forward + backward + local optimizer step, no synchronization
     dist.barrier()
     ctimes = []
@@ -268,11 +279,14 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
         import contextlib
         net, opt = base_step
         no_sync, base_step = contextlib.nullcontext, opt.step
+    fftimes = []
     for _ in range(a.compute_steps):
         t = time.perf_counter()
         opt.zero_grad()
         with no_sync():
-            spec.loss(net(x), y).backward()
+            loss_c = spec.loss(net(x), y)
+            fftimes.append(time.perf_counter() - t)
+            loss_c.backward()
         base_step()
         ctimes.append(time.perf_counter() - t)
         done += 1
@@ -281,8 +295,11 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     dist.barrier()
     ctimes.sort()
     compute_local = ctimes[len(ctimes) // 2] if ctimes else float("nan")
+    fftimes.sort()
+    ff_local = fftimes[len(fftimes) // 2] if fftimes else float("nan")
     elapsed_all = _gather(elapsed)
     compute_all = _gather(compute_local)
+    ff_all = _gather(ff_local)
     step_s = max(elapsed_all) / steps
     compute_s = sum(compute_all) / len(compute_all)
     rec.update(
@@ -291,6 +308,8 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
         throughput=size * a.batch * steps / max(elapsed_all),
         compute_s=compute_s,
         compute_s_per_rank=compute_all,
+        ff_s=sum(ff_all) / len(ff_all),  # forward + loss of the compute steps; the rest of compute_s is
+        # backward + local update (eq. 6's t_bp in docs/dear.md)
         exposed_comm_s=max(0.0, step_s - compute_s),
         final_loss=loss,
         loadavg_end=os.getloadavg()[0],

@@ -70,6 +70,13 @@ class Sync:
     def reserve(self, name: str, bounds: Sequence[Tuple[int, int]]) -> None:
         self.strategy.reserve(self.ctx, name, bounds)
 
+    # The ring's two phases, apart (only RingStrategy has them; strategy "dear" uses them).
+    def reduce_scatter(self, name: str, flat: torch.Tensor, bounds: Sequence[Tuple[int, int]]) -> Handle:
+        return self.strategy.reduce_scatter(self.ctx, name, flat, bounds)
+
+    def all_gather(self, name: str, flat: torch.Tensor, bounds: Sequence[Tuple[int, int]]) -> Handle:
+        return self.strategy.all_gather(self.ctx, name, flat, bounds)
+
 
 def make_sync(engine: Engine, exchanges: Exchanges, compressor: Compressor, strategy: str, states: StateStore,
               average: bool, hierarchical: bool, world_size: int, is_host_root: bool) -> Sync:

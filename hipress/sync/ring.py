@@ -42,20 +42,45 @@ class RingStrategy(Strategy):
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
-        finals = [self._partition(ctx, f"{tensor_name}/p{i}", flat[s:e], deps)
+        def both(ctx, key, x, deps):  # each partition pipelines on its own
+            return self._all_gather(ctx, key, x, [self._reduce_scatter(ctx, key, x, deps)])
+        return self._each_partition(ctx, tensor_name, flat, bounds, deps, both)
+
+    # The two phases are separate builds so that a schedule may run them apart (strategy
+    # "dear": reduce-scatter in backward, all-gather before the next forward). Between them
+    # the state lives in ``flat`` itself: rank r's reduced chunk (r + 1) mod N of each partition.
+    def reduce_scatter(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
+                       bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
+        """Reduce-scatter of every partition: afterwards this rank holds, in ``flat``, the sum
+        over all ranks of chunk (rank + 1) mod N of each partition (not yet averaged)."""
+        return self._each_partition(ctx, tensor_name, flat, bounds, deps, self._reduce_scatter)
+
+    def all_gather(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
+                   bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
+        """All-gather of the chunks :meth:`reduce_scatter` left on each rank (same name and
+        bounds), then the average: afterwards ``flat`` is the synchronized gradient."""
+        return self._each_partition(ctx, tensor_name, flat, bounds, deps, self._all_gather)
+
+    @staticmethod
+    def _each_partition(ctx, tensor_name, flat, bounds, deps, phase) -> Handle:
+        finals = [phase(ctx, f"{tensor_name}/p{i}", flat[s:e], deps)
                   for i, (s, e) in enumerate(bounds) if e > s]
         if len(finals) == 1:
             return finals[0]
         return ctx.compute(f"done.{tensor_name}", lambda: None, deps=finals or list(deps))
 
-    def _partition(self, ctx: SyncContext, key: str, x: torch.Tensor, deps: Sequence[Handle]) -> Handle:
+    @staticmethod
+    def _views(ctx: SyncContext, x: torch.Tensor):
+        return [x[s:e] for s, e in chunk_bounds(x.numel(), ctx.size)]
+
+    def _reduce_scatter(self, ctx: SyncContext, key: str, x: torch.Tensor, deps: Sequence[Handle]) -> Handle:
+        return reduce_scatter(ctx, key, self._views(ctx, x), deps, owned_offset=1)
+
+    def _all_gather(self, ctx: SyncContext, key: str, x: torch.Tensor, deps: Sequence[Handle]) -> Handle:
+        """All-gather of the encoded owned chunks, then the average."""
         n, r = ctx.size, ctx.rank
         comp = ctx.compressor
-        chunks = chunk_bounds(x.numel(), n)
-        views = [x[s:e] for s, e in chunks]
-        reduced = reduce_scatter(ctx, key, views, deps, owned_offset=1)
-
-        # All-gather of the encoded owned chunks.
+        views = self._views(ctx, x)
         nxt, prv = (r + 1) % n, (r - 1) % n
         owned = (r + 1) % n
         slot = {}
@@ -65,7 +90,7 @@ class RingStrategy(Strategy):
             comp.decode(p, views[owned])
             slot[("fwd", 0)] = p
 
-        prev = ctx.compute(f"encode.{key}.ag", encode_owned, [reduced])
+        prev = ctx.compute(f"encode.{key}.ag", encode_owned, list(deps))
         finals = [prev]
         for t in range(n - 1):
             c_in = (r - t) % n

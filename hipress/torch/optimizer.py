@@ -44,7 +44,7 @@ from hipress.engine import Handle, get_engine
 from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
 from hipress.planner.online import profile_online
 from hipress.sync import STRATEGIES, StateStore, make_sync, resolve_strategy, use_local_aggregation
-from hipress.torch import clipping, covap, momentum, nonfinite
+from hipress.torch import clipping, covap, dear, momentum, nonfinite
 from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWarning  # noqa: F401 (re-exported)
 
 Average = "average"
@@ -61,7 +61,7 @@ class _Bucket:
 
     __slots__ = ("params", "name", "offsets", "numel", "segments", "in_place", "flat")
 
-    def __init__(self, params):
+    def __init__(self, params, own_buffer: bool = False):
         self.params = params
         first, last = params[0][0], params[-1][0]
         self.name = first if len(params) == 1 else f"fused[{first}..{last}]"
@@ -73,7 +73,8 @@ class _Bucket:
         p0 = params[0][1]
         # where each gradient lies, with its shape (a low-rank sync compresses each matrix whole)
         self.segments = [(o, p.numel(), tuple(p.shape)) for o, (_, p) in zip(self.offsets, params)]
-        self.in_place = len(params) == 1 and p0.dtype == torch.float32 and p0.device.type == "cpu"
+        self.in_place = (not own_buffer and len(params) == 1 and p0.dtype == torch.float32
+                         and p0.device.type == "cpu")
         self.flat = None if self.in_place else torch.zeros(off, dtype=torch.float32)
 
     def put(self, p) -> None:
@@ -118,7 +119,7 @@ def split_at(bounds: List[Tuple[int, int]], cuts: Sequence[int]) -> List[Tuple[i
     return out
 
 
-def fusion_buckets(named, compressor, bucket_bytes) -> List[_Bucket]:
+def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False) -> List[_Bucket]:
     """Tensor fusion: consecutive small gradients (in reverse parameter order, roughly
     the order backward produces them) share one buffer, synced as one gradient, until
     what one exchange of it sends reaches bucket_bytes; gradients of bucket_bytes or
@@ -128,7 +129,8 @@ def fusion_buckets(named, compressor, bucket_bytes) -> List[_Bucket]:
     ResNet50-like model's 161 gradients then make one bucket rather than 8 (4 ranks
     on 2 cores: 0.59-0.64 s per step instead of 0.69-0.77). A function of its own because
     the convergence bench's reference simulator (hipress/bench/simulate.py) compresses
-    the same buckets."""
+    the same buckets. ``own_buffers``: every bucket syncs in a buffer of its own, never in
+    the gradient (strategy "dear" keeps the reduced gradient past zero_grad())."""
     fuse = bool(bucket_bytes)
     groups, cur, cur_bytes = [], [], 0
     for name, p in reversed(named):
@@ -146,7 +148,7 @@ def fusion_buckets(named, compressor, bucket_bytes) -> List[_Bucket]:
         cur_bytes += sent
     if cur:
         groups.append(cur)
-    return [_Bucket(g) for g in groups]
+    return [_Bucket(g, own_buffers) for g in groups]
 
 
 def split_evenly(items: list, n: int) -> List[list]:
@@ -261,6 +263,11 @@ class Options:
     groups: object = None                 # Horovod's: None, an int, or lists of parameters (explicit_groups)
     sparse_as_dense: bool = False         # Horovod's: sparse gradients densified and synchronized
 
+    @property
+    def dear(self) -> bool:
+        """strategy="dear" (hipress/torch/dear.py): the ring's phases one iteration apart."""
+        return self.strategy == "dear"
+
     def __post_init__(self):
         if self.backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {self.backward_passes_per_step}")
@@ -284,12 +291,25 @@ class Options:
             object.__setattr__(self, "plan", self.plan if self.plan is not None else "auto")
         if self.coordinator is None:
             object.__setattr__(self, "coordinator", config.get("HIPRESS_COORDINATOR"))
+        if self.dear:
+            if self.plan is not None:
+                raise ValueError("strategy='dear' runs the ring's phases on every bucket; plan= (which picks a "
+                                 "sync per bucket) cannot be combined with it")
+            if self.covap is not None:
+                raise ValueError("strategy='dear' and compression='covap' both reschedule synchronization; use one")
+            if self.local_aggregation is True:
+                raise ValueError("strategy='dear' runs one flat ring over all ranks; local_aggregation=True "
+                                 "(a hierarchical sync) cannot be combined with it")
+            if self.gradient_predivide_factor != 1.0 or self.sparse_as_dense:
+                # dear updates from its own buffers in the next forward, after the hooks that
+                # post-scale or re-sparsify .grad have run
+                raise ValueError("strategy='dear' does not support gradient_predivide_factor or sparse_as_dense")
 
 
 class _HipressOptimizer:
     """Methods mixed into the dynamic subclass (see module docstring)."""
 
-    def _hipress_setup(self, named, options: Options):
+    def _hipress_setup(self, named, options: Options, model: Optional[torch.nn.Module] = None):
         world.init()
         self._hp_transport = world.transport()
         device = getattr(self._hp_transport, "device", None)
@@ -298,14 +318,19 @@ class _HipressOptimizer:
                              f"but hipress's gradient payloads are CPU tensors; use HIPRESS_TRANSPORT=torch or mpi")
         comp = options.compression
         self._hp_compressor = _compression.get(comp, **options.compression_kwargs) if isinstance(comp, str) else comp
-        self._hp_strategy_name = resolve_strategy(options.strategy, self._hp_compressor, options.plan is not None)
+        if options.dear and self._hp_compressor.rounds > 1:
+            raise ValueError(f"strategy='dear' uses the ring's phases, which carry single-round compressors only; "
+                             f"{self._hp_compressor.name!r} is multi-round")
+        self._hp_strategy_name = ("ring" if options.dear
+                                  else resolve_strategy(options.strategy, self._hp_compressor, options.plan is not None))
         self._hp_clip = clipping.resolve(options.grad_clip, self._hp_compressor.name)
         self._hp_names = {id(p): n for n, p in named}
         self._hp_momentum = (momentum.MomentumCorrection(self, self._hp_names,
                                                          velocity=not momentum.in_compressor(self._hp_compressor))
                              if momentum.resolve(options.momentum_correction, self, self._hp_compressor) else None)
         self._hp_average = options.op == Average
-        self._hp_hierarchical = use_local_aggregation(options.local_aggregation, world.hostnames())
+        self._hp_hierarchical = (not options.dear
+                                 and use_local_aggregation(options.local_aggregation, world.hostnames()))
         engine = get_engine()
         exchanges = open_exchanges(engine, coordinated=options.coordinator)
         self._hp_states = StateStore(world.rank())
@@ -333,7 +358,7 @@ class _HipressOptimizer:
         self._hp_predivide = float(options.gradient_predivide_factor)
         self._hp_sparse_as_dense = options.sparse_as_dense
         self._hp_densified: set = set()  # ids of parameters whose sparse gradient was made dense this step
-        self._hp_buckets = self._hp_build_buckets(options.bucket_bytes, options.groups)
+        self._hp_buckets = self._hp_build_buckets(options.bucket_bytes, options.groups, own_buffers=options.dear)
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
         self._hp_plan = self._hp_make_plan(options.plan) if options.plan is not None else None
         self._hp_covap = self._hp_make_covap(options.covap) if options.covap is not None else None
@@ -349,6 +374,9 @@ class _HipressOptimizer:
         if engine.timeline_enabled:
             engine.timeline_row(2, "backward (gradient ready)")
         self._hp_check_same_parameters()
+        # before any hook is registered: it refuses parameters no module of the model holds
+        self._hp_dear = (dear.Schedule(self._hp_buckets, model, self._hp_names, self._hp_dear_update)
+                         if options.dear else None)
         self._hp_hooks = [p.register_post_accumulate_grad_hook(self._hp_on_grad)
                           for _, p in named if p.requires_grad]
 
@@ -416,15 +444,16 @@ class _HipressOptimizer:
                 f"rank(s) {bad} differ from rank 0 ({table[0][0]} parameters); every rank must wrap the same model")
 
     # ------------------------------------------------------------------ submission
-    def _hp_build_buckets(self, bucket_bytes, groups=None) -> List["_Bucket"]:
+    def _hp_build_buckets(self, bucket_bytes, groups=None, own_buffers: bool = False) -> List["_Bucket"]:
         """Tensor fusion (fusion_buckets); with Horovod's ``groups``, each group is one bucket and
         the parameters in no group are fused as usual."""
         if groups is None:
-            return fusion_buckets(self._hp_named, self._hp_compressor, bucket_bytes)
+            return fusion_buckets(self._hp_named, self._hp_compressor, bucket_bytes, own_buffers)
         grouped = explicit_groups(self._hp_named, groups)
         in_group = {id(p) for g in grouped for _, p in g}
         rest = [(n, p) for n, p in self._hp_named if id(p) not in in_group]
-        return [_Bucket(g) for g in grouped] + fusion_buckets(rest, self._hp_compressor, bucket_bytes)
+        return [_Bucket(g, own_buffers) for g in grouped] + fusion_buckets(rest, self._hp_compressor, bucket_bytes,
+                                                                            own_buffers)
 
     def _hp_on_grad(self, p: torch.nn.Parameter):
         if self._hp_skip:
@@ -448,6 +477,11 @@ class _HipressOptimizer:
     def _hp_take(self, p: torch.nn.Parameter):
         """p's gradient is final for this step: put it in its bucket; submit a full bucket."""
         key = id(p)
+        if self._hp_dear is not None:
+            if not self._hp_taken:  # a step's first final gradient: the last step's updates are all done
+                self._hp_dear.begin_backward()
+                self._hp_commit()  # the last all-gathers' state changes belong to the last step
+            self._hp_dear.check_fresh(p)
         grad = p.grad
         if grad is not None and grad.is_sparse:
             if not self._hp_sparse_as_dense:
@@ -466,7 +500,7 @@ class _HipressOptimizer:
             p.grad.div_(self._hp_predivide)
         self._hp_taken.add(key)
         bucket = self._hp_bucket_of[key]
-        if self._hp_transport.size > 1:
+        if self._hp_transport.size > 1 or self._hp_dear is not None:
             bucket.put(p)
         if bucket.full(self._hp_taken):
             self._hp_submit(bucket)
@@ -484,6 +518,9 @@ class _HipressOptimizer:
             return
         flat = bucket.flat
         sync, bounds = self._hp_route(bucket)
+        if self._hp_dear is not None:  # the all-gather waits for step() (hipress/torch/dear.py)
+            self._hp_handles[bucket.name] = sync.reduce_scatter(bucket.name, flat, bounds)
+            return
         units = self._hp_covap.select(bucket.name, flat) if self._hp_covap is not None else None
         if units is None:
             handles = [sync.build(bucket.name, flat, bounds, segments=bucket.segments)]
@@ -505,6 +542,12 @@ class _HipressOptimizer:
     def synchronize(self):
         """Waits until every gradient is synchronized (submitting unused ones first).
 
+        With ``strategy="dear"``: runs every parameter update the last ``step()`` deferred
+        (waiting for its all-gather), so parameters and optimizer state are current, e.g.
+        before evaluation or a checkpoint (``state_dict()`` and the model's ``state_dict()``
+        do it themselves). Gradients are averaged only bucket by bucket in the next forward
+        there, so calling it between backward and step() is an error.
+
         With ``nonfinite="skip"`` (default), if any rank's gradient of some parameter was NaN
         or Inf, every rank warns (:class:`NonFiniteGradientWarning`), every compressor and
         momentum state is as before this step, the gradients of those parameters are NaN
@@ -512,6 +555,18 @@ class _HipressOptimizer:
         wrapped optimizer; ``last_nonfinite`` maps each such parameter to the ranks that
         saw it (empty when none). ``nonfinite="raise"``: the same, but it raises
         :class:`NonFiniteGradientError` on every rank instead of warning."""
+        if self._hp_dear is None:
+            self._hp_wait_gradients()
+            return
+        if self._hp_handles or self._hp_counts:
+            raise RuntimeError("strategy='dear': synchronize() between backward and step(): the averaged gradients "
+                               "exist only bucket by bucket in the next forward; call step() first (synchronize() "
+                               "then makes the parameters current), or clip with grad_clip=")
+        self._hp_dear.flush()
+
+    def _hp_wait_gradients(self):
+        """synchronize() without dear: submits unused gradients, waits for every sync, agrees on
+        non-finite gradients. With dear (from step()): the same for the reduce-scatters."""
         self._hp_skip_step = False
         if not self._hp_handles and not self._hp_counts:
             raise RuntimeError("step()/synchronize() called without a backward pass since the last step")
@@ -629,6 +684,8 @@ class _HipressOptimizer:
             self._hp_skip = False
 
     def step(self, closure=None):
+        if self._hp_dear is not None:
+            return self._hp_dear_step(closure)
         if self._hp_skip:
             if not self._hp_synchronized:
                 raise RuntimeError("step() inside skip_synchronize() needs an explicit synchronize() first")
@@ -646,6 +703,49 @@ class _HipressOptimizer:
             self._hp_covap.step_end(self._hp_mark_ns * 1e-9)
         return out
 
+    def _hp_dear_step(self, closure):
+        """step() of strategy="dear": waits for this step's reduce-scatters (and agrees on
+        non-finite gradients), queues every bucket's all-gather in forward order and defers the
+        update to the bucket's first use (hipress/torch/dear.py). Returns None."""
+        if closure is not None:
+            raise ValueError("strategy='dear' defers the update to the next forward, so step() takes no closure")
+        if self._hp_skip:
+            raise RuntimeError("strategy='dear' has no synchronize()-then-step() form: call step() without "
+                               "skip_synchronize()")
+        self._hp_wait_gradients()
+        self._hp_synchronized = False
+        if self._hp_skip_step:  # a rank's gradient was not finite: nothing gathered, nothing updated
+            self._hp_skip_step = False
+            return None
+        hyper = dear.hyperparameters(self.param_groups)
+        for bucket in self._hp_dear.forward_order:
+            handle = None
+            if self._hp_transport.size > 1:
+                sync, bounds = self._hp_route(bucket)
+                handle = sync.all_gather(bucket.name, bucket.flat, bounds)
+            self._hp_dear.defer(bucket, handle, hyper)
+        self._hp_mark_ns = _C.now_ns()
+        return None
+
+    def _hp_dear_update(self, bucket: "_Bucket", hyper: List[dict]) -> None:
+        """The wrapped optimizer's step on ``bucket``'s parameters alone, with their averaged
+        gradient and the settings of the step() that deferred it: every other parameter's
+        gradient is None meanwhile (torch optimizers skip those; per-parameter state such as
+        Adam's step count advances once per step), and every gradient is restored after."""
+        saved = [(p, p.grad) for g in self.param_groups for p in g["params"]]
+        try:
+            for p, _ in saved:
+                p.grad = None
+            for (_, p), off in zip(bucket.params, bucket.offsets):
+                g = bucket.flat[off:off + p.numel()].view(p.shape)
+                p.grad = g if (p.dtype == g.dtype and p.device == g.device) else g.to(p.device, p.dtype)
+            with dear.using_hyperparameters(self.param_groups, hyper), \
+                    (self._hp_momentum.plain_step() if self._hp_momentum is not None else contextlib.nullcontext()):
+                super(self.__class__, self).step()
+        finally:
+            for p, g in saved:
+                p.grad = g
+
     def zero_grad(self, set_to_none: bool = True):
         if self._hp_handles or self._hp_taken:
             raise RuntimeError("zero_grad() called while gradients are being synchronized; call step() "
@@ -653,6 +753,8 @@ class _HipressOptimizer:
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
+        if self._hp_dear is not None:
+            self._hp_dear.flush()  # the state of the last step() taken
         sd = super(self.__class__, self).state_dict()
         sd["hipress"] = {"compressor_state": self._hp_states.state_dict()}
         if self._hp_momentum is not None:
@@ -664,6 +766,8 @@ class _HipressOptimizer:
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         hp = state_dict.pop("hipress", None)
+        if self._hp_dear is not None:
+            self._hp_dear.flush()  # pending updates belong to the state being replaced
         super(self.__class__, self).load_state_dict(state_dict)
         if hp is not None:
             self._hp_states.load_state_dict(hp["compressor_state"])
@@ -679,14 +783,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          coordinator: Optional[bool] = None, bucket_bytes: Optional[int] = 1 << 20,
                          grad_clip="auto", momentum_correction="auto", nonfinite: str = "skip",
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                         sparse_as_dense: bool = False, **compression_kwargs):
+                         sparse_as_dense: bool = False, model: Optional[torch.nn.Module] = None,
+                         **compression_kwargs):
     """Wraps ``optimizer`` so that step() uses gradients averaged over all ranks.
 
     compression: an algorithm name of ``hipress.compression`` ("none", "onebit", "tbq",
     "terngrad", "dgc", "graddrop", "powersgd", or a registered user one) or a
     Compressor instance; extra keyword arguments configure it.
-    strategy: "ring", "ps", "allgather" or "auto" (default: the fastest the algorithm's accuracy
-    allows; see hipress.sync.factory and docs/convergence.md). partition_bytes: gradients larger than this are
+    strategy: "ring", "ps", "allgather", "dear" or "auto" (default: the fastest the algorithm's
+    accuracy allows; see hipress.sync.factory and docs/convergence.md). "dear" (paper 001,
+    docs/dear.md; needs ``model=``): each bucket's ring reduce-scatter runs in backward, step()
+    queues the all-gathers and returns, and each bucket's parameters are updated by this
+    optimizer just before their first use in the next forward (forward pre-hooks on ``model``'s
+    modules); synchronize() and state_dict() first apply what is pending. partition_bytes: gradients larger than this are
     split into partitions that pipeline independently (None: never).
     local_aggregation: "auto" (default) reduces uncompressed among ranks of one host and
     compresses only across hosts, when there are several hosts with several ranks each;
@@ -742,6 +851,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if hasattr(optimizer, "_hipress_setup"):
         raise ValueError("this optimizer is already wrapped by hipress.DistributedOptimizer")
+    if strategy == "dear":
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError("strategy='dear' needs model= (the torch.nn.Module whose parameters the optimizer "
+                             "updates): each bucket is updated in a forward pre-hook of the modules that hold it")
+        if named_parameters is None:
+            named_parameters = model.named_parameters()
+    elif model is not None:
+        raise ValueError(f"model= is used by strategy='dear' only, not by strategy={strategy!r}")
     named = _resolve_named_parameters(optimizer, named_parameters)
     base = optimizer.__class__
     cls = type(base.__name__, (base,), {k: v for k, v in _HipressOptimizer.__dict__.items()
@@ -752,7 +869,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                       groups=_horovod_groups(num_groups, groups), sparse_as_dense=bool(sparse_as_dense))
     optimizer.__class__ = cls
     try:
-        optimizer._hipress_setup(named, options)
+        optimizer._hipress_setup(named, options, model)
     except Exception:
         optimizer.__class__ = base
         raise

@@ -39,6 +39,19 @@ def test_worker_emits_records_for_ddp_and_hipress(tmp_path):
     assert (tmp_path / "progress").read_text().strip()
 
 
+def test_worker_runs_dear_systems(tmp_path):
+    cmd = [sys.executable, "-m", "hipress.bench.train", "--model", "vgg19", "--systems",
+           "hipress-dear,hipress-dear-terngrad", "--warmup", "1", "--steps", "2", "--compute-steps", "1",
+           "--out", str(tmp_path)]
+    code, logs = run(cmd, 2, timeout=240, quiet=True, env=ENV)
+    assert code == 0, "\n".join(logs)[-3000:]
+    recs = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["system"] for r in recs] == ["hipress-dear", "hipress-dear-terngrad"]
+    for r, comp in zip(recs, ("none", "terngrad")):
+        _valid_record(r, r["system"])
+        assert r["hipress"] == {"strategy": "dear", "compressor": comp, "hierarchical": False}
+
+
 def test_parse_system_names():
     from hipress.bench.train import parse_system
 
@@ -46,6 +59,12 @@ def test_parse_system_names():
     assert parse_system("hipress-ring-tbq-plan")["plan"] == "auto"
     assert parse_system("hipress-powersgd")["compression"] == "powersgd"
     assert parse_system("ddp-powersgd") == {"kind": "ddp", "hook": "powersgd"}
+    assert parse_system("hipress-dear") == {"kind": "hipress", "strategy": "dear", "compression": "none",
+                                            "plan": None}
+    assert parse_system("hipress-dear-tbq")["compression"] == "tbq"
+    for name in ("hipress-dear-powersgd", "hipress-dear-tbq-plan"):  # not carried by the ring's phases
+        with pytest.raises(ValueError):
+            parse_system(name)
     with pytest.raises(ValueError):
         parse_system("hipress-ring-zip")
 
