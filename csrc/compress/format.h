@@ -59,6 +59,15 @@ enum AlgoId : uint8_t {
   kU8bit = 13,
   kFP16 = 14,
   kBF16 = 15,
+  // GRACE's sparsifiers and hybrids (generated from hipress/dsl/specs/, sketch hand-written), and INCEPTIONN
+  kRandomK = 20,
+  kTopK = 21,
+  kThreshold = 22,
+  kAdaq = 23,
+  kDGCGrace = 24,
+  kSketch = 25,
+  kPowerSGDGrace = 26,
+  kInceptionn = 27,
   kFirstUserAlgo = 64,  // ids >= 64 are free for user algorithms
 };
 
