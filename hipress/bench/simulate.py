@@ -197,6 +197,10 @@ def _sketch(p, n, counter):
     return _sketch_enc(p, n, counter), ref.sketch_decode
 
 
+def _inceptionn(p, n, counter):
+    return (lambda x: ref.inceptionn_encode(x, p["error_bound"])), ref.inceptionn_decode
+
+
 SINGLE_ROUND = {
     "none": (set(), set(), _none),
     "onebit": (set(), set(), _onebit),
@@ -222,6 +226,7 @@ SINGLE_ROUND = {
     "adaq": ({"ratio", "seed"}, set(), _adaq),
     "dgc_grace": ({"ratio", "momentum", "seed"}, set(), _dgc_grace),
     "sketch": ({"quantiles", "sample", "seed"}, set(), _sketch),
+    "inceptionn": ({"error_bound"}, set(), _inceptionn),
 }
 POWERSGD_PARAMS = {"rank", "seed", "error_feedback"}
 
