@@ -90,6 +90,7 @@ _EXPORTS = {
     "Compression": ("hipress.torch.compression", "Compression"),
     "SyncBatchNorm": ("hipress.torch.sync_batch_norm", "SyncBatchNorm"),
     "ddp": ("hipress.ddp", None),  # the DDP communication hook (a module; hipress/torch/ddp.py)
+    "grace": ("hipress.compression.grace_api", None),  # GRACE's API as a porting layer (a module)
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
