@@ -49,7 +49,7 @@ enum AlgoId : uint8_t {
   kDGC = 4,
   kGradDrop = 5,
   kPowerSGD = 6,
-  // GRACE's quantizers (docs/grace.md): ids 7-19; 20-29 are kept for GRACE's sparsifiers
+  // GRACE's quantizers (docs/grace.md): ids 7-19; 20-29 GRACE's sparsifiers, hybrids and INCEPTIONN
   kSignSGD = 7,
   kSignum = 8,
   kEFSignSGD = 9,
