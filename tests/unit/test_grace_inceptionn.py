@@ -175,3 +175,18 @@ def test_payload_size_follows_the_classes():
     n32, n16, n8, _ = ref.parse_header(pbytes(p))["words"]
     assert p.numel() == H + math.ceil(4000 / 4) + 4 * n32 + 2 * n16 + n8
     assert pbytes(p)[4] == 27  # the algorithm id byte
+
+
+def test_foreign_payload_errors_name_the_algorithm():
+    """csrc/compress/format.cc algo_name knows ids 20-27 (it called them unknown algorithms)."""
+    from hipress.compression.native import BUILTIN_IDS
+    from hipress.compression import _algo_name
+    x = grad(300, 8, special=False)
+    inc = C.get("inceptionn")
+    for algo in range(20, 28):
+        name = _algo_name(algo)
+        p = BUILTIN_IDS[algo]().encode(x.view(20, 15))
+        other = inc if algo != 27 else C.Sketch()
+        with pytest.raises(ValueError, match=f"made by {name} \\(id {algo}\\), cannot decode it with "
+                                             f"{'inceptionn' if algo != 27 else 'sketch'}"):
+            other.decode(p, torch.empty(300))
