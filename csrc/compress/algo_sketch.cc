@@ -39,7 +39,7 @@
 namespace hipress::compress {
 namespace {
 
-constexpr uint8_t kSketchId = 25;
+constexpr uint8_t kSketchId = kSketch;
 constexpr size_t kMaxBuckets = 256;
 
 // codes[i] = min(top, number of E[0..NE) <= in[i]) for edges E sorted ascending, padded with +inf

@@ -21,6 +21,14 @@ const char* algo_name(uint8_t id) {
     case kU8bit: return "u8bit";
     case kFP16: return "fp16";
     case kBF16: return "bf16";
+    case kRandomK: return "randomk";
+    case kTopK: return "topk";
+    case kThreshold: return "threshold";
+    case kAdaq: return "adaq";
+    case kDGCGrace: return "dgc_grace";
+    case kSketch: return "sketch";
+    case kPowerSGDGrace: return "powersgd_grace";
+    case kInceptionn: return "inceptionn";
     default: return id >= kFirstUserAlgo ? "user algorithm" : "unknown algorithm";
   }
 }

@@ -49,7 +49,7 @@ enum AlgoId : uint8_t {
   kDGC = 4,
   kGradDrop = 5,
   kPowerSGD = 6,
-  // GRACE's quantizers (docs/grace.md): ids 7-19; 20-29 are kept for GRACE's sparsifiers
+  // GRACE's quantizers (docs/grace.md): ids 7-19; 20-29 GRACE's sparsifiers, hybrids and INCEPTIONN
   kSignSGD = 7,
   kSignum = 8,
   kEFSignSGD = 9,
@@ -59,6 +59,15 @@ enum AlgoId : uint8_t {
   kU8bit = 13,
   kFP16 = 14,
   kBF16 = 15,
+  // GRACE's sparsifiers and hybrids (generated from hipress/dsl/specs/, sketch hand-written), and INCEPTIONN
+  kRandomK = 20,
+  kTopK = 21,
+  kThreshold = 22,
+  kAdaq = 23,
+  kDGCGrace = 24,
+  kSketch = 25,
+  kPowerSGDGrace = 26,
+  kInceptionn = 27,
   kFirstUserAlgo = 64,  // ids >= 64 are free for user algorithms
 };
 

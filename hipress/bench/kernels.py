@@ -90,6 +90,7 @@ def configs():
         ("adaq-1%", lambda: C.Adaq(0.01), ref.adaq_encode, ref.adaq_decode),
         ("dgc_grace-1%", lambda: C.DGCGrace(0.01), ref.dgc_grace_encode_stateless, ref.sparse_decode),
         ("sketch-64", lambda: C.Sketch(64), ref.sketch_encode, ref.sketch_decode),
+        ("inceptionn", lambda: C.Inceptionn(), ref.inceptionn_encode, ref.inceptionn_decode),
         ("powersgd_grace-r1", lambda: C.PowerSGDGrace(rank=1), None, None),
     ]
 
@@ -255,6 +256,29 @@ def _t_u8bit_dec(c, n):
     return _U8[k.abs()] * scale * torch.sign(k).float()
 
 
+def _t_inceptionn_enc(x, st, eb=117):  # GRACE's INCEPTIONNCompressor (tags one per byte), hipress's anchoring
+    mid = eb + (127 - eb + 1) // 2
+    u = x.view(torch.int32)
+    e = (u >> 23) & 0xFF
+    sig = (u & 0x7FFFFF) | 0x800000
+    tag = ((e >= eb).to(torch.uint8) + (e >= mid).to(torch.uint8) + (e >= 127).to(torch.uint8))
+    m16, m8 = tag == 2, tag == 1
+    v16 = (sig[m16] >> (135 - e[m16])) | ((u[m16] < 0).to(torch.int32) << 15)
+    v8 = (sig[m8] >> (16 + mid - e[m8]).clamp(max=31)) | ((u[m8] < 0).to(torch.int32) << 7)
+    return tag, x[tag == 3], v16.to(torch.int16), v8.to(torch.uint8), mid
+
+
+def _t_inceptionn_dec(c, n):
+    tag, v32, v16, v8, mid = c
+    out = torch.zeros(n)
+    out[tag == 3] = v32
+    m16 = (v16.to(torch.int32) & 0x7FFF).float() * 2.0 ** -15
+    out[tag == 2] = torch.where(v16 < 0, -m16, m16)
+    m8 = (v8.to(torch.int32) & 0x7F).float() * 2.0 ** (mid - 134)
+    out[tag == 1] = torch.where(v8 >= 128, -m8, m8)
+    return out
+
+
 TORCH = {
     "signsgd": (lambda x: None, lambda x, st: ((x < 0).to(torch.uint8), 1.0), _t_sign_dec),
     "signum": (torch.zeros_like, _t_signum_enc, _t_sign_dec),
@@ -272,6 +296,7 @@ TORCH = {
     "adaq-1%": (lambda x: None, lambda x, st, f=_torch_adaq: f(x), _torch_adaq_dec),
     "dgc_grace-1%": (lambda x: None, lambda x, st, f=_torch_dgc_grace: f(x), _torch_sparse_dec),
     "sketch-64": (lambda x: None, lambda x, st, f=_torch_sketch: f(x), lambda t, n: t[1][t[0].long()]),
+    "inceptionn": (lambda x: None, _t_inceptionn_enc, _t_inceptionn_dec),
 }
 
 

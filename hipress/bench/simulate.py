@@ -33,7 +33,10 @@ The algorithm and its parameters are the ones hipress would use: read from the c
 ``hipress.compression.get(algo, **kwargs)`` builds (its parameters, whether it is wrapped in
 error feedback, beta and gamma), never copied here. Its encode, decode and state never run
 (only its byte count sizes PowerSGD's buckets, as in hipress): no native kernel (hipress._C)
-and no engine computes any of the simulator's numbers. A
+and no engine computes any of the simulator's numbers. A ported
+GRACE compressor (``algo``: a callable rank -> ``hipress.grace.wrap(...)``, each worker its own
+compressor and memory) runs its own torch code with GRACE's communicator semantics
+(``Reference._grace``). A
 compressor or parameter the references do not implement raises :class:`Unsupported` with
 the reason (the bench prints it as n/a) instead of being approximated.
 
@@ -55,6 +58,7 @@ from hipress import compression
 from hipress.bench import tasks
 from hipress.compression import reference as ref
 from hipress.compression.error_feedback import ErrorFeedback
+from hipress.compression.grace_api import Ported
 from hipress.sync.base import rng_stream_start
 from hipress.sync.lowrank import matrix_shape
 from hipress.torch import clipping, momentum
@@ -197,6 +201,10 @@ def _sketch(p, n, counter):
     return _sketch_enc(p, n, counter), ref.sketch_decode
 
 
+def _inceptionn(p, n, counter):
+    return (lambda x: ref.inceptionn_encode(x, p["error_bound"])), ref.inceptionn_decode
+
+
 SINGLE_ROUND = {
     "none": (set(), set(), _none),
     "onebit": (set(), set(), _onebit),
@@ -222,6 +230,7 @@ SINGLE_ROUND = {
     "adaq": ({"ratio", "seed"}, set(), _adaq),
     "dgc_grace": ({"ratio", "momentum", "seed"}, set(), _dgc_grace),
     "sketch": ({"quantiles", "sample", "seed"}, set(), _sketch),
+    "inceptionn": ({"error_bound"}, set(), _inceptionn),
 }
 POWERSGD_PARAMS = {"rank", "seed", "error_feedback"}
 
@@ -271,15 +280,24 @@ class Reference:
         if algo == "auto":  # DistributedOptimizer: TernGrad where the planner says it pays, the rest plain
             raise Unsupported("compression='auto' is chosen per gradient by the planner, which the simulator "
                               "does not model")
-        try:
-            comp = compression.get(algo, **(kwargs or {}))
-        except (TypeError, ValueError) as e:
-            raise Unsupported(str(e)) from None
+        self.ported = None
+        if callable(algo) and not isinstance(algo, str):  # rank -> a ported GRACE compressor (hipress.grace.wrap)
+            self.ported = [algo(r) for r in range(size)]
+            if not all(isinstance(c, Ported) for c in self.ported):
+                raise TypeError("algo: a callable must return hipress.grace.wrap(...) for each rank")
+            comp = self.ported[0]
+        else:
+            try:
+                comp = compression.get(algo, **(kwargs or {}))
+            except (TypeError, ValueError) as e:
+                raise Unsupported(str(e)) from None
         ef = (comp.beta, comp.gamma) if isinstance(comp, ErrorFeedback) else None
         inner = comp.inner if ef else comp
         self.algo, self.name, self.ef = algo, inner.name, ef
         self.params = dict(getattr(inner, "params", {}))
-        if comp.rounds > 1:
+        if self.ported is not None:
+            self.semantics = f"grace {comp.communicator}"
+        elif comp.rounds > 1:
             if self.name not in ("powersgd", "powersgd_grace"):
                 raise Unsupported(f"no pure reference for the multi-round compressor {self.name!r}")
             if self.name == "powersgd_grace":  # GRACE's: fresh Q every step, error feedback always
@@ -325,6 +343,39 @@ class Reference:
             out[s:e] = acc
         return out
 
+    def _grace(self, bucket, flats: List[np.ndarray]) -> np.ndarray:
+        """GRACE's send and receive steps with each worker's own compressor and memory, written
+        from GRACE's communicators (not from hipress/compression/grace_api.py): allgather and
+        broadcast decompress every worker's tensors and aggregate them; allreduce sums the
+        compressed tensors (averaged first when the compressor averages) and decompresses once.
+        The result is worker 0's (the others decompress the same tensors)."""
+        out = np.empty(bucket.numel, np.float32)
+        size, c0 = self.size, self.ported[0].compressor
+        for i, (s, e) in enumerate(bucket_bounds(bucket, self.partition_bytes, self.split_tensors)):
+            if e <= s:
+                continue
+            name = f"{bucket.name}/p{i}/worker"  # the allgather strategy's state key: the memory's name
+            sent = []
+            for r, port in enumerate(self.ported):
+                t = port.memory.compensate(torch.from_numpy(flats[r][s:e].copy()), name)
+                tensors, ctx = port.compressor.compress(t, name)
+                port.memory.update(t, name, port.compressor, tensors, ctx)
+                sent.append((list(tensors), ctx))
+            if self.ported[0].communicator == "allreduce":
+                summed = [t.clone() for t in sent[0][0]]
+                for tensors, _ in sent[1:]:
+                    for acc, t in zip(summed, tensors):
+                        acc += t
+                if c0.average:
+                    summed = [t / size for t in summed]
+                result = c0.decompress(summed, sent[0][1])
+            else:
+                result = c0.aggregate([c0.decompress(tensors, ctx) for tensors, ctx in sent])
+                if c0.average:
+                    result = result / size
+            out[s:e] = result.reshape(-1).to(torch.float32).numpy()
+        return out
+
     def _lowrank(self, bucket, flats: List[np.ndarray]) -> np.ndarray:
         out = np.empty(bucket.numel, np.float32)
         segments = [sg for sg in bucket.segments if sg[1] > 0]
@@ -355,8 +406,11 @@ class Reference:
         mean: List[Optional[torch.Tensor]] = [None] * len(self.named)
         for bucket in self.buckets:
             flats = [self._flat(bucket, g) for g in grads]
-            out = self._lowrank(bucket, flats) if self.semantics == "lowrank" else self._allgather(bucket, flats)
-            out /= np.float32(self.size)
+            if self.ported is not None:  # averaged (or not) as the GRACE compressor says
+                out = self._grace(bucket, flats)
+            else:
+                out = self._lowrank(bucket, flats) if self.semantics == "lowrank" else self._allgather(bucket, flats)
+                out /= np.float32(self.size)
             for (_, p), off in zip(bucket.params, bucket.offsets):
                 mean[self._index[id(p)]] = torch.from_numpy(out[off:off + p.numel()].copy()).view_as(p)
         return mean

@@ -22,6 +22,7 @@ from hipress import _C, config
 from hipress.compression.base import CATEGORIES, Compressor, CompressorState
 from hipress.compression.error_feedback import ErrorFeedback
 from hipress.compression.native import (BF16, BUILTIN_IDS, DGC, FP16, QSGD, TBQ, Adaq, DGCGrace, EFSignSGD, GradDrop,
+                                        Inceptionn,
                                         NativeCompressor, Natural, OneBit, PayloadError, PowerSGD, PowerSGDGrace,
                                         RandomK, SignSGD, Signum, Sketch, TernGrad, TernGradGrace, Threshold, TopK,
                                         U8bit)
@@ -64,7 +65,7 @@ _DENSE_BITS = {1: (1,), 2: (2,), 3: (1, 2, 4, 8), 7: (1,), 8: (1,), 9: (1,), 10:
 # fp32 header words (scales, thresholds, norms) per built-in; GRACE's sparsifiers (docs/grace.md):
 # randomk, topk, threshold (v), adaq (two means), dgc_grace (threshold), sketch, powersgd_grace
 _FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 4: 1, 5: 1, 6: 0, 7: 1, 8: 1, 9: 1, 10: 2, 11: 0, 12: 1, 13: 1, 14: 0, 15: 0,
-                20: 0, 21: 0, 22: 1, 23: 2, 24: 1, 25: 0, 26: 0}
+                20: 0, 21: 0, 22: 1, 23: 2, 24: 1, 25: 0, 26: 0, 27: 0}
 _SPARSE_PAIRS = (4, 5, 20, 21, 22, 24)  # count (uint32 index, fp32 value) pairs
 _NAMES = {24: "dgc_grace", 26: "powersgd_grace"}  # payload names that are not the class name in lower case
 
@@ -116,6 +117,15 @@ def _check_layout(algo: int, bits: int, kind: int, count: int, numel: int, body:
         if not 1 <= count <= 256:
             bad(f"{count} buckets, expected 1..256")
         expected = 4 * count + numel
+    elif algo == 27:  # inceptionn: 2-bit tags, then n32 fp32, n16 16-bit and n8 8-bit values (words 0-2), bound word 3
+        n32, n16, n8, eb = words
+        if bits != 2 or kind != 0 or count != 0:
+            bad(f"unexpected bit width {bits} / kind {kind} / count {count}")
+        if not 1 <= eb <= 126:
+            bad(f"exponent bound {eb} not in [1, 126]")
+        if n32 + n16 + n8 > numel:
+            bad(f"{n32 + n16 + n8} values for {numel} elements")
+        expected = (numel + 3) // 4 + 4 * n32 + 2 * n16 + n8
     else:  # PowerSGD (6, 26): rows x cols matrix of rank count; kind 0: P^ and Q, 1: P, 2: Q
         rows, cols = words[0], words[1]
         if bits != 0 or kind not in (0, 1, 2):
@@ -200,7 +210,7 @@ def decompress(payload: torch.Tensor, out: Optional[torch.Tensor] = None, *, num
 __all__ = ["CATEGORIES", "Compressor", "CompressorState", "ErrorFeedback", "NativeCompressor", "PayloadError",
            "OneBit", "TBQ", "TernGrad", "DGC", "GradDrop", "PowerSGD", "SignSGD", "Signum", "EFSignSGD", "QSGD",
            "Natural", "TernGradGrace", "U8bit", "FP16", "BF16", "RandomK", "TopK", "Threshold", "Adaq", "DGCGrace",
-           "Sketch", "PowerSGDGrace", "available", "get", "register",
+           "Sketch", "PowerSGDGrace", "Inceptionn", "available", "get", "register",
            "compress", "decompress", "payload_info", "set_num_threads", "num_threads", "HEADER_BYTES",
            "DECOMPRESS_MIN_NUMEL", "DECOMPRESS_NUMEL_PER_BYTE",
            "NoneCompressor"]

@@ -108,7 +108,7 @@ class CompressorState:
     their storage never changes after creation; ``load_state_dict`` copies into them.
     """
 
-    __slots__ = ("algorithm", "numel", "shape", "matrix", "buffers", "scalars", "__weakref__")
+    __slots__ = ("algorithm", "numel", "shape", "matrix", "buffers", "scalars", "key", "__weakref__")
 
     def __init__(self, algorithm: str, numel: int, shape: Optional[Sequence[int]] = None,
                  buffers: Optional[Dict[str, int]] = None, matrix: Tuple[int, int] = (0, 0)):
@@ -121,6 +121,9 @@ class CompressorState:
         self.buffers: "OrderedDict[str, torch.Tensor]" = OrderedDict(
             (name, torch.zeros(int(n), dtype=torch.float32)) for name, n in (buffers or {}).items())
         self.scalars = torch.zeros(_NUM_SCALARS, dtype=torch.int64)
+        # The StateStore key of the state (hipress/sync/base.py; None outside a store): a ported
+        # GRACE compressor's memory keys its residual by it
+        self.key: Optional[str] = None
 
     def add_buffer(self, name: str, n: int) -> torch.Tensor:
         if name in self.buffers:
@@ -178,6 +181,10 @@ class Compressor:
     rate: float = 1.0
     aggregatable: bool = False
     rounds: int = 1
+    # The one strategy this compressor syncs with (None: any). A ported GRACE compressor
+    # (hipress/compression/grace_api.py) has "allgather": its communicator's reduction runs
+    # in aggregate_payloads, which only the allgather strategy calls.
+    fixed_strategy: Optional[str] = None
 
     @property
     def reencode_safe(self) -> bool:
@@ -226,6 +233,19 @@ class Compressor:
 
     def new_state(self, numel: int, shape=None) -> CompressorState:
         return CompressorState(self.name, numel, shape)
+
+    def aggregate_payloads(self, payloads: Sequence[torch.Tensor], out: torch.Tensor, average: bool) -> torch.Tensor:
+        """out = the sum of every rank's decoded payload (rank order: every rank adds the same
+        numbers in the same order), divided by their number if average: the allgather
+        strategy's aggregation of one partition. A ported GRACE compressor overrides it with
+        its communicator's reduction."""
+        acc = torch.zeros(out.numel(), dtype=torch.float32)
+        for p in payloads:
+            self.decode_add(p, acc)
+        out.copy_(acc.view(out.shape))
+        if average:
+            out.div_(len(payloads))
+        return out
 
     # ---- multi-round (rounds > 1) ----
     def encode_round(self, round: int, inp: torch.Tensor, state: CompressorState,

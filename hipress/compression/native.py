@@ -385,7 +385,19 @@ class PowerSGDGrace(PowerSGD):
         NativeCompressor.__init__(self, "powersgd_grace", rank=rank, seed=seed)
 
 
+class Inceptionn(NativeCompressor):
+    """INCEPTIONN (Li et al. 2018) as GRACE implements it (``inceptionn``, hand-written C++,
+    csrc/compress/algo_inceptionn.cc): each element in 32, 16, 8 or 0 bits by the range of its
+    exponent, plus a 2-bit tag. ``error_bound`` (GRACE's 2e-10) sets the smallest exponent kept,
+    127 + trunc(log10(error_bound / 2)): 2^-10 for the default; smaller magnitudes are sent as 0.
+    No memory (GRACE Table I)."""
+
+    def __init__(self, error_bound: float = 2e-10):
+        super().__init__("inceptionn", error_bound=error_bound)
+
+
 BUILTIN_IDS = {1: OneBit, 2: TBQ, 3: TernGrad, 4: DGC, 5: GradDrop, 6: PowerSGD,
                7: SignSGD, 8: Signum, 9: EFSignSGD, 10: QSGD, 11: Natural, 12: TernGradGrace, 13: U8bit,
                14: FP16, 15: BF16,
-               20: RandomK, 21: TopK, 22: Threshold, 23: Adaq, 24: DGCGrace, 25: Sketch, 26: PowerSGDGrace}
+               20: RandomK, 21: TopK, 22: Threshold, 23: Adaq, 24: DGCGrace, 25: Sketch, 26: PowerSGDGrace,
+               27: Inceptionn}

@@ -27,7 +27,7 @@ ALGO_IDS = {"onebit": 1, "tbq": 2, "terngrad": 3, "dgc": 4, "graddrop": 5, "powe
             "fp16": 14, "bf16": 15,
 # GRACE's sparsifiers and hybrids (docs/grace.md)
             "randomk": 20, "topk": 21, "threshold": 22, "adaq": 23, "dgc_grace": 24, "sketch": 25,
-            "powersgd_grace": 26}
+            "powersgd_grace": 26, "inceptionn": 27}
 _HDR = struct.Struct("<IBBBBIIQQ4I")
 _M64 = (1 << 64) - 1
 
@@ -801,3 +801,57 @@ def half_decode(payload, n: int) -> np.ndarray:
     if h["algo"] == ALGO_IDS["fp16"]:
         return raw.view(np.float16).astype(np.float32)
     return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+# ---------------------------------------------------------------- inceptionn (csrc/compress/algo_inceptionn.cc)
+
+
+def inceptionn_bound(error_bound: float = 2e-10) -> int:
+    """The smallest biased exponent sent (GRACE's formula, with log10): 117 (2^-10) for 2e-10."""
+    return 127 + int(math.trunc(math.log10(error_bound / 2)))
+
+
+def inceptionn_encode(g: np.ndarray, error_bound: float = 2e-10) -> bytes:
+    """Tags 3 (e >= 127: fp32 bits), 2 (mid <= e < 127: sign + 15-bit field, top bit 2^-1),
+    1 (eb <= e < mid: sign + 7-bit field, top bit 2^(mid-128)), 0 (e < eb: nothing); fields are
+    the significand shifted right, i.e. |x| truncated to the field's resolution."""
+    u = np.asarray(g, dtype=np.float32).reshape(-1).view(np.uint32).astype(np.int64)
+    eb = inceptionn_bound(error_bound)
+    mid = eb + (127 - eb + 1) // 2
+    e = (u >> 23) & 0xFF
+    tag = np.where(e >= 127, 3, np.where(e >= mid, 2, np.where(e >= eb, 1, 0))).astype(np.uint8)
+    sig = (u & 0x7FFFFF) | 0x800000
+    sign = u >> 31
+
+    def code(width, top, sel):
+        shift = 25 - width + top - e[sel]
+        field = np.where(shift >= 24, 0, sig[sel] >> np.minimum(shift, 23))
+        return (sign[sel] << (width - 1)) | field
+
+    v32 = u[tag == 3].astype("<u4")
+    v16 = code(16, 126, tag == 2).astype("<u2")
+    v8 = code(8, mid - 1, tag == 1).astype(np.uint8)
+    body = pack_bits(tag, 2).tobytes() + v32.tobytes() + v16.tobytes() + v8.tobytes()
+    return make_header("inceptionn", u.size, len(body), bits=2, words=(v32.size, v16.size, v8.size, eb)) + body
+
+
+def inceptionn_decode(payload, n: int) -> np.ndarray:
+    h = parse_header(payload)
+    n32, n16, n8, eb = h["words"]
+    mid = eb + (127 - eb + 1) // 2
+    body = _body(payload)
+    tb = (n + 3) // 4
+    tag = unpack_bits(body[:tb], n, 2)
+    v32 = body[tb: tb + 4 * n32].view("<f4")
+    v16 = body[tb + 4 * n32: tb + 4 * n32 + 2 * n16].view("<u2").astype(np.int64)
+    v8 = body[tb + 4 * n32 + 2 * n16: tb + 4 * n32 + 2 * n16 + n8].astype(np.int64)
+
+    def value(c, width, lsb_exp):
+        mag = (c & ((1 << (width - 1)) - 1)).astype(np.float32) * np.float32(2.0 ** lsb_exp)
+        return np.where(c >> (width - 1) == 1, -mag, mag).astype(np.float32)
+
+    out = np.zeros(n, dtype=np.float32)
+    out[tag == 3] = v32
+    out[tag == 2] = value(v16, 16, -15)
+    out[tag == 1] = value(v8, 8, mid - 1 - 127 - 6)
+    return out

@@ -6,7 +6,8 @@ from typing import Callable, Dict, List, Union
 
 from hipress.compression.base import Compressor
 from hipress.compression.error_feedback import ErrorFeedback
-from hipress.compression.native import (BF16, DGC, FP16, QSGD, TBQ, Adaq, DGCGrace, EFSignSGD, GradDrop, Natural,
+from hipress.compression.native import (BF16, DGC, FP16, QSGD, TBQ, Adaq, DGCGrace, EFSignSGD, GradDrop, Inceptionn,
+                                        Natural,
                                         OneBit, PowerSGD, PowerSGDGrace, RandomK, SignSGD, Signum, Sketch, TernGrad,
                                         TernGradGrace, Threshold, TopK, U8bit)
 from hipress.compression.none import NoneCompressor
@@ -85,3 +86,4 @@ register("adaq", Adaq, error_feedback=True)
 register("dgc_grace", DGCGrace)
 register("sketch", Sketch, error_feedback=True)
 register("powersgd_grace", PowerSGDGrace)  # its own error feedback (residual memory), as GRACE's
+register("inceptionn", Inceptionn)  # no memory (GRACE Table I)

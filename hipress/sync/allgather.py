@@ -7,6 +7,8 @@ For a gradient split into K partitions, on every rank:
   3. aggregate  (compute) per partition: sum over ranks, in rank order, of the decoded
                 payloads (fused decode_add), then divide by N; every rank adds the same
                 numbers in the same order, so all end bit-identical
+                (``Compressor.aggregate_payloads``; a ported GRACE compressor runs its
+                communicator's reduction there, hipress/compression/grace_api.py)
 Compressed bytes are decoded exactly once and never averaged or re-encoded, so an
 algorithm whose quantizer or selector is not safe on merged partial sums (TBQ's fixed
 threshold caps a sum's step per hop; TernGrad's stochastic rounding compounds per hop;
@@ -44,13 +46,8 @@ class AllgatherStrategy(Strategy):
 
         def aggregate():
             received = [unframe(slot["in"].pop(src), len(parts)) for src in range(n)]
-            for j, (_, s, e) in enumerate(parts):
-                acc = torch.zeros(e - s, dtype=torch.float32)
-                for src in range(n):  # rank order: every rank adds the same numbers in the same order
-                    comp.decode_add(received[src][j], acc)
-                flat[s:e].copy_(acc)
-            if self.average:
-                flat.div_(n)
+            for j, (_, s, e) in enumerate(parts):  # the ranks' payloads in rank order
+                comp.aggregate_payloads([received[src][j] for src in range(n)], flat[s:e], self.average)
 
         nbytes = 4 * flat.numel()
         enc = ctx.compute(f"encode.{tensor_name}", encode, deps, nbytes=nbytes)

@@ -114,6 +114,7 @@ class StateStore:
         st = self._states.get(key)
         if st is None:
             st = compressor.new_state(numel, shape)
+            st.key = key
             pending = self._pending.pop(key, None)
             if pending is not None:
                 st.load_state_dict(pending)

@@ -36,6 +36,11 @@ STRATEGIES = {"ring": RingStrategy, "ps": PSStrategy, "allgather": AllgatherStra
 def resolve_strategy(name: str, compressor: Compressor, planned: bool = False) -> str:
     """The strategy name "auto" stands for with this compressor (and a planner or not);
     checks the name."""
+    fixed = compressor.fixed_strategy
+    if fixed is not None:  # a ported GRACE compressor: allgather only
+        if name not in ("auto", fixed):
+            raise ValueError(f"{compressor.name} syncs with the {fixed!r} strategy only, got strategy={name!r}")
+        return fixed
     if name == "auto":
         if compressor.reencode_safe:
             return "ring"

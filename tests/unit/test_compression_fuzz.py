@@ -18,6 +18,7 @@ ALGOS = {
     # GRACE's sparsifiers and hybrids (docs/grace.md)
     "randomk": C.RandomK(ratio=0.05), "topk": C.TopK(ratio=0.05), "threshold": C.Threshold(0.5),
     "adaq": C.Adaq(ratio=0.05), "dgc_grace": C.DGCGrace(ratio=0.05), "sketch": C.Sketch(quantiles=16),
+    "inceptionn": C.Inceptionn(),
 }
 G = torch.from_numpy(np.random.default_rng(0).standard_normal(N).astype(np.float32))
 PAYLOADS = {name: c.encode(G.view(20, 15)).clone() for name, c in ALGOS.items()}
@@ -141,7 +142,8 @@ from hipress.compression import reference as ref  # noqa: E402
 
 IDS = {"onebit": 1, "tbq": 2, "terngrad": 3, "dgc": 4, "graddrop": 5, "powersgd": 6, "signsgd": 7, "signum": 8,
        "efsignsgd": 9, "qsgd": 10, "natural": 11, "terngrad_grace": 12, "u8bit": 13, "fp16": 14, "bf16": 15,
-       "randomk": 20, "topk": 21, "threshold": 22, "adaq": 23, "dgc_grace": 24, "sketch": 25, "powersgd_grace": 26}
+       "randomk": 20, "topk": 21, "threshold": 22, "adaq": 23, "dgc_grace": 24, "sketch": 25, "powersgd_grace": 26,
+       "inceptionn": 27}
 FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 7: 1, 8: 1, 9: 1, 10: 2, 11: 0, 12: 1, 13: 1, 14: 0, 15: 0}  # quantised payloads
 # fp32 header words that are scales or thresholds, sparse payloads included (DGC, GradDrop and GRACE's)
 SCALE_WORDS = {**FLOAT_WORDS, 4: 1, 5: 1, 22: 1, 23: 2, 24: 1}
