@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
+import time
 import warnings
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -49,6 +51,10 @@ from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWar
 
 Average = "average"
 Sum = "sum"
+# Bytes before the per-parameter ones in a row of the per-step agreement (_hp_agree).
+_AGREE_HEADER = 5
+# Bytes per rank of the configuration record compared at wrap time (_hp_check_same_configuration).
+_WRAP_RECORD_BYTES = 4096
 
 
 class _Bucket:
@@ -249,8 +255,13 @@ class _HipressOptimizer:
                              if momentum.resolve(options.momentum_correction, self, self._hp_compressor) else None)
         self._hp_average = options.op == Average
         self._hp_hierarchical = use_local_aggregation(options.local_aggregation, world.hostnames())
+        self._hp_named = named
+        self._hp_buckets = self._hp_build_buckets(options.bucket_bytes)
+        # before anything collective that depends on the options (the coordinator, the planner)
+        self._hp_check_same_configuration(options)
         engine = get_engine()
         exchanges = open_exchanges(engine, coordinated=options.coordinator)
+        self._hp_exchanges = exchanges
         self._hp_states = StateStore(world.rank())
         # Non-finite gradients (hipress/torch/nonfinite.py): checked per gradient, states logged
         # copy-on-write, agreed on in synchronize()
@@ -272,8 +283,6 @@ class _HipressOptimizer:
         self._hp_compressed = sync_for(self._hp_compressor)
         self._hp_plain = sync_for(NoneCompressor()) if options.plan is not None else self._hp_compressed
         self._hp_engine = engine
-        self._hp_named = named
-        self._hp_buckets = self._hp_build_buckets(options.bucket_bytes)
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
         self._hp_plan = self._hp_make_plan(options.plan) if options.plan is not None else None
         self._hp_covap = self._hp_make_covap(options.covap) if options.covap is not None else None
@@ -288,9 +297,12 @@ class _HipressOptimizer:
         self._hp_mark_ns = _C.now_ns()
         if engine.timeline_enabled:
             engine.timeline_row(2, "backward (gradient ready)")
-        self._hp_check_same_parameters()
-        self._hp_hooks = [p.register_post_accumulate_grad_hook(self._hp_on_grad)
-                          for _, p in named if p.requires_grad]
+        self._hp_bucket_bytes = options.bucket_bytes
+        self._hp_trainable = tuple(p.requires_grad for _, p in named)  # the set the buckets were built for
+        self._hp_hooks = {id(p): p.register_post_accumulate_grad_hook(self._hp_on_grad)
+                          for _, p in named if p.requires_grad}
+        self._hp_failure: Optional[str] = None  # a failed sync's error, until reset()
+        self._hp_joined = 0  # join(): 0 working, 1 joined in this round, 2 joined earlier
 
     def _hp_make_plan(self, plan):
         """plan: a Plan, "auto" (profile now, collectively), or an Overrides."""
@@ -340,20 +352,58 @@ class _HipressOptimizer:
         self._hp_covap.reprofile()
 
     # ------------------------------------------------------------------ checks
-    def _hp_check_same_parameters(self):
+    def _hp_wrap_fields(self, options: Options) -> Dict[str, str]:
+        """What every rank must agree on, readable: the parameters (as a digest: names, shapes,
+        dtypes) and every choice that changes which collectives a step runs or what they carry."""
+        sig = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self._hp_named).encode()
+        return {
+            "parameters": f"{len(self._hp_named)} parameters, digest {zlib.crc32(sig):08x}",
+            "compression": self._hp_compressor.name,
+            "compression kwargs": repr(sorted(options.compression_kwargs.items())),
+            "strategy": self._hp_strategy_name,
+            "bucket layout": f"{len(self._hp_buckets)} buckets, digest "
+                             f"{zlib.crc32(';'.join(f'{b.name}:{b.numel}' for b in self._hp_buckets).encode()):08x}",
+            "partition_bytes": repr(options.partition_bytes),
+            "backward_passes_per_step": repr(options.backward_passes_per_step),
+            "op": options.op,
+            "nonfinite": options.nonfinite,
+            "local aggregation": repr(self._hp_hierarchical),
+            "coordinator": repr(bool(options.coordinator)),
+            "plan": type(options.plan).__name__ if not isinstance(options.plan, str) else options.plan,
+            "momentum correction": repr(self._hp_momentum is not None),
+            "covap": repr(sorted(options.covap.items())) if options.covap is not None else "None",
+        }
+
+    def _hp_check_same_configuration(self, options: Options) -> None:
+        """One allgather at wrap time of every rank's :meth:`_hp_wrap_fields` (a fixed-size JSON
+        record), so a configuration that differs across ranks fails at once on every rank with a
+        ValueError naming the ranks and fields, instead of hanging in the first step until the
+        timeout (or, worse, running collectives that happen to match)."""
         tr = self._hp_transport
         if tr.size == 1:
             return
-        sig = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self._hp_named).encode()
-        mine = torch.tensor([len(self._hp_named), zlib.crc32(sig)], dtype=torch.int64).view(torch.uint8)
-        everyone = torch.empty(16 * tr.size, dtype=torch.uint8)
+        fields = self._hp_wrap_fields(options)
+        record = json.dumps({k: v[:200] for k, v in fields.items()}).encode()
+        if len(record) > _WRAP_RECORD_BYTES:  # long kwargs: compare digests of the values instead
+            record = json.dumps({k: f"digest {zlib.crc32(v.encode()):08x}" for k, v in fields.items()}).encode()
+        mine = torch.zeros(_WRAP_RECORD_BYTES, dtype=torch.uint8)
+        mine[:len(record)] = torch.frombuffer(bytearray(record), dtype=torch.uint8)
+        everyone = torch.empty(_WRAP_RECORD_BYTES * tr.size, dtype=torch.uint8)
         tr.allgather(mine, everyone)
-        table = everyone.view(torch.int64).view(tr.size, 2).tolist()
-        bad = [r for r, row in enumerate(table) if row != table[0]]
-        if bad:
+        rows = [json.loads(bytes(everyone[r * _WRAP_RECORD_BYTES:(r + 1) * _WRAP_RECORD_BYTES].tolist())
+                           .rstrip(b"\0").decode()) for r in range(tr.size)]
+        diffs = []
+        for r, row in enumerate(rows):
+            for k in rows[0]:
+                if row.get(k) != rows[0][k]:
+                    diffs.append(f"rank {r} has {k} {row.get(k)}, rank 0 has {rows[0][k]}")
+        if diffs:
+            bad = sorted({r for r, row in enumerate(rows) if row != rows[0]})
+            fields_bad = sorted({k for row in rows for k in rows[0] if row.get(k) != rows[0][k]})
             raise ValueError(
-                f"hipress.DistributedOptimizer: parameters differ across ranks (names, shapes or dtypes): "
-                f"rank(s) {bad} differ from rank 0 ({table[0][0]} parameters); every rank must wrap the same model")
+                f"hipress.DistributedOptimizer: the configuration differs across ranks: rank(s) {bad} differ from "
+                f"rank 0 in {', '.join(fields_bad)} (" + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else "")
+                + "); every rank must wrap the same model with the same options")
 
     # ------------------------------------------------------------------ submission
     def _hp_build_buckets(self, bucket_bytes) -> List["_Bucket"]:
@@ -362,6 +412,8 @@ class _HipressOptimizer:
     def _hp_on_grad(self, p: torch.nn.Parameter):
         if self._hp_skip:
             return
+        if not self._hp_counts and not self._hp_taken:  # the first gradient of a step
+            self._hp_refresh_trainable()
         key = id(p)
         now = _C.now_ns()
         if self._hp_engine.timeline_enabled:
@@ -378,22 +430,48 @@ class _HipressOptimizer:
         if self._hp_counts[key] == self._hp_passes:
             self._hp_take(p)
 
-    def _hp_take(self, p: torch.nn.Parameter):
-        """p's gradient is final for this step: put it in its bucket; submit a full bucket."""
+    def _hp_take(self, p: torch.nn.Parameter, joined: bool = False):
+        """p's gradient is final for this step: put it in its bucket; submit a full bucket.
+        joined (a rank in join()): zeros, sent as they are (no clipping, no momentum)."""
         key = id(p)
         grad = p.grad
-        if self._hp_guard and grad is not None and not nonfinite.all_finite(grad):
-            # never clipped, momentum-corrected, compressed or sent: zeros instead (every rank
-            # runs the same collectives); synchronize() undoes the step on every rank
-            self._hp_bad.add(key)
-            grad = torch.zeros_like(grad)
-        p.grad = final_gradient(self._hp_names[key], p, grad, self._hp_clip, self._hp_momentum)
+        if joined:
+            p.grad = torch.zeros_like(p) if grad is None else grad.zero_()
+        else:
+            if self._hp_guard and grad is not None and not nonfinite.all_finite(grad):
+                # never clipped, momentum-corrected, compressed or sent: zeros instead (every rank
+                # runs the same collectives); synchronize() undoes the step on every rank
+                self._hp_bad.add(key)
+                grad = torch.zeros_like(grad)
+            p.grad = final_gradient(self._hp_names[key], p, grad, self._hp_clip, self._hp_momentum)
         self._hp_taken.add(key)
         bucket = self._hp_bucket_of[key]
         if self._hp_transport.size > 1:
             bucket.put(p)
         if bucket.full(self._hp_taken):
             self._hp_submit(bucket)
+
+    def _hp_refresh_trainable(self) -> None:
+        """At the start of a step: if parameters were frozen or unfrozen since the buckets were
+        built, build them again for the parameters that require gradients now (frozen ones are then
+        neither synced nor given a gradient; unfrozen ones are synced like the others). Every rank
+        decides alone, from its own flags; the step's agreement (_hp_agree) checks they match."""
+        flags = tuple(p.requires_grad for _, p in self._hp_named)
+        if flags == self._hp_trainable:
+            return
+        changed = [n for (n, _), a, b in zip(self._hp_named, flags, self._hp_trainable) if a != b]
+        if self._hp_plan is not None or self._hp_covap is not None:
+            raise RuntimeError(f"hipress: requires_grad of {changed[:10]} changed after wrapping; with plan= or "
+                               f"compression='covap' the buckets cannot be rebuilt: wrap the optimizer again")
+        old = {(b.name, b.numel) for b in self._hp_buckets}
+        self._hp_trainable = flags
+        self._hp_buckets = self._hp_build_buckets(self._hp_bucket_bytes)
+        self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
+        for name, _ in old - {(b.name, b.numel) for b in self._hp_buckets}:
+            self._hp_states.discard(f"{name}/")  # a bucket that is gone: its residuals would be stale
+        for _, p in self._hp_named:
+            if p.requires_grad and id(p) not in self._hp_hooks:
+                self._hp_hooks[id(p)] = p.register_post_accumulate_grad_hook(self._hp_on_grad)
 
     def _hp_route(self, bucket: "_Bucket"):
         """(the sync, the partitions) of a bucket: the plan's choice, or compressed."""
@@ -435,8 +513,13 @@ class _HipressOptimizer:
         on every rank (so a GradScaler finds inf) and the next ``step()`` does not run the
         wrapped optimizer; ``last_nonfinite`` maps each such parameter to the ranks that
         saw it (empty when none). ``nonfinite="raise"``: the same, but it raises
-        :class:`NonFiniteGradientError` on every rank instead of warning."""
+        :class:`NonFiniteGradientError` on every rank instead of warning.
+
+        A failed synchronization (a peer that died, stalled past ``HIPRESS_TIMEOUT_S`` or sent a
+        bad payload) raises RuntimeError naming the gradient and the peer(s); the optimizer then
+        refuses to synchronize until :meth:`reset` (docs/reliability.md)."""
         self._hp_skip_step = False
+        self._hp_check_usable()
         if not self._hp_handles and not self._hp_counts:
             raise RuntimeError("step()/synchronize() called without a backward pass since the last step")
         incomplete = {self._hp_names[k]: c for k, c in self._hp_counts.items() if c < self._hp_passes}
@@ -447,27 +530,7 @@ class _HipressOptimizer:
             for _, p in bucket.params:
                 if id(p) not in self._hp_taken:
                     self._hp_take(p)  # unused this step: zeros, so every rank runs the same collectives
-        deadline = config.get("HIPRESS_TIMEOUT_S")
-        errors = []
-        for name, h in self._hp_handles.items():
-            if h is None:
-                continue
-            if not h.wait(deadline):
-                errors.append(f"'{name}' not synchronized within {deadline:g} s "
-                              f"(HIPRESS_TIMEOUT_S); a peer may have died or stalled")
-                continue
-            err = h.exception(0)
-            if err is not None:
-                errors.append(str(err))
-        self._hp_handles.clear()
-        self._hp_counts.clear()
-        self._hp_taken.clear()
-        bad, self._hp_bad = self._hp_bad, set()
-        if errors:
-            self._hp_commit()  # nothing to agree on: the collectives themselves failed
-            shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
-            raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(shown))
-        if self._hp_guard and self._hp_agree_nonfinite(bad):
+        if self._hp_finish_step():
             return
         if self._hp_covap is not None:
             profile = self._hp_covap.finish_step(self._hp_gather)
@@ -477,6 +540,89 @@ class _HipressOptimizer:
                       f"{profile.interval}", flush=True)
         self._hp_synchronized = True
 
+    def _hp_check_usable(self) -> None:
+        if self._hp_failure is not None:
+            raise RuntimeError(f"hipress: an earlier gradient synchronization failed ({self._hp_failure}); call "
+                               f"opt.reset() on every rank before the next step (docs/reliability.md)")
+
+    def _hp_finish_step(self) -> bool:
+        """Waits for the step's collectives, then agrees with every rank on the step (one small
+        allgather: join state, trainable set, non-finite gradients). True if the step is not taken."""
+        errors = self._hp_wait_all()
+        self._hp_counts.clear()
+        self._hp_taken.clear()
+        bad, self._hp_bad = self._hp_bad, set()
+        if errors:
+            # keep the handles (reset() waits them out) and the undo logs (reset() undoes the step)
+            self._hp_failure = errors[0].splitlines()[0][:300]
+            shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
+            raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(shown))
+        self._hp_handles.clear()
+        table = self._hp_agree(bad)
+        self._hp_check_same_trainable(table)
+        self._hp_last_table = table
+        return self._hp_decide_nonfinite(table[:, _AGREE_HEADER:]) if self._hp_guard else False
+
+    def _hp_agree(self, bad: set) -> torch.Tensor:
+        """Every rank's row: [join state, 4 bytes of the trainable set's digest, one byte per
+        parameter (not finite here this step)]. One allgather of a few bytes per step; the join
+        column is what lets working ranks go on with ranks that ran out of data (join())."""
+        tr = self._hp_transport
+        mine = torch.zeros(_AGREE_HEADER + len(self._hp_named), dtype=torch.uint8)
+        mine[0] = self._hp_joined
+        mine[1:5] = torch.tensor(list(zlib.crc32(bytes(self._hp_trainable)).to_bytes(4, "little")), dtype=torch.uint8)
+        if bad:
+            mine[_AGREE_HEADER:] = torch.tensor([id(p) in bad for _, p in self._hp_named], dtype=torch.uint8)
+        if tr.size == 1:
+            return mine.view(1, -1)
+        table = torch.empty(tr.size * mine.numel(), dtype=torch.uint8)
+        tr.allgather(mine, table)
+        return table.view(tr.size, mine.numel())
+
+    def _hp_check_same_trainable(self, table: torch.Tensor) -> None:
+        digests = table[:, 1:_AGREE_HEADER]
+        differ = [r for r in range(table.shape[0]) if not torch.equal(digests[r], digests[0])]
+        if differ:
+            frozen = [n for (n, _), t in zip(self._hp_named, self._hp_trainable) if not t]
+            self._hp_failure = "the ranks train different sets of parameters"
+            raise RuntimeError(f"hipress: rank(s) {differ} train a different set of parameters (requires_grad) than "
+                               f"rank 0; every rank must freeze and unfreeze the same parameters before the same "
+                               f"step. This rank has frozen: {frozen[:10]}")
+
+    def _hp_wait_all(self) -> List[str]:
+        """Waits for every submitted handle, all within one HIPRESS_TIMEOUT_S from now; returns
+        the errors. A timeout names the peer(s) this rank was waiting for; any failure also names
+        the peers that did not fail too (:func:`hipress.comm.world.silent_peers`: the stalled or
+        dead ones, or a peer that went on)."""
+        deadline = config.get("HIPRESS_TIMEOUT_S")
+        end = time.monotonic() + deadline
+        errors = []
+        for name, h in self._hp_handles.items():
+            if h is None:
+                continue
+            if not h.wait(max(0.0, end - time.monotonic())):
+                errors.append(f"'{name}' not synchronized within {deadline:g} s (HIPRESS_TIMEOUT_S); "
+                              f"{self._hp_waiting_for()}")
+                continue
+            err = h.exception(0)
+            if err is not None:
+                errors.append(str(err))
+        if errors:
+            silent = world.silent_peers(window_s=2 * deadline)
+            if silent:
+                errors[0] += f"; rank(s) {silent} report no failure of their own (stalled, dead or still running)"
+            elif silent == []:
+                errors[0] += "; every other rank failed too"
+        return errors
+
+    def _hp_waiting_for(self) -> str:
+        """Whom this rank was waiting for when a deadline passed, in words."""
+        pending = self._hp_exchanges.waiting_for()
+        if pending is None:
+            return "no transfer was in flight on this rank (a compute task or the coordinator was still running)"
+        op, ranks = pending
+        return f"waiting for rank(s) {ranks} in '{op}'"
+
     def _hp_commit(self) -> None:
         self._hp_states.commit()
         if self._hp_momentum is not None:
@@ -484,29 +630,17 @@ class _HipressOptimizer:
         if self._hp_covap is not None and self._hp_covap.filter is not None:
             self._hp_covap.filter.undo_log.commit()
 
-    def _hp_agree_nonfinite(self, bad: set) -> bool:
-        """One allgather of a byte per parameter (which were not finite on this rank); if any
-        rank had one: undo this step's state changes, NaN the gradients of those parameters,
+    def _hp_decide_nonfinite(self, table: torch.Tensor) -> bool:
+        """From every rank's byte per parameter (which were not finite on that rank): if any
+        rank had one, undo this step's state changes, NaN the gradients of those parameters,
         then warn and mark the step skipped, or raise. True if the step is not taken. Every
         rank reaches the same decision from the same table."""
-        tr = self._hp_transport
-        mine = torch.tensor([id(p) in bad for _, p in self._hp_named], dtype=torch.uint8)
-        if tr.size > 1:
-            table = torch.empty(tr.size * mine.numel(), dtype=torch.uint8)
-            tr.allgather(mine, table)
-            table = table.view(tr.size, mine.numel())
-        else:
-            table = mine.view(1, -1)
         hit = table.any(0).nonzero().view(-1).tolist()
         if not hit:
             self.last_nonfinite = {}
             self._hp_commit()
             return False
-        self._hp_states.undo()
-        if self._hp_momentum is not None:
-            self._hp_momentum.undo()
-        if self._hp_covap is not None and self._hp_covap.filter is not None:
-            self._hp_covap.filter.undo()
+        self._hp_undo()
         where = {}
         for i in hit:
             name, p = self._hp_named[i]
@@ -514,12 +648,21 @@ class _HipressOptimizer:
             if p.grad is not None:
                 p.grad.fill_(float("nan"))
         self.last_nonfinite = where
+        if self._hp_joined:  # a rank in join() has no step to skip: the states are restored, that is all
+            return True
         if self._hp_nonfinite == "raise":
             raise NonFiniteGradientError(nonfinite.describe(where, "step not taken"), where)
         warnings.warn(nonfinite.describe(where, "step skipped on every rank"), NonFiniteGradientWarning,
-                      stacklevel=3)
+                      stacklevel=4)
         self._hp_skip_step = self._hp_synchronized = True
         return True
+
+    def _hp_undo(self) -> None:
+        self._hp_states.undo()
+        if self._hp_momentum is not None:
+            self._hp_momentum.undo()
+        if self._hp_covap is not None and self._hp_covap.filter is not None:
+            self._hp_covap.filter.undo()
 
     def _hp_gather(self, v: torch.Tensor) -> torch.Tensor:
         """Every rank's float64 vector v, one row per rank (nothing else is in flight here)."""
@@ -537,12 +680,76 @@ class _HipressOptimizer:
         finally:
             self._hp_skip = False
 
+    def join(self) -> int:
+        """This rank has no more data (uneven inputs): until every rank has joined, it takes part
+        in the other ranks' gradient synchronizations with zero gradients (its optimizer does not
+        step), so ``op=Average`` still divides by the full number of ranks. The working ranks need
+        not know in advance: each step's agreement (one small allgather that runs anyway) tells
+        them. Returns the rank that joined last (the highest one if several joined in the same
+        step), on every rank. Every rank must call it once out of data; ``hipress.join()`` serves
+        the Horovod-style collectives (hipress.torch.collectives), not this optimizer."""
+        self._hp_check_usable()
+        if self._hp_handles or self._hp_taken or self._hp_counts:
+            raise RuntimeError("join() called while gradients are being synchronized; call step() or "
+                               "synchronize() first")
+        self._hp_joined = 1
+        try:
+            while True:
+                self._hp_refresh_trainable()
+                for bucket in self._hp_buckets:
+                    for _, p in bucket.params:
+                        self._hp_take(p, joined=True)
+                self._hp_finish_step()
+                states = self._hp_last_table[:, 0].tolist()
+                if all(states):
+                    return max(r for r, st in enumerate(states) if st == 1)
+                self._hp_joined = 2
+                if self._hp_covap is not None:
+                    self._hp_covap.finish_step(self._hp_gather)
+        finally:
+            self._hp_joined = 0
+            self._hp_synchronized = False
+            for _, p in self._hp_named:
+                p.grad = None
+
+    def reset(self) -> None:
+        """After a failed synchronization (RuntimeError from step()/synchronize()), makes the
+        optimizer usable again: waits for the tasks still running (at most HIPRESS_TIMEOUT_S),
+        drops the failed step (its gradients are left as they are; its compressor and momentum
+        state changes are undone when ``nonfinite`` is not "off"), and opens fresh connections to
+        the peers. Collective: every rank calls it (those that failed and those that did not), and
+        it returns once all have. Also fine to call when nothing failed (drops the current step)."""
+        if self._hp_transport.size > 1 and not hasattr(self._hp_exchanges.world, "transport"):
+            raise RuntimeError("hipress reset(): not supported with the global coordinator (coordinator=True)")
+        deadline = config.get("HIPRESS_TIMEOUT_S")
+        engine = self._hp_engine
+        # a no-op on each queue runs once whatever is running there now has finished
+        fences = [engine.submit("reset.fence", lambda: None, queue=q) for q in ("comm", "compute")]
+        end = time.monotonic() + deadline
+        for h in [*fences, *(h for h in self._hp_handles.values() if h is not None)]:
+            if not h.wait(max(0.0, end - time.monotonic())):
+                raise RuntimeError(f"hipress reset(): task '{h.name}' still runs after {deadline:g} s "
+                                   f"(HIPRESS_TIMEOUT_S); {self._hp_waiting_for()}")
+        self._hp_handles.clear()
+        self._hp_counts.clear()
+        self._hp_taken.clear()
+        self._hp_bad = set()
+        self._hp_undo()
+        self._hp_skip_step = self._hp_synchronized = False
+        self._hp_exchanges.reset()
+        if self._hp_transport.size > 1:
+            world.reconnect()
+            self._hp_exchanges.rebind(world.transport(), world.local_transport(), world.cross_transport())
+            self._hp_transport = world.transport()
+        self._hp_failure = None
+
     def step(self, closure=None):
         if self._hp_skip:
             if not self._hp_synchronized:
                 raise RuntimeError("step() inside skip_synchronize() needs an explicit synchronize() first")
         else:
             self.synchronize()
+        self._hp_check_usable()
         self._hp_synchronized = False
         if self._hp_skip_step:  # a rank's gradient was not finite (see synchronize()): not taken
             self._hp_skip_step = False
@@ -556,7 +763,7 @@ class _HipressOptimizer:
         return out
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._hp_handles or self._hp_taken:
+        if (self._hp_handles or self._hp_taken) and self._hp_failure is None:
             raise RuntimeError("zero_grad() called while gradients are being synchronized; call step() "
                                "or synchronize() first")
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
