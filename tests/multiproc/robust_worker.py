@@ -15,6 +15,7 @@ Scenarios (each rank writes OUT_DIR/rank{r}.pt):
   stall    (launched by hand, HIPRESS_TIMEOUT_S short) rank 1 sleeps ARG seconds before step 2's
            backward: every rank records the error of step 2, calls reset() and trains on.
   kill     (launched by hand) rank 1 exits at step 2; the others record the error and exit 3.
+  rendezvous  (launched by hand, some ranks never started) hipress.init()'s error, exit 3.
 """
 import os
 import sys
@@ -53,6 +54,14 @@ def params(model):
 def main(scenario, out_dir, arg):
     if scenario in ("stall", "kill"):
         start_together(out_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    if scenario == "rendezvous":
+        try:
+            hipress.init()
+        except RuntimeError as e:
+            torch.save({"error": str(e), "type": type(e).__name__},
+                       os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
+            raise SystemExit(3)
+        raise SystemExit(0)
     hipress.init()
     rank = hipress.rank()
 

@@ -26,13 +26,14 @@ def launch(tmp_path, scenario, np, arg=None, env=None, timeout=240):
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(np)]
 
 
-def launch_by_hand(tmp_path, scenario, np, arg=None, timeout_s="6"):
-    """For scenarios where a rank fails on purpose (the launcher would stop everyone at once)."""
+def launch_by_hand(tmp_path, scenario, np, arg=None, timeout_s="6", ranks=None):
+    """For scenarios where a rank fails on purpose (the launcher would stop everyone at once);
+    ``ranks``: the ranks started (default: all np)."""
     env = dict(os.environ, HIPRESS_TIMEOUT_S=timeout_s)
     cmd = [sys.executable, WORKER, scenario, str(tmp_path)] + ([arg] if arg else [])
     port = free_port()
     procs = [subprocess.Popen(cmd, env=rank_env(r, np, port, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(np)]
+                              text=True) for r in (range(np) if ranks is None else ranks)]
     try:
         outs = [p.communicate(timeout=180)[0] for p in procs]
     except subprocess.TimeoutExpired:
@@ -151,3 +152,16 @@ def test_killed_rank_is_named(tmp_path):
     for r in (0, 2):
         err = torch.load(tmp_path / f"rank{r}.pt")["errors"][0]
         assert "rank(s) [1] report no failure" in err, err
+
+
+@pytest.mark.parametrize("started,missing", [((0, 1), [2]), ((1, 2), [0])])
+def test_rank_that_never_starts_is_named(tmp_path, started, missing):
+    codes, outs = launch_by_hand(tmp_path, "rendezvous", 3, timeout_s="5", ranks=started)
+    assert codes == [3] * len(started), "\n".join(o[-2000:] for o in outs)
+    for r in started:
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got["type"] == "TransportError", got  # a RuntimeError
+        if missing == [0]:
+            assert "rank 0 never arrived at the rendezvous" in got["error"], got["error"]
+        else:
+            assert f"rank(s) {missing} never arrived at the rendezvous" in got["error"], got["error"]
