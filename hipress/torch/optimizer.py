@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -52,7 +53,9 @@ from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWar
 Average = "average"
 Sum = "sum"
 # Bytes before the per-parameter ones in a row of the per-step agreement (_hp_agree).
-_AGREE_HEADER = 5
+_AGREE_HEADER = 4
+# Wrapped optimizers of this process, in wrapping order (the same on every rank): names join()'s store keys.
+_wrapped = itertools.count()
 # Bytes per rank of the configuration record compared at wrap time (_hp_check_same_configuration).
 _WRAP_RECORD_BYTES = 4096
 
@@ -302,7 +305,10 @@ class _HipressOptimizer:
         self._hp_hooks = {id(p): p.register_post_accumulate_grad_hook(self._hp_on_grad)
                           for _, p in named if p.requires_grad}
         self._hp_failure: Optional[str] = None  # a failed sync's error, until reset()
-        self._hp_joined = 0  # join(): 0 working, 1 joined in this round, 2 joined earlier
+        self._hp_joined = False  # in join()
+        self._hp_steps = 0  # synchronizations finished (successful or skipped): the same count on every rank
+        self._hp_uid = next(_wrapped)
+        self._hp_joins = 0  # join() calls so far
 
     def _hp_make_plan(self, plan):
         """plan: a Plan, "auto" (profile now, collectively), or an Overrides."""
@@ -558,19 +564,20 @@ class _HipressOptimizer:
             shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
             raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(shown))
         self._hp_handles.clear()
+        self._hp_steps += 1
+        if not self._hp_guard:
+            return False
         table = self._hp_agree(bad)
         self._hp_check_same_trainable(table)
-        self._hp_last_table = table
-        return self._hp_decide_nonfinite(table[:, _AGREE_HEADER:]) if self._hp_guard else False
+        return self._hp_decide_nonfinite(table[:, _AGREE_HEADER:])
 
     def _hp_agree(self, bad: set) -> torch.Tensor:
-        """Every rank's row: [join state, 4 bytes of the trainable set's digest, one byte per
-        parameter (not finite here this step)]. One allgather of a few bytes per step; the join
-        column is what lets working ranks go on with ranks that ran out of data (join())."""
+        """Every rank's row: [4 bytes of the trainable set's digest, one byte per parameter (not
+        finite here this step)]. One allgather of a few bytes per step (not with nonfinite="off")."""
         tr = self._hp_transport
         mine = torch.zeros(_AGREE_HEADER + len(self._hp_named), dtype=torch.uint8)
-        mine[0] = self._hp_joined
-        mine[1:5] = torch.tensor(list(zlib.crc32(bytes(self._hp_trainable)).to_bytes(4, "little")), dtype=torch.uint8)
+        mine[:_AGREE_HEADER] = torch.tensor(list(zlib.crc32(bytes(self._hp_trainable)).to_bytes(4, "little")),
+                                            dtype=torch.uint8)
         if bad:
             mine[_AGREE_HEADER:] = torch.tensor([id(p) in bad for _, p in self._hp_named], dtype=torch.uint8)
         if tr.size == 1:
@@ -580,7 +587,7 @@ class _HipressOptimizer:
         return table.view(tr.size, mine.numel())
 
     def _hp_check_same_trainable(self, table: torch.Tensor) -> None:
-        digests = table[:, 1:_AGREE_HEADER]
+        digests = table[:, :_AGREE_HEADER]
         differ = [r for r in range(table.shape[0]) if not torch.equal(digests[r], digests[0])]
         if differ:
             frozen = [n for (n, _), t in zip(self._hp_named, self._hp_trainable) if not t]
@@ -683,31 +690,53 @@ class _HipressOptimizer:
     def join(self) -> int:
         """This rank has no more data (uneven inputs): until every rank has joined, it takes part
         in the other ranks' gradient synchronizations with zero gradients (its optimizer does not
-        step), so ``op=Average`` still divides by the full number of ranks. The working ranks need
-        not know in advance: each step's agreement (one small allgather that runs anyway) tells
-        them. Returns the rank that joined last (the highest one if several joined in the same
-        step), on every rank. Every rank must call it once out of data; ``hipress.join()`` serves
-        the Horovod-style collectives (hipress.torch.collectives), not this optimizer."""
+        step), so ``op=Average`` still divides by the full number of ranks. Returns, on every rank,
+        the rank whose join() completed the set (the last to join). Every rank calls it once out of
+        data (each epoch, say); the optimizer is usable again afterwards.
+
+        The working ranks need not know in advance and pay nothing: they run their steps as
+        always. Only joined ranks coordinate, through the rendezvous store (torch transport): the
+        rank that joins last records there the step at which every rank has joined; each joined
+        rank, after each zero step, looks whether that was the last one. That rank runs one zero
+        step too, so every rank stops after the same step. ``hipress.join()`` serves the
+        Horovod-style collectives (hipress.torch.collectives), not this optimizer."""
         self._hp_check_usable()
         if self._hp_handles or self._hp_taken or self._hp_counts:
             raise RuntimeError("join() called while gradients are being synchronized; call step() or "
                                "synchronize() first")
-        self._hp_joined = 1
+        self._hp_joins += 1
+        tr = self._hp_transport
+        if tr.size == 1:
+            return 0
+        store = getattr(tr, "store", None)
+        if store is None:
+            raise RuntimeError(f"DistributedOptimizer.join() needs a rendezvous store (the torch transport); the "
+                               f"{tr.name} transport has none")
+        if self._hp_covap is not None and not self._hp_guard:
+            raise RuntimeError("join() with compression='covap' needs nonfinite='skip' or 'raise' (a COVAP step may "
+                               "send nothing; the per-step agreement then orders the joined ranks' steps)")
+        key = f"hipress/join/opt{self._hp_uid}/{self._hp_joins}"
+        if store.add(f"{key}/count", 1) == tr.size:  # the last to join: every rank stops after this step
+            store.set(f"{key}/final", f"{self._hp_steps}:{tr.rank}")
+        self._hp_joined = True
         try:
             while True:
                 self._hp_refresh_trainable()
+                step = self._hp_steps
                 for bucket in self._hp_buckets:
                     for _, p in bucket.params:
                         self._hp_take(p, joined=True)
                 self._hp_finish_step()
-                states = self._hp_last_table[:, 0].tolist()
-                if all(states):
-                    return max(r for r, st in enumerate(states) if st == 1)
-                self._hp_joined = 2
                 if self._hp_covap is not None:
                     self._hp_covap.finish_step(self._hp_gather)
+                # The last rank wrote final before its zero step, and this rank's step could not end
+                # before every rank's had begun: if final is that step, it is there now.
+                if store.check([f"{key}/final"]):
+                    final_step, last = map(int, store.get(f"{key}/final").decode().split(":"))
+                    if final_step == step:
+                        return last
         finally:
-            self._hp_joined = 0
+            self._hp_joined = False
             self._hp_synchronized = False
             for _, p in self._hp_named:
                 p.grad = None

@@ -97,7 +97,8 @@ def main(scenario, out_dir, arg):
         steps = [int(s) for s in arg.split(",")]
         model = make_model()
         opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                           named_parameters=model.named_parameters(), strategy=os.environ["STRATEGY"])
+                                           named_parameters=model.named_parameters(), strategy=os.environ["STRATEGY"],
+                                           nonfinite=os.environ["NONFINITE"])
         for t in range(steps[rank]):
             train_step(model, opt, batch(rank, t))
         last = opt.join()
