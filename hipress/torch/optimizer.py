@@ -21,6 +21,9 @@ How it works:
      sent as zeros); every state is copied on first change in a step; ``synchronize()``
      agrees across ranks (one byte per parameter) and, if any rank saw NaN/Inf, undoes the
      step's state changes on every rank and skips the step (or raises) on every rank.
+  5. Failures (docs/reliability.md): the configuration is compared across ranks at wrap time;
+     a failed sync names the peers and the optimizer then waits for ``reset()``; ``join()``
+     serves uneven inputs; ``requires_grad`` changes rebuild the buckets at the next step.
 Semantics: every rank ends with decode(aggregate of decoded gradients) / N; bytes of
 compressed gradients are never averaged.
 """
@@ -872,6 +875,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     rank finds inf and lowers its scale alike. "raise": the states are restored and
     synchronize()/step() raise NonFiniteGradientError on every rank. "off": no check, no
     copies (a non-finite value then corrupts compressor state for good).
+    Every rank must wrap with the same configuration: wrapping compares it across ranks and
+    raises ValueError on every rank naming the differing ranks and fields. After a failed step
+    (RuntimeError naming the peers), ``opt.reset()`` on every rank makes it usable again;
+    ``opt.join()`` lets a rank out of data serve the others' steps (docs/reliability.md).
     Returns the same optimizer object, whose class is now a subclass of its old class.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
