@@ -168,6 +168,9 @@ def main(scenario, out_dir, arg):
                 errors.append(str(e))
                 if scenario == "kill":
                     save({"errors": errors})
+                    # rank 0 hosts the store the others read to name the silent rank: stay a while,
+                    # as a script reporting the error would, so a survivor that failed later can read it
+                    time.sleep(5)
                     os._exit(3)
                 opt.reset()
         save({"errors": errors, "final": params(model)})
