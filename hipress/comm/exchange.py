@@ -51,10 +51,19 @@ Sink = Callable[[torch.Tensor], None]
 
 
 class CommChain:
-    """Orders comm tasks by submission (see the module docstring)."""
+    """Orders comm tasks by submission (see the module docstring), and knows what the comm
+    thread is waiting for (``in_flight``: the operation's name and the world ranks it receives
+    from), so a timeout can name the peers that did not arrive."""
 
     def __init__(self):
         self.last: Optional[Handle] = None
+        self.in_flight: Optional[tuple] = None
+
+    def reset(self) -> None:
+        """Forgets the last task: after a failed sync (hipress DistributedOptimizer.reset()), new
+        communication must not depend on the failed task, or it would fail with it."""
+        self.last = None
+        self.in_flight = None
 
     def deps(self, extra: Sequence[Handle]) -> List[Handle]:
         return list(extra) + ([self.last] if self.last is not None else [])
@@ -141,10 +150,11 @@ def transfer(transport, payloads: Dict[int, torch.Tensor], recv_from, pairwise: 
 class DirectExchange(Exchange):
     """Transport calls on the comm queue, chained in submission order."""
 
-    def __init__(self, engine: Engine, transport, chain: CommChain):
+    def __init__(self, engine: Engine, transport, chain: CommChain, members: Optional[Sequence[int]] = None):
         super().__init__(engine, transport.rank, transport.size)
         self.transport = transport
         self.chain = chain
+        self.members = list(members) if members is not None else list(range(transport.size))
 
     def _comm(self, name: str, fn: Callable[[], None], deps: Sequence[Handle]) -> Handle:
         return self.chain.push(self.engine.submit(name, fn, queue="comm", deps=self.chain.deps(deps)))
@@ -152,8 +162,13 @@ class DirectExchange(Exchange):
     def _exchange(self, name, sends, sinks, deps, pairwise, max_bytes=None):
         tr = self.transport
 
+        waits_for = sorted(self.members[s] for s in sinks if s != self.rank)
+
         def run():
-            got = transfer(tr, {d: f() for d, f in sends.items()}, set(sinks), pairwise, max_bytes)
+            payloads = {d: f() for d, f in sends.items()}
+            self.chain.in_flight = (name, waits_for, tr, self.members)
+            got = transfer(tr, payloads, set(sinks), pairwise, max_bytes)
+            self.chain.in_flight = None
             for src, buf in got.items():
                 sinks[src](buf)
 
@@ -161,10 +176,13 @@ class DirectExchange(Exchange):
 
     def broadcast(self, name, buf, root, deps=()):
         tr = self.transport
+        waits_for = [self.members[root]] if root != self.rank else [m for m in self.members if m != self.members[root]]
 
         def run():
             if buf.numel():
+                self.chain.in_flight = (name, waits_for, tr, self.members)
                 tr.broadcast(buf.view(-1).view(torch.uint8), root)
+                self.chain.in_flight = None
 
         return self._comm(name, run, deps)
 
@@ -213,6 +231,28 @@ class Exchanges:
     local: Exchange
     cross: Exchange
 
+    def waiting_for(self) -> Optional[tuple]:
+        """(operation name, world ranks it still waits to hear from) of the transfer in progress on
+        this rank's comm thread, or None (nothing in flight, or the coordinator schedules it)."""
+        chain = getattr(self.world, "chain", None)
+        current = chain.in_flight if chain is not None else None
+        if current is None:
+            return None
+        name, waits_for, tr, members = current
+        pending = getattr(tr, "pending_peers", lambda: None)()
+        return name, [members[p] for p in pending] if pending else waits_for
+
+    def rebind(self, world_transport, local_transport, cross_transport) -> None:
+        """Moves the direct exchanges onto fresh transports (after ``world.reconnect()``)."""
+        for ex, tr in ((self.world, world_transport), (self.local, local_transport), (self.cross, cross_transport)):
+            ex.transport = tr
+
+    def reset(self) -> None:
+        """New communication no longer waits on (or fails with) what was submitted before."""
+        chain = getattr(self.world, "chain", None)
+        if chain is not None:
+            chain.reset()
+
 
 def open_exchanges(engine: Engine, coordinated: bool = False) -> Exchanges:
     """Collective when coordinated (starts the executor over the world). Needs ``world.init()``."""
@@ -225,6 +265,6 @@ def open_exchanges(engine: Engine, coordinated: bool = False) -> Exchanges:
         make = {g: CoordinatedExchange(engine, ex, world.members(g)) for g in ("world", "local", "cross")}
         return Exchanges(make["world"], make["local"], make["cross"])
     chain = CommChain()  # one order for all of this rank's communication
-    return Exchanges(DirectExchange(engine, world.transport(), chain),
-                     DirectExchange(engine, world.local_transport(), chain),
-                     DirectExchange(engine, world.cross_transport(), chain))
+    return Exchanges(DirectExchange(engine, world.transport(), chain, world.members("world")),
+                     DirectExchange(engine, world.local_transport(), chain, world.members("local")),
+                     DirectExchange(engine, world.cross_transport(), chain, world.members("cross")))

@@ -93,15 +93,61 @@ def tcp_store(addr: str, port: int, size: int, rank: int, timeout: float, listen
         if is_master:
             port = listener.getsockname()[1]
             fd = listener.detach()  # the store owns and closes it
-            st = dist.TCPStore(addr, int(port), size, True, timeout=td, wait_for_workers=True, master_listen_fd=fd)
+            st = dist.TCPStore(addr, int(port), size, True, timeout=td, wait_for_workers=False, master_listen_fd=fd)
         else:
-            st = dist.TCPStore(addr, int(port), size, False, timeout=td, wait_for_workers=True)
+            st = dist.TCPStore(addr, int(port), size, False, timeout=td, wait_for_workers=False)
     except Exception as e:  # noqa: BLE001
+        if not is_master:  # a client could not reach the store: rank 0 never came (or listens elsewhere)
+            raise TransportError("rendezvous", f"rank 0 never arrived at the rendezvous: no TCPStore answered at "
+                                 f"{addr}:{port} within {timeout:g} s (HIPRESS_TIMEOUT_S); is rank 0 running, and "
+                                 f"told the same MASTER_ADDR/MASTER_PORT? ({e})", [0], rank, transport) from e
         raise TransportError("rendezvous", f"TCPStore at {addr}:{port} for {size} ranks failed: {e}",
                              None, rank, transport) from e
+    _arrive(st, rank, size, timeout, tag, f"{addr}:{port}", transport)
     if secret:
         _check_secret(st, secret, rank, size, tag, f"{addr}:{port}", transport)
     return st
+
+
+def _arrive(st, rank: int, size: int, timeout: float, tag: str, where: str, transport: str) -> None:
+    """Every rank marks its arrival in the store; rank 0 waits (up to ``timeout``) until all have
+    and publishes the outcome: every rank then returns, or raises naming the ranks that never
+    arrived (instead of torch's own wait for workers, whose DistStoreError says only how many)."""
+    key = f"hipress/arrived/{tag}"
+    st.set(f"{key}/{rank}", "1")
+    end = time.monotonic() + timeout
+    if rank == 0:
+        missing = list(range(1, size))
+        while missing and time.monotonic() < end:
+            missing = [r for r in missing if not st.check([f"{key}/{r}"])]
+            if missing:
+                time.sleep(0.02)
+        st.set(f"{key}/outcome", ",".join(map(str, missing)))
+        if missing:  # the ranks that came read the outcome before this rank (and its store) goes
+            came = [r for r in range(1, size) if r not in missing]
+            while came and time.monotonic() < end + 2.0:
+                came = [r for r in came if not st.check([f"{key}/read{r}"])]
+                time.sleep(0.02)
+    else:
+        try:
+            while not st.check([f"{key}/outcome"]):
+                if time.monotonic() > end + timeout:  # rank 0 decides within timeout; it is gone
+                    raise TransportError("rendezvous", f"rank 0 did not complete the rendezvous at {where}",
+                                         [0], rank, transport)
+                time.sleep(0.02)
+            outcome = st.get(f"{key}/outcome").decode()
+            st.set(f"{key}/read{rank}", "1")
+        except TransportError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the store closed under us: rank 0 left
+            raise TransportError("rendezvous", f"rank 0 left the rendezvous at {where} before it completed: {e}",
+                                 [0], rank, transport) from e
+        missing = [int(r) for r in outcome.split(",")] if outcome else []
+    if missing:
+        raise TransportError("rendezvous", f"rank(s) {missing} never arrived at the rendezvous at {where} within "
+                             f"{timeout:g} s (HIPRESS_TIMEOUT_S) ({size - len(missing)} of {size} ranks did); did "
+                             f"they start, with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE?",
+                             missing, rank, transport)
 
 
 # ---------------------------------------------------------------------------- where rank 0 listens

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import threading
+import time
 from typing import Callable, List, Optional, Union
 
 from hipress import config
@@ -29,7 +30,7 @@ from hipress.comm.discovery import LaunchInfo, detect_launch
 
 __all__ = ["init", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "transport", "local_transport", "cross_transport",
-           "launch_info", "hostnames", "members", "on_shutdown"]
+           "launch_info", "hostnames", "members", "on_shutdown", "reconnect", "silent_peers"]
 
 
 # ---------------------------------------------------------------------------- state
@@ -156,6 +157,57 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, master_addr: Op
         except BaseException:
             world.close()
             raise
+
+
+def reconnect() -> None:
+    """Replaces the world's transports by fresh connections among the same ranks (collective:
+    every rank calls it). For recovering after a failed operation, which may leave a transport
+    unusable (gloo closes every connection of a group after a timeout). Needs a transport that
+    can reconnect (torch/gloo: a new group over the same store); others raise RuntimeError."""
+    global _state
+    with _lock:
+        s = _get()
+        if s.size == 1:
+            return
+        fresh = getattr(s.world, "reconnect", None)
+        if fresh is None:
+            raise RuntimeError(f"the {s.world.name} transport cannot reconnect after a failure")
+        new_world = fresh()
+        for t in {id(t): t for t in (s.cross, s.local, s.world)}.values():
+            try:
+                t.close()
+            except Exception:  # noqa: BLE001 - best effort: the old connections may be broken
+                pass
+        _state = _group_by_host(new_world, s.launch)
+
+
+def silent_peers(window_s: float, grace_s: float = 2.0) -> Optional[List[int]]:
+    """After a failed operation, which peers did not fail too. This rank writes the time into the
+    rendezvous store (``hipress/waiting/<rank>``), then reads the other ranks' entries for up to
+    ``grace_s``: a peer whose entry is at most ``window_s`` old failed as well (it is alive: it
+    timed out waiting on someone else, or lost a connection), the others are silent: stalled,
+    dead, or still running. None when there is no
+    store (transports other than torch) or it cannot be reached (rank 0, which hosts it, is
+    gone). Costs nothing until called: nothing is written on the normal path."""
+    s = _get()
+    store = getattr(s.world, "store", None)
+    if store is None or s.size == 1:
+        return None
+    now = time.time()
+    try:
+        store.set(f"hipress/waiting/{s.rank}", repr(now))
+        end = time.monotonic() + grace_s
+        while True:
+            silent = []
+            for r in range(s.size):
+                key = f"hipress/waiting/{r}"
+                if r != s.rank and not (store.check([key]) and abs(now - float(store.get(key))) <= window_s):
+                    silent.append(r)
+            if not silent or time.monotonic() > end:
+                return silent
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store's host is gone too
+        return None
 
 
 def init_private_gloo(store, prefix: str, rank: int, size: int, timeout_s: float) -> None:

@@ -21,6 +21,9 @@ How it works:
      sent as zeros); every state is copied on first change in a step; ``synchronize()``
      agrees across ranks (one byte per parameter) and, if any rank saw NaN/Inf, undoes the
      step's state changes on every rank and skips the step (or raises) on every rank.
+  5. Failures (docs/reliability.md): the configuration is compared across ranks at wrap time;
+     a failed sync names the peers and the optimizer then waits for ``reset()``; ``join()``
+     serves uneven inputs; ``requires_grad`` changes rebuild the buckets at the next step.
 Semantics: every rank ends with decode(aggregate of decoded gradients) / N; bytes of
 compressed gradients are never averaged.
 """
@@ -28,7 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import json
 import math
+import time
 import warnings
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -49,6 +55,12 @@ from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWar
 
 Average = "average"
 Sum = "sum"
+# Bytes before the per-parameter ones in a row of the per-step agreement (_hp_agree).
+_AGREE_HEADER = 4
+# Wrapped optimizers of this process, in wrapping order (the same on every rank): names join()'s store keys.
+_wrapped = itertools.count()
+# Bytes per rank of the configuration record compared at wrap time (_hp_check_same_configuration).
+_WRAP_RECORD_BYTES = 4096
 
 
 class _Bucket:
@@ -331,8 +343,16 @@ class _HipressOptimizer:
         self._hp_average = options.op == Average
         self._hp_hierarchical = (not options.dear
                                  and use_local_aggregation(options.local_aggregation, world.hostnames()))
+        self._hp_named = named
+        self._hp_bucket_bytes = options.bucket_bytes
+        self._hp_groups = options.groups
+        self._hp_own_buffers = options.dear
+        self._hp_buckets = self._hp_build_buckets()
+        # before anything collective that depends on the options (the coordinator, the planner)
+        self._hp_check_same_configuration(options)
         engine = get_engine()
         exchanges = open_exchanges(engine, coordinated=options.coordinator)
+        self._hp_exchanges = exchanges
         self._hp_states = StateStore(world.rank())
         # Non-finite gradients (hipress/torch/nonfinite.py): checked per gradient, states logged
         # copy-on-write, agreed on in synchronize()
@@ -354,11 +374,9 @@ class _HipressOptimizer:
         self._hp_compressed = sync_for(self._hp_compressor)
         self._hp_plain = sync_for(NoneCompressor()) if options.plan is not None else self._hp_compressed
         self._hp_engine = engine
-        self._hp_named = named
         self._hp_predivide = float(options.gradient_predivide_factor)
         self._hp_sparse_as_dense = options.sparse_as_dense
         self._hp_densified: set = set()  # ids of parameters whose sparse gradient was made dense this step
-        self._hp_buckets = self._hp_build_buckets(options.bucket_bytes, options.groups, own_buffers=options.dear)
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
         self._hp_plan = self._hp_make_plan(options.plan) if options.plan is not None else None
         self._hp_covap = self._hp_make_covap(options.covap) if options.covap is not None else None
@@ -373,12 +391,17 @@ class _HipressOptimizer:
         self._hp_mark_ns = _C.now_ns()
         if engine.timeline_enabled:
             engine.timeline_row(2, "backward (gradient ready)")
-        self._hp_check_same_parameters()
         # before any hook is registered: it refuses parameters no module of the model holds
         self._hp_dear = (dear.Schedule(self._hp_buckets, model, self._hp_names, self._hp_dear_update)
                          if options.dear else None)
-        self._hp_hooks = [p.register_post_accumulate_grad_hook(self._hp_on_grad)
-                          for _, p in named if p.requires_grad]
+        self._hp_trainable = tuple(p.requires_grad for _, p in named)  # the set the buckets were built for
+        self._hp_hooks = {id(p): p.register_post_accumulate_grad_hook(self._hp_on_grad)
+                          for _, p in named if p.requires_grad}
+        self._hp_failure: Optional[str] = None  # a failed sync's error, until reset()
+        self._hp_joined = False  # in join()
+        self._hp_steps = 0  # synchronizations finished (successful or skipped): the same count on every rank
+        self._hp_uid = next(_wrapped)
+        self._hp_joins = 0  # join() calls so far
 
     def _hp_make_plan(self, plan):
         """plan: a Plan, "auto" (profile now, collectively), or an Overrides."""
@@ -428,36 +451,79 @@ class _HipressOptimizer:
         self._hp_covap.reprofile()
 
     # ------------------------------------------------------------------ checks
-    def _hp_check_same_parameters(self):
+    def _hp_wrap_fields(self, options: Options) -> Dict[str, str]:
+        """What every rank must agree on, readable: the parameters (as a digest: names, shapes,
+        dtypes) and every choice that changes which collectives a step runs or what they carry."""
+        sig = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self._hp_named).encode()
+        return {
+            "parameters": f"{len(self._hp_named)} parameters, digest {zlib.crc32(sig):08x}",
+            "compression": self._hp_compressor.name,
+            "compression kwargs": repr(sorted(options.compression_kwargs.items())),
+            "strategy": self._hp_strategy_name,
+            "bucket layout": f"{len(self._hp_buckets)} buckets, digest "
+                             f"{zlib.crc32(';'.join(f'{b.name}:{b.numel}' for b in self._hp_buckets).encode()):08x}",
+            "partition_bytes": repr(options.partition_bytes),
+            "backward_passes_per_step": repr(options.backward_passes_per_step),
+            "op": options.op,
+            "nonfinite": options.nonfinite,
+            "local aggregation": repr(self._hp_hierarchical),
+            "coordinator": repr(bool(options.coordinator)),
+            "plan": type(options.plan).__name__ if not isinstance(options.plan, str) else options.plan,
+            "momentum correction": repr(self._hp_momentum is not None),
+            "covap": repr(sorted(options.covap.items())) if options.covap is not None else "None",
+            "dear": repr(options.dear),
+            "gradient_predivide_factor": repr(options.gradient_predivide_factor),
+            "sparse_as_dense": repr(options.sparse_as_dense),
+        }
+
+    def _hp_check_same_configuration(self, options: Options) -> None:
+        """One allgather at wrap time of every rank's :meth:`_hp_wrap_fields` (a fixed-size JSON
+        record), so a configuration that differs across ranks fails at once on every rank with a
+        ValueError naming the ranks and fields, instead of hanging in the first step until the
+        timeout (or, worse, running collectives that happen to match)."""
         tr = self._hp_transport
         if tr.size == 1:
             return
-        sig = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self._hp_named).encode()
-        mine = torch.tensor([len(self._hp_named), zlib.crc32(sig)], dtype=torch.int64).view(torch.uint8)
-        everyone = torch.empty(16 * tr.size, dtype=torch.uint8)
+        fields = self._hp_wrap_fields(options)
+        record = json.dumps({k: v[:200] for k, v in fields.items()}).encode()
+        if len(record) > _WRAP_RECORD_BYTES:  # long kwargs: compare digests of the values instead
+            record = json.dumps({k: f"digest {zlib.crc32(v.encode()):08x}" for k, v in fields.items()}).encode()
+        mine = torch.zeros(_WRAP_RECORD_BYTES, dtype=torch.uint8)
+        mine[:len(record)] = torch.frombuffer(bytearray(record), dtype=torch.uint8)
+        everyone = torch.empty(_WRAP_RECORD_BYTES * tr.size, dtype=torch.uint8)
         tr.allgather(mine, everyone)
-        table = everyone.view(torch.int64).view(tr.size, 2).tolist()
-        bad = [r for r, row in enumerate(table) if row != table[0]]
-        if bad:
+        rows = [json.loads(bytes(everyone[r * _WRAP_RECORD_BYTES:(r + 1) * _WRAP_RECORD_BYTES].tolist())
+                           .rstrip(b"\0").decode()) for r in range(tr.size)]
+        diffs = []
+        for r, row in enumerate(rows):
+            for k in rows[0]:
+                if row.get(k) != rows[0][k]:
+                    diffs.append(f"rank {r} has {k} {row.get(k)}, rank 0 has {rows[0][k]}")
+        if diffs:
+            bad = sorted({r for r, row in enumerate(rows) if row != rows[0]})
+            fields_bad = sorted({k for row in rows for k in rows[0] if row.get(k) != rows[0][k]})
             raise ValueError(
-                f"hipress.DistributedOptimizer: parameters differ across ranks (names, shapes or dtypes): "
-                f"rank(s) {bad} differ from rank 0 ({table[0][0]} parameters); every rank must wrap the same model")
+                f"hipress.DistributedOptimizer: the configuration differs across ranks: rank(s) {bad} differ from "
+                f"rank 0 in {', '.join(fields_bad)} (" + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else "")
+                + "); every rank must wrap the same model with the same options")
 
     # ------------------------------------------------------------------ submission
-    def _hp_build_buckets(self, bucket_bytes, groups=None, own_buffers: bool = False) -> List["_Bucket"]:
-        """Tensor fusion (fusion_buckets); with Horovod's ``groups``, each group is one bucket and
-        the parameters in no group are fused as usual."""
-        if groups is None:
-            return fusion_buckets(self._hp_named, self._hp_compressor, bucket_bytes, own_buffers)
-        grouped = explicit_groups(self._hp_named, groups)
+    def _hp_build_buckets(self) -> List["_Bucket"]:
+        """Tensor fusion (fusion_buckets) of the parameters that need a gradient now; with Horovod's
+        ``groups``, each group is one bucket and the parameters in no group are fused as usual."""
+        size, own = self._hp_bucket_bytes, self._hp_own_buffers
+        if self._hp_groups is None:
+            return fusion_buckets(self._hp_named, self._hp_compressor, size, own)
+        grouped = explicit_groups(self._hp_named, self._hp_groups)
         in_group = {id(p) for g in grouped for _, p in g}
         rest = [(n, p) for n, p in self._hp_named if id(p) not in in_group]
-        return [_Bucket(g, own_buffers) for g in grouped] + fusion_buckets(rest, self._hp_compressor, bucket_bytes,
-                                                                            own_buffers)
+        return [_Bucket(g, own) for g in grouped] + fusion_buckets(rest, self._hp_compressor, size, own)
 
     def _hp_on_grad(self, p: torch.nn.Parameter):
         if self._hp_skip:
             return
+        if not self._hp_counts and not self._hp_taken:  # the first gradient of a step
+            self._hp_refresh_trainable()
         key = id(p)
         now = _C.now_ns()
         if self._hp_engine.timeline_enabled:
@@ -474,8 +540,9 @@ class _HipressOptimizer:
         if self._hp_counts[key] == self._hp_passes:
             self._hp_take(p)
 
-    def _hp_take(self, p: torch.nn.Parameter):
-        """p's gradient is final for this step: put it in its bucket; submit a full bucket."""
+    def _hp_take(self, p: torch.nn.Parameter, joined: bool = False):
+        """p's gradient is final for this step: put it in its bucket; submit a full bucket.
+        joined (a rank in join()): zeros, sent as they are (no clipping, no momentum)."""
         key = id(p)
         if self._hp_dear is not None:
             if not self._hp_taken:  # a step's first final gradient: the last step's updates are all done
@@ -483,27 +550,53 @@ class _HipressOptimizer:
                 self._hp_commit()  # the last all-gathers' state changes belong to the last step
             self._hp_dear.check_fresh(p)
         grad = p.grad
-        if grad is not None and grad.is_sparse:
-            if not self._hp_sparse_as_dense:
-                raise ValueError(f"the gradient of '{self._hp_names[key]}' is sparse (e.g. nn.Embedding(sparse=True)); "
-                                 f"hipress synchronizes dense gradients: pass sparse_as_dense=True to "
-                                 f"DistributedOptimizer, or use a dense embedding")
-            grad = grad.to_dense()
-            self._hp_densified.add(key)
-        if self._hp_guard and grad is not None and not nonfinite.all_finite(grad):
-            # never clipped, momentum-corrected, compressed or sent: zeros instead (every rank
-            # runs the same collectives); synchronize() undoes the step on every rank
-            self._hp_bad.add(key)
-            grad = torch.zeros_like(grad)
-        p.grad = final_gradient(self._hp_names[key], p, grad, self._hp_clip, self._hp_momentum)
-        if self._hp_predivide != 1.0:  # Horovod's gradient_predivide_factor: 1/f before the sum
-            p.grad.div_(self._hp_predivide)
+        if joined:
+            p.grad = torch.zeros_like(p) if grad is None or grad.is_sparse else grad.zero_()
+        else:
+            if grad is not None and grad.is_sparse:
+                if not self._hp_sparse_as_dense:
+                    raise ValueError(f"the gradient of '{self._hp_names[key]}' is sparse (e.g. nn.Embedding(sparse=True)); "
+                                     f"hipress synchronizes dense gradients: pass sparse_as_dense=True to "
+                                     f"DistributedOptimizer, or use a dense embedding")
+                grad = grad.to_dense()
+                self._hp_densified.add(key)
+            if self._hp_guard and grad is not None and not nonfinite.all_finite(grad):
+                # never clipped, momentum-corrected, compressed or sent: zeros instead (every rank
+                # runs the same collectives); synchronize() undoes the step on every rank
+                self._hp_bad.add(key)
+                grad = torch.zeros_like(grad)
+            p.grad = final_gradient(self._hp_names[key], p, grad, self._hp_clip, self._hp_momentum)
+            if self._hp_predivide != 1.0:  # Horovod's gradient_predivide_factor: 1/f before the sum
+                p.grad.div_(self._hp_predivide)
         self._hp_taken.add(key)
         bucket = self._hp_bucket_of[key]
         if self._hp_transport.size > 1 or self._hp_dear is not None:
             bucket.put(p)
         if bucket.full(self._hp_taken):
             self._hp_submit(bucket)
+
+    def _hp_refresh_trainable(self) -> None:
+        """At the start of a step: if parameters were frozen or unfrozen since the buckets were
+        built, build them again for the parameters that require gradients now (frozen ones are then
+        neither synced nor given a gradient; unfrozen ones are synced like the others). Every rank
+        decides alone, from its own flags; the step's agreement (_hp_agree) checks they match."""
+        flags = tuple(p.requires_grad for _, p in self._hp_named)
+        if flags == self._hp_trainable:
+            return
+        changed = [n for (n, _), a, b in zip(self._hp_named, flags, self._hp_trainable) if a != b]
+        if self._hp_plan is not None or self._hp_covap is not None or self._hp_dear is not None:
+            raise RuntimeError(f"hipress: requires_grad of {changed[:10]} changed after wrapping; with plan=, "
+                               f"compression='covap' or strategy='dear' the buckets cannot be rebuilt: wrap the "
+                               f"optimizer again")
+        old = {(b.name, b.numel) for b in self._hp_buckets}
+        self._hp_trainable = flags
+        self._hp_buckets = self._hp_build_buckets()
+        self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
+        for name, _ in old - {(b.name, b.numel) for b in self._hp_buckets}:
+            self._hp_states.discard(f"{name}/")  # a bucket that is gone: its residuals would be stale
+        for _, p in self._hp_named:
+            if p.requires_grad and id(p) not in self._hp_hooks:
+                self._hp_hooks[id(p)] = p.register_post_accumulate_grad_hook(self._hp_on_grad)
 
     def _hp_route(self, bucket: "_Bucket"):
         """(the sync, the partitions) of a bucket: the plan's choice, or compressed."""
@@ -554,7 +647,11 @@ class _HipressOptimizer:
         on every rank (so a GradScaler finds inf) and the next ``step()`` does not run the
         wrapped optimizer; ``last_nonfinite`` maps each such parameter to the ranks that
         saw it (empty when none). ``nonfinite="raise"``: the same, but it raises
-        :class:`NonFiniteGradientError` on every rank instead of warning."""
+        :class:`NonFiniteGradientError` on every rank instead of warning.
+
+        A failed synchronization (a peer that died, stalled past ``HIPRESS_TIMEOUT_S`` or sent a
+        bad payload) raises RuntimeError naming the gradient and the peer(s); the optimizer then
+        refuses to synchronize until :meth:`reset` (docs/reliability.md)."""
         if self._hp_dear is None:
             self._hp_wait_gradients()
             return
@@ -568,6 +665,7 @@ class _HipressOptimizer:
         """synchronize() without dear: submits unused gradients, waits for every sync, agrees on
         non-finite gradients. With dear (from step()): the same for the reduce-scatters."""
         self._hp_skip_step = False
+        self._hp_check_usable()
         if not self._hp_handles and not self._hp_counts:
             raise RuntimeError("step()/synchronize() called without a backward pass since the last step")
         incomplete = {self._hp_names[k]: c for k, c in self._hp_counts.items() if c < self._hp_passes}
@@ -578,28 +676,7 @@ class _HipressOptimizer:
             for _, p in bucket.params:
                 if id(p) not in self._hp_taken:
                     self._hp_take(p)  # unused this step: zeros, so every rank runs the same collectives
-        deadline = config.get("HIPRESS_TIMEOUT_S")
-        errors = []
-        for name, h in self._hp_handles.items():
-            if h is None:
-                continue
-            if not h.wait(deadline):
-                errors.append(f"'{name}' not synchronized within {deadline:g} s "
-                              f"(HIPRESS_TIMEOUT_S); a peer may have died or stalled")
-                continue
-            err = h.exception(0)
-            if err is not None:
-                errors.append(str(err))
-        self._hp_handles.clear()
-        self._hp_counts.clear()
-        self._hp_taken.clear()
-        bad, self._hp_bad = self._hp_bad, set()
-        self._hp_finish_gradients()
-        if errors:
-            self._hp_commit()  # nothing to agree on: the collectives themselves failed
-            shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
-            raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(shown))
-        if self._hp_guard and self._hp_agree_nonfinite(bad):
+        if self._hp_finish_step():
             return
         if self._hp_covap is not None:
             profile = self._hp_covap.finish_step(self._hp_gather)
@@ -623,6 +700,91 @@ class _HipressOptimizer:
                 if id(p) in densified:
                     p.grad = p.grad.to_sparse()
 
+    def _hp_check_usable(self) -> None:
+        if self._hp_failure is not None:
+            raise RuntimeError(f"hipress: an earlier gradient synchronization failed ({self._hp_failure}); call "
+                               f"opt.reset() on every rank before the next step (docs/reliability.md)")
+
+    def _hp_finish_step(self) -> bool:
+        """Waits for the step's collectives, then agrees with every rank on the step (one small
+        allgather: join state, trainable set, non-finite gradients). True if the step is not taken."""
+        errors = self._hp_wait_all()
+        self._hp_counts.clear()
+        self._hp_taken.clear()
+        bad, self._hp_bad = self._hp_bad, set()
+        if errors:
+            # keep the handles (reset() waits them out) and the undo logs (reset() undoes the step)
+            self._hp_failure = errors[0].splitlines()[0][:300]
+            shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
+            raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(shown))
+        self._hp_handles.clear()
+        self._hp_finish_gradients()
+        self._hp_steps += 1
+        if not self._hp_guard:
+            return False
+        table = self._hp_agree(bad)
+        self._hp_check_same_trainable(table)
+        return self._hp_decide_nonfinite(table[:, _AGREE_HEADER:])
+
+    def _hp_agree(self, bad: set) -> torch.Tensor:
+        """Every rank's row: [4 bytes of the trainable set's digest, one byte per parameter (not
+        finite here this step)]. One allgather of a few bytes per step (not with nonfinite="off")."""
+        tr = self._hp_transport
+        mine = torch.zeros(_AGREE_HEADER + len(self._hp_named), dtype=torch.uint8)
+        mine[:_AGREE_HEADER] = torch.tensor(list(zlib.crc32(bytes(self._hp_trainable)).to_bytes(4, "little")),
+                                            dtype=torch.uint8)
+        if bad:
+            mine[_AGREE_HEADER:] = torch.tensor([id(p) in bad for _, p in self._hp_named], dtype=torch.uint8)
+        if tr.size == 1:
+            return mine.view(1, -1)
+        table = torch.empty(tr.size * mine.numel(), dtype=torch.uint8)
+        tr.allgather(mine, table)
+        return table.view(tr.size, mine.numel())
+
+    def _hp_check_same_trainable(self, table: torch.Tensor) -> None:
+        digests = table[:, :_AGREE_HEADER]
+        differ = [r for r in range(table.shape[0]) if not torch.equal(digests[r], digests[0])]
+        if differ:
+            frozen = [n for (n, _), t in zip(self._hp_named, self._hp_trainable) if not t]
+            self._hp_failure = "the ranks train different sets of parameters"
+            raise RuntimeError(f"hipress: rank(s) {differ} train a different set of parameters (requires_grad) than "
+                               f"rank 0; every rank must freeze and unfreeze the same parameters before the same "
+                               f"step. This rank has frozen: {frozen[:10]}")
+
+    def _hp_wait_all(self) -> List[str]:
+        """Waits for every submitted handle, all within one HIPRESS_TIMEOUT_S from now; returns
+        the errors. A timeout names the peer(s) this rank was waiting for; any failure also names
+        the peers that did not fail too (:func:`hipress.comm.world.silent_peers`: the stalled or
+        dead ones, or a peer that went on)."""
+        deadline = config.get("HIPRESS_TIMEOUT_S")
+        end = time.monotonic() + deadline
+        errors = []
+        for name, h in self._hp_handles.items():
+            if h is None:
+                continue
+            if not h.wait(max(0.0, end - time.monotonic())):
+                errors.append(f"'{name}' not synchronized within {deadline:g} s (HIPRESS_TIMEOUT_S); "
+                              f"{self._hp_waiting_for()}")
+                continue
+            err = h.exception(0)
+            if err is not None:
+                errors.append(str(err))
+        if errors:
+            silent = world.silent_peers(window_s=2 * deadline)
+            if silent:
+                errors[0] += f"; rank(s) {silent} report no failure of their own (stalled, dead or still running)"
+            elif silent == []:
+                errors[0] += "; every other rank failed too"
+        return errors
+
+    def _hp_waiting_for(self) -> str:
+        """Whom this rank was waiting for when a deadline passed, in words."""
+        pending = self._hp_exchanges.waiting_for()
+        if pending is None:
+            return "no transfer was in flight on this rank (a compute task or the coordinator was still running)"
+        op, ranks = pending
+        return f"waiting for rank(s) {ranks} in '{op}'"
+
     def _hp_commit(self) -> None:
         self._hp_states.commit()
         if self._hp_momentum is not None:
@@ -630,29 +792,17 @@ class _HipressOptimizer:
         if self._hp_covap is not None and self._hp_covap.filter is not None:
             self._hp_covap.filter.undo_log.commit()
 
-    def _hp_agree_nonfinite(self, bad: set) -> bool:
-        """One allgather of a byte per parameter (which were not finite on this rank); if any
-        rank had one: undo this step's state changes, NaN the gradients of those parameters,
+    def _hp_decide_nonfinite(self, table: torch.Tensor) -> bool:
+        """From every rank's byte per parameter (which were not finite on that rank): if any
+        rank had one, undo this step's state changes, NaN the gradients of those parameters,
         then warn and mark the step skipped, or raise. True if the step is not taken. Every
         rank reaches the same decision from the same table."""
-        tr = self._hp_transport
-        mine = torch.tensor([id(p) in bad for _, p in self._hp_named], dtype=torch.uint8)
-        if tr.size > 1:
-            table = torch.empty(tr.size * mine.numel(), dtype=torch.uint8)
-            tr.allgather(mine, table)
-            table = table.view(tr.size, mine.numel())
-        else:
-            table = mine.view(1, -1)
         hit = table.any(0).nonzero().view(-1).tolist()
         if not hit:
             self.last_nonfinite = {}
             self._hp_commit()
             return False
-        self._hp_states.undo()
-        if self._hp_momentum is not None:
-            self._hp_momentum.undo()
-        if self._hp_covap is not None and self._hp_covap.filter is not None:
-            self._hp_covap.filter.undo()
+        self._hp_undo()
         where = {}
         for i in hit:
             name, p = self._hp_named[i]
@@ -660,12 +810,21 @@ class _HipressOptimizer:
             if p.grad is not None:
                 p.grad.fill_(float("nan"))
         self.last_nonfinite = where
+        if self._hp_joined:  # a rank in join() has no step to skip: the states are restored, that is all
+            return True
         if self._hp_nonfinite == "raise":
             raise NonFiniteGradientError(nonfinite.describe(where, "step not taken"), where)
         warnings.warn(nonfinite.describe(where, "step skipped on every rank"), NonFiniteGradientWarning,
-                      stacklevel=3)
+                      stacklevel=4)
         self._hp_skip_step = self._hp_synchronized = True
         return True
+
+    def _hp_undo(self) -> None:
+        self._hp_states.undo()
+        if self._hp_momentum is not None:
+            self._hp_momentum.undo()
+        if self._hp_covap is not None and self._hp_covap.filter is not None:
+            self._hp_covap.filter.undo()
 
     def _hp_gather(self, v: torch.Tensor) -> torch.Tensor:
         """Every rank's float64 vector v, one row per rank (nothing else is in flight here)."""
@@ -683,6 +842,95 @@ class _HipressOptimizer:
         finally:
             self._hp_skip = False
 
+    def join(self) -> int:
+        """This rank has no more data (uneven inputs): until every rank has joined, it takes part
+        in the other ranks' gradient synchronizations with zero gradients (its optimizer does not
+        step), so ``op=Average`` still divides by the full number of ranks. Returns, on every rank,
+        the rank whose join() completed the set (the last to join). Every rank calls it once out of
+        data (each epoch, say); the optimizer is usable again afterwards.
+
+        The working ranks need not know in advance and pay nothing: they run their steps as
+        always. Only joined ranks coordinate, through the rendezvous store (torch transport): the
+        rank that joins last records there the step at which every rank has joined; each joined
+        rank, after each zero step, looks whether that was the last one. That rank runs one zero
+        step too, so every rank stops after the same step. ``hipress.join()`` serves the
+        Horovod-style collectives (hipress.torch.collectives), not this optimizer."""
+        self._hp_check_usable()
+        if self._hp_dear is not None:
+            raise RuntimeError("join() is not supported with strategy='dear' (its updates wait for the next forward)")
+        if self._hp_handles or self._hp_taken or self._hp_counts:
+            raise RuntimeError("join() called while gradients are being synchronized; call step() or "
+                               "synchronize() first")
+        self._hp_joins += 1
+        tr = self._hp_transport
+        if tr.size == 1:
+            return 0
+        store = getattr(tr, "store", None)
+        if store is None:
+            raise RuntimeError(f"DistributedOptimizer.join() needs a rendezvous store (the torch transport); the "
+                               f"{tr.name} transport has none")
+        if self._hp_covap is not None and not self._hp_guard:
+            raise RuntimeError("join() with compression='covap' needs nonfinite='skip' or 'raise' (a COVAP step may "
+                               "send nothing; the per-step agreement then orders the joined ranks' steps)")
+        key = f"hipress/join/opt{self._hp_uid}/{self._hp_joins}"
+        if store.add(f"{key}/count", 1) == tr.size:  # the last to join: every rank stops after this step
+            store.set(f"{key}/final", f"{self._hp_steps}:{tr.rank}")
+        self._hp_joined = True
+        try:
+            while True:
+                self._hp_refresh_trainable()
+                step = self._hp_steps
+                for bucket in self._hp_buckets:
+                    for _, p in bucket.params:
+                        self._hp_take(p, joined=True)
+                self._hp_finish_step()
+                if self._hp_covap is not None:
+                    self._hp_covap.finish_step(self._hp_gather)
+                # The last rank wrote final before its zero step, and this rank's step could not end
+                # before every rank's had begun: if final is that step, it is there now.
+                if store.check([f"{key}/final"]):
+                    final_step, last = map(int, store.get(f"{key}/final").decode().split(":"))
+                    if final_step == step:
+                        return last
+        finally:
+            self._hp_joined = False
+            self._hp_synchronized = False
+            for _, p in self._hp_named:
+                p.grad = None
+
+    def reset(self) -> None:
+        """After a failed synchronization (RuntimeError from step()/synchronize()), makes the
+        optimizer usable again: waits for the tasks still running (at most HIPRESS_TIMEOUT_S),
+        drops the failed step (its gradients are left as they are; its compressor and momentum
+        state changes are undone when ``nonfinite`` is not "off"), and opens fresh connections to
+        the peers. Collective: every rank calls it (those that failed and those that did not), and
+        it returns once all have. Also fine to call when nothing failed (drops the current step)."""
+        if self._hp_dear is not None:
+            raise RuntimeError("hipress reset(): not supported with strategy='dear'; wrap the optimizer again")
+        if self._hp_transport.size > 1 and not hasattr(self._hp_exchanges.world, "transport"):
+            raise RuntimeError("hipress reset(): not supported with the global coordinator (coordinator=True)")
+        deadline = config.get("HIPRESS_TIMEOUT_S")
+        engine = self._hp_engine
+        # a no-op on each queue runs once whatever is running there now has finished
+        fences = [engine.submit("reset.fence", lambda: None, queue=q) for q in ("comm", "compute")]
+        end = time.monotonic() + deadline
+        for h in [*fences, *(h for h in self._hp_handles.values() if h is not None)]:
+            if not h.wait(max(0.0, end - time.monotonic())):
+                raise RuntimeError(f"hipress reset(): task '{h.name}' still runs after {deadline:g} s "
+                                   f"(HIPRESS_TIMEOUT_S); {self._hp_waiting_for()}")
+        self._hp_handles.clear()
+        self._hp_counts.clear()
+        self._hp_taken.clear()
+        self._hp_bad = set()
+        self._hp_undo()
+        self._hp_skip_step = self._hp_synchronized = False
+        self._hp_exchanges.reset()
+        if self._hp_transport.size > 1:
+            world.reconnect()
+            self._hp_exchanges.rebind(world.transport(), world.local_transport(), world.cross_transport())
+            self._hp_transport = world.transport()
+        self._hp_failure = None
+
     def step(self, closure=None):
         if self._hp_dear is not None:
             return self._hp_dear_step(closure)
@@ -691,6 +939,7 @@ class _HipressOptimizer:
                 raise RuntimeError("step() inside skip_synchronize() needs an explicit synchronize() first")
         else:
             self.synchronize()
+        self._hp_check_usable()
         self._hp_synchronized = False
         if self._hp_skip_step:  # a rank's gradient was not finite (see synchronize()): not taken
             self._hp_skip_step = False
@@ -747,7 +996,7 @@ class _HipressOptimizer:
                 p.grad = g
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._hp_handles or self._hp_taken:
+        if (self._hp_handles or self._hp_taken) and self._hp_failure is None:
             raise RuntimeError("zero_grad() called while gradients are being synchronized; call step() "
                                "or synchronize() first")
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
@@ -845,6 +1094,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     bucket, the parameters in none fused as usual (bucket_bytes). sparse_as_dense=True: a sparse
     gradient (nn.Embedding(sparse=True)) is made dense, synchronized, and made sparse again;
     without it a sparse gradient raises ValueError.
+
+    Every rank must wrap with the same configuration: wrapping compares it across ranks and
+    raises ValueError on every rank naming the differing ranks and fields. After a failed step
+    (RuntimeError naming the peers), ``opt.reset()`` on every rank makes it usable again;
+    ``opt.join()`` lets a rank out of data serve the others' steps (docs/reliability.md).
     Returns the same optimizer object, whose class is now a subclass of its old class.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):

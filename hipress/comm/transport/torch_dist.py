@@ -129,6 +129,9 @@ class TorchDistTransport(Transport):
 
     # ------------------------------------------------------------------ waiting
     def _wait(self, op: str, works: list, peers) -> None:
+        """peers: the ranks involved; when it has one entry per work (point to point), a failure
+        names only the peers whose work had not completed (those that did not arrive)."""
+        self._in_wait = (works, peers)
         try:
             for w in works:
                 w.wait(_td(self.timeout_s))
@@ -138,7 +141,24 @@ class TorchDistTransport(Transport):
             raise
         except Exception as e:  # noqa: BLE001 - DistBackendError, RuntimeError from gloo
             msg = str(e).split(" This is typically caused")[0]
+            if len(peers) == len(works) > 0:
+                pending = sorted({p for w, p in zip(works, peers) if not _completed(w)})
+                if pending:
+                    msg += f"; waiting for rank(s) {pending}"
+                    peers = pending
             raise self._err(op, f"{type(e).__name__}: {msg}", peers) from e
+        finally:
+            self._in_wait = None
+
+    def pending_peers(self) -> Optional[List[int]]:
+        """The peers (ranks of this transport) whose part of the operation now waited on has not
+        completed (point-to-point operations), or None. Read from another thread to name whom a
+        stalled operation waits for."""
+        current = getattr(self, "_in_wait", None)
+        if current is None or len(current[0]) != len(current[1]):
+            return None
+        works, peers = current
+        return sorted({p for w, p in zip(works, peers) if not _completed(w)})
 
     def _post(self, op: str, peers, fn, *args):
         try:
@@ -157,12 +177,12 @@ class TorchDistTransport(Transport):
         self._wait(op, [self._post(op, [src], self.pg.recv, [buf], src, tag)], [src])
 
     def _raw_sendrecv(self, send_buf, dst, recv_buf, src, op):
-        works = []
+        works, peers = [], []
         if recv_buf is not None:
-            works.append(self._post(op, [src], self.pg.recv, [recv_buf], src, _TAG_SENDRECV))
+            self._post_p2p(op, works, peers, self.pg.recv, recv_buf, src, _TAG_SENDRECV)
         if send_buf is not None:
-            works.append(self._post(op, [dst], self.pg.send, [send_buf], dst, _TAG_SENDRECV))
-        self._wait(op, works, [dst, src])
+            self._post_p2p(op, works, peers, self.pg.send, send_buf, dst, _TAG_SENDRECV)
+        self._wait(op, works, peers)
 
     # ------------------------------------------------------------------ collectives
     def _others(self) -> List[int]:
@@ -253,6 +273,17 @@ class TorchDistTransport(Transport):
         pg = self._new_pg(dist.PrefixStore(prefix, self.store), my, len(members), self.backend, self.timeout_s)
         return TorchDistTransport(pg, my, len(members), self.store, self.backend, self.timeout_s, self.check, prefix)
 
+    def reconnect(self) -> "TorchDistTransport":
+        """A fresh group of the same ranks over the same store, under a new prefix (collective;
+        every rank's n-th call meets the others' n-th). This transport is left as it is."""
+        if self.store is None:
+            raise self._err("reconnect", "this process group has no store to build a new group with")
+        self._reconnects = getattr(self, "_reconnects", 0) + 1
+        prefix = f"{self._prefix}/reconnect{self._reconnects}"
+        pg = self._new_pg(dist.PrefixStore(prefix, self.store), self._rank, self._size, self.backend, self.timeout_s)
+        return TorchDistTransport(pg, self._rank, self._size, self.store, self.backend, self.timeout_s, self.check,
+                                  prefix)
+
     def _raw_close(self):
         # Dropping the reference closes gloo's pairs; shutdown() exists on newer torch.
         pg, self.pg = self.pg, None
@@ -263,6 +294,13 @@ class TorchDistTransport(Transport):
                     shut()
                 except Exception:  # noqa: BLE001 - best effort
                     pass
+
+
+def _completed(work) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - a work that failed
+        return False
 
 
 def _connect(launch, timeout: float) -> TorchDistTransport:
