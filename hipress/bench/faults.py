@@ -380,7 +380,8 @@ def worker(argv) -> None:
         _payloads(a, res)
         _write(a.out, 0, res)
         return
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))  # hipress.launch or mpirun
+    size = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     res = {"rank": rank}
     if a.worker != "never_starts":
         _start_together(a.out, rank, size)
@@ -550,13 +551,47 @@ def killed_under_launcher(row: Row, timeout_s: float = 10.0) -> None:
             p.kill()
             log, _ = p.communicate()
             row.failures.append("the launcher still ran long after the kill (a hang)")
+        injected = os.path.exists(os.path.join(out, "fault_at"))
     left = _procs_with(tag)
-    row.facts = {"code": p.returncode, "left": left, "log_tail": log[-1500:]}
+    row.facts = {"code": p.returncode, "left": left, "injected": injected, "log_tail": log[-1500:]}
+    if not injected:
+        row.failures.append("the job ended before the victim killed itself")
     if p.returncode in (0, None):
         row.failures.append(f"the launcher exited with {p.returncode}")
     if left:
         row.failures.append(f"processes left behind: {left}")
     row.observed = f"launcher exited {p.returncode}, {len(left)} processes left"
+
+
+def killed_under_mpirun(row: Row, timeout_s: float = 10.0) -> None:
+    import shutil
+    if shutil.which("mpirun") is None:
+        row.skipped = "mpirun not installed"
+        row.observed = row.skipped
+        return
+    np = 3
+    tag = f"hipress-fault-{os.getpid()}-{time.monotonic_ns()}"
+    with tempfile.TemporaryDirectory() as out:
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np),
+               *_cmd("train", out, "--fault", "kill", "--steps", "400", "--tag", tag)]
+        p = subprocess.Popen(cmd, env=_env(timeout_s), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        try:
+            log, _ = p.communicate(timeout=timeout_s + SLACK_S + 90)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            log, _ = p.communicate()
+            row.failures.append("mpirun still ran long after the kill (a hang)")
+        injected = os.path.exists(os.path.join(out, "fault_at"))
+    left = _procs_with(tag)
+    row.facts = {"code": p.returncode, "left": left, "injected": injected, "log_tail": log[-1500:]}
+    if not injected:
+        row.failures.append("the job ended before the victim killed itself")
+    if p.returncode in (0, None):
+        row.failures.append(f"mpirun exited with {p.returncode}")
+    if left:
+        row.failures.append(f"processes left behind: {left}")
+    row.observed = f"mpirun exited {p.returncode}, {len(left)} processes left"
 
 
 def _procs_with(marker: str) -> List[int]:
@@ -834,6 +869,8 @@ ROWS = [
              killed),
     Scenario("killed_under_launcher", "hipress.launch exits non-zero and leaves no process behind",
              killed_under_launcher),
+    Scenario("killed_under_mpirun", "the same under mpirun (MPI transport): mpirun exits non-zero, no process left",
+             killed_under_mpirun),
     Scenario("stopped_briefly", "SIGSTOP then SIGCONT within the timeout: training completes, same parameters "
              "as an uninterrupted run", stopped_briefly),
     Scenario("stopped_too_long", "SIGSTOP beyond the timeout: survivors raise naming it, no hang; continued, "

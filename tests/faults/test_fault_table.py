@@ -11,6 +11,7 @@ The non-finite row re-runs every algorithm once; the detailed per-strategy check
 tests/multiproc/test_nonfinite_ranks.py, so here it is slow-marked, like the second
 mismatch row and the long memory run.
 """
+import shutil
 import signal
 
 import pytest
@@ -61,6 +62,16 @@ def test_killed_rank_is_named_by_every_survivor():
 
 def test_killed_rank_stops_the_launched_job_and_leaves_nothing():
     r = row("killed_under_launcher")
+    assert r.facts["injected"], r.facts["log_tail"]
+    assert r.facts["code"] not in (0, None), r.facts["log_tail"]
+    assert r.facts["left"] == []
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+def test_killed_rank_under_mpirun_ends_the_job_and_leaves_nothing():
+    r = row("killed_under_mpirun")
+    assert r.facts["injected"], r.facts["log_tail"]
     assert r.facts["code"] not in (0, None), r.facts["log_tail"]
     assert r.facts["left"] == []
 
