@@ -8,8 +8,8 @@ for a rank that never starts and ``DistributedOptimizer.join()`` are strict xfai
 red (XPASS) the day that work lands, and the mark then goes.
 
 The non-finite row re-runs every algorithm once; the detailed per-strategy check is
-tests/multiproc/test_nonfinite_ranks.py, so here it is slow-marked, like the second
-mismatch row and the long memory run.
+tests/multiproc/test_nonfinite_ranks.py, so here it is slow-marked, like the mpirun row,
+the second mismatch row and the long memory run.
 """
 import shutil
 import signal
@@ -67,6 +67,7 @@ def test_killed_rank_stops_the_launched_job_and_leaves_nothing():
     assert r.facts["left"] == []
 
 
+@pytest.mark.slow  # mpirun's start-up makes it the costliest row; the launcher row above is the default one
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
 def test_killed_rank_under_mpirun_ends_the_job_and_leaves_nothing():
