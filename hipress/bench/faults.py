@@ -810,7 +810,8 @@ def malformed_payloads(row: Row, cases: int = 4000) -> None:
         if not res["cap_bites"]:
             row.failures.append("the address-space cap did not stop a 4 GiB allocation (nothing checked)")
         if res["other_count"]:
-            row.failures.append(f"{res['other_count']} calls raised something else than ValueError: {res['others'][:3]}")
+            row.failures.append(f"{res['other_count']} calls raised something else than ValueError: "
+                                f"{res['others'][:3]}")
         if res["rejected"] == 0 or res["decoded"] == 0:
             row.failures.append(f"nothing {'rejected' if res['rejected'] == 0 else 'decoded'}: the mutations are off")
     row.observed = (f"{res.get('cases', 0)} calls: {res.get('rejected', 0)} ValueError, {res.get('decoded', 0)} "
