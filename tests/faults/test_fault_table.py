@@ -93,7 +93,8 @@ def test_rank_stopped_beyond_the_timeout_fails_the_others_without_hang():
     assert not any("hung" in f for f in r.failures), r.failures
     for rank, res in survivors(r, 2).items():
         assert "error" in res and res["error_after_s"] <= r.facts["timeout_s"] + SLACK_S, res
-    assert "error" in r.facts["results"][VICTIM]  # continued after its peers left: it fails too
+    # continued after its peers left, it ended (no "hung" failure above) without finishing its training
+    assert "params" not in r.facts["results"].get(VICTIM, {}), r.facts["results"]
 
 
 @NAMED
