@@ -408,11 +408,13 @@ def _write(out: str, rank: int, res: dict) -> None:
 # ------------------------------------------------------------------------------ driver side
 
 def _env(timeout_s: float) -> Dict[str, str]:
-    """This process's environment without any launcher's variables, hipress importable from
-    where this module is, and the scenario's HIPRESS_TIMEOUT_S."""
+    """This process's environment without any launcher's variables or address choices (the
+    ranks get hipress.launch's: loopback), hipress importable from where this module is, and
+    the scenario's HIPRESS_TIMEOUT_S."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HIPRESS_TRANSPORT")}
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HIPRESS_TRANSPORT",
+                         "HIPRESS_BIND_ADDR", "GLOO_SOCKET_IFNAME")}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["HIPRESS_TIMEOUT_S"] = str(timeout_s)
