@@ -3,10 +3,6 @@ as ``python -m hipress.bench.faults`` (hipress/bench/faults.py); these tests ass
 ranks reported. Each row starts and stops its own ranks (2-3 local processes over gloo) with a
 short HIPRESS_TIMEOUT_S; every wait of the scenario is bounded, so a hang fails the row.
 
-Rows whose promise waits for named timeouts, wrap-time configuration checks, a clear error
-for a rank that never starts and ``DistributedOptimizer.join()`` are strict xfails: they turn
-red (XPASS) the day that work lands, and the mark then goes.
-
 The non-finite row re-runs every algorithm once; the detailed per-strategy check is
 tests/multiproc/test_nonfinite_ranks.py, so here it is slow-marked, like the mpirun row,
 the second mismatch row and the long memory run.
@@ -21,8 +17,6 @@ from hipress.bench.faults import SLACK_S, VICTIM
 
 pytestmark = pytest.mark.timeout(300)
 
-NAMED = pytest.mark.xfail(strict=True, reason="named timeouts: branch robust-opt")
-WRAP_CHECK = pytest.mark.xfail(strict=True, reason="configuration checked at wrap time: branch robust-opt")
 
 _rows = {}
 
@@ -53,7 +47,6 @@ def test_killed_rank_every_survivor_raises_in_time():
         assert res["error_after_s"] <= r.facts["timeout_s"] + SLACK_S, res
 
 
-@NAMED
 def test_killed_rank_is_named_by_every_survivor():
     r = row("killed")
     for rank, res in survivors(r, 3).items():
@@ -97,7 +90,6 @@ def test_rank_stopped_beyond_the_timeout_fails_the_others_without_hang():
     assert "params" not in r.facts["results"].get(VICTIM, {}), r.facts["results"]
 
 
-@NAMED
 def test_rank_stopped_beyond_the_timeout_is_named():
     r = row("stopped_too_long")
     for rank, res in survivors(r, 2).items():
@@ -122,7 +114,6 @@ def test_uneven_inputs_with_collective_join():
     assert res[1]["averages"] == [1.5, 1.5, 1.0, 1.0]  # zeros from rank 0 once it joined
 
 
-@pytest.mark.xfail(strict=True, reason="DistributedOptimizer.join(): branch robust-opt")
 def test_uneven_inputs_with_optimizer_join():
     r = row("uneven_optimizer")
     assert r.passed, r.failures
@@ -147,14 +138,12 @@ def test_mismatched_strategy_errors_on_every_rank():
         assert "error" in r.facts["results"][rank], r.facts  # never silently trains on
 
 
-@WRAP_CHECK
 def test_mismatched_strategy_error_names_it_and_the_rank():
     r = row("mismatched_strategy")
     assert r.passed, r.failures
 
 
 @pytest.mark.slow
-@WRAP_CHECK
 def test_mismatched_compression_error_names_it_and_the_rank():
     r = row("mismatched_compression")
     assert r.passed, r.failures
@@ -168,7 +157,6 @@ def test_rank_never_starting_ends_rank_0_with_an_error():
     assert "error" in r.facts["results"][0]
 
 
-@pytest.mark.xfail(strict=True, reason="a clear error for a rank that never starts: branch robust-opt")
 def test_rank_never_starting_is_named():
     r = row("never_starts")
     assert r.passed, r.failures
