@@ -16,7 +16,7 @@ update itself and the syncs.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
