@@ -73,6 +73,24 @@ def init(timeout_s: Optional[float] = None) -> None:
                             dist.get_world_size(), timeout)
 
 
+def private_world(framework: str, init_call: str):
+    """hipress's world for a framework that uses torch.distributed's default group itself (DDP,
+    FSDP): init(), then checks that the world is a private group on a transport that moves CPU
+    payloads. Returns the world transport."""
+    init()
+    if _shares_default_group():
+        raise RuntimeError(
+            f"hipress's world uses torch.distributed's default group, which {framework} uses too: their "
+            f"collectives could interleave on one gloo group and deadlock. Call {init_call} "
+            f"instead of hipress.init() (a private gloo group of the same ranks)")
+    transport = world.transport()
+    device = getattr(transport, "device", None)
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"the {transport.name} transport moves {torch.device(device).type} buffers only, "
+                         f"but hipress's payloads are CPU tensors; use HIPRESS_TRANSPORT=torch or mpi")
+    return transport
+
+
 def _shares_default_group() -> bool:
     """Whether hipress's world transport is torch.distributed's default group (``hipress.init()``
     called after ``init_process_group``), which DDP uses too."""
@@ -175,17 +193,7 @@ class HookState:
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
-        init()
-        if _shares_default_group():
-            raise RuntimeError(
-                "hipress's world uses torch.distributed's default group, which DDP uses too: their "
-                "collectives could interleave on one gloo group and deadlock. Call hipress.ddp.init() "
-                "instead of hipress.init() (a private gloo group of the same ranks)")
-        transport = world.transport()
-        device = getattr(transport, "device", None)
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"the {transport.name} transport moves {torch.device(device).type} buffers only, "
-                             f"but hipress's gradient payloads are CPU tensors; use HIPRESS_TRANSPORT=torch or mpi")
+        private_world("DDP", "hipress.ddp.init()")
         self._size = world.size()
         engine = get_engine()
         exchanges = open_exchanges(engine, coordinated=self.coordinator)

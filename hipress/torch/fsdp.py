@@ -60,7 +60,7 @@ from hipress.sync import StateStore
 from hipress.sync.base import SyncContext
 from hipress.sync.ring import reduce_scatter as ring_reduce_scatter
 from hipress.torch import clipping
-from hipress.torch.ddp import _shares_default_group, init
+from hipress.torch.ddp import init, private_world
 
 try:  # the interface FSDP2 takes (torch >= 2.8); a private module, so imported with care
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _FsdpReduceScatter
@@ -122,17 +122,7 @@ class FsdpState:
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
-        init()
-        if _shares_default_group():
-            raise RuntimeError(
-                "hipress's world uses torch.distributed's default group, which FSDP uses too: their "
-                "collectives could interleave on one gloo group and deadlock. Call hipress.fsdp.init() "
-                "instead of hipress.init() (a private gloo group of the same ranks)")
-        transport = world.transport()
-        device = getattr(transport, "device", None)
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"the {transport.name} transport moves {torch.device(device).type} buffers only, "
-                             f"but hipress's payloads are CPU tensors; use HIPRESS_TRANSPORT=torch or mpi")
+        private_world("FSDP", "hipress.fsdp.init()")
         engine = get_engine()
         self._states = StateStore(world.rank())
         if self._loaded is not None:
