@@ -540,29 +540,35 @@ def killed(row: Row, timeout_s: float = 10.0) -> None:
                     f"'{_first_error({r: g for r, g in res.items() if r != VICTIM})}'")
 
 
-def killed_under_launcher(row: Row, timeout_s: float = 10.0) -> None:
+def _killed_under(row: Row, name: str, launcher: List[str], timeout_s: float) -> None:
+    """A rank SIGKILLs itself under ``launcher`` (a command prefix taking the worker's command):
+    the launcher must exit non-zero and leave no process behind."""
     np = 3
     tag = f"hipress-fault-{os.getpid()}-{time.monotonic_ns()}"
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "hipress.launch", "-np", str(np),
-               *_cmd("train", out, "--fault", "kill", "--steps", "400", "--tag", tag)]
-        p = subprocess.Popen(cmd, env=_env(timeout_s), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cmd = [*launcher, "-np", str(np), *_cmd("train", out, "--fault", "kill", "--steps", "400", "--tag", tag)]
+        p = subprocess.Popen(cmd, env=_env(timeout_s), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
         try:
             log, _ = p.communicate(timeout=timeout_s + SLACK_S + 90)
         except subprocess.TimeoutExpired:
-            p.kill()
+            os.killpg(p.pid, signal.SIGKILL)
             log, _ = p.communicate()
-            row.failures.append("the launcher still ran long after the kill (a hang)")
+            row.failures.append(f"{name} still ran long after the kill (a hang)")
         injected = os.path.exists(os.path.join(out, "fault_at"))
-    left = _procs_with(tag)
+    left = procs_with(tag)
     row.facts = {"code": p.returncode, "left": left, "injected": injected, "log_tail": log[-1500:]}
     if not injected:
         row.failures.append("the job ended before the victim killed itself")
     if p.returncode in (0, None):
-        row.failures.append(f"the launcher exited with {p.returncode}")
+        row.failures.append(f"{name} exited with {p.returncode}")
     if left:
         row.failures.append(f"processes left behind: {left}")
-    row.observed = f"launcher exited {p.returncode}, {len(left)} processes left"
+    row.observed = f"{name} exited {p.returncode}, {len(left)} processes left"
+
+
+def killed_under_launcher(row: Row, timeout_s: float = 10.0) -> None:
+    _killed_under(row, "launcher", [sys.executable, "-m", "hipress.launch"], timeout_s)
 
 
 def killed_under_mpirun(row: Row, timeout_s: float = 10.0) -> None:
@@ -571,32 +577,12 @@ def killed_under_mpirun(row: Row, timeout_s: float = 10.0) -> None:
         row.skipped = "mpirun not installed"
         row.observed = row.skipped
         return
-    np = 3
-    tag = f"hipress-fault-{os.getpid()}-{time.monotonic_ns()}"
-    with tempfile.TemporaryDirectory() as out:
-        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np),
-               *_cmd("train", out, "--fault", "kill", "--steps", "400", "--tag", tag)]
-        p = subprocess.Popen(cmd, env=_env(timeout_s), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
-        try:
-            log, _ = p.communicate(timeout=timeout_s + SLACK_S + 90)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            log, _ = p.communicate()
-            row.failures.append("mpirun still ran long after the kill (a hang)")
-        injected = os.path.exists(os.path.join(out, "fault_at"))
-    left = _procs_with(tag)
-    row.facts = {"code": p.returncode, "left": left, "injected": injected, "log_tail": log[-1500:]}
-    if not injected:
-        row.failures.append("the job ended before the victim killed itself")
-    if p.returncode in (0, None):
-        row.failures.append(f"mpirun exited with {p.returncode}")
-    if left:
-        row.failures.append(f"processes left behind: {left}")
-    row.observed = f"mpirun exited {p.returncode}, {len(left)} processes left"
+    _killed_under(row, "mpirun", ["mpirun", "--allow-run-as-root", "--oversubscribe"], timeout_s)
 
 
-def _procs_with(marker: str) -> List[int]:
+def procs_with(marker: str) -> List[int]:
+    """pids (other than this one) whose command line contains marker: finds ranks and orphans
+    reparented away from the process that started them."""
     found = []
     for d in os.listdir("/proc"):
         if d.isdigit() and int(d) != os.getpid():

@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+from hipress.bench.faults import procs_with
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "examples", "train.py")
 # Exactly 16 hex digits: launchers such as torchrun interleave the ranks' output.
@@ -51,20 +53,6 @@ def running(program: str, marker: str):
             continue
         if os.path.basename(argv0.decode(errors="replace")) == program:
             found.append(pid)
-    return found
-
-
-def procs_with(marker: str):
-    """pids whose command line contains marker (finds orphans reparented away from the test)."""
-    found = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(d))
-            except OSError:
-                pass
     return found
 
 
