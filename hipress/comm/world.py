@@ -19,6 +19,7 @@ the same local_rank (one per host). Timeouts: ``HIPRESS_TIMEOUT_S``.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import socket
 import threading
@@ -157,6 +158,7 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, master_addr: Op
         except BaseException:
             world.close()
             raise
+        _close_at_exit()
 
 
 def reconnect() -> None:
@@ -221,6 +223,29 @@ def on_shutdown(hook: Callable[[], None]) -> None:
     """Runs ``hook`` (once) at the next :func:`shutdown`, before the transports close:
     what rides on them (the coordinator's executors) stops first."""
     _shutdown_hooks.append(hook)
+
+
+_exit_registered = False
+
+
+def _close_at_exit() -> None:
+    """Closes the transports while the interpreter is still whole. A gloo process group left to
+    the interpreter's final teardown can abort the process ("terminate called without an
+    active exception", SIGABRT; pytorch/pytorch#190489): seen at exit of finished ranks under
+    load. The engine stops first (its tasks may use the transports); atexit runs handlers in
+    reverse order, and this one is registered after the engine's own."""
+    global _exit_registered
+    if _exit_registered:
+        return
+    _exit_registered = True
+
+    def close():
+        from hipress.engine import shutdown_engine
+
+        shutdown_engine(True, 10.0)
+        shutdown()
+
+    atexit.register(close)
 
 
 def shutdown() -> None:
