@@ -193,6 +193,8 @@ VARIABLES: Sequence[Var] = (
        group="test"),
     _V("HIPRESS_TEST_CUDA_ARCH", _text, "sm_80", "the one CUDA architecture the compile-only tests build for",
        group="test"),
+    _V("HIPRESS_TEST_DEVICE", _text, "cpu", "where the optimizer and DDP-hook test workers put their models "
+       "(`cuda` runs them on the GPU: gradients staged through host memory)", group="test"),
 )
 _BY_NAME: Dict[str, Var] = {v.name: v for v in VARIABLES}
 _SECRET = ("HIPRESS_JOB_SECRET",)  # never printed

@@ -34,16 +34,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hipress
 import hipress.ddp
+from worker_common import device
+
+DEVICE = device()  # cuda: DDP's buckets are CUDA tensors, staged through host memory by the hook
 
 
 def make_model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 4))
+    return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 4)).to(DEVICE)
 
 
 def batch(rank, i):
     g = torch.Generator().manual_seed(1000 * rank + i)
-    return torch.randn(16, 64, generator=g), torch.randn(16, 4, generator=g)
+    return torch.randn(16, 64, generator=g).to(DEVICE), torch.randn(16, 4, generator=g).to(DEVICE)
 
 
 def loss_of(model, rank, i):
@@ -52,7 +55,7 @@ def loss_of(model, rank, i):
 
 
 def params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def corrected(cfg):

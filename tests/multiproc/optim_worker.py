@@ -16,6 +16,9 @@ import torch.nn as nn
 
 import hipress
 from hipress.torch import clipping
+from worker_common import device
+
+DEVICE = device()
 
 
 class Uneven(nn.Module):
@@ -33,7 +36,7 @@ class Uneven(nn.Module):
 
 def batch(rank, step):
     g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(16, 7, generator=g), torch.randn(16, generator=g)
+    return torch.randn(16, 7, generator=g).to(DEVICE), torch.randn(16, generator=g).to(DEVICE)
 
 
 def local_grads(model, rank, step, passes):
@@ -41,7 +44,8 @@ def local_grads(model, rank, step, passes):
     for k in range(passes):
         x, y = batch(rank, step * passes + k)
         ((model(x) - y) ** 2).mean().backward()
-    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return {n: (p.grad.cpu().clone() if p.grad is not None else torch.zeros_like(p, device="cpu"))
+            for n, p in model.named_parameters()}
 
 
 def main():
@@ -51,8 +55,8 @@ def main():
     results = []
     for cfg in configs:
         torch.manual_seed(0)
-        model = Uneven()
-        ref_model = Uneven()
+        model = Uneven().to(DEVICE)
+        ref_model = Uneven().to(DEVICE)
         ref_model.load_state_dict(model.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: parameters stay, gradients are compared
         plan = None
@@ -79,7 +83,7 @@ def main():
                 x, y = batch(rank, step * cfg.get("passes", 1) + k)
                 ((model(x) - y) ** 2).mean().backward()
             opt.synchronize()
-            synced = {n: p.grad.clone() for n, p in model.named_parameters()}
+            synced = {n: p.grad.cpu().clone() for n, p in model.named_parameters()}
             with opt.skip_synchronize():
                 opt.step()
             steps.append({"local": local, "synced": synced})

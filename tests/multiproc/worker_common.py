@@ -28,3 +28,9 @@ def start_together(directory, rank, size, timeout_s=120.0):
         if time.monotonic() > deadline:
             raise SystemExit(f"rank {rank}: the other ranks did not start within {timeout_s:g} s")
         time.sleep(0.02)
+
+
+def device():
+    """The device the workers' models run on (HIPRESS_TEST_DEVICE: cpu, or cuda on a GPU machine)."""
+    import torch
+    return torch.device(config.get("HIPRESS_TEST_DEVICE"))
