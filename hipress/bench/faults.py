@@ -679,18 +679,25 @@ def _launched(kind: str, np: int, timeout_s: float, *extra: str, within_s: float
     return ended, res, tails
 
 
-def uneven_collective(row: Row, timeout_s: float = 20.0) -> None:
+def _uneven_row(row: Row, joiner: str, timeout_s: float) -> dict:
+    """Two ranks with 2 and 4 batches, the first joining early; every rank must end with a
+    result naming the last rank to join. Returns the ranks' results."""
     np = 2
-    ended, res, tails = _launched("uneven", np, timeout_s, "--joiner", "collective")
+    ended, res, tails = _launched("uneven", np, timeout_s, "--joiner", joiner)
     row.facts = {"results": res, "logs": tails}
     if not ended:
         row.failures.append("a rank hung")
     for r in range(np):
         got = res.get(r, {})
         if "error" in got or "last_joined" not in got:
-            row.failures.append(f"rank {r}: {got.get('error', 'no result')}")
+            row.failures.append(f"rank {r}: {got.get('error', 'no result')[:160]}")
         elif got["last_joined"] != np - 1:
             row.failures.append(f"rank {r}: join() returned {got['last_joined']}, not {np - 1}")
+    return res
+
+
+def uneven_collective(row: Row, timeout_s: float = 20.0) -> None:
+    res = _uneven_row(row, "collective", timeout_s)
     # rank 1's first two averages are (1 + 2) / 2; after rank 0 joined, rank 0 adds zeros: 2 / 2
     if res.get(1, {}).get("averages") not in (None, [1.5, 1.5, 1.0, 1.0]):
         row.failures.append(f"rank 1's averages {res[1]['averages']}, not [1.5, 1.5, 1.0, 1.0]")
@@ -699,15 +706,7 @@ def uneven_collective(row: Row, timeout_s: float = 20.0) -> None:
 
 
 def uneven_optimizer(row: Row, timeout_s: float = 8.0) -> None:
-    np = 2
-    ended, res, tails = _launched("uneven", np, timeout_s, "--joiner", "optimizer")
-    row.facts = {"results": res, "logs": tails}
-    if not ended:
-        row.failures.append("a rank hung")
-    for r in range(np):
-        got = res.get(r, {})
-        if "error" in got or "last_joined" not in got:
-            row.failures.append(f"rank {r}: {got.get('error', 'no result')[:160]}")
+    _uneven_row(row, "optimizer", timeout_s)
     row.observed = "both ranks done after opt.join()" if row.passed else "; ".join(row.failures)
 
 

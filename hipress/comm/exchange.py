@@ -234,13 +234,7 @@ class Exchanges:
     def waiting_for(self) -> Optional[tuple]:
         """(operation name, world ranks it still waits to hear from) of the transfer in progress on
         this rank's comm thread, or None (nothing in flight, or the coordinator schedules it)."""
-        chain = getattr(self.world, "chain", None)
-        current = chain.in_flight if chain is not None else None
-        if current is None:
-            return None
-        name, waits_for, tr, members = current
-        pending = getattr(tr, "pending_peers", lambda: None)()
-        return name, [members[p] for p in pending] if pending else waits_for
+        return waiting_for(self.world)
 
     def rebind(self, world_transport, local_transport, cross_transport) -> None:
         """Moves the direct exchanges onto fresh transports (after ``world.reconnect()``)."""
@@ -252,6 +246,27 @@ class Exchanges:
         chain = getattr(self.world, "chain", None)
         if chain is not None:
             chain.reset()
+
+
+def waiting_for(world_exchange) -> Optional[tuple]:
+    """(operation name, world ranks it still waits to hear from) of the transfer in progress on
+    ``world_exchange``'s comm thread, or None (nothing in flight, or the coordinator schedules it)."""
+    chain = getattr(world_exchange, "chain", None)
+    current = chain.in_flight if chain is not None else None
+    if current is None:
+        return None
+    name, waits_for, tr, members = current
+    pending = getattr(tr, "pending_peers", lambda: None)()
+    return name, [members[p] for p in pending] if pending else waits_for
+
+
+def waiting_words(world_exchange) -> str:
+    """Whom this rank was waiting for when a deadline passed, in words (for timeout messages)."""
+    pending = waiting_for(world_exchange)
+    if pending is None:
+        return "no transfer was in flight on this rank (a compute task or the coordinator was still running)"
+    op, ranks = pending
+    return f"waiting for rank(s) {ranks} in '{op}'"
 
 
 def open_exchanges(engine: Engine, coordinated: bool = False) -> Exchanges:

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from hipress import compression as _compression
 from hipress import config
 from hipress.comm import world
-from hipress.comm.exchange import open_exchanges
+from hipress.comm.exchange import open_exchanges, waiting_words
 from hipress.engine import get_engine
 from hipress.sync import StateStore, make_sync, resolve_strategy, use_local_aggregation
 from hipress.torch import clipping, momentum
@@ -197,6 +197,7 @@ class HookState:
         self._size = world.size()
         engine = get_engine()
         exchanges = open_exchanges(engine, coordinated=self.coordinator)
+        self._world_exchange = exchanges.world  # a timeout names the peers it waits for
         self._states = StateStore(world.rank())
         if self._loaded is not None:
             self._states.load_state_dict(self._loaded)
@@ -356,7 +357,7 @@ class HookState:
             for p in expired:
                 p.fut.set_exception(TimeoutError(
                     f"hipress: DDP bucket '{p.name}' not synchronized within {p.timeout:g} s (HIPRESS_TIMEOUT_S or "
-                    f"HookState(timeout_s=)); a peer may have died or stalled"))
+                    f"HookState(timeout_s=)); {waiting_words(self._world_exchange)}"))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -81,11 +81,13 @@ class Schedule:
 
     ``buckets``: the optimizer's fusion buckets (objects with ``name`` and ``params``, a
     list of (name, parameter)); ``update(bucket, hyper)`` applies one bucket's reduced
-    gradient with the optimizer settings ``hyper``."""
+    gradient with the optimizer settings ``hyper``; ``waiting_for()`` says, in words, whom this
+    rank waits for (a timeout's message)."""
 
     def __init__(self, buckets: Sequence, model: torch.nn.Module, names: Dict[int, str],
-                 update: Callable[[object, List[dict]], None]):
+                 update: Callable[[object, List[dict]], None], waiting_for: Callable[[], str]):
         self._update = update
+        self._waiting_for = waiting_for
         self._names = names
         self._pending: Dict[str, _Pending] = {}
         # Forward order: buckets are filled in reverse parameter order (backward's), so the
@@ -133,7 +135,7 @@ class Schedule:
             deadline = config.get("HIPRESS_TIMEOUT_S")
             if not h.wait(deadline):
                 raise RuntimeError(f"strategy='dear': all-gather of '{name}' not done within {deadline:g} s "
-                                   f"(HIPRESS_TIMEOUT_S); a peer may have died or stalled")
+                                   f"(HIPRESS_TIMEOUT_S); {self._waiting_for()}")
             err = h.exception(0)
             if err is not None:
                 raise RuntimeError(f"strategy='dear': all-gather of '{name}' failed: {err}")

@@ -53,7 +53,7 @@ from torch.distributed.distributed_c10d import ReduceOp
 from hipress import compression as _compression
 from hipress import config
 from hipress.comm import world
-from hipress.comm.exchange import open_exchanges
+from hipress.comm.exchange import open_exchanges, waiting_words
 from hipress.engine import get_engine
 from hipress.planner.plan import chunk_bounds
 from hipress.sync import StateStore
@@ -171,7 +171,7 @@ class FsdpState:
             timeout = config.get("HIPRESS_TIMEOUT_S") if self.timeout_s is None else float(self.timeout_s)
             if not done.wait(timeout):
                 raise TimeoutError(f"hipress: FSDP reduce-scatter of '{key}' not done within {timeout:g} s "
-                                   f"(HIPRESS_TIMEOUT_S or FsdpState(timeout_s=)); a peer may have died or stalled")
+                                   f"(HIPRESS_TIMEOUT_S or FsdpState(timeout_s=)); {waiting_words(self._ctx.exchange)}")
             err = done.exception(0)
             if err is not None:
                 raise RuntimeError(f"hipress FSDP reduce-scatter of '{key}' failed: {err}")

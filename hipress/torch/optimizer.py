@@ -44,7 +44,7 @@ import torch
 from hipress import _C, config
 from hipress import compression as _compression
 from hipress.comm import world
-from hipress.comm.exchange import open_exchanges
+from hipress.comm.exchange import open_exchanges, waiting_words
 from hipress.compression.none import NoneCompressor
 from hipress.engine import Handle, get_engine
 from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
@@ -392,7 +392,8 @@ class _HipressOptimizer:
         if engine.timeline_enabled:
             engine.timeline_row(2, "backward (gradient ready)")
         # before any hook is registered: it refuses parameters no module of the model holds
-        self._hp_dear = (dear.Schedule(self._hp_buckets, model, self._hp_names, self._hp_dear_update)
+        self._hp_dear = (dear.Schedule(self._hp_buckets, model, self._hp_names, self._hp_dear_update,
+                                      self._hp_waiting_for)
                          if options.dear else None)
         self._hp_trainable = tuple(p.requires_grad for _, p in named)  # the set the buckets were built for
         self._hp_hooks = {id(p): p.register_post_accumulate_grad_hook(self._hp_on_grad)
@@ -778,12 +779,7 @@ class _HipressOptimizer:
         return errors
 
     def _hp_waiting_for(self) -> str:
-        """Whom this rank was waiting for when a deadline passed, in words."""
-        pending = self._hp_exchanges.waiting_for()
-        if pending is None:
-            return "no transfer was in flight on this rank (a compute task or the coordinator was still running)"
-        op, ranks = pending
-        return f"waiting for rank(s) {ranks} in '{op}'"
+        return waiting_words(self._hp_exchanges.world)
 
     def _hp_commit(self) -> None:
         self._hp_states.commit()

@@ -66,10 +66,12 @@ def check(results, np):
                 for k, v in res["whole"].items():
                     assert torch.equal(v, res["resumed"][k]), f"{cfg} rank {r} {k}: resume not bit-identical"
             elif cfg["case"] == "error":
-                for what, marker in (("fail", "injected failure"), ("stall", "not synchronized within")):
+                # the stall is ended by the hook's own deadline (timeout_s=2), whose message says what
+                # this rank was waiting for; a hang would be caught by the launcher's timeout instead
+                for what, markers in (("fail", ["injected failure"]),
+                                      ("stall", ["not synchronized within 2 s", "no transfer was in flight"])):
                     raised = res[what]["raised"]
-                    assert raised is not None and marker in raised, f"rank {r} {what}: {raised}"
-                    assert res[what]["seconds"] < 30
+                    assert raised is not None and all(m in raised for m in markers), f"rank {r} {what}: {raised}"
         if cfg["case"] == "equiv" and cfg["compression"] == "none" and "wrapper" not in cfg and plain is None:
             plain = res0["ddp"]
         elif cfg["case"] == "equiv" and cfg["compression"] != "none" and plain is not None:

@@ -90,10 +90,13 @@ def test_none_matches_fsdp_and_single_process(tmp_path, np):
         check_state(results[r][len(EQUIV)], np, r)
         if np == 2:
             res = results[r][len(EQUIV) + 1]
-            for what, marker in (("fail", "injected failure"), ("stall", "not done within")):
+            # the stall is ended by the hook's own deadline, whose message says what this rank
+            # was waiting for; a hang would be caught by the launcher's timeout instead
+            for what, marker in (("fail", "injected failure"), ("stall", "not done within 2 s")):
                 raised = res[what]["raised"]
                 assert raised is not None and marker in raised, f"rank {r} {what}: {raised}"
-                assert res[what]["seconds"] < 30
+                if what == "stall":  # the slow rank computes; the other waits for it in a transfer
+                    assert "no transfer was in flight" in raised or "waiting for rank(s) [" in raised, raised
 
 
 # Compressed digits training: test accuracy at least the uncompressed run's minus MARGIN.

@@ -36,7 +36,8 @@ def schedule(model):
     """Buckets as the optimizer makes them (reverse parameter order): b's, then a's."""
     updates = []
     buckets = [Bucket("b", list(model.b.named_parameters())), Bucket("a", list(model.a.named_parameters()))]
-    s = dear.Schedule(buckets, model, names(model), lambda bucket, hyper: updates.append((bucket.name, hyper)))
+    s = dear.Schedule(buckets, model, names(model), lambda bucket, hyper: updates.append((bucket.name, hyper)),
+                      lambda: "nobody")
     return s, buckets, updates
 
 
