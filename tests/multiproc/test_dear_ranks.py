@@ -1,25 +1,16 @@
 """strategy="dear" with real ranks (local processes over gloo): the same parameters as
 strategy="ring" at every forward, and checkpoints that resume identically."""
-import json
-import os
-import sys
 
 import pytest
 import torch
 
-from hipress.launch import run
+from worker_common import launch_worker
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 5
 
 
 def launch(tmp_path, np, configs, timeout=300):
-    out = tmp_path / f"out{np}"
-    out.mkdir()
-    cmd = [sys.executable, os.path.join(HERE, "dear_worker.py"), str(out), json.dumps(configs)]
-    code, logs = run(cmd, np, timeout=timeout, quiet=True)
-    assert code == 0, "\n".join(logs)[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(np)]
+    return launch_worker("dear_worker.py", tmp_path, np, configs, timeout)
 
 
 def assert_same(got, want, what):

@@ -3,17 +3,12 @@
 the global batch (uneven shards, several ring partitions, FSDP's divide factor, sum-only
 reductions, fp16 reductions); with compressors, digits training stays near the uncompressed run
 and the compressor state is per shard and kept across steps."""
-import json
 import math
-import os
-import sys
 
 import pytest
-import torch
 
-from hipress.launch import run
+from worker_common import launch_worker
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 3
 EQUIV = [
     {"case": "equiv", "steps": STEPS, "partition_bytes": 64},  # 64 bytes: several partitions per module
@@ -25,12 +20,7 @@ MLP_MODULES = 3  # the test MLP's Linear layers; the root holds no parameter of 
 
 
 def launch(tmp_path, np, configs, timeout=400):
-    out = tmp_path / f"out{np}"
-    out.mkdir()
-    cmd = [sys.executable, os.path.join(HERE, "fsdp_worker.py"), str(out), json.dumps(configs)]
-    code, logs = run(cmd, np, timeout=timeout, quiet=True)
-    assert code == 0, "\n".join(logs)[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(np)]
+    return launch_worker("fsdp_worker.py", tmp_path, np, configs, timeout)
 
 
 def max_diff(a, b):

@@ -10,6 +10,7 @@ import torch
 from hipress import compression
 from hipress.launch import run
 from hipress.sync import StateStore, reference
+from worker_common import run_ranks_by_hand
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALGORITHMS = {
@@ -249,25 +250,11 @@ def test_coordinator_dead_rank_fails_fast(victim, tmp_path):
     rank is noticed at once (a closed connection), so the longer timeout costs nothing."""
     env = dict(os.environ, HIPRESS_TIMEOUT_S="30")
     cmd = [sys.executable, os.path.join(HERE, "coord_fail_worker.py"), str(victim), str(tmp_path)]
-    # The launcher stops everyone once one rank fails, so launch the survivors' view by hand:
-    from hipress.launch import free_port, rank_env
-    import subprocess
-    port = free_port()
-    procs = [subprocess.Popen(cmd, env=rank_env(r, 3, port, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(3)]
-    try:
-        outs = [p.communicate(timeout=180)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail("a rank still runs 180 s after the start (a hang)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, out) in enumerate(zip(procs, outs)):
+    codes, outs = run_ranks_by_hand(cmd, 3, env)
+    for r, (code, out) in enumerate(zip(codes, outs)):
         if r == victim:
-            assert p.returncode == 17
+            assert code == 17
         else:
             print(f"\nrank {r}: {out.strip().splitlines()[-1][:400] if out.strip() else ''}")
-            assert p.returncode == 3, out[-2000:]
+            assert code == 3, out[-2000:]
             assert "FAILED-CLEANLY" in out and "coordinator" in out, out[-2000:]

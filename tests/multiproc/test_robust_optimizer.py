@@ -4,17 +4,17 @@ uneven inputs against a single-process computation, requires_grad changes after 
 reset() after a failed sync (bit-identical to a run that skipped the failed batch), and timeouts
 and dead ranks named in the error."""
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from hipress.launch import free_port, rank_env, run
+from hipress.launch import run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from robust_worker import batch, make_model  # noqa: E402
+from worker_common import run_ranks_by_hand  # noqa: E402
 
 WORKER = os.path.join(HERE, "robust_worker.py")
 
@@ -29,21 +29,8 @@ def launch(tmp_path, scenario, np, arg=None, env=None, timeout=240):
 def launch_by_hand(tmp_path, scenario, np, arg=None, timeout_s="6", ranks=None):
     """For scenarios where a rank fails on purpose (the launcher would stop everyone at once);
     ``ranks``: the ranks started (default: all np)."""
-    env = dict(os.environ, HIPRESS_TIMEOUT_S=timeout_s)
     cmd = [sys.executable, WORKER, scenario, str(tmp_path)] + ([arg] if arg else [])
-    port = free_port()
-    procs = [subprocess.Popen(cmd, env=rank_env(r, np, port, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in (range(np) if ranks is None else ranks)]
-    try:
-        outs = [p.communicate(timeout=180)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail("a rank still runs 180 s after the start (a hang)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [p.returncode for p in procs], outs
+    return run_ranks_by_hand(cmd, np, dict(os.environ, HIPRESS_TIMEOUT_S=timeout_s), ranks)
 
 
 def test_configuration_mismatch_fails_at_wrap_on_every_rank(tmp_path):

@@ -34,3 +34,45 @@ def device():
     """The device the workers' models run on (HIPRESS_TEST_DEVICE: cpu, or cuda on a GPU machine)."""
     import torch
     return torch.device(config.get("HIPRESS_TEST_DEVICE"))
+
+
+def launch_worker(worker, tmp_path, np, configs, timeout):
+    """Runs WORKER OUT_DIR CONFIGS_JSON on np ranks with hipress.launch (its timeout stops a hang);
+    returns each rank's torch.save'd results (OUT_DIR/rank{r}.pt)."""
+    import json
+    import sys
+
+    import torch
+    from hipress.launch import run
+
+    out = tmp_path / f"out{np}"
+    out.mkdir()
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), worker), str(out),
+           json.dumps(configs)]
+    code, logs = run(cmd, np, timeout=timeout, quiet=True)
+    assert code == 0, "\n".join(logs)[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(np)]
+
+
+def run_ranks_by_hand(cmd, np, env, ranks=None, within_s=180):
+    """Starts cmd as ranks of an np-rank job (``ranks``: which; default all) without the launcher,
+    which would stop every rank as soon as one fails: the survivors' own reaction is what a test
+    looks at. Returns (exit codes, outputs); a rank still running after within_s fails the test."""
+    import subprocess
+
+    import pytest
+    from hipress.launch import free_port, rank_env
+
+    port = free_port()
+    procs = [subprocess.Popen(cmd, env=rank_env(r, np, port, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in (range(np) if ranks is None else ranks)]
+    try:
+        outs = [p.communicate(timeout=within_s)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a rank still runs {within_s} s after the start (a hang)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs], outs
