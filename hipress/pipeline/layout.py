@@ -6,7 +6,7 @@ data-parallel group) are consecutive; the ranks of one replica (its pipeline) ar
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence
+from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
@@ -80,3 +80,51 @@ def split_stage(model: nn.Sequential, stage: int, pp: int, balance: Optional[Seq
     bounds = stage_bounds(len(model), pp, balance)
     layers = bounds[stage]
     return model[layers.start:layers.stop]
+
+
+def tied_names_of_stage(model: nn.Sequential, tied: List[Tuple[str, str]], stage: int, pp: int,
+                        balance: Optional[Sequence[int]] = None) -> List[str]:
+    """The names among ``tied`` that stage ``stage`` holds a copy of, after checking that every
+    pair is (a first-stage parameter, a last-stage parameter of the same shape)."""
+    first = dict(split_stage(model, 0, pp, balance).named_parameters())
+    last = dict(split_stage(model, pp - 1, pp, balance).named_parameters(remove_duplicate=False))
+    mine = []
+    for pair in tied:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(n, str) for n in pair)):
+            raise ValueError(f"tied must hold (first-stage name, last-stage name) pairs, got {pair!r}")
+        a, b = pair
+        if a not in first:
+            raise ValueError(f"tied parameter {a!r} is not a parameter of the first stage (it has {sorted(first)[:8]})")
+        if b not in last:
+            raise ValueError(f"tied parameter {b!r} is not a parameter of the last stage (it has {sorted(last)[:8]})")
+        if first[a].shape != last[b].shape:
+            raise ValueError(f"tied parameters {a!r} {tuple(first[a].shape)} and {b!r} {tuple(last[b].shape)} "
+                             f"differ in shape")
+        if pp == 1:
+            if first[a] is not last[b]:
+                raise ValueError(f"with pp=1 the tied parameters {a!r} and {b!r} must be one parameter "
+                                 f"(there is no second stage to hold a copy)")
+            continue  # one parameter, synchronized like any other
+        mine += [a] if stage == 0 else [b] if stage == pp - 1 else []
+    return mine
+
+
+def compressed_stage_set(compress_stages, pp: int) -> FrozenSet[int]:
+    """compress_stages: None or 0 (none), k (the first k stages: their data-parallel traffic starts
+    last, after the longest backward, so it is the one on the critical path) or a list of stages."""
+    if compress_stages is None:
+        return frozenset()
+    if isinstance(compress_stages, bool):
+        raise ValueError(f"compress_stages must be an int or a list of stage indices, got {compress_stages!r}")
+    if isinstance(compress_stages, int):
+        if not 0 <= compress_stages <= pp:
+            raise ValueError(f"compress_stages={compress_stages} is not in [0, pp={pp}]")
+        return frozenset(range(compress_stages))
+    try:
+        stages = list(compress_stages)
+    except TypeError:
+        raise ValueError(f"compress_stages must be an int or a list of stage indices, got {compress_stages!r}") from None
+    bad = [s for s in stages if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < pp]
+    if bad:
+        raise ValueError(f"compress_stages holds {bad}, which are not stage indices in [0, {pp})")
+    return frozenset(stages)

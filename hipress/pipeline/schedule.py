@@ -30,9 +30,10 @@ def one_f_one_b(stage: int, stages: int, micro_batches: int) -> List[Tuple[str, 
 
 def in_epilogue(sender: int, stages: int, micro_batches: int, micro_batch: int) -> bool:
     """Whether the backward send of ``micro_batch`` from stage ``sender`` to ``sender - 1`` lies
-    in the pipeline's epilogue: the receiver is then in its cool-down, with no forward left to
-    hide the wait behind, so the send is on the critical path (Optimus-CC §5.2). Sender and
-    receiver decide alike from the schedule alone."""
+    in the pipeline's epilogue: the receiver is then in its cool-down (the backwards it runs
+    one after another, with no forward between them to hide the wait behind), so the send is on
+    the critical path (Optimus-CC §5.2; Megatron-LM's cool-down loop). Sender and receiver
+    decide alike from the schedule alone."""
     if not 1 <= sender < stages:
         raise ValueError(f"stage {sender} sends no activation gradient (stages 1..{stages - 1} do)")
     return micro_batch >= micro_batches - warmup(sender - 1, stages, micro_batches)

@@ -11,7 +11,7 @@ from hipress import config
 from hipress.comm import world
 from hipress.pipeline import schedule, tied as tied_sync
 from hipress.pipeline.compressed_backward import BackwardCompressor
-from hipress.pipeline.layout import Layout, split_stage
+from hipress.pipeline.layout import Layout, compressed_stage_set, split_stage, tied_names_of_stage
 from hipress.torch.functions import broadcast_parameters
 from hipress.torch.optimizer import DistributedOptimizer
 
@@ -19,24 +19,6 @@ from hipress.torch.optimizer import DistributedOptimizer
 _TAG_FORWARD, _TAG_BACKWARD, _TAG_TIE = 1, 2, 3
 _HEADER = 8  # int64s of a shape header: ndim, dtype code, up to 6 dimensions
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-
-
-def _stage_set(compress_stages, pp: int) -> frozenset:
-    """compress_stages: None/0 (none), k (the first k stages: their data-parallel traffic is the
-    last to start, so it is the one on the critical path) or a list of stage indices."""
-    if compress_stages is None:
-        return frozenset()
-    if isinstance(compress_stages, bool):
-        raise ValueError(f"compress_stages must be an int or a list of stage indices, got {compress_stages!r}")
-    if isinstance(compress_stages, int):
-        if not 0 <= compress_stages <= pp:
-            raise ValueError(f"compress_stages={compress_stages} is not in [0, pp={pp}]")
-        return frozenset(range(compress_stages))
-    stages = list(compress_stages)
-    bad = [s for s in stages if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < pp]
-    if bad:
-        raise ValueError(f"compress_stages holds {bad}, which are not stage indices in [0, {pp})")
-    return frozenset(stages)
 
 
 class Pipeline:
@@ -92,8 +74,8 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.fuse_embedding = bool(fuse_embedding)
         self.epilogue_only = bool(epilogue_only)
-        self.compressed_stages = _stage_set(compress_stages, pp)
-        self.tied_names = self._check_tied(model, list(tied), balance)
+        self.compressed_stages = compressed_stage_set(compress_stages, pp)
+        self.tied_names = tied_names_of_stage(model, list(tied), self.stage, pp, balance)
         self._join_dp_world()
 
         params = dict(self.module.named_parameters())
@@ -118,33 +100,6 @@ class Pipeline:
         self.tied_sync_groups: List[List[int]] = []  # the all-reduce groups of the last tied sync
 
     # ------------------------------------------------------------------ setup
-    def _check_tied(self, model: nn.Sequential, tied: List[Tuple[str, str]], balance) -> List[str]:
-        """This stage's names among ``tied``, after checking every pair against the stages."""
-        pp = self.layout.pp
-        first = dict(split_stage(model, 0, pp, balance).named_parameters())
-        last = dict(split_stage(model, pp - 1, pp, balance).named_parameters(remove_duplicate=False))
-        mine = []
-        for pair in tied:
-            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(n, str) for n in pair)):
-                raise ValueError(f"tied must hold (first-stage name, last-stage name) pairs, got {pair!r}")
-            a, b = pair
-            if a not in first:
-                raise ValueError(f"tied parameter {a!r} is not a parameter of the first stage "
-                                 f"(it has {sorted(first)[:8]})")
-            if b not in last:
-                raise ValueError(f"tied parameter {b!r} is not a parameter of the last stage "
-                                 f"(it has {sorted(last)[:8]})")
-            if first[a].shape != last[b].shape:
-                raise ValueError(f"tied parameters {a!r} {tuple(first[a].shape)} and {b!r} {tuple(last[b].shape)} "
-                                 f"differ in shape")
-            if pp == 1:
-                if first[a] is not last[b]:
-                    raise ValueError(f"with pp=1 the tied parameters {a!r} and {b!r} must be one parameter "
-                                     f"(there is no second stage to hold a copy)")
-                continue
-            mine += [a] if self.first else [b] if self.last else []
-        return mine
-
     def _join_dp_world(self) -> None:
         """hipress's world = this stage's data-parallel group."""
         dp = self.layout.dp
