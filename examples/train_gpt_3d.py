@@ -132,10 +132,12 @@ def main():
         last = points[-1]
         print(f"done: pp={a.pp} dp={a.dp} steps={a.steps} validation perplexity {last['val_perplexity']:.3f} "
               f"tokens/s {last['tokens_per_s']:.0f}", flush=True)
+        per_step = {k: 1e3 * v / a.steps for k, v in pipe.timings.items()}
+        print("rank 0 ms/step: " + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in per_step.items()), flush=True)
         if a.json:
             os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
             with open(a.json, "w") as f:
-                json.dump({"args": vars(a), "points": points}, f, indent=1)
+                json.dump({"args": vars(a), "points": points, "rank0_ms_per_step": per_step}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """Pipeline x data-parallel training of an nn.Sequential (see hipress/pipeline/__init__.py)."""
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -98,6 +99,9 @@ class Pipeline:
         self.kept_error: Optional[torch.Tensor] = None  # the lazy error left at the end of the last step
         self.compressed_sends = 0  # backward sends compressed so far (this rank)
         self.tied_sync_groups: List[List[int]] = []  # the all-reduce groups of the last tied sync
+        # seconds spent, summed over steps: the 1F1B schedule (sends waited for), the tied sync,
+        # and the optimizer steps (their wait for hipress's data-parallel sync included)
+        self.timings = {"schedule_s": 0.0, "tied_sync_s": 0.0, "update_s": 0.0}
 
     # ------------------------------------------------------------------ setup
     def _join_dp_world(self) -> None:
@@ -204,6 +208,7 @@ class Pipeline:
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
         pending: list = []
+        t0 = time.perf_counter()
         saved: Dict[int, tuple] = {}
         losses = []
         m = self.micro_batches
@@ -232,15 +237,21 @@ class Pipeline:
         finally:
             if self.backward_compressor is not None:
                 self.kept_error = self.backward_compressor.end_step()
+        t1 = time.perf_counter()
+        self.timings["schedule_s"] += t1 - t0
         if self.tied_params:
             for p in self.tied_params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             self.tied_sync_groups = tied_sync.sync_tied_gradients([p.grad for p in self.tied_params], self.layout, self.stage,
                                           self.replica, self.fuse_embedding)
+            t2 = time.perf_counter()
+            self.timings["tied_sync_s"] += t2 - t1
+            t1 = t2
             self.tied_optimizer.step()
         if self.optimizer is not None:
             self.optimizer.step()
+        self.timings["update_s"] += time.perf_counter() - t1
         return float(torch.stack(losses).mean()) if self.last else None
 
     @torch.no_grad()
