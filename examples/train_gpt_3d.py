@@ -15,6 +15,7 @@ all three (R=8, K=1). Prints validation perplexity and training tokens/s (rank 0
 """
 import argparse
 import collections
+import datetime
 import json
 import math
 import os
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hipress import config
 from hipress.bench.tasks import charlm_data, lm_loss
 from hipress.pipeline import Pipeline
 
@@ -91,7 +93,9 @@ def main():
         a.compress_backward = a.compress_backward or 8
         a.compress_stages = a.compress_stages or 1
 
-    dist.init_process_group("gloo")
+    # the pipeline's sends and receives are bounded by this group's timeout: a lost peer fails the
+    # step instead of hanging it
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.get("HIPRESS_TIMEOUT_S")))
     data = charlm_data(a.seq)
     model = gpt(data.vocab, a.d, a.heads, a.layers, a.seq)
     pipe = Pipeline(model, lambda ps: torch.optim.Adam(ps, lr=a.lr), lm_loss, pp=a.pp, dp=a.dp,

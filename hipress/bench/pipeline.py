@@ -1,7 +1,7 @@
 """Optimus-CC figures on the emulated cluster (hipress.bench.cluster; docs/pipeline.md).
 
     python -m hipress.bench.pipeline embed --pp 2 --dp 2 --mbytes 16 --bandwidth 1gbit --latency 0.2ms
-    python -m hipress.bench.pipeline speed --pp 2 --dp 2 --steps 60 --bandwidth 1gbit --latency 0.2ms
+    python -m hipress.bench.pipeline speed --pp 2 --dp 2 --steps 60 --bandwidth 1gbit --latency 0.2ms [-- --batch 8]
 
 embed: the tied-parameter sync of hipress.pipeline (hipress/pipeline/tied.py) on a V-byte
 gradient, unfused and fused, each repeated --repeat times between barriers; the median time
@@ -129,9 +129,10 @@ def main(argv=None) -> int:
     p.add_argument("--latency", default="0.2ms")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", help="JSON results")
-    p.add_argument("example_args", nargs=argparse.REMAINDER, help="speed: after --, extra example arguments")
-    a = p.parse_args(argv)
-    a.example_args = [x for x in a.example_args if x != "--"]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []  # speed: the example's own arguments
+    a = p.parse_args(argv[:len(argv) - len(extra) - (1 if extra or "--" in argv else 0)])
+    a.example_args = extra
     if a.what == "embed-worker":
         embed_worker(a)
         return 0

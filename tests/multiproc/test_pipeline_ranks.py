@@ -71,3 +71,14 @@ def test_pipeline_ranks(tmp_path):
     for cfg in CONFIGS:  # the tied copies stay one value: first stage's embed.weight = last stage's head.weight
         for d in range(DP):
             assert torch.equal(runs[d][cfg]["params"]["embed.weight"], runs[DP + d][cfg]["params"]["head.weight"]), cfg
+
+
+def test_ordered_allreduce_is_the_midpoint_tree(tmp_path):
+    """The tied sync's all-reduce, for a power-of-two group, a group of 3 and a pair, equals the
+    midpoint tree's sum bit for bit on every member (what makes fused == unfused bitwise)."""
+    code, logs = run([sys.executable, os.path.join(HERE, "tied_allreduce_worker.py"), str(tmp_path)], 4,
+                     timeout=120, quiet=True)
+    assert code == 0, "\n".join(logs)[-4000:]
+    checked = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert checked[0] == [[0, 1, 2, 3], [3, 1, 0], [2, 0]]
+    assert checked[2] == [[0, 1, 2, 3], [2, 0]]
