@@ -9,7 +9,10 @@ gradients, accumulated over every micro-batch before the update, lose nothing fo
 the last error. The error is dropped at the end of the step (the paper keeps it within an
 iteration), see :meth:`BackwardCompressor.end_step`.
 
-Each gradient is compressed as a matrix of (elements / last dimension) rows and last-dimension
+Low-rank ("powersgd") keeps its factor Q from one send to the next (PowerSGD's warm start: one
+power iteration per send then tracks the gradients' dominant subspace instead of starting from a
+random one each time), with its own error feedback off: the lazy error is the only error memory.
+Other compressors encode statelessly. Each gradient is compressed as a matrix of (elements / last dimension) rows and last-dimension
 columns: for a transformer's (batch, sequence, hidden) activations that is one row per token,
 the shape a low-rank approximation suits.
 """
@@ -41,11 +44,19 @@ class BackwardCompressor:
     """One stage's compressor for the activation gradients it sends backward.
 
     compression: a hipress compressor name or instance; kwargs configure it (``rank=`` for
-    "powersgd"). Encodes are stateless (the compressor keeps no residual of its own): the error
-    is carried here, lazily, when ``lazy_error`` is true."""
+    "powersgd"). No compressor keeps a residual of its own: the error is carried here, lazily,
+    when ``lazy_error`` is true. "powersgd" keeps its warm-started Q per gradient shape."""
 
     def __init__(self, compression_name="powersgd", lazy_error: bool = True, **kwargs):
-        self.compressor = compression.get(compression_name, **kwargs)
+        if compression_name == "powersgd":
+            if "error_feedback" in kwargs:
+                raise ValueError("backward compression carries its own (lazy) error: powersgd's error_feedback "
+                                 "is always off here; use lazy_error=")
+            self.compressor = compression.PowerSGD(error_feedback=False, **kwargs)
+        else:
+            self.compressor = compression.get(compression_name, **kwargs)
+        self.warm_start = compression_name == "powersgd"
+        self.states: dict = {}  # matrix shape -> the low-rank compressor's state (its Q)
         self.lazy_error = bool(lazy_error)
         self.error: Optional[torch.Tensor] = None  # what the last compressed send lost, not yet sent
 
@@ -66,7 +77,12 @@ class BackwardCompressor:
             x = x + self.error
         m = matrix_shape(x.shape)
         wire = torch.zeros(self.max_wire_bytes(x.shape), dtype=torch.uint8)
-        payload = self.compressor.encode(x.reshape(m), None, out=wire[LENGTH_BYTES:])
+        state = None
+        if self.warm_start:
+            state = self.states.get(m)
+            if state is None:
+                state = self.states[m] = self.compressor.new_state(m[0] * m[1], m)
+        payload = self.compressor.encode(x.reshape(m), state, out=wire[LENGTH_BYTES:])
         wire[:LENGTH_BYTES].view(torch.int64)[0] = payload.numel()
         decoded = self.decode(wire, x.shape)
         if self.lazy_error:

@@ -4,6 +4,7 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 
 from hipress.launch import run
@@ -22,15 +23,15 @@ CONFIGS = {
 }
 
 
-def launch(tmp_path, timeout=300):
+def launch(tmp_path, configs=CONFIGS, pp=PP, dp=DP, timeout=300):
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, os.path.join(HERE, "pipeline_worker.py"), str(out), str(PP), str(DP),
-           json.dumps(list(CONFIGS.values()))]
-    code, logs = run(cmd, PP * DP, timeout=timeout, quiet=True)
+    cmd = [sys.executable, os.path.join(HERE, "pipeline_worker.py"), str(out), str(pp), str(dp),
+           json.dumps(list(configs.values()))]
+    code, logs = run(cmd, pp * dp, timeout=timeout, quiet=True)
     assert code == 0, "\n".join(logs)[-4000:]
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(PP * DP)]
-    by_name = [dict(zip(CONFIGS, res["configs"])) for res in results]
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(pp * dp)]
+    by_name = [dict(zip(configs, res["configs"])) for res in results]
     return by_name, results[0]["reference"]
 
 
@@ -82,3 +83,18 @@ def test_ordered_allreduce_is_the_midpoint_tree(tmp_path):
     checked = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert checked[0] == [[0, 1, 2, 3], [3, 1, 0], [2, 0]]
     assert checked[2] == [[0, 1, 2, 3], [2, 0]]
+
+
+@pytest.mark.slow
+def test_four_stages_two_replicas(tmp_path):
+    """pp=4 dp=2 (8 ranks, one layer per stage; the tied copies on stages 0 and 3): all off equals
+    one process to 1e-5, fused is bit-identical, and epilogue-only compresses, per step, the
+    sends that each receiver's cool-down waits for (stage s: min(4 - s, M) of them)."""
+    configs = {"plain": BASE, "fused": dict(BASE, fuse_embedding=True), "cb": dict(BASE, **LOWRANK)}
+    runs, reference = launch(tmp_path, configs, pp=4, dp=2, timeout=600)
+    for r, run_ in enumerate(runs):
+        stage = run_["plain"]["stage"]
+        for name, got in run_["plain"]["params"].items():
+            torch.testing.assert_close(got, reference[name], rtol=0, atol=1e-5, msg=lambda m: f"rank {r} {name}: {m}")
+            assert torch.equal(run_["fused"]["params"][name], got), (r, name)
+        assert run_["cb"]["compressed_sends"] == (STEPS * min(4 - stage, MICRO) if stage else 0), r
