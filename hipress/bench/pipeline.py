@@ -84,7 +84,7 @@ def embed(a) -> dict:
     res = {"pp": a.pp, "dp": d, "mbytes": a.mbytes, "bandwidth": a.bandwidth, "latency": a.latency,
            "emulated": emulated, "measured_s": got, "eq15_16_s": model,
            "measured_saving": 1 - got["fused"] / got["unfused"], "model_saving": 1 - model["fused"] / model["unfused"]}
-    print(f"| sync | measured ms | eqs. 15-16 ms (bytes per rank / link rate) |\n|---|---|---|")
+    print("| sync | measured ms | eqs. 15-16 ms (bytes per rank / link rate) |\n|---|---|---|")
     for m in ("unfused", "fused"):
         print(f"| {m} | {1e3 * got[m]:.1f} | {1e3 * model[m]:.1f} |")
     print(f"| fused saves | {100 * res['measured_saving']:.1f}% | {100 * res['model_saving']:.1f}% |")

@@ -20,6 +20,7 @@ from hipress.torch.optimizer import DistributedOptimizer
 _TAG_FORWARD, _TAG_BACKWARD, _TAG_TIE = 1, 2, 3
 _HEADER = 8  # int64s of a shape header: ndim, dtype code, up to 6 dimensions
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+_joined: Optional[tuple] = None  # (layout, stage) whose data-parallel group is hipress's world here
 
 
 class Pipeline:
@@ -105,16 +106,18 @@ class Pipeline:
 
     # ------------------------------------------------------------------ setup
     def _join_dp_world(self) -> None:
-        """hipress's world = this stage's data-parallel group."""
-        dp = self.layout.dp
+        """hipress's world = this stage's data-parallel group (made once per process)."""
+        global _joined
+        group = (self.layout, self.stage)
         if world.is_initialized():
-            if world.size() != dp or world.rank() != self.replica:
-                raise RuntimeError(f"hipress is already initialized as rank {world.rank()} of {world.size()}; the "
-                                   f"pipeline needs its world to be stage {self.stage}'s data-parallel group "
-                                   f"(rank {self.replica} of {dp}): build the Pipeline before hipress.init()")
+            if _joined != group:
+                raise RuntimeError(f"hipress is already initialized (rank {world.rank()} of {world.size()}) with "
+                                   f"another world; a Pipeline needs hipress's world to be its stage's data-parallel "
+                                   f"group: one pipeline layout per process, built before any hipress.init()")
             return
         world.init_private_gloo(dist.distributed_c10d._get_default_store(), f"hipress/pipeline/stage{self.stage}",
-                                self.replica, dp, config.get("HIPRESS_TIMEOUT_S"))
+                                self.replica, self.layout.dp, config.get("HIPRESS_TIMEOUT_S"))
+        _joined = group
 
     def _copy_tied_from_first_stage(self, tied_here: List[nn.Parameter]) -> None:
         """The last stage's copies start as the first stage's values."""
