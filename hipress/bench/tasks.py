@@ -106,6 +106,41 @@ def text_corpus() -> tuple:
     return text, meta
 
 
+@dataclass
+class CharData:
+    """The charlm task's data: ``examples(idx)`` gives training sequences by index (inputs, and
+    targets one character later), the validation sequences are whole tensors."""
+    vocab: int
+    n_train: int
+    examples: Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+    val_inputs: torch.Tensor
+    val_targets: torch.Tensor
+
+
+def charlm_data(seq: int) -> CharData:
+    """The corpus (:func:`text_corpus`) as character ids: 90% train, 10% validation, cut into
+    sequences of ``seq`` characters (also used by examples/train_gpt_3d.py)."""
+    text, _ = text_corpus()
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    split = int(0.9 * len(ids))
+    train, val = ids[:split], ids[split:]
+    starts = torch.arange((len(train) - 1) // seq) * seq
+
+    def examples(idx):
+        chunk = train[starts[idx][:, None] + torch.arange(seq + 1)[None, :]]
+        return chunk[:, :-1], chunk[:, 1:]
+
+    vn = (len(val) - 1) // seq
+    vchunk = val[(torch.arange(vn) * seq)[:, None] + torch.arange(seq + 1)[None, :]]
+    return CharData(len(chars), len(starts), examples, vchunk[:, :-1], vchunk[:, 1:])
+
+
+def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of a language model's logits (..., vocab) against next-token ids."""
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
 def first_token_data(n: int, rs, vocab: int = 16, length: int = 16, classes: int = 8):
     """The transformer task's sequences and labels (module docstring)."""
     import numpy as np
@@ -184,32 +219,18 @@ def build(name: str, seed: int, batch: int, seq: int = 64) -> Task:
         return Task(name, METRIC[name], model, len(ytr), batch, seed, lambda idx: (xtr[idx], ytr[idx]),
                     F.cross_entropy, _accuracy(model, xte, yte))
     if name == "charlm":
-        text, _ = text_corpus()
-        chars = sorted(set(text))
-        ids = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
-        split = int(0.9 * len(ids))
-        train, val = ids[:split], ids[split:]
-        model = CharLM(len(chars))
-        starts = torch.arange((len(train) - 1) // seq) * seq
-
-        def examples(idx):
-            chunk = train[starts[idx][:, None] + torch.arange(seq + 1)[None, :]]
-            return chunk[:, :-1], chunk[:, 1:]
-
-        def loss(out, y):
-            return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-
-        vn = (len(val) - 1) // seq
-        vchunk = val[(torch.arange(vn) * seq)[:, None] + torch.arange(seq + 1)[None, :]]
+        data = charlm_data(seq)
+        model = CharLM(data.vocab)
+        loss = lm_loss
 
         def evaluate():
             model.eval()
             with torch.no_grad():
-                v = loss(model(vchunk[:, :-1]), vchunk[:, 1:]).item()
+                v = loss(model(data.val_inputs), data.val_targets).item()
             model.train()
             return {"val_loss": v, "val_perplexity": math.exp(v)}
 
-        return Task(name, METRIC[name], model, len(starts), batch, seed, examples, loss, evaluate)
+        return Task(name, METRIC[name], model, data.n_train, batch, seed, data.examples, loss, evaluate)
     raise ValueError(f"unknown task {name!r}; choose from {NAMES}")
 
 
