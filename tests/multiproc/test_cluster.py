@@ -334,7 +334,9 @@ def test_cli_signal_tears_down(sig, expected):
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     prefix = f"{cl.PREFIX}{p.pid}-"
     try:
-        deadline = time.time() + 20
+        # polled, so a generous bound costs nothing when the start is prompt (20 s was too short
+        # in a CI run beside a busy loop and five other jobs)
+        deadline = time.time() + 120
         # both ranks exec'd `sleep` (counting every process with the marker, the CLI included,
         # raced with a rank still between fork and exec: 4 seen once under load)
         while time.time() < deadline and len(running("sleep", marker)) < 2:
