@@ -17,6 +17,12 @@ group; hipress wraps it), each on a freshly built model with the same seed:
                            dgc|graddrop|powersgd|auto (powersgd always runs the low-rank sync)
   hipress-dear[-<algo>]    strategy="dear" (docs/dear.md): reduce-scatter in backward, all-gather
                            and update before the next forward; algo: a single-round one (default none)
+  hipress-covap            hipress.DistributedOptimizer(compression="covap") (docs/covap.md: interval
+                           "auto", profiled by COVAP's distributed profiler, sharding on)
+  ddp-covap-hook           DDP + hipress.ddp.register(model, "covap") (the same, as a DDP comm hook)
+
+COVAP's systems profile before they filter: their warm-up runs on until the filter is on
+(at least ``--warmup`` steps), and the record holds the profile (CCR and the interval).
 
 Per system: ``--warmup`` steps, then ``--steps`` timed steps (throughput = world samples /
 slowest rank's time), then ``--compute-steps`` steps of forward + backward + local
@@ -29,6 +35,7 @@ communication = step time - compute time. Rank 0 appends one JSON record per sys
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -43,7 +50,7 @@ import torch.distributed as dist
 from hipress import config
 from hipress.bench import models
 
-DDP_SYSTEMS = ("ddp", "ddp-fp16", "ddp-powersgd")
+DDP_SYSTEMS = ("ddp", "ddp-fp16", "ddp-powersgd", "ddp-covap-hook")
 ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop", "powersgd", "auto")
 STRATEGIES = ("ring", "ps", "auto")
 DEAR_ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")  # single-round: the ring's phases carry them
@@ -52,9 +59,12 @@ DEAR_ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")  # single-
 def parse_system(name: str) -> dict:
     """'hipress-ps-onebit-plan' -> {'kind': 'hipress', 'strategy': 'ps', 'compression': 'onebit', 'plan': 'auto'}."""
     if name in DDP_SYSTEMS:
-        return {"kind": "ddp", "hook": {"ddp": None, "ddp-fp16": "fp16", "ddp-powersgd": "powersgd"}[name]}
+        return {"kind": "ddp", "hook": {"ddp": None, "ddp-fp16": "fp16", "ddp-powersgd": "powersgd",
+                                        "ddp-covap-hook": "covap"}[name]}
     if name == "horovod":
         return {"kind": "horovod"}
+    if name == "hipress-covap":
+        return {"kind": "hipress", "strategy": "auto", "compression": "covap", "plan": None}
     parts = name.split("-")
     if parts[0] == "hipress":
         plan = None
@@ -68,9 +78,18 @@ def parse_system(name: str) -> dict:
             return {"kind": "hipress", "strategy": "dear", "compression": parts[2], "plan": None}
         if len(parts) == 3 and parts[1] in STRATEGIES and parts[2] in ALGOS:
             return {"kind": "hipress", "strategy": parts[1], "compression": parts[2], "plan": plan}
-    raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, horovod, "
+    raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, hipress-covap, "
                      f"hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, hipress-auto, "
                      f"hipress-dear[-<{'|'.join(DEAR_ALGOS)}>]")
+
+
+COVAP_MAX_WARMUP = 30  # a bound on COVAP's warm-up (settling DDP's buckets, profiling)
+
+
+def _covap_on(owner) -> bool:
+    """Whether COVAP's filter runs (``owner``: the DistributedOptimizer or the DDP hook state)."""
+    run = owner._hp_covap if hasattr(owner, "_hp_covap") else owner.covap.run
+    return run is not None and run.filter is not None
 
 
 def _progress(out: str, text: str) -> None:
@@ -157,6 +176,9 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
                                      use_error_feedback=True, warm_start=True, random_seed=0)
             net.register_comm_hook(state, ps.powerSGD_hook)
             info["powersgd"] = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 2, "bucket_cap_mb": 4096}
+        elif cfg["hook"] == "covap":
+            import hipress.ddp
+            info["covap_state"] = hipress.ddp.register(net, "covap")
         return net, opt, net.no_sync, opt.step, info
     if cfg["kind"] == "horovod":
         import horovod.torch as hvd  # noqa: F401 - ImportError is handled by the caller
@@ -177,8 +199,12 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
                            "controller": "gloo"}
         return model, opt, None, (plain, plain_opt), info
     import hipress
+    import hipress.ddp
 
-    hipress.init()
+    # hipress's own gloo group of the same ranks, not the default group: a DDP system with
+    # hipress's hook (ddp-covap-hook) may run in the same processes, and its hook refuses a
+    # world that shares DDP's group
+    hipress.ddp.init()
     kw = {}
     if cfg["plan"]:
         kw["plan"] = cfg["plan"]
@@ -188,6 +214,8 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
     base = type(opt).__mro__[1]
     info["hipress"] = {"strategy": "dear" if cfg["strategy"] == "dear" else opt._hp_strategy_name, "compressor": opt._hp_compressor.name,
                        "hierarchical": opt._hp_hierarchical}
+    if cfg["compression"] == "covap":
+        info["covap_state"] = opt
     if opt._hp_plan is not None:
         try:
             # what runs: one plan entry per bucket (fused gradients share their bucket's decision)
@@ -228,6 +256,7 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     except _Skip as e:
         rec.update(skipped=str(e))
         return rec
+    covap_owner = info.pop("covap_state", None)  # the optimizer or hook state holding COVAP's profile
     rec.update(info)
     g = torch.Generator().manual_seed(a.seed + 1000 * rank)
     x, y = spec.batch(a.batch, g)
@@ -243,12 +272,20 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     nsteps = a.warmup + a.steps + a.compute_steps
     done = 0
     tw = 0.0
-    for _ in range(a.warmup):
+    warm = 0
+    # COVAP profiles, then filters: its warm-up lasts until the filter is on (every rank
+    # decides it from the same gathered profile, so all run the same number of steps)
+    while warm < a.warmup or (covap_owner is not None and not _covap_on(covap_owner) and warm < COVAP_MAX_WARMUP):
         t = time.perf_counter()
         step()
         tw = time.perf_counter() - t
+        warm += 1
         done += 1
         _progress(out, f"{tag} {done}/{nsteps}")
+    if covap_owner is not None:
+        prof = covap_owner.covap_profile
+        rec["covap"] = {"warmup_steps": warm, "filter_on": _covap_on(covap_owner),
+                        "profile": None if prof is None else dataclasses.asdict(prof)}
     steps = a.steps
     if a.max_seconds > 0 and a.warmup:
         # Bound the timed phase on a slow or loaded machine: every rank uses the slowest

@@ -6,7 +6,8 @@ residual, scaled by a coefficient that rises during training (the paper's error-
 scheduler), and goes out the next time the unit is selected.
 
 The rules are plain functions, so they are tested on their own and shared by the
-optimizer (``DistributedOptimizer(compression="covap")``):
+optimizer (``DistributedOptimizer(compression="covap")``, through :class:`Run`) and the DDP
+comm hook (``hipress.ddp.register(model, compression="covap")``, through :class:`StreamRun`):
 
 * :func:`interval_from_ccr`: I = ceil(CCR), at least 1 (§III-B).
 * :func:`shard_counts`: a bucket of more elements than the median bucket is split evenly
@@ -87,6 +88,10 @@ class Profile:
     ccr: float
     interval: int
 
+    def summary(self) -> str:
+        return (f"hipress COVAP: T_before {self.t_before * 1e3:.2f} ms, T_comp {self.t_comp * 1e3:.2f} ms, "
+                f"T_comm {self.t_comm * 1e3:.2f} ms per step: CCR {self.ccr:.2f}, interval {self.interval}")
+
 
 def make_profile(t_before: float, t_comp: float, t_comm: float, max_interval: Optional[int] = None) -> Profile:
     """The profile and its interval, ceil(CCR), at most ``max_interval`` when given."""
@@ -144,6 +149,8 @@ class Filter:
         return ef_coefficient(self.step, *self.ef)
 
     def apply(self, name: str, flat: torch.Tensor) -> List[Tuple[int, int]]:
+        if self.interval == 1:  # every unit sent every step: no residual ever (a fast link, CCR <= 1)
+            return [r for _, r in self.units[name] if r[1] > r[0]]
         res = self.residual.get(name)
         if res is None:
             self.undo_log.created(name)
@@ -331,3 +338,97 @@ class Run:
                     self.on_filter(self.filter)
             self.filter.load_state_dict(sd["filter"])
 
+
+
+def gather_rows(transport, v: torch.Tensor) -> torch.Tensor:
+    """Every rank's float64 vector ``v`` over ``transport`` (an allgather), one row per rank:
+    the profiler's ``gather``. Call it when nothing else of this rank is in flight on it."""
+    out = torch.empty(transport.size * v.numel(), dtype=torch.float64)
+    transport.allgather(v.contiguous().view(torch.uint8), out.view(torch.uint8))
+    return out.view(transport.size, v.numel())
+
+
+# ---------------------------------------------------------------- the DDP hook's side
+
+class StreamRun:
+    """COVAP where buckets arrive one at a time and are not known up front: DDP's comm hook
+    (hipress/torch/ddp.py). DDP makes its buckets itself and regroups them after its first
+    step, and the median rule and the unit numbering need every bucket. So buckets are synced
+    whole until a step shows the same buckets (names and sizes) as the step before; a
+    :class:`Run` over those buckets starts at the next step (with interval="auto", by
+    profiling). A step ends with its last bucket (DDP's ``GradBucket.is_last()``):
+    :meth:`end_step`. The profiler's figures are gathered from every rank at the next step's
+    first event (:meth:`begin`), when nothing of the step before is in flight."""
+
+    def __init__(self, args: dict):
+        self.args = dict(args)  # Run's keywords (split_options' first result)
+        check_interval(self.args.get("interval", "auto"))
+        self.run: Optional[Run] = None
+        self._prev: Optional[Dict[str, int]] = None  # the last step's buckets (name -> elements)
+        self._cur: Dict[str, int] = {}
+        self._profile_due = False  # a profiled step ended; its figures are taken at the next begin()
+        self._last_done: Optional[float] = None  # when the last profiled bucket completed
+
+    @property
+    def profiling(self) -> bool:
+        return self.run is not None and self.run.profiling
+
+    def begin(self, now: float, gather) -> Optional[Profile]:
+        """Called at every gradient and bucket; at a step's first one, it closes the profiled
+        step before it. Returns the profile when it was just computed."""
+        if not self._profile_due:
+            return None
+        self._profile_due = False
+        profile = self.run.finish_step(gather)
+        if self.run.profiling:
+            self.run.step_end(self._last_done if self._last_done is not None else now)
+        return profile
+
+    def grad_ready(self, now: float) -> None:
+        if self.profiling:
+            self.run.grad_ready(now)
+
+    def select(self, name: str, flat: torch.Tensor, now: float) -> Optional[List[Tuple[int, Tuple[int, int]]]]:
+        """None: sync all of ``flat`` (time it with :meth:`submitted`/:meth:`completed` while
+        :attr:`profiling`); else the selected units, ``flat`` now holding what to send."""
+        self._cur[name] = flat.numel()
+        if self.run is None:
+            return None
+        if self.run.profiling:
+            self.run.grad_ready(now)  # the bucket is ready, so its gradients are (without gradient hooks)
+            return None
+        if name not in self.run.filter.units:  # a resumed job's first step, before DDP regrouped its buckets
+            return None
+        return self.run.select(name, flat)
+
+    def submitted(self, name: str, now: float) -> None:
+        self.run.submitted(name, now)
+
+    def completed(self, name: str, now: float) -> None:
+        self.run.completed(name, now)
+        self._last_done = now
+
+    def end_step(self) -> None:
+        """The step's last bucket was handed out."""
+        cur, self._cur = self._cur, {}
+        if self.run is None:
+            if cur == self._prev:
+                self.run = Run(cur, **self.args)
+            self._prev = cur
+        elif self.run.profiling:
+            self._profile_due = True
+        elif set(cur) <= set(self.run.sizes):  # the filter's buckets: its step is over
+            self.run.finish_step(None)
+
+    def state_dict(self) -> dict:
+        return {"sizes": None if self.run is None else dict(self.run.sizes),
+                "run": None if self.run is None else self.run.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._cur, self._profile_due, self._last_done = {}, False, None
+        if sd.get("sizes") is None:
+            self.run, self._prev = None, None
+            return
+        self.run = Run(sd["sizes"], **self.args)
+        self.run.load_state_dict(sd["run"])
+        self._prev = dict(sd["sizes"])

@@ -20,9 +20,10 @@ What the optimizer does and the hook does too: the algorithm's clipping (``grad_
 TernGrad's 2.5 sigma per tensor), compressor state per rank (``state.state_dict()``),
 averaging, and momentum correction, but not by itself: a hook cannot change the optimizer's
 step, so the user moves SGD's momentum into the hook (``momentum_correction=0.9`` and an SGD
-with ``momentum=0``; the optimizer's ``"auto"`` applies it to single-round algorithms). Not
-here: ``plan=`` and ``compression="covap"`` (they need every bucket before the first step;
-DDP makes its buckets itself).
+with ``momentum=0``; the optimizer's ``"auto"`` applies it to single-round algorithms).
+``compression="covap"`` filters DDP's buckets (hipress.torch.covap.StreamRun: the filter
+starts once DDP's buckets stop changing). Not here: ``plan=`` (it needs every bucket before
+the first step; DDP makes its buckets itself).
 
 hipress's own traffic runs over a private gloo group (:func:`init`), not over DDP's process
 group: the engine's communication thread and DDP's collectives (the unused-parameter map of
@@ -46,7 +47,7 @@ from hipress.comm import world
 from hipress.comm.exchange import open_exchanges, waiting_words
 from hipress.engine import get_engine
 from hipress.sync import StateStore, make_sync, resolve_strategy, use_local_aggregation
-from hipress.torch import clipping, momentum
+from hipress.torch import clipping, covap, momentum
 from hipress.torch.optimizer import Average, Sum, _Bucket, bucket_bounds, splits_tensors
 
 __all__ = ["HookState", "hook", "comm_hook", "register", "fp16_wrapper", "bf16_wrapper", "init"]
@@ -149,18 +150,24 @@ class HookState:
                  partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto",
                  coordinator: Optional[bool] = None, grad_clip="auto", momentum_correction=None,
                  timeout_s: Optional[float] = None, **compression_kwargs):
-        if compression in ("auto", "covap"):
-            raise ValueError(f"compression={compression!r} needs hipress.DistributedOptimizer (a plan over "
-                             f"every bucket before the first step); the DDP hook takes an algorithm name or "
-                             f"a Compressor")
+        if compression == "auto":
+            raise ValueError("compression='auto' needs hipress.DistributedOptimizer (a plan over every bucket "
+                             "before the first step); the DDP hook takes an algorithm name, 'covap' or a Compressor")
         self._args = (compression, strategy, dict(op=op, partition_bytes=partition_bytes,
                                                   local_aggregation=local_aggregation, coordinator=coordinator,
                                                   grad_clip=grad_clip, momentum_correction=momentum_correction,
                                                   timeout_s=timeout_s, **compression_kwargs))
         if op not in (Average, Sum):
             raise ValueError(f"op must be hipress.Average or hipress.Sum, got {op!r}")
+        self.covap: Optional[covap.StreamRun] = None
+        if compression == "covap":  # COVAP's filter around the inner algorithm (hipress/torch/covap.py)
+            mine, compression, compression_kwargs = covap.split_options(compression_kwargs)
+            self.covap = covap.StreamRun(mine)
         self.compressor = (_compression.get(compression, **compression_kwargs) if isinstance(compression, str)
                            else compression)
+        if self.covap is not None and self.compressor.rounds > 1:
+            raise ValueError(f"compression='covap' filters whole buckets; its inner algorithm must be single-round, "
+                             f"got {self.compressor.name!r}")
         self.strategy = resolve_strategy(strategy, self.compressor)
         self.average = op == Average
         self.partition_bytes = partition_bytes
@@ -170,11 +177,20 @@ class HookState:
         self.timeout_s = timeout_s
         self._order: Dict[int, int] = {}
         self._names: Dict[int, str] = {}
+        params = []
         if named_parameters is not None:
             for i, (n, p) in enumerate(named_parameters):
                 self._order[id(p)] = i
                 self._names[id(p)] = n
+                params.append(p)
         self._named_given = named_parameters is not None
+        self._covap_reserved = None  # the COVAP filter whose units the sync has declared
+        self._grad_hooks = []
+        if self.covap is not None and self.covap.args.get("interval", "auto") == "auto":
+            # the profiler's T_comp runs from the first to the last gradient of a backward (without
+            # named_parameters, from the first to the last bucket)
+            self._grad_hooks = [p.register_post_accumulate_grad_hook(self._covap_grad)
+                                for p in params if p.requires_grad]
         group = _momentum_group(momentum_correction)
         self.momentum = _HookMomentum(group, self._names) if group is not None else None
         self._lock = threading.Lock()
@@ -291,13 +307,75 @@ class HookState:
             fut.set_result(buf)
             return fut
         pending = _Pending(fut, lay.name)
-        handle = self._sync.build(lay.name, flat, lay.bounds, segments=lay.bucket.segments)
-        if not in_place:
-            handle = self._sync.ctx.compute(f"unpack.ddp.{lay.name}", lambda: self._unpack(lay, flat, buf, False),
-                                            [handle], nbytes=4 * total)
+        if self.covap is None:
+            handles = [self._sync.build(lay.name, flat, lay.bounds, segments=lay.bucket.segments)]
+        else:
+            handles = self._covap_build(lay, flat, bucket.is_last())
+        if not handles:  # COVAP sent nothing of this bucket: its gradient (zeros) is final
+            self._unpack(lay, flat, buf, in_place)
+            fut.set_result(buf)
+            return fut
+        if in_place and len(handles) == 1:
+            handle = handles[0]
+        else:
+            unpack = (lambda: None) if in_place else (lambda: self._unpack(lay, flat, buf, False))
+            handle = self._sync.ctx.compute(f"unpack.ddp.{lay.name}", unpack, handles, nbytes=4 * total)
         self._watch(pending)
         handle.add_done_callback(lambda h: self._finish(pending, h, buf))
         return fut
+
+    # ------------------------------------------------------------------ COVAP
+    def _covap_build(self, lay: _Layout, flat: torch.Tensor, last: bool) -> list:
+        """The syncs of one bucket under COVAP: the whole bucket (before the filter starts, and
+        timed while profiling), or its selected units, each a sync (and compressor state) of its
+        own as in the optimizer; none when no unit of it is selected."""
+        cv = self.covap
+        now = time.perf_counter()
+        self._covap_begin(now)
+        units = cv.select(lay.name, flat, now)
+        filt = cv.run.filter if cv.run is not None else None
+        if filt is not None and filt is not self._covap_reserved:
+            # every unit declared in unit order, so the sync's choices (PS aggregators) do not
+            # depend on which units happen to be sent first
+            for name, declared in filt.units.items():
+                for t, r in declared:
+                    self._sync.reserve(f"{name}/u{t}", [r])
+            self._covap_reserved = filt
+        if units is None:
+            handles = [self._sync.build(lay.name, flat, lay.bounds, segments=lay.bucket.segments)]
+            if cv.profiling:
+                cv.submitted(lay.name, now)
+                handles[0].add_done_callback(lambda h, n=lay.name: cv.completed(n, time.perf_counter()))
+        else:
+            handles = [self._sync.build(f"{lay.name}/u{t}", flat, [r]) for t, r in units]
+        if last:
+            cv.end_step()
+        return handles
+
+    def _covap_begin(self, now: float) -> None:
+        profile = self.covap.begin(now, lambda v: covap.gather_rows(world.transport(), v))
+        if profile is not None and world.rank() == 0:
+            print(profile.summary(), flush=True)
+
+    def _covap_grad(self, p) -> None:
+        """A gradient hook (interval="auto"): times the backward while profiling."""
+        if self._sync is None or self._size == 1:
+            return
+        now = time.perf_counter()
+        self._covap_begin(now)
+        self.covap.grad_ready(now)
+
+    @property
+    def covap_profile(self) -> Optional[covap.Profile]:
+        """compression="covap": the profiler's figures and the interval (None before it ran)."""
+        return None if self.covap is None or self.covap.run is None else self.covap.run.profile
+
+    def covap_reprofile(self) -> None:
+        """compression="covap": measure CCR again over the next steps and reset the interval."""
+        if self.covap is None:
+            raise RuntimeError("covap_reprofile() needs compression='covap'")
+        if self.covap.run is not None:  # else the first profile has not started yet
+            self.covap.run.reprofile()
 
     @staticmethod
     def _unpack(lay: _Layout, flat: torch.Tensor, buf: torch.Tensor, in_place: bool) -> None:
@@ -366,6 +444,8 @@ class HookState:
         out = {"compressor_state": dict(self._loaded or {}) if self._states is None else self._states.state_dict()}
         if self.momentum is not None:
             out["velocity"] = self.momentum.state_dict()
+        if self.covap is not None:
+            out["covap"] = self.covap.state_dict()
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -373,6 +453,10 @@ class HookState:
         sd = dict(state_dict["compressor_state"])
         if self.momentum is not None:
             self.momentum.load_state_dict(state_dict.get("velocity", {}))
+        if self.covap is not None:
+            if "covap" not in state_dict:
+                raise ValueError("this HookState has compression='covap', but the state dict has no COVAP state")
+            self.covap.load_state_dict(state_dict["covap"])
         with self._lock:
             if self._states is None:
                 self._loaded = sd

@@ -682,9 +682,7 @@ class _HipressOptimizer:
         if self._hp_covap is not None:
             profile = self._hp_covap.finish_step(self._hp_gather)
             if profile is not None and world.rank() == 0:
-                print(f"hipress COVAP: T_before {profile.t_before * 1e3:.2f} ms, T_comp {profile.t_comp * 1e3:.2f} ms, "
-                      f"T_comm {profile.t_comm * 1e3:.2f} ms per step: CCR {profile.ccr:.2f}, interval "
-                      f"{profile.interval}", flush=True)
+                print(profile.summary(), flush=True)
         self._hp_synchronized = True
 
     def _hp_finish_gradients(self) -> None:
@@ -824,10 +822,7 @@ class _HipressOptimizer:
 
     def _hp_gather(self, v: torch.Tensor) -> torch.Tensor:
         """Every rank's float64 vector v, one row per rank (nothing else is in flight here)."""
-        tr = self._hp_transport
-        out = torch.empty(tr.size * v.numel(), dtype=torch.float64)
-        tr.allgather(v.contiguous().view(torch.uint8), out.view(torch.uint8))
-        return out.view(tr.size, v.numel())
+        return covap.gather_rows(self._hp_transport, v)
 
     @contextlib.contextmanager
     def skip_synchronize(self):

@@ -52,6 +52,39 @@ def test_worker_runs_dear_systems(tmp_path):
         assert r["hipress"] == {"strategy": "dear", "compressor": comp, "hierarchical": False}
 
 
+def test_worker_runs_covap_systems(tmp_path):
+    # COVAP's warm-up runs on until its filter is on (settling DDP's buckets, profiling)
+    cmd = [sys.executable, "-m", "hipress.bench.train", "--model", "vgg19", "--systems",
+           "hipress-covap,ddp-covap-hook", "--warmup", "1", "--steps", "2", "--compute-steps", "1",
+           "--out", str(tmp_path)]
+    code, logs = run(cmd, 2, timeout=300, quiet=True, env=ENV)
+    assert code == 0, "\n".join(logs)[-3000:]
+    recs = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["system"] for r in recs] == ["hipress-covap", "ddp-covap-hook"]
+    from hipress.torch.covap import MAX_INTERVAL, PROFILE_STEPS, interval_from_ccr
+
+    for r in recs:
+        _valid_record(r, r["system"])
+        cv = r["covap"]
+        assert cv["filter_on"] and cv["warmup_steps"] > PROFILE_STEPS, cv
+        p = cv["profile"]
+        assert p["t_comp"] > 0 and p["interval"] == min(interval_from_ccr(p["ccr"]), MAX_INTERVAL)
+
+
+def test_summary_reports_compute_fraction_and_covap_interval():
+    from hipress.bench.compare import summarize, table
+
+    recs = [{"system": "ddp", "bandwidth": "1gbit", "step_s": 2.0, "compute_s": 0.5, "throughput": 10.0},
+            {"system": "hipress-covap", "bandwidth": "1gbit", "step_s": 0.8, "compute_s": 0.6, "throughput": 25.0,
+             "covap": {"profile": {"interval": 4, "ccr": 3.21}}}]
+    rows = {r["system"]: r for r in summarize(recs, ["1gbit"], ["ddp", "hipress-covap"])}
+    assert rows["ddp"]["x_compute"] == pytest.approx(0.25)
+    assert rows["hipress-covap"]["x_compute"] == pytest.approx(0.75)
+    assert rows["hipress-covap"]["x_ddp"] == pytest.approx(2.5)
+    assert rows["hipress-covap"]["note"] == "interval 4 at CCR 3.21"
+    assert "interval 4 at CCR 3.21" in table(list(rows.values()))
+
+
 def test_parse_system_names():
     from hipress.bench.train import parse_system
 
@@ -62,6 +95,8 @@ def test_parse_system_names():
     assert parse_system("hipress-dear") == {"kind": "hipress", "strategy": "dear", "compression": "none",
                                             "plan": None}
     assert parse_system("hipress-dear-tbq")["compression"] == "tbq"
+    assert parse_system("hipress-covap")["compression"] == "covap"
+    assert parse_system("ddp-covap-hook") == {"kind": "ddp", "hook": "covap"}
     for name in ("hipress-dear-powersgd", "hipress-dear-tbq-plan"):  # not carried by the ring's phases
         with pytest.raises(ValueError):
             parse_system(name)

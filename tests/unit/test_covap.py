@@ -100,6 +100,16 @@ def test_filter_shards_large_buckets_into_units():
     assert torch.count_nonzero(flat) == 11 and flat[30].item() == 1.5
 
 
+def test_filter_interval_one_sends_everything_untouched():
+    f = covap.Filter({"a": 10, "b": 35}, interval=1)
+    for _ in range(3):
+        flat = torch.arange(35, dtype=torch.float32)
+        assert f.apply("b", flat) == [(0, 35)]
+        assert torch.equal(flat, torch.arange(35, dtype=torch.float32))
+        f.advance()
+    assert f.residual == {}
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "3", True])
 def test_interval_argument_checked(bad):
     with pytest.raises(ValueError):

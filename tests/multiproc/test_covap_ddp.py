@@ -1,0 +1,112 @@
+"""compression="covap" through hipress's DDP comm hook (hipress.ddp), two ranks over gloo: the
+hook equals COVAP's rule applied in one process to DDP's buckets, a checkpointed hook state
+resumes bit for bit (COVAP around TBQ), and the profiler gives every rank the same interval."""
+import os
+import sys
+
+import pytest
+import torch
+
+from hipress.launch import run
+from hipress.torch import covap
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import covap_ddp_worker as W  # noqa: E402
+from ddp_hook_worker import batch, make_model  # noqa: E402
+
+NP = 2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("covap_ddp")
+    code, logs = run([sys.executable, os.path.join(HERE, "covap_ddp_worker.py"), str(d)], NP, timeout=240,
+                     quiet=True)
+    assert code == 0, "\n".join(logs)[-4000:]
+    return [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(NP)]
+
+
+def replica(buckets, interval, whole_steps, steps):
+    """COVAP by hand over the hook's buckets: the average of the ranks' gradients (every rank
+    selects the same units and the filter is linear), synced whole for the first
+    ``whole_steps`` steps (DDP's buckets settling), then filtered; then momentum SGD."""
+    model = make_model()
+    named = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    filt = covap.Filter({name: sum(named[n].numel() for n in members) for name, members in buckets}, interval)
+    for step in range(steps):
+        grads = []
+        for r in range(NP):
+            x, y = batch(r, step)
+            model.zero_grad(set_to_none=True)
+            ((model(x) - y) ** 2).mean().backward()
+            grads.append({n: p.grad.clone() for n, p in named.items()})
+        avg = {n: sum(g[n] for g in grads) / NP for n in named}
+        if step >= whole_steps:
+            for name, members in buckets:
+                flat = torch.cat([avg[n].reshape(-1) for n in members])
+                filt.apply(name, flat)
+                off = 0
+                for n in members:
+                    k = named[n].numel()
+                    avg[n] = flat[off:off + k].view_as(named[n])
+                    off += k
+            filt.advance()
+        for n, p in named.items():
+            p.grad = avg[n].clone()
+        opt.step()
+    return {n: p.detach() for n, p in named.items()}, filt
+
+
+def test_hook_equals_the_rule(results):
+    got = results[0]["fixed"]
+    buckets = [(name, [n.removeprefix("module.") for n in members]) for name, members in got["buckets"]]
+    # DDP's first step has one bucket of all, then one per parameter: the filter starts once
+    # two steps show the same buckets
+    assert len(got["buckets"]) == 4
+    assert got["filtered_steps"] == W.STEPS - 3
+    want, filt = replica(buckets, 2, W.STEPS - got["filtered_steps"], W.STEPS)
+    assert filt.units == got["units"]
+    assert sum(len(u) for u in filt.units.values()) > len(filt.units), "no bucket was sharded"
+    for r in range(NP):
+        for n in want:
+            torch.testing.assert_close(results[r]["fixed"]["params"][n], want[n], rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {r} {n}")
+    plain, _ = replica(buckets, 1, 0, W.STEPS)
+    assert any(not torch.allclose(plain[n], want[n], atol=1e-4) for n in want), "the filter changed nothing"
+
+
+def test_resume_is_bit_identical(results):
+    for r in range(NP):
+        res = results[r]["resume"]
+        ck = res["checkpoint"]["covap"]
+        assert ck["run"]["filter"]["step"] > 0 and ck["run"]["filter"]["residual"], "checkpoint before the filter ran"
+        assert any("/u" in k for k in res["checkpoint"]["compressor_state"]), "no per-unit TBQ state"
+        for n, v in res["whole"].items():
+            assert torch.equal(v, res["resumed"][n]), f"rank {r} {n}: resume not bit-identical"
+
+
+def test_profiler_agrees_across_ranks(results):
+    res = [results[r]["auto"] for r in range(NP)]
+    for a in res:
+        # steps 0-1: DDP's buckets settle; the profiler then warms up one step and times two
+        assert a["before"] is None
+        p = a["after"]
+        assert p is not None and p.t_comp > 0 and p.t_comm > 0
+        assert p.interval == min(covap.interval_from_ccr(p.ccr), covap.MAX_INTERVAL)
+        assert a["state"]["run"]["filter"]["interval"] == p.interval
+    assert res[0]["after"] == res[1]["after"], "ranks computed different profiles"
+    for n in res[0]["params"]:
+        assert torch.equal(res[0]["params"][n], res[1]["params"][n])
+
+
+def test_bad_options():
+    import hipress.ddp
+
+    with pytest.raises(ValueError, match="interval"):
+        hipress.ddp.HookState("covap", interval=0)
+    with pytest.raises(ValueError, match="single-round"):
+        hipress.ddp.HookState("covap", inner="powersgd")
+    with pytest.raises(ValueError, match="no COVAP state"):
+        hipress.ddp.HookState("covap", interval=2).load_state_dict({"compressor_state": {}})
