@@ -153,6 +153,22 @@ def test_dgc_stateful_matches_reference_with_warmup(n, threads):
         assert [sizes[s] for s, _ in stages] == [H + 8 * ref.count_for(d, n) for _, d in stages]
 
 
+def test_dgc_default_warmup_stages_last_four_times_their_delay():
+    """The default warm-up (docs/convergence.md, cause 9): 25% for 16 steps, 6.25% for 64, 1.56%
+    for 256, 0.39% for 1024, then the ratio 0.1%: each stage lasts 4 / density steps."""
+    n = 20000
+    c = C.DGC()
+    st = c.new_state(n)
+    expect = {0: 0.25, 15: 0.25, 16: 0.0625, 79: 0.0625, 80: 0.015625, 335: 0.015625, 336: 0.00390625,
+              1359: 0.00390625, 1360: 0.001, 1361: 0.001}
+    g = grad(n, 5)
+    for step in range(1362):
+        p = c.encode(g, st)
+        if step in expect:
+            assert p.numel() == H + 8 * ref.count_for(expect[step], n), f"step {step}"
+    assert c.max_encoded_bytes(n) == H + 8 * ref.count_for(0.25, n)
+
+
 def test_dgc_momentum_masking_and_accumulation():
     n = 10000
     c = C.DGC(ratio=0.01)
