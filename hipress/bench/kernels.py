@@ -66,8 +66,9 @@ def configs():
         ("tbq", lambda: C.TBQ(0.01), lambda x: ref.tbq_encode(x, 0.01), ref.tbq_decode),
         ("terngrad-2bit", lambda: C.TernGrad(2), lambda x: ref.terngrad_encode(x, 2), ref.terngrad_decode),
         ("terngrad-8bit", lambda: C.TernGrad(8), lambda x: ref.terngrad_encode(x, 8), ref.terngrad_decode),
-        ("dgc-0.1%", lambda: C.DGC(ratio=0.001), None, ref.sparse_decode),
-        ("dgc-1%", lambda: C.DGC(ratio=0.01), None, ref.sparse_decode),
+        # warmup_steps=0: the steady-state density the label names (the default warm-up starts at 25%)
+        ("dgc-0.1%", lambda: C.DGC(ratio=0.001, warmup_steps=0), None, ref.sparse_decode),
+        ("dgc-1%", lambda: C.DGC(ratio=0.01, warmup_steps=0), None, ref.sparse_decode),
         ("graddrop-1%", lambda: C.GradDrop(ratio=0.01), lambda x: ref.graddrop_encode(x, 0.01), ref.sparse_decode),
         ("graddrop-0.1%", lambda: C.GradDrop(ratio=0.001), lambda x: ref.graddrop_encode(x, 0.001),
          ref.sparse_decode),
@@ -346,7 +347,7 @@ def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int) -> Di
             rref = {}
             if label.startswith("dgc"):
                 ratio = 0.001 if label == "dgc-0.1%" else 0.01
-                r = ref.DGCReference(n, ratio=ratio)
+                r = ref.DGCReference(n, ratio=ratio, warmup_steps=0)
                 ref_enc = r.encode
             if label == "signum":
                 ref_enc = ref.SignumReference(n).encode
@@ -400,7 +401,7 @@ def markdown(results: Dict) -> str:
 
 
 GENERATED = [("onebit", "onebit", {}), ("tbq", "tbq", {"threshold": 0.01}), ("terngrad-2bit", "terngrad", {"bitwidth": 2}),
-             ("terngrad-8bit", "terngrad", {"bitwidth": 8}), ("dgc-0.1%", "dgc", {"ratio": 0.001}),
+             ("terngrad-8bit", "terngrad", {"bitwidth": 8}), ("dgc-0.1%", "dgc", {"ratio": 0.001, "warmup_steps": 0}),
              ("graddrop-1%", "graddrop", {"ratio": 0.01}), ("powersgd-r4", "powersgd", {"rank": 4})]
 
 

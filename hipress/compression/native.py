@@ -117,18 +117,23 @@ class TernGrad(NativeCompressor):
 
 class DGC(NativeCompressor):
     """Deep gradient compression (Lin 2018): local accumulation, sampled-threshold exact
-    top-k, warm-up density schedule; with ``momentum`` > 0, the paper's momentum correction
-    inside the compressor with momentum factor masking (use it with an optimizer without
-    momentum). The default, momentum 0, leaves momentum correction to
+    top-k, the paper's warm-up of the density (25%, 6.25%, 1.56%, 0.39%, then ``ratio``) over
+    ``warmup_steps`` steps (0: none), each stage lasting four times its mean delay 1 / density
+    by default (16, 64, 256 and 1024 steps: docs/convergence.md, cause 9); with ``momentum`` > 0,
+    the paper's momentum correction inside the compressor with momentum factor masking (the
+    optimizer's momentum correction then applies no velocity of its own,
+    ``momentum_in_compressor``). The default, momentum 0, leaves momentum correction to
     ``hipress.DistributedOptimizer`` (momentum_correction="auto"), which applies it to every
     algorithm; the accumulation is then error feedback."""
 
     def __init__(self, ratio: float = 0.001, momentum: float = 0.0, sample_ratio: float = 0.01,
-                 warmup_steps: int = 0, seed: int = 0):
+                 warmup_steps: int = 1360, seed: int = 0):
         super().__init__("dgc", ratio=ratio, momentum=momentum, sample_ratio=sample_ratio,
                          warmup_steps=warmup_steps, seed=seed)
         self._args = dict(ratio=ratio, sample_ratio=sample_ratio, warmup_steps=warmup_steps, seed=seed)
         self.momentum = float(momentum)
+        # with its own momentum, the optimizer must not apply a velocity too (a velocity of a velocity)
+        self.momentum_in_compressor = self.momentum > 0
 
     def _merged_compressor(self) -> Compressor:
         # Momentum belongs to the local gradient only: a merged sum already carries it, so

@@ -290,10 +290,17 @@ def graddrop_encode(g: np.ndarray, ratio: float = 0.01, sample_ratio: float = 0.
     return sparse_payload("graddrop", n, idx, g[idx], float(thr))
 
 
+def dgc_warmup_stage(step: int, warmup_steps: int) -> int:
+    """DGC's warm-up stage (0..3, density 0.25^(stage+1)) at ``step`` < ``warmup_steps``: stage
+    i lasts warmup_steps * 4^(i+1) / 340 steps, so it ends after warmup_steps * (4^(i+2) - 4) / 1020."""
+    t, w = 1020.0 * step, float(warmup_steps)
+    return 0 if t < 12.0 * w else 1 if t < 60.0 * w else 2 if t < 252.0 * w else 3
+
+
 class DGCReference:
     """DGC with its own state (momentum u, accumulation v, step)."""
 
-    def __init__(self, n: int, ratio=0.001, momentum=0.0, warmup_steps=0):
+    def __init__(self, n: int, ratio=0.001, momentum=0.0, warmup_steps=1360):
         self.ratio, self.momentum, self.warmup = ratio, np.float32(momentum), warmup_steps
         self.u = np.zeros(n, np.float32)
         self.v = np.zeros(n, np.float32)
@@ -302,8 +309,7 @@ class DGCReference:
     def density(self, step: int) -> float:
         if self.warmup == 0 or step >= self.warmup:
             return self.ratio
-        stage = step * 4 // self.warmup
-        return max(self.ratio, 0.25 ** (stage + 1))
+        return max(self.ratio, 0.25 ** (dgc_warmup_stage(step, self.warmup) + 1))
 
     def encode(self, g: np.ndarray) -> bytes:
         g = np.asarray(g, dtype=np.float32).reshape(-1)

@@ -133,11 +133,11 @@ def test_dgc_stateless_is_exact_topk(n, dtype, threads):
 
 @pytest.mark.parametrize("n", [1, 1000, 65537, 200003])
 def test_dgc_stateful_matches_reference_with_warmup(n, threads):
-    c = C.DGC(ratio=0.001, momentum=0.9, warmup_steps=8)
+    c = C.DGC(ratio=0.001, momentum=0.9, warmup_steps=34)
     st = c.new_state(n)
-    r = ref.DGCReference(n, ratio=0.001, momentum=0.9, warmup_steps=8)
+    r = ref.DGCReference(n, ratio=0.001, momentum=0.9, warmup_steps=34)
     sizes = []
-    for step in range(10):
+    for step in range(36):
         g = grad(n, 100 + step)
         p = c.encode(g, st)
         assert pbytes(p) == r.encode(as_np(g)), f"step {step}"
@@ -145,11 +145,28 @@ def test_dgc_stateful_matches_reference_with_warmup(n, threads):
         np.testing.assert_array_equal(st.buffers["accum"].numpy(), r.v)
         sizes.append(p.numel())
         assert p.numel() <= c.max_encoded_bytes(n)
-    assert st.step == 10
-    if n > 1000:  # the warm-up schedule: 25%, 6.25%, 1.56%, 0.4% then 0.1%
-        assert sizes[0] == H + 8 * ref.count_for(0.25, n)
-        assert sizes[0] > sizes[2] > sizes[4] > sizes[6] > sizes[9]
-        assert sizes[9] == H + 8 * ref.count_for(0.001, n)
+    assert st.step == 36
+    if n > 1000:  # the warm-up schedule: 25%, 6.25%, 1.56%, 0.4% then 0.1%, the stages in the ratio
+        # 4 : 16 : 64 : 256 of the 34 warm-up steps (0.4, 1.6, 6.4, 25.6 steps: ending at 1, 2, 9, 34)
+        stages = [(0, 0.25), (1, 0.0625), (2, 0.015625), (8, 0.015625), (9, 0.00390625), (33, 0.00390625),
+                  (34, 0.001), (35, 0.001)]
+        assert [sizes[s] for s, _ in stages] == [H + 8 * ref.count_for(d, n) for _, d in stages]
+
+
+def test_dgc_default_warmup_stages_last_four_times_their_delay():
+    """The default warm-up (docs/convergence.md, cause 9): 25% for 16 steps, 6.25% for 64, 1.56%
+    for 256, 0.39% for 1024, then the ratio 0.1%: each stage lasts 4 / density steps."""
+    n = 20000
+    c = C.DGC()
+    st = c.new_state(n)
+    expect = {0: 0.25, 15: 0.25, 16: 0.0625, 79: 0.0625, 80: 0.015625, 335: 0.015625, 336: 0.00390625,
+              1359: 0.00390625, 1360: 0.001, 1361: 0.001}
+    g = grad(n, 5)
+    for step in range(1362):
+        p = c.encode(g, st)
+        if step in expect:
+            assert p.numel() == H + 8 * ref.count_for(expect[step], n), f"step {step}"
+    assert c.max_encoded_bytes(n) == H + 8 * ref.count_for(0.25, n)
 
 
 def test_dgc_momentum_masking_and_accumulation():
@@ -163,6 +180,24 @@ def test_dgc_momentum_masking_and_accumulation():
     # what was not sent is kept: accum + sent == g (first step: u = g, v = g)
     dense = ref.sparse_decode(pbytes(p), n)
     np.testing.assert_array_equal(st.buffers["accum"].numpy() + dense, g.numpy())
+
+
+def test_dgc_own_momentum_is_not_applied_twice():
+    """DGC with its own momentum (the paper's in-compressor form, with factor masking) takes the
+    optimizer's momentum correction's place: no velocity of hipress's on top (a velocity of a
+    velocity); with momentum 0 (the default) the optimizer's velocity is what DGC accumulates."""
+    from hipress.torch import momentum
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    for comp, velocity in ((C.get("dgc", momentum=0.9), False), (C.get("dgc"), True)):
+        assert momentum.resolve("auto", opt, comp)
+        assert momentum.in_compressor(comp) is (not velocity)
+        mc = momentum.MomentumCorrection(opt, {id(p): "p"}, velocity=not momentum.in_compressor(comp))
+        for _ in range(2):
+            g = torch.full((3,), 0.5)
+            mc.apply(p, g)
+        torch.testing.assert_close(g, torch.full((3,), 0.5 * 1.9 if velocity else 0.5))
+    assert C.get("dgc", momentum=0.9).merged.momentum == 0  # merged sums are re-selected without momentum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
