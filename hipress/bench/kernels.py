@@ -3,6 +3,11 @@
     python -m hipress.bench.kernels [--sizes 1,16,256] [--quick] [--threads 1,all]
                                     [--out results/kernels.json] [--reference-max-mb 16]
     python -m hipress.bench.kernels --generated [--sizes 1,16] [--threads 1]
+    python -m hipress.bench.kernels --sizes 16,64 --threads 1 --runs 3 --check
+
+--check fails (exit status 1) when a kernel's encode throughput, as a fraction of the memcpy
+bandwidth measured in the same run (one thread, median over --runs), is below its floor in
+FLOORS; the JSON's "check" field holds the floors, the measured ratios and the failures either way.
 
 --generated compares the kernels generated from the DSL specs in
 hipress/dsl/specs/ (hipress.compll) with the hand-written ones, same input,
@@ -32,6 +37,10 @@ from hipress import compression as C
 from hipress.compression import reference as ref
 
 MB = 1 << 20
+
+# Regression floors: encode GB/s at one thread as a fraction of the same run's memcpy GB/s, at every
+# size measured (issue 21: onebit, TernGrad and PowerSGD encode >= 25% of copy bandwidth on one core).
+FLOORS = {"onebit": 0.25, "terngrad-2bit": 0.25, "powersgd-r4": 0.25}
 
 
 def best_time(fn: Callable[[], object], repeat: int, min_time: float = 0.2) -> float:
@@ -365,6 +374,54 @@ def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int) -> Di
     return res
 
 
+def add_ratios(size: Dict) -> None:
+    """encode/decode GB/s over the same run's memcpy GB/s, on every thread row of one size's results."""
+    cp = size["memcpy_gbs"]
+    for row in size["algorithms"].values():
+        for key, r in row.items():
+            if key.startswith("threads="):
+                r["encode_ratio_to_copy"] = r["encode_gbs"] / cp
+                r["decode_ratio_to_copy"] = r["decode_gbs"] / cp
+
+
+def median_of_runs(runs: List[Dict]) -> Dict:
+    """One size's results from several runs: every figure the median over the runs (ratios to copy are
+    medians of each run's own ratio, so a run's memcpy is only ever compared with that run's kernels)."""
+    first = runs[0]
+    med = lambda vals: float(np.median(vals))  # noqa: E731
+    out = {"bytes": first["bytes"], "numel": first["numel"], "runs": len(runs),
+           "memcpy_gbs": med([r["memcpy_gbs"] for r in runs]), "algorithms": {}}
+    for label, row in first["algorithms"].items():
+        merged = {}
+        for key, fields in row.items():
+            merged[key] = {f: (med([r["algorithms"][label][key][f] for r in runs])
+                               if isinstance(v, float) else v) for f, v in fields.items()}
+        out["algorithms"][label] = merged
+    return out
+
+
+def check_floors(results: Dict, floors: Dict[str, float] = FLOORS) -> Dict:
+    """Compares each floored kernel's one-thread encode ratio to copy, at every size in results, with its
+    floor. Returns {"floors", "measured": {label: {MB: ratio}}, "failures": [text], "passed"}; a floored
+    kernel missing from the results (or measured without one thread) is a failure, not a pass."""
+    measured: Dict[str, Dict[str, float]] = {label: {} for label in floors}
+    failures = []
+    if not results.get("sizes"):
+        failures.append("no sizes measured")
+    for size in results.get("sizes", []):
+        mb = f"{size['bytes'] / MB:g}"
+        for label, floor in floors.items():
+            row = size["algorithms"].get(label, {}).get("threads=1")
+            if row is None:
+                failures.append(f"{label} at {mb} MB: not measured at threads=1")
+                continue
+            ratio = row["encode_ratio_to_copy"]
+            measured[label][mb] = ratio
+            if not ratio >= floor:
+                failures.append(f"{label} encode at {mb} MB: {100 * ratio:.1f}% of copy, floor {100 * floor:.0f}%")
+    return {"floors": dict(floors), "measured": measured, "failures": failures, "passed": not failures}
+
+
 def markdown(results: Dict) -> str:
     lines = []
     for size in results["sizes"]:
@@ -384,7 +441,7 @@ def markdown(results: Dict) -> str:
             s = f"| {label} | {t1['payload_bytes']} |"
             for k in tkeys:
                 s += f" {row[k]['encode_gbs']:.2f} | {row[k]['decode_gbs']:.2f} | {row[k]['decode_add_gbs']:.2f} |"
-            s += f" {100 * t1['encode_gbs'] / cp:.0f}% | {100 * t1['decode_gbs'] / cp:.0f}% |"
+            s += f" {100 * t1['encode_ratio_to_copy']:.0f}% | {100 * t1['decode_ratio_to_copy']:.0f}% |"
             r = row.get("reference")
             if r:
                 s += (f" {r['encode_gbs']:.3f} | {r['decode_gbs']:.3f} | {t1['encode_gbs'] / r['encode_gbs']:.0f}x |"
@@ -454,14 +511,24 @@ def main(argv=None):
     ap.add_argument("--out", default="results/kernels.json")
     ap.add_argument("--reference-max-mb", type=float, default=16, help="run the numpy reference up to this size")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=1,
+                    help="measure every size this many times and report the medians (ratios to copy included)")
+    ap.add_argument("--check", action="store_true",
+                    help="exit with status 1 when a kernel's encode ratio to copy is below its floor (FLOORS)")
     ap.add_argument("--generated", action="store_true",
                     help="compare the DSL-generated kernels (hipress/dsl/specs) with the hand-written ones")
     a = ap.parse_args(argv)
+    if a.runs < 1:
+        raise ValueError(f"--runs must be >= 1, got {a.runs}")
     sizes = [float(s) for s in a.sizes.split(",") if s]
     if a.quick:
         sizes = [s for s in sizes if s <= 16]
     ncpu = os.cpu_count() or 1
     threads = sorted({ncpu if t.strip() == "all" else int(t) for t in a.threads.split(",")})
+    if a.check and a.generated:
+        raise ValueError("--check applies to the kernel table, not to --generated")
+    if a.check and 1 not in threads:
+        raise ValueError(f"--check needs one-thread figures: include 1 in --threads (got {a.threads!r})")
     results = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": ncpu,
                            "torch": torch.__version__}, "threads": threads, "sizes": []}
     if a.generated:
@@ -473,13 +540,25 @@ def main(argv=None):
         print(markdown_generated(results["generated"]))
         return results
     for s in sizes:
-        results["sizes"].append(bench_size(int(s * MB), threads, int(a.reference_max_mb * MB), a.repeat))
+        runs = []
+        for _ in range(a.runs):
+            size = bench_size(int(s * MB), threads, int(a.reference_max_mb * MB), a.repeat)
+            add_ratios(size)
+            runs.append(size)
+        results["sizes"].append(median_of_runs(runs))
     C.set_num_threads(1)
+    if 1 in threads:
+        results["check"] = check_floors(results)
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
     print(markdown(results))
+    if "check" in results:
+        chk = results["check"]
+        print("\ncheck: " + ("passed" if chk["passed"] else "FAILED: " + "; ".join(chk["failures"])))
+    if a.check and not results["check"]["passed"]:
+        raise SystemExit(1)
     return results
 
 
