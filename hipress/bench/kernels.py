@@ -4,6 +4,7 @@
                                     [--out results/kernels.json] [--reference-max-mb 16]
     python -m hipress.bench.kernels --generated [--sizes 1,16] [--threads 1]
     python -m hipress.bench.kernels --sizes 16,64 --threads 1 --runs 3 --check
+    python -m hipress.bench.kernels --sizes 16,64 --threads 1 --runs 3 --check --only floored
 
 --check fails (exit status 1) when a kernel's encode throughput, as a fraction of the memcpy
 bandwidth measured in the same run (one thread, median over --runs), is below its floor in
@@ -314,7 +315,7 @@ def matrix_shape(n: int):
     return (rows, n // rows)
 
 
-def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int) -> Dict:
+def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int, only=None) -> Dict:
     n = nbytes // 4
     x = torch.from_numpy(np.random.default_rng(0).standard_normal(n).astype(np.float32) * 0.01)
     xn = x.numpy()
@@ -323,6 +324,8 @@ def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int) -> Di
     copy_s = best_time(lambda: np.copyto(dst, xn), repeat)
     res = {"bytes": nbytes, "numel": n, "memcpy_gbs": nbytes / copy_s / 1e9, "algorithms": {}}
     for label, make, ref_enc, ref_dec in configs():
+        if only is not None and label not in only:
+            continue
         c = make()
         row = {}
         for t in threads:
@@ -515,6 +518,8 @@ def main(argv=None):
                     help="measure every size this many times and report the medians (ratios to copy included)")
     ap.add_argument("--check", action="store_true",
                     help="exit with status 1 when a kernel's encode ratio to copy is below its floor (FLOORS)")
+    ap.add_argument("--only", default="",
+                    help="comma-separated kernel labels to measure ('floored' = those in FLOORS); default all")
     ap.add_argument("--generated", action="store_true",
                     help="compare the DSL-generated kernels (hipress/dsl/specs) with the hand-written ones")
     a = ap.parse_args(argv)
@@ -525,6 +530,12 @@ def main(argv=None):
         sizes = [s for s in sizes if s <= 16]
     ncpu = os.cpu_count() or 1
     threads = sorted({ncpu if t.strip() == "all" else int(t) for t in a.threads.split(",")})
+    only = None
+    if a.only:
+        only = set(FLOORS) if a.only.strip() == "floored" else {x.strip() for x in a.only.split(",") if x.strip()}
+        unknown = only - {c[0] for c in configs()}
+        if unknown:
+            raise ValueError(f"--only: unknown kernel label(s) {sorted(unknown)}")
     if a.check and a.generated:
         raise ValueError("--check applies to the kernel table, not to --generated")
     if a.check and 1 not in threads:
@@ -542,7 +553,7 @@ def main(argv=None):
     for s in sizes:
         runs = []
         for _ in range(a.runs):
-            size = bench_size(int(s * MB), threads, int(a.reference_max_mb * MB), a.repeat)
+            size = bench_size(int(s * MB), threads, int(a.reference_max_mb * MB), a.repeat, only)
             add_ratios(size)
             runs.append(size)
         results["sizes"].append(median_of_runs(runs))

@@ -74,8 +74,8 @@ def test_median_of_runs_takes_each_runs_own_ratio():
 def fake_bench(encode_gbs):
     calls = []
 
-    def bench_size(nbytes, threads, ref_max, repeat):
-        calls.append(nbytes)
+    def bench_size(nbytes, threads, ref_max, repeat, only=None):
+        calls.append((nbytes, only))
         return size_result(nbytes / MB, 20.0, encode_gbs)
     return bench_size, calls
 
@@ -92,7 +92,8 @@ def test_cli_check_exit_status_and_json(monkeypatch, tmp_path, onebit_gbs, exit_
         with pytest.raises(SystemExit) as e:
             K.main(argv)
         assert e.value.code == exit_code
-    assert len(calls) == 6  # 2 sizes x 3 runs
+    assert [c[0] for c in calls] == [16 * MB] * 3 + [64 * MB] * 3  # 2 sizes x 3 runs
+    assert all(c[1] is None for c in calls)
     saved = json.loads(out.read_text())
     assert saved["check"]["passed"] is (exit_code is None)
     assert saved["sizes"][1]["algorithms"]["onebit"]["threads=1"]["encode_ratio_to_copy"] == pytest.approx(onebit_gbs / 20)
@@ -105,3 +106,12 @@ def test_cli_rejects_bad_runs_and_check_without_one_thread(monkeypatch, tmp_path
         K.main(["--runs", "0", "--out", ""])
     with pytest.raises(ValueError, match="threads"):
         K.main(["--sizes", "1", "--threads", "2", "--check", "--out", str(tmp_path / "k.json")])
+
+
+def test_cli_only_floored_passes_the_floored_labels_and_rejects_unknown(monkeypatch, tmp_path):
+    bench_size, calls = fake_bench({"onebit": 10.0, "terngrad-2bit": 8.0, "powersgd-r4": 6.0})
+    monkeypatch.setattr(K, "bench_size", bench_size)
+    K.main(["--sizes", "16", "--threads", "1", "--only", "floored", "--check", "--out", str(tmp_path / "k.json")])
+    assert calls and all(c[1] == set(K.FLOORS) for c in calls)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        K.main(["--sizes", "16", "--threads", "1", "--only", "onebit,nosuch", "--out", ""])
