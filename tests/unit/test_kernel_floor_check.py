@@ -115,3 +115,19 @@ def test_cli_only_floored_passes_the_floored_labels_and_rejects_unknown(monkeypa
     assert calls and all(c[1] == set(K.FLOORS) for c in calls)
     with pytest.raises(ValueError, match="unknown kernel"):
         K.main(["--sizes", "16", "--threads", "1", "--only", "onebit,nosuch", "--out", ""])
+
+
+def test_cpu_time_needs_one_thread_and_is_recorded_then_restored(monkeypatch, tmp_path):
+    seen = []
+
+    def bench_size(nbytes, threads, ref_max, repeat, only=None):
+        seen.append(K._clock)
+        return size_result(nbytes / MB, 20.0, {"onebit": 10.0, "terngrad-2bit": 8.0, "powersgd-r4": 6.0})
+    monkeypatch.setattr(K, "bench_size", bench_size)
+    out = tmp_path / "k.json"
+    K.main(["--sizes", "16", "--threads", "1", "--cpu-time", "--out", str(out)])
+    assert seen == [K.time.thread_time]
+    assert json.loads(out.read_text())["clock"] == "thread_cpu"
+    assert K._clock is K.time.perf_counter
+    with pytest.raises(ValueError, match="--cpu-time"):
+        K.main(["--sizes", "16", "--threads", "1,2", "--cpu-time", "--out", ""])
