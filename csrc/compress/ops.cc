@@ -29,6 +29,38 @@ inline uint32_t float_bits(float v) {
   return b;
 }
 
+// The target's native float vector (GCC vector types: SSE2, AVX or AVX-512 registers), for loops whose
+// lane-by-lane arithmetic is written once for every target.
+#if defined(__AVX512F__)
+constexpr size_t kVecFloats = 16;
+#elif defined(__AVX__)
+constexpr size_t kVecFloats = 8;
+#else
+constexpr size_t kVecFloats = 4;
+#endif
+typedef float vfloat __attribute__((vector_size(kVecFloats * sizeof(float))));
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+typedef int32_t vint __attribute__((vector_size(kVecFloats * sizeof(int32_t))));
+// floor(x) on every lane with adds and selects only (the DSL prelude's hp::vfloor, checked there against
+// std::floor over all 2^32 floats): without SSE4.1, floorf is a library call per element.
+inline vfloat vfloor(vfloat x) {
+  const vint xb = reinterpret_cast<vint>(x);
+  const vint sign = xb & static_cast<int32_t>(0x80000000u);
+  const vint big_bits = sign - sign + 0x4b000000;  // 2^23
+  const vfloat big = reinterpret_cast<vfloat>(big_bits);
+  const vfloat m = reinterpret_cast<vfloat>(sign | big_bits);  // copysign(2^23, x)
+  const vfloat t = (x + m) - m;                                // x rounded to an integer (|x| < 2^23)
+  const vfloat r = t > x ? t - 1.0f : t;
+  const vfloat signed_r = reinterpret_cast<vfloat>((reinterpret_cast<vint>(r) & 0x7fffffff) | sign);
+  const vfloat ax = reinterpret_cast<vfloat>(xb & 0x7fffffff);
+  return ax < big ? signed_r : x;  // |x| >= 2^23 is an integer already (NaN: returned as is)
+}
+
 // spread8[b]: bit k of b moved to bit 2k (for interleaving two 1-bit masks into 2-bit codes).
 struct Spread8 {
   uint16_t v[256];
@@ -87,6 +119,26 @@ inline void fill_uniform(uint32_t lo, uint32_t k0, uint32_t k1, float* u, size_t
 #if defined(__AVX512F__)
   const Uniform16 rng(k0, k1);
   for (; j + 16 <= len; j += 16) _mm512_storeu_ps(u + j, rng.at(lo + static_cast<uint32_t>(j)));
+#else
+  {
+    // rng.h's stream on GCC vector types (the target's width), lane by lane the scalar arithmetic
+    typedef uint32_t vu32 __attribute__((vector_size(kVecFloats * sizeof(uint32_t))));
+    constexpr size_t V = kVecFloats;
+    vu32 iota;
+    for (size_t l = 0; l < V; ++l) iota[l] = static_cast<uint32_t>(l);
+    auto mix = [](vu32 x) {
+      x ^= x >> 16;
+      x *= 0x7feb352dU;
+      x ^= x >> 15;
+      x *= 0x846ca68bU;
+      return x ^ (x >> 16);
+    };
+    for (; j + V <= len; j += V) {
+      const vu32 h = mix(mix((lo + static_cast<uint32_t>(j) + iota) ^ k0) ^ k1);
+      const vfloat f = __builtin_convertvector(reinterpret_cast<vint>(h >> 8), vfloat) * (1.0f / 16777216.0f);
+      vstore(u + j, f);
+    }
+  }
 #endif
   for (; j < len; ++j) u[j] = u32_to_unit(mix32(mix32((lo + static_cast<uint32_t>(j)) ^ k0) ^ k1));
 }
@@ -203,6 +255,35 @@ SignSums reduce_sign_sums(const float* in, size_t n) {
       for (int l = 0; l < 8; ++l) ps[l] += t[l];
       _mm512_store_pd(t, _mm512_add_pd(n0, n1));
       for (int l = 0; l < 8; ++l) ns[l] += t[l];
+    }
+#else
+    {
+      // The same 16 lanes and order as the AVX-512 path, with GCC vector types and masks (no branch per
+      // element: a sign is a coin flip to the branch predictor). An element adds +0.0 to the other
+      // sign's lane, which leaves that (never -0.0) sum as it is. Lane l of the AVX-512 path's p0 (p1)
+      // sums the elements i + l (i + 8 + l); here quarter q of the 16 (4 elements, one 4-double vector)
+      // goes to accumulator q, so lane l's total is acc[l / 4] + acc[2 + l / 4].
+      typedef float vf4 __attribute__((vector_size(16), aligned(4)));
+      typedef int32_t vi4 __attribute__((vector_size(16)));
+      typedef double vd4 __attribute__((vector_size(32)));
+      typedef int64_t vl4 __attribute__((vector_size(32)));
+      vd4 pa[4] = {}, na[4] = {};
+      vi4 cnt = {};
+      for (; i + 16 <= e; i += 16)
+        for (int q = 0; q < 4; ++q) {
+          const vf4 v = *reinterpret_cast<const vf4*>(in + i + 4 * q);
+          const vi4 m = reinterpret_cast<vi4>(v) >> 31;  // -1: negative
+          const vl4 w = __builtin_convertvector(m, vl4);
+          const vl4 d = reinterpret_cast<vl4>(__builtin_convertvector(v, vd4));
+          na[q] += reinterpret_cast<vd4>(d & w);
+          pa[q] += reinterpret_cast<vd4>(d & ~w);
+          cnt -= m;
+        }
+      for (int l = 0; l < 8; ++l) {
+        ps[l] += pa[l / 4][l % 4] + pa[2 + l / 4][l % 4];
+        ns[l] += na[l / 4][l % 4] + na[2 + l / 4][l % 4];
+      }
+      for (int l = 0; l < 4; ++l) negc += static_cast<uint64_t>(cnt[l]);
     }
 #endif
     for (; i + L <= e; i += L)
@@ -488,6 +569,25 @@ void quantize_stochastic(const float* in, size_t n, float lo, float inv_gap, int
         }
         (void)unit;
       }
+#else
+      {
+        // The same operations on whole vectors (GCC vector types): floor without a library call, the
+        // clamps as selects (NaN -> 0, as max(f, 0) above).
+        constexpr size_t V = kVecFloats;
+        for (; j0 + V <= len; j0 += V) {
+          vfloat r = (vload(x + j0) - lo) * inv_gap;
+          r = r + vload(u + j0);
+          vfloat f = vfloor(r);
+          f = f > 0.0f ? f : 0.0f;
+          f = f < maxq ? f : maxq;
+          // byte 0 of every int32 lane (the codes are < 256), gathered by one byte shuffle
+          typedef uint8_t vb4 __attribute__((vector_size(4 * V)));
+          vb4 pick;
+          for (size_t l = 0; l < 4 * V; ++l) pick[l] = static_cast<uint8_t>(l < V ? 4 * l : 0);
+          const vb4 q = __builtin_shuffle(reinterpret_cast<vb4>(__builtin_convertvector(f, vint)), pick);
+          std::memcpy(codes + j0, &q, V);
+        }
+      }
 #endif
       for (size_t j = j0; j < len; ++j) {
         float r = (x[j] - lo) * inv_gap;
@@ -750,74 +850,154 @@ void scatter(const uint32_t* idx, const float* val, size_t k, float alpha, bool 
 }
 
 // ---- matmul / decomp --------------------------------------------------------
+// Every output keeps the summation order it always had (16 float lanes, then the lanes in order, then
+// the tail; matmul_tn and matmul_nt in row order), so the results are bit for bit those of the
+// one-output-at-a-time loops; what changed is that a pass over the big matrix serves several outputs at
+// once: kGroup independent accumulator chains instead of one latency-bound chain per output, one read
+// of a matrix row instead of r.
 namespace {
-inline float dot_lanes(const float* a, const float* b, size_t n) {
-  constexpr int L = 16;
-  float s[L] = {};
-  size_t i = 0;
-  for (; i + L <= n; i += L)
-    for (int l = 0; l < L; ++l) s[l] += a[i + l] * b[i + l];
-  float t = 0;
-  for (int l = 0; l < L; ++l) t += s[l];
-  for (; i < n; ++i) t += a[i] * b[i];
-  return t;
-}
+constexpr size_t kLanes = 16;
 constexpr size_t kRowGrain = 64;
+constexpr size_t kGroup = 4;  // outputs per pass: 4 chains of 16 lanes fit the registers of AVX2 and AVX-512
+
+// acc[g] += the 16-lane partial sums of dot(a, b[g]) over [0, len) (len a multiple of 16; lane l takes
+// the elements l mod 16).
+template <size_t G>
+inline void dot_lanes_block(const float* a, const float* const* b, size_t len, float (*acc)[kLanes]) {
+  constexpr size_t V = kVecFloats, P = kLanes / V;  // 16 lanes as P native vectors
+  vfloat s[G][P];
+  for (size_t g = 0; g < G; ++g)
+    for (size_t q = 0; q < P; ++q) s[g][q] = vload(acc[g] + q * V);
+  for (size_t i = 0; i < len; i += kLanes)
+    for (size_t q = 0; q < P; ++q) {
+      if (q == 0) __builtin_prefetch(a + i + 512);  // 2 KB ahead: the blocks break the row stream
+      const vfloat av = vload(a + i + q * V);
+      for (size_t g = 0; g < G; ++g) s[g][q] += av * vload(b[g] + i + q * V);
+    }
+  for (size_t g = 0; g < G; ++g)
+    for (size_t q = 0; q < P; ++q) vstore(acc[g] + q * V, s[g][q]);
+}
+// Row stride of a scratch matrix of `cols` floats: off a multiple of 4 KiB, so that rows updated
+// together do not falsely wait on each other's stores (4K aliasing).
+inline size_t padded_stride(size_t cols) { return (cols * sizeof(float)) % 4096 == 0 ? cols + 16 : cols; }
 }  // namespace
 
 void matmul_nn(const float* A, const float* B, float* C, size_t m, size_t k, size_t n) {
-  // B^T (n x k) so every output is a contiguous dot product.
+  // B^T (n x k) so every output is a contiguous dot product: 16 lane sums, the lanes added in order,
+  // then the tail. The dot products of a chunk of rows run over column blocks of kColBlock, so that the
+  // block of kGroup rows of B^T they read stays in L1 across the chunk's rows.
   std::vector<float> BT(n * k);
   for (size_t i = 0; i < k; ++i)
     for (size_t j = 0; j < n; ++j) BT[j * k + i] = B[i * n + j];
+  const size_t kfull = k / kLanes * kLanes;
+  constexpr size_t kColBlock = 512;
   parallel_range(m, kRowGrain, [&](size_t b, size_t e) {
-    for (size_t i = b; i < e; ++i)
-      for (size_t j = 0; j < n; ++j) C[i * n + j] = dot_lanes(A + i * k, BT.data() + j * k, k);
+    float acc[kRowGrain][kGroup][kLanes];
+    for (size_t j = 0; j < n; j += kGroup) {
+      const size_t G = std::min(kGroup, n - j);
+      std::memset(acc, 0, sizeof acc);
+      for (size_t cb = 0; cb < kfull; cb += kColBlock) {
+        const size_t len = std::min(kColBlock, kfull - cb);
+        const float* bt[kGroup];
+        for (size_t g = 0; g < G; ++g) bt[g] = BT.data() + (j + g) * k + cb;
+        for (size_t i = b; i < e; ++i) {
+          const float* a = A + i * k + cb;
+          switch (G) {
+            case 4: dot_lanes_block<4>(a, bt, len, acc[i - b]); break;
+            case 3: dot_lanes_block<3>(a, bt, len, acc[i - b]); break;
+            case 2: dot_lanes_block<2>(a, bt, len, acc[i - b]); break;
+            default: dot_lanes_block<1>(a, bt, len, acc[i - b]); break;
+          }
+        }
+      }
+      for (size_t i = b; i < e; ++i)
+        for (size_t g = 0; g < G; ++g) {
+          const float* a = A + i * k;
+          const float* bt = BT.data() + (j + g) * k;
+          float t = 0;
+          for (size_t l = 0; l < kLanes; ++l) t += acc[i - b][g][l];
+          for (size_t c = kfull; c < k; ++c) t += a[c] * bt[c];
+          C[i * n + j + g] = t;
+        }
+    }
   });
 }
 
 void matmul_tn(const float* A, const float* B, float* C, size_t m, size_t k, size_t n) {
-  // CT (n x k): CT[j, :] += B[i, j] * A[i, :]; threads own disjoint column ranges of A.
-  std::vector<float> CT(n * k, 0.0f);
-  const size_t cgrain = 4096;
+  // CT (n x k): CT[j, :] += B[i, j] * A[i, :] for i in order; threads own disjoint column tiles. Each
+  // A element read serves kGroup outputs, and the kGroup accumulators of a column vector stay in
+  // registers over kRowBlock rows of A (one load and store of CT per block instead of per row).
+  const size_t ld = padded_stride(k);
+  std::vector<float> CT(n * ld, 0.0f);
+  const size_t cgrain = 512;
+  constexpr size_t kRowBlock = 8;
   parallel_range(k, cgrain, [&](size_t cb, size_t ce) {
-    for (size_t i = 0; i < m; ++i) {
-      const float* a = A + i * k;
-      for (size_t j = 0; j < n; ++j) {
-        float bij = B[i * n + j];
-        float* ct = CT.data() + j * k;
-        for (size_t c = cb; c < ce; ++c) ct[c] += bij * a[c];
+    constexpr size_t V = kVecFloats;
+    const size_t w = ce - cb, wv = w / V * V;
+    size_t j = 0;
+    for (; j + kGroup <= n; j += kGroup) {
+      float* ct[kGroup];
+      for (size_t g = 0; g < kGroup; ++g) ct[g] = CT.data() + (j + g) * ld + cb;
+      for (size_t i0 = 0; i0 < m; i0 += kRowBlock) {
+        const size_t rows = std::min(kRowBlock, m - i0);
+        float bv[kRowBlock][kGroup];
+        for (size_t ii = 0; ii < rows; ++ii)
+          for (size_t g = 0; g < kGroup; ++g) bv[ii][g] = B[(i0 + ii) * n + j + g];
+        const float* a = A + i0 * k + cb;
+        size_t c = 0;
+        for (; c < wv; c += V) {
+          vfloat acc[kGroup];
+          for (size_t g = 0; g < kGroup; ++g) acc[g] = vload(ct[g] + c);
+          for (size_t ii = 0; ii < rows; ++ii) {
+            const vfloat av = vload(a + ii * k + c);
+            for (size_t g = 0; g < kGroup; ++g) acc[g] += bv[ii][g] * av;
+          }
+          for (size_t g = 0; g < kGroup; ++g) vstore(ct[g] + c, acc[g]);
+        }
+        for (; c < w; ++c)
+          for (size_t ii = 0; ii < rows; ++ii)
+            for (size_t g = 0; g < kGroup; ++g) ct[g][c] += bv[ii][g] * a[ii * k + c];
+      }
+    }
+    for (; j < n; ++j) {
+      float* ct = CT.data() + j * ld + cb;
+      for (size_t i = 0; i < m; ++i) {
+        const float* a = A + i * k + cb;
+        const float bij = B[i * n + j];
+        for (size_t c = 0; c < w; ++c) ct[c] += bij * a[c];
       }
     }
   });
   for (size_t c = 0; c < k; ++c)
-    for (size_t j = 0; j < n; ++j) C[c * n + j] = CT[j * k + c];
+    for (size_t j = 0; j < n; ++j) C[c * n + j] = CT[j * ld + c];
 }
 
 void matmul_nt(const float* A, const float* B, float* C, size_t m, size_t r, size_t n, float alpha, bool add) {
-  std::vector<float> BT(r * n);
+  const size_t ld = padded_stride(n);
+  std::vector<float> BT(r * ld);
   for (size_t c = 0; c < n; ++c)
-    for (size_t j = 0; j < r; ++j) BT[j * n + c] = B[c * r + j];
+    for (size_t j = 0; j < r; ++j) BT[j * ld + c] = B[c * r + j];
   parallel_range(m, kRowGrain, [&](size_t b, size_t e) {
-    std::vector<float> row(n);
+    // Each output element: the r terms summed in order j = 0..r-1 from 0, then scaled and stored or
+    // added (the same operations in the same order as before), a vector of columns at a time.
+    constexpr size_t V = kVecFloats;
+    const size_t nv = n / V * V;
+    const vfloat va = alpha - vfloat{};
     for (size_t i = b; i < e; ++i) {
-      std::fill(row.begin(), row.end(), 0.0f);
-      for (size_t j = 0; j < r; ++j) {
-        float a = A[i * r + j];
-        const float* bt = BT.data() + j * n;
-        for (size_t c = 0; c < n; ++c) row[c] += a * bt[c];
-      }
+      const float* a = A + i * r;
       float* o = C + i * n;
-      if (add) {
-        if (alpha == 1.0f)
-          for (size_t c = 0; c < n; ++c) o[c] += row[c];
-        else
-          for (size_t c = 0; c < n; ++c) o[c] += alpha * row[c];
-      } else {
-        if (alpha == 1.0f)
-          std::memcpy(o, row.data(), n * sizeof(float));
-        else
-          for (size_t c = 0; c < n; ++c) o[c] = alpha * row[c];
+      size_t c = 0;
+      for (; c < nv; c += V) {
+        vfloat s = vfloat{};
+        for (size_t j = 0; j < r; ++j) s += a[j] * vload(BT.data() + j * ld + c);
+        if (alpha != 1.0f) s = va * s;
+        vstore(o + c, add ? vload(o + c) + s : s);
+      }
+      for (; c < n; ++c) {
+        float t = 0.0f;
+        for (size_t j = 0; j < r; ++j) t += a[j] * BT[j * ld + c];
+        if (alpha != 1.0f) t = alpha * t;
+        o[c] = add ? o[c] + t : t;
       }
     }
   });

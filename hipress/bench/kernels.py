@@ -3,6 +3,12 @@
     python -m hipress.bench.kernels [--sizes 1,16,256] [--quick] [--threads 1,all]
                                     [--out results/kernels.json] [--reference-max-mb 16]
     python -m hipress.bench.kernels --generated [--sizes 1,16] [--threads 1]
+    python -m hipress.bench.kernels --sizes 16,64 --threads 1 --runs 3 --check
+    python -m hipress.bench.kernels --sizes 16,64 --threads 1 --runs 3 --check --only floored [--cpu-time]
+
+--check fails (exit status 1) when a kernel's encode throughput, as a fraction of the memcpy
+bandwidth measured in the same run (one thread, median over --runs), is below its floor in
+FLOORS; the JSON's "check" field holds the floors, the measured ratios and the failures either way.
 
 --generated compares the kernels generated from the DSL specs in
 hipress/dsl/specs/ (hipress.compll) with the hand-written ones, same input,
@@ -33,6 +39,17 @@ from hipress.compression import reference as ref
 
 MB = 1 << 20
 
+# Regression floors: encode GB/s at one thread as a fraction of the same run's memcpy GB/s, at every
+# size measured (issue 21: onebit, TernGrad and PowerSGD encode >= 25% of copy bandwidth on one core).
+FLOORS = {"onebit": 0.25, "terngrad-2bit": 0.25, "powersgd-r4": 0.25}
+
+
+# Wall clock by default. --cpu-time switches to the calling thread's CPU time: on a machine shared with
+# other jobs, a kernel longer than a scheduler time slice is rarely timed undisturbed by wall clock (the
+# best of a few runs of a 0.7 ms memcpy is, of a 5 ms PowerSGD encode is not), which biases its ratio
+# to copy; CPU time leaves the waits out. Only valid when the kernels run on the calling thread alone.
+_clock = time.perf_counter
+
 
 def best_time(fn: Callable[[], object], repeat: int, min_time: float = 0.2) -> float:
     return best_times([fn], repeat, min_time)[0]
@@ -50,9 +67,9 @@ def best_times(fns: List[Callable[[], object]], repeat: int, min_time: float = 0
     runs = 0
     while runs < repeat or (min(total) < min_time and runs < 50):
         for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
+            t0 = _clock()
             fn()
-            dt = time.perf_counter() - t0
+            dt = _clock() - t0
             best[i] = min(best[i], dt)
             total[i] += dt
         runs += 1
@@ -306,15 +323,19 @@ def matrix_shape(n: int):
     return (rows, n // rows)
 
 
-def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int) -> Dict:
+def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int, only=None) -> Dict:
     n = nbytes // 4
     x = torch.from_numpy(np.random.default_rng(0).standard_normal(n).astype(np.float32) * 0.01)
     xn = x.numpy()
     shape = matrix_shape(n)
     dst = np.empty_like(xn)
-    copy_s = best_time(lambda: np.copyto(dst, xn), repeat)
+    def copy():
+        np.copyto(dst, xn)
+    copy_s = best_time(copy, repeat)
     res = {"bytes": nbytes, "numel": n, "memcpy_gbs": nbytes / copy_s / 1e9, "algorithms": {}}
     for label, make, ref_enc, ref_dec in configs():
+        if only is not None and label not in only:
+            continue
         c = make()
         row = {}
         for t in threads:
@@ -323,12 +344,15 @@ def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int) -> Di
             buf = torch.empty(c.max_encoded_bytes(n, shape), dtype=torch.uint8)
             out = torch.empty(n)
             payload = c.encode(x.view(shape), st, out=buf).clone()
-            enc_s = best_time(lambda: c.encode(x.view(shape), st, out=buf), repeat)
-            dec_s = best_time(lambda: c.decode(payload, out), repeat)
+            # each kernel alternates with a memcpy (best_times): its ratio to copy compares the two at the
+            # same moments of a shared machine's drifting speed
+            copy_e, enc_s = best_times([copy, lambda: c.encode(x.view(shape), st, out=buf)], repeat)
+            copy_d, dec_s = best_times([copy, lambda: c.decode(payload, out)], repeat)
             add_s = best_time(lambda: c.decode_add(payload, out), repeat)
             row[f"threads={t}"] = {"encode_gbs": nbytes / enc_s / 1e9, "decode_gbs": nbytes / dec_s / 1e9,
                                    "decode_add_gbs": nbytes / add_s / 1e9, "payload_bytes": int(payload.numel()),
-                                   "enc_dec_gbs": nbytes / (enc_s + dec_s) / 1e9}
+                                   "enc_dec_gbs": nbytes / (enc_s + dec_s) / 1e9,
+                                   "encode_ratio_to_copy": copy_e / enc_s, "decode_ratio_to_copy": copy_d / dec_s}
         C.set_num_threads(1)
         if label in TORCH:  # the same method in pure torch, one thread
             mk, tenc, tdec = TORCH[label]
@@ -366,6 +390,55 @@ def bench_size(nbytes: int, threads: List[int], ref_max: int, repeat: int) -> Di
     return res
 
 
+def add_ratios(size: Dict) -> None:
+    """encode/decode GB/s over the same run's memcpy GB/s, on every thread row of one size's results
+    that bench_size did not already give a ratio measured beside its own memcpy runs."""
+    cp = size["memcpy_gbs"]
+    for row in size["algorithms"].values():
+        for key, r in row.items():
+            if key.startswith("threads="):
+                r.setdefault("encode_ratio_to_copy", r["encode_gbs"] / cp)
+                r.setdefault("decode_ratio_to_copy", r["decode_gbs"] / cp)
+
+
+def median_of_runs(runs: List[Dict]) -> Dict:
+    """One size's results from several runs: every figure the median over the runs (ratios to copy are
+    medians of each run's own ratio, so a run's memcpy is only ever compared with that run's kernels)."""
+    first = runs[0]
+    med = lambda vals: float(np.median(vals))  # noqa: E731
+    out = {"bytes": first["bytes"], "numel": first["numel"], "runs": len(runs),
+           "memcpy_gbs": med([r["memcpy_gbs"] for r in runs]), "algorithms": {}}
+    for label, row in first["algorithms"].items():
+        merged = {}
+        for key, fields in row.items():
+            merged[key] = {f: (med([r["algorithms"][label][key][f] for r in runs])
+                               if isinstance(v, float) else v) for f, v in fields.items()}
+        out["algorithms"][label] = merged
+    return out
+
+
+def check_floors(results: Dict, floors: Dict[str, float] = FLOORS) -> Dict:
+    """Compares each floored kernel's one-thread encode ratio to copy, at every size in results, with its
+    floor. Returns {"floors", "measured": {label: {MB: ratio}}, "failures": [text], "passed"}; a floored
+    kernel missing from the results (or measured without one thread) is a failure, not a pass."""
+    measured: Dict[str, Dict[str, float]] = {label: {} for label in floors}
+    failures = []
+    if not results.get("sizes"):
+        failures.append("no sizes measured")
+    for size in results.get("sizes", []):
+        mb = f"{size['bytes'] / MB:g}"
+        for label, floor in floors.items():
+            row = size["algorithms"].get(label, {}).get("threads=1")
+            if row is None:
+                failures.append(f"{label} at {mb} MB: not measured at threads=1")
+                continue
+            ratio = row["encode_ratio_to_copy"]
+            measured[label][mb] = ratio
+            if not ratio >= floor:
+                failures.append(f"{label} encode at {mb} MB: {100 * ratio:.1f}% of copy, floor {100 * floor:.0f}%")
+    return {"floors": dict(floors), "measured": measured, "failures": failures, "passed": not failures}
+
+
 def markdown(results: Dict) -> str:
     lines = []
     for size in results["sizes"]:
@@ -385,7 +458,7 @@ def markdown(results: Dict) -> str:
             s = f"| {label} | {t1['payload_bytes']} |"
             for k in tkeys:
                 s += f" {row[k]['encode_gbs']:.2f} | {row[k]['decode_gbs']:.2f} | {row[k]['decode_add_gbs']:.2f} |"
-            s += f" {100 * t1['encode_gbs'] / cp:.0f}% | {100 * t1['decode_gbs'] / cp:.0f}% |"
+            s += f" {100 * t1['encode_ratio_to_copy']:.0f}% | {100 * t1['decode_ratio_to_copy']:.0f}% |"
             r = row.get("reference")
             if r:
                 s += (f" {r['encode_gbs']:.3f} | {r['decode_gbs']:.3f} | {t1['encode_gbs'] / r['encode_gbs']:.0f}x |"
@@ -455,16 +528,48 @@ def main(argv=None):
     ap.add_argument("--out", default="results/kernels.json")
     ap.add_argument("--reference-max-mb", type=float, default=16, help="run the numpy reference up to this size")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=1,
+                    help="measure every size this many times and report the medians (ratios to copy included)")
+    ap.add_argument("--check", action="store_true",
+                    help="exit with status 1 when a kernel's encode ratio to copy is below its floor (FLOORS)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time with the thread's CPU time instead of the wall clock (needs --threads 1)")
+    ap.add_argument("--only", default="",
+                    help="comma-separated kernel labels to measure ('floored' = those in FLOORS); default all")
     ap.add_argument("--generated", action="store_true",
                     help="compare the DSL-generated kernels (hipress/dsl/specs) with the hand-written ones")
     a = ap.parse_args(argv)
+    if a.runs < 1:
+        raise ValueError(f"--runs must be >= 1, got {a.runs}")
     sizes = [float(s) for s in a.sizes.split(",") if s]
     if a.quick:
         sizes = [s for s in sizes if s <= 16]
     ncpu = os.cpu_count() or 1
     threads = sorted({ncpu if t.strip() == "all" else int(t) for t in a.threads.split(",")})
+    only = None
+    if a.only:
+        only = set(FLOORS) if a.only.strip() == "floored" else {x.strip() for x in a.only.split(",") if x.strip()}
+        unknown = only - {c[0] for c in configs()}
+        if unknown:
+            raise ValueError(f"--only: unknown kernel label(s) {sorted(unknown)}")
+    if a.cpu_time and threads != [1]:
+        raise ValueError(f"--cpu-time measures the calling thread only: use --threads 1 (got {a.threads!r})")
+    if a.check and a.generated:
+        raise ValueError("--check applies to the kernel table, not to --generated")
+    if a.check and 1 not in threads:
+        raise ValueError(f"--check needs one-thread figures: include 1 in --threads (got {a.threads!r})")
+    global _clock
+    _clock = time.thread_time if a.cpu_time else time.perf_counter
+    try:
+        return run(a, sizes, threads, only, ncpu)
+    finally:
+        _clock = time.perf_counter
+
+
+def run(a, sizes: List[float], threads: List[int], only, ncpu: int) -> Dict:
     results = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": ncpu,
-                           "torch": torch.__version__}, "threads": threads, "sizes": []}
+                           "torch": torch.__version__}, "threads": threads,
+               "clock": "thread_cpu" if a.cpu_time else "wall", "sizes": []}
     if a.generated:
         results["generated"] = bench_generated(sizes, threads, a.repeat)
         if a.out:
@@ -474,13 +579,25 @@ def main(argv=None):
         print(markdown_generated(results["generated"]))
         return results
     for s in sizes:
-        results["sizes"].append(bench_size(int(s * MB), threads, int(a.reference_max_mb * MB), a.repeat))
+        runs = []
+        for _ in range(a.runs):
+            size = bench_size(int(s * MB), threads, int(a.reference_max_mb * MB), a.repeat, only)
+            add_ratios(size)
+            runs.append(size)
+        results["sizes"].append(median_of_runs(runs))
     C.set_num_threads(1)
+    if 1 in threads:
+        results["check"] = check_floors(results)
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
     print(markdown(results))
+    if "check" in results:
+        chk = results["check"]
+        print("\ncheck: " + ("passed" if chk["passed"] else "FAILED: " + "; ".join(chk["failures"])))
+    if a.check and not results["check"]["passed"]:
+        raise SystemExit(1)
     return results
 
 
