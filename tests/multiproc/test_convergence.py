@@ -32,7 +32,7 @@ def strategies_of(algo):
 # (algorithm, strategy) -> why it is known to miss the margin (docs/convergence.md, "Open")
 _DGC = "DGC's 0.1% density sends each element about once in a run this short"
 _ONEBIT = ("one bit with a mean-|x| scale cannot carry a re-encoded sum (auto uses allgather; onebit with "
-           "its norm-preserving scale can: docs/convergence.md, cause 9)")
+           "its norm-preserving scale passes at 2 ranks: docs/convergence.md, cause 9)")
 _RANDOMK = ("random 1% with residual memory: each element goes out about every 50 steps with a stale "
             "velocity, and the run diverges (docs/grace.md)")
 _PSGD_GRACE = "GRACE's PowerSGD: rank 1 and no warm start of Q (95.0 vs 98.3 at 2 ranks; docs/grace.md)"
