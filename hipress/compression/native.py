@@ -92,7 +92,9 @@ class NativeCompressor(Compressor):
 
 
 class OneBit(NativeCompressor):
-    """1-bit SGD (Seide 2014): sign bits + means of the non-negative and negative parts."""
+    """1-bit SGD (Seide 2014): sign bits, decoded as +-scale with scale = ||g||_2 / sqrt(n)
+    (1-bit Adam's norm-preserving scale, where Seide sends the means of the non-negative and
+    negative parts; docs/convergence.md, cause 10, says why)."""
 
     def __init__(self):
         super().__init__("onebit")
@@ -100,9 +102,9 @@ class OneBit(NativeCompressor):
 
 class TBQ(NativeCompressor):
     """Threshold binary quantisation (Strom 2015) with a scale: {0, +scale, -scale} in 2 bits,
-    for the elements below / above tau in magnitude; scale is the mean magnitude of those sent.
+    for the elements below / above tau in magnitude; scale is the root mean square of those sent.
     tau is ``threshold`` if set (> 0, Strom's fixed threshold), else ``relative`` times the
-    tensor's mean magnitude. (Strom sends +-tau; docs/convergence.md, cause 7, says why not.)"""
+    tensor's mean magnitude. (Strom sends +-tau; docs/convergence.md, causes 7 and 9, say why not.)"""
 
     def __init__(self, threshold: float = 0.0, relative: float = 1.5):
         super().__init__("tbq", threshold=threshold, relative=relative)

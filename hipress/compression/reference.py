@@ -145,13 +145,14 @@ def _body(payload) -> np.ndarray:
 
 
 def onebit_encode(g: np.ndarray) -> bytes:
+    """Sign bits, decoded as +-scale with scale = ||g||_2 / sqrt(n) (hipress/dsl/specs/onebit.cll)."""
     g = np.asarray(g, dtype=np.float32).reshape(-1)
     neg = np.signbit(g)
-    pos_n, neg_n = int((~neg).sum()), int(neg.sum())
-    pos = np.float32(g[~neg].astype(np.float64).sum() / pos_n) if pos_n else np.float32(0)
-    negm = np.float32(g[neg].astype(np.float64).sum() / neg_n) if neg_n else np.float32(0)
+    # the kernel: squares in float, their mean accumulated in double, rounded to float, sqrt in float
+    mean_sq = np.float32((g * g).astype(np.float64).sum() / g.size) if g.size else np.float32(0)
+    pos = np.sqrt(mean_sq, dtype=np.float32)
     body = np.packbits(neg.astype(np.uint8), bitorder="little")
-    return make_header("onebit", g.size, body.size, bits=1, words=(f32_word(pos), f32_word(negm))) + body.tobytes()
+    return make_header("onebit", g.size, body.size, bits=1, words=(f32_word(pos), f32_word(-pos))) + body.tobytes()
 
 
 def onebit_decode(payload, n: int) -> np.ndarray:
@@ -165,7 +166,7 @@ def onebit_decode(payload, n: int) -> np.ndarray:
 
 def tbq_encode(g: np.ndarray, threshold: float = 0.0, relative: float = 1.5) -> bytes:
     """+-scale where |g| > tau, else 0; tau = threshold if set, else relative * mean |g|;
-    scale = mean |g| over the elements sent (hipress/dsl/specs/tbq.cll)."""
+    scale = the root mean square of the elements sent (hipress/dsl/specs/tbq.cll)."""
     g = np.asarray(g, dtype=np.float32).reshape(-1)
     if threshold > 0:
         tau = np.float32(threshold)
@@ -173,8 +174,11 @@ def tbq_encode(g: np.ndarray, threshold: float = 0.0, relative: float = 1.5) -> 
         tau = np.float32(relative) * np.float32(np.abs(g).astype(np.float64).mean() if g.size else 0.0)
     above = (g > tau) | (g < -tau)
     count = int(above.sum())
-    # the kernel: the sum accumulated in double, rounded to float, divided in float by the count as a float
-    scale = np.float32(np.abs(g[above]).astype(np.float64).sum()) / np.float32(count) if count else np.float32(0)
+    # the kernel: the squares in float, their sum accumulated in double, rounded to float, divided in
+    # float by the count as a float, sqrt in float
+    sq = g[above] * g[above]
+    scale = (np.sqrt(np.float32(sq.astype(np.float64).sum()) / np.float32(count), dtype=np.float32)
+             if count else np.float32(0))
     codes = np.where(g > tau, 1, np.where(g < -tau, 2, 0)).astype(np.uint8)
     body = pack_bits(codes, 2)
     return make_header("tbq", g.size, body.size, bits=2, words=(f32_word(scale),)) + body.tobytes()

@@ -214,7 +214,7 @@ def explicit_groups(named, groups) -> List[list]:
 def splits_tensors(compressor, strategy: str) -> bool:
     """Whether each tensor of a fused bucket gets partitions (payloads) of its own.
 
-    A quantizer's levels come from its payload's values (onebit's means, TernGrad's range):
+    A quantizer's levels come from its payload's values (onebit's scale, TernGrad's range):
     where partitions cost no messages, each tensor of a fused bucket gets payloads of its
     own, so a layer is not quantized on the scale of another (onebit, digits, 4 ranks,
     allgather: 85.9% -> 92.6%, docs/convergence.md)."""

@@ -1,4 +1,6 @@
 """Every native CompLL algorithm against the numpy reference (hipress/compression/reference.py)."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -34,15 +36,29 @@ def test_tbq_exact(n, dtype, params, threads):
     np.testing.assert_array_equal(roundtrip(c, g, p).numpy(), ref.tbq_decode(expect, n))
 
 
-def test_tbq_scale_is_the_mean_magnitude_sent():
-    """What the decode gives for a sent element: the mean |g| of the sent ones (not tau), so
-    an error-feedback residual drains; below tau: 0. tau relative to the tensor's mean |g|."""
+def test_tbq_scale_is_the_rms_of_the_elements_sent():
+    """What the decode gives for a sent element: the root mean square of the sent ones (not
+    tau, not their mean |g|), so an error-feedback residual drains; below tau: 0. tau relative
+    to the tensor's mean |g|."""
     g = torch.tensor([0.5, -0.1, 3.0, -5.0, 0.2, 0.0])  # mean |g| 1.4667: tau 2.2 (relative 1.5)
     out = C.get("tbq", error_feedback=False).decode(C.get("tbq", error_feedback=False).encode(g), torch.zeros(6))
-    assert out.tolist() == [0, 0, 4.0, -4.0, 0, 0]
+    rms = math.sqrt((3.0 ** 2 + 5.0 ** 2) / 2)  # 4.1231, where the mean magnitude is 4
+    torch.testing.assert_close(out, torch.tensor([0, 0, rms, -rms, 0, 0]))
     fixed = C.get("tbq", error_feedback=False, threshold=0.3)
     out = fixed.decode(fixed.encode(g), torch.zeros(6))
-    torch.testing.assert_close(out, torch.tensor([17 / 6, 0, 17 / 6, -17 / 6, 0, 0]))
+    rms = math.sqrt((0.25 + 9 + 25) / 3)
+    torch.testing.assert_close(out, torch.tensor([rms, 0, rms, -rms, 0, 0]))
+
+
+def test_onebit_keeps_the_norm():
+    """onebit decodes to +-||g||_2 / sqrt(n) by sign: the decoded vector has g's norm (1-bit
+    Adam's scale), where Seide's two means (here 1.75 and -2.5) would shrink it."""
+    g = torch.tensor([0.5, 3.0, -1.0, -4.0])
+    c = C.get("onebit", error_feedback=False)
+    out = c.decode(c.encode(g), torch.zeros(4))
+    scale = math.sqrt((0.25 + 9 + 1 + 16) / 4)
+    torch.testing.assert_close(out, torch.tensor([scale, scale, -scale, -scale]))
+    torch.testing.assert_close(out.norm(), g.norm())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -53,14 +69,14 @@ def test_onebit_matches(n, dtype, threads):
     p = c.encode(g)
     expect = ref.onebit_encode(as_np(g))
     ph, eh = ref.parse_header(pbytes(p)), ref.parse_header(expect)
-    # bits and layout exact; the two means are float sums (double accumulation in both)
+    # bits and layout exact; the scale is a float sum of squares (double accumulation in both)
     assert pbytes(p)[H:] == expect[H:]
     assert {k: v for k, v in ph.items() if k != "words"} == {k: v for k, v in eh.items() if k != "words"}
     for i in (0, 1):
         assert ref.word_f32(ph["words"][i]) == pytest.approx(ref.word_f32(eh["words"][i]), rel=1e-6, abs=0)
     dec = roundtrip(c, g, p).numpy()
     np.testing.assert_array_equal(dec, ref.onebit_decode(pbytes(p), n))
-    if n:  # decoded values are exactly the two means
+    if n:  # decoded values are exactly +-scale
         x = as_np(g)
         assert set(np.unique(dec)) <= {ref.word_f32(ph["words"][0]), ref.word_f32(ph["words"][1])}
         assert np.all((dec < 0) == (np.signbit(x) & (x != 0)) | (dec == 0) | (x == 0))
