@@ -308,8 +308,9 @@ class HorovodTransport(Transport):
 
     def _raw_allreduce(self, values, op):
         # In place on the transport's process set; a sum does not depend on the ranks' order
-        h = self._post(op, self._others(), self.hvd.allreduce_async_, values, name=self._name("ar"),
-                       op=self.hvd.Sum, process_set=self._pset)
+        hvd, name = self.hvd, self._name("ar")
+        h = self._post(op, self._others(),
+                       lambda: hvd.allreduce_async_(values, name=name, op=hvd.Sum, process_set=self._pset))
         self._wait(op, [h], self._others())
 
     def _raw_barrier(self, op):
