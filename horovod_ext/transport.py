@@ -9,6 +9,7 @@ alltoallv         ``hvd.alltoall(splits=...)`` on the transport's process set
 allgather(v)      ``hvd.allgather`` (first dimensions may differ between ranks)
 broadcast         ``hvd.broadcast_`` (in place; Horovod takes the root's global rank)
 barrier           a one-byte ``hvd.allgather``
+allreduce         ``hvd.allreduce_async_`` (sum, in place) on the transport's process set
 send/recv         ``hvd.broadcast_`` rooted at the sender on the process set of the pair
 sendrecv          both of the above posted together, then waited for
 split/subgroup    ``hvd.add_process_set`` for each group formed (reused when it exists)
@@ -304,6 +305,13 @@ class HorovodTransport(Transport):
         peers = [root] if self._rank != root else self._others()
         h = self._post(op, peers, self.hvd.broadcast_async_, buf, self.members[root], self._name("bc"), self._pset)
         self._wait(op, [h], peers)
+
+    def _raw_allreduce(self, values, op):
+        # In place on the transport's process set; a sum does not depend on the ranks' order
+        hvd, name = self.hvd, self._name("ar")
+        h = self._post(op, self._others(),
+                       lambda: hvd.allreduce_async_(values, name=name, op=hvd.Sum, process_set=self._pset))
+        self._wait(op, [h], self._others())
 
     def _raw_barrier(self, op):
         if self._size > 1:

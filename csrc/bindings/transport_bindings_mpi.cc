@@ -69,6 +69,9 @@ HIPRESS_BINDINGS(transport_mpi, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("bcast", [](Comm& c, uintptr_t b, size_t n, int root, double t) { c.bcast(ptr(b), n, root, t); },
            py::call_guard<py::gil_scoped_release>())
+      .def("allreduce_f32",
+           [](Comm& c, uintptr_t b, size_t n, double t) { c.allreduce_f32(static_cast<float*>(ptr(b)), n, t); },
+           py::call_guard<py::gil_scoped_release>())
       .def("barrier", &Comm::barrier, py::call_guard<py::gil_scoped_release>())
       .def("split", &Comm::split, py::arg("color"), py::arg("key"), py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>())

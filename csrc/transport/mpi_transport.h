@@ -74,6 +74,9 @@ class Comm {
   void allgather(const void* sbuf, size_t n, void* rbuf, double timeout_s);
   void allgatherv(const void* sbuf, size_t n, void* rbuf, const std::vector<size_t>& rcounts, double timeout_s);
   void bcast(void* buf, size_t n, int root, double timeout_s);
+  // In place: the element-wise sum of n floats over the ranks (MPI_Iallreduce, MPI_SUM), in
+  // pieces of at most INT_MAX elements; every rank passes the same n.
+  void allreduce_f32(float* buf, size_t n, double timeout_s);
   void barrier(double timeout_s);
   // Collective: ranks with the same color (>= 0) form a new communicator ordered by key;
   // color < 0 returns nullptr.

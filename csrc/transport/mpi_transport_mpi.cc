@@ -356,6 +356,21 @@ void Comm::bcast(void* buf, size_t n, int root, double timeout_s) {
   } while (off < n);
 }
 
+void Comm::allreduce_f32(float* buf, size_t n, double timeout_s) {
+  const std::string op = "allreduce";
+  check_usable(op);
+  const size_t piece = static_cast<size_t>(INT_MAX);
+  for (size_t off = 0; off < n; off += piece) {
+    size_t len = std::min(piece, n - off);
+    std::vector<Pending> p;
+    Pending q{MPI_REQUEST_NULL, -1, false, 0};
+    int r = MPI_Iallreduce(MPI_IN_PLACE, buf + off, static_cast<int>(len), MPI_FLOAT, MPI_SUM, comm_, &q.req);
+    if (r != MPI_SUCCESS) fail(op, "MPI_Iallreduce: " + mpi_error_string(r), others());
+    p.push_back(q);
+    wait_all(op, p, timeout_s);
+  }
+}
+
 void Comm::barrier(double timeout_s) {
   const std::string op = "barrier";
   check_usable(op);

@@ -9,6 +9,8 @@ are callables) and handed to ``sinks`` when they arrive.
     bulk(name, sends, sinks, deps)               {dst: send()} out, {src: sink(payload)} in
     allgather(name, send, sinks, deps)           send() to every rank, sinks from every rank
     broadcast(name, buf, root, deps)             root's buf into every rank's buf, in place
+    allreduce(name, values, deps)                fp32 sum over the ranks, in place, by the
+                                                 transport's own collective (has_allreduce)
 
 ``max_bytes`` (sendrecv, bulk, allgather): the most bytes this rank accepts from a source,
 from what it knows itself (the compressor's ``max_encoded_bytes`` of the payloads it
@@ -89,6 +91,15 @@ class Exchange(abc.ABC):
     @abc.abstractmethod
     def broadcast(self, name: str, buf: torch.Tensor, root: int, deps: Sequence[Handle] = ()) -> Handle:
         """Copies root's ``buf`` (contiguous) into every rank's ``buf``."""
+
+    @property
+    def has_allreduce(self) -> bool:
+        """Whether :meth:`allreduce` is available (the transport has a native allreduce)."""
+        return False
+
+    def allreduce(self, name: str, values: torch.Tensor, deps: Sequence[Handle] = ()) -> Handle:
+        """In place: ``values`` (1-D contiguous fp32) becomes the sum over the group's ranks."""
+        raise NotImplementedError(f"{type(self).__name__} has no allreduce (see has_allreduce)")
 
     def sendrecv(self, name: str, send: Send, dst: int, sink: Sink, src: int, deps: Sequence[Handle] = (),
                  max_bytes: Optional[int] = None) -> Handle:
@@ -186,9 +197,28 @@ class DirectExchange(Exchange):
 
         return self._comm(name, run, deps)
 
+    @property
+    def has_allreduce(self) -> bool:
+        return self.transport.has_allreduce
+
+    def allreduce(self, name, values, deps=()):
+        if not self.has_allreduce:
+            return super().allreduce(name, values, deps)
+        tr = self.transport
+        waits_for = [m for i, m in enumerate(self.members) if i != self.rank]
+
+        def run():
+            self.chain.in_flight = (name, waits_for, tr, self.members)
+            tr.allreduce(values)
+            self.chain.in_flight = None
+
+        return self._comm(name, run, deps)
+
 
 class CoordinatedExchange(Exchange):
-    """Messages scheduled by the global coordinator; ``members`` maps group ranks to world ranks."""
+    """Messages scheduled by the global coordinator; ``members`` maps group ranks to world ranks.
+    No allreduce: the coordinator plans point-to-point messages only, so uncompressed gradients
+    take hipress's ring through it."""
 
     def __init__(self, engine: Engine, executor, members: Sequence[int]):
         me = executor.rank

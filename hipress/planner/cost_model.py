@@ -310,6 +310,19 @@ def executed_ps(op: ExecutedOps, m: float, n: int, k: int) -> float:
     return t
 
 
+def executed_allreduce(send: Curve, copy: Curve, task: float, m: float, n: int) -> float:
+    """Time of m uncompressed bytes through the backend's allreduce (hipress.sync.allreduce):
+    one collective, priced as a bandwidth-optimal ring over the measured link (2(N-1) transfers
+    of m/N bytes each, run by the backend without a task per step), one hand-off, and the divide
+    by N (a pass over m). K does not enter: the partitions of a bucket are one collective.
+
+        T = 2(N-1) S(m/N) + o + pass(m)
+    """
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * send(m / n) + task + copy(m)
+
+
 # -------------------------------------------------------------------------- the model
 @dataclass(frozen=True)
 class Decision:
@@ -353,7 +366,10 @@ class CostModel:
       task_s: the engine's hand-off of one compute task (submit, run, completion);
       send_one: CaSync-PS's T_send with a single aggregator (send: with N); with A
           aggregators the model interpolates linearly in A (the bytes on the busiest
-          link are the same, the number of messages posted is not).
+          link are the same, the number of messages posted is not);
+      plain_allreduce: uncompressed gradients go through the backend's allreduce (what
+          hipress does where the transport has one) rather than through the strategy's own
+          graph: their time is :func:`executed_allreduce`.
     Curves left out (profiles measured before they existed) cost nothing; send_one
     defaults to send.
     """
@@ -369,6 +385,7 @@ class CostModel:
     dec_plain: Optional[Curve] = None
     task_s: float = 0.0
     send_one: Optional[Curve] = None
+    plain_allreduce: bool = False
 
     def __post_init__(self):
         if self.strategy in EXECUTED_STRATEGIES:
@@ -406,6 +423,8 @@ class CostModel:
         if self.strategy not in EXECUTED_STRATEGIES:
             return self.t_cpr(m, k) if compress else self.t_orig(m, k)
         copy, one = self.dec_plain or _zero, self.send_one or self.send
+        if not compress and self.plain_allreduce:
+            return executed_allreduce(self.send, copy, self.task_s, m, self.n)
         if compress:
             op = ExecutedOps(self.send, one, self.enc, self.dec, copy, self.task_s, self.rate)
         else:

@@ -9,8 +9,13 @@
   rank, stays below an uncompressed ring's 2(N-1)/N while N < 2 / rate, e.g. 32 ranks for
   TernGrad's 2 bits); with a planner (which has no allgather cost model yet), PS.
 * multi-round aggregatable compressors (PowerSGD) always use the low-rank strategy.
+* uncompressed gradients (compressor "none": ``compression="none"`` or the planner's choice)
+  go through the backend's own allreduce (``allreduce.py``) whatever the strategy name, which
+  chooses how *compressed* gradients travel, where the exchange has one (not through the
+  global coordinator, which plans point-to-point messages; not for strategy "dear", which needs
+  the ring's two phases: ``plain_allreduce=False``); elsewhere the named strategy runs them.
 * local aggregation wraps the chosen strategy (hierarchical: uncompressed on the host,
-  compressed across hosts).
+  compressed across hosts); its host phase is an allreduce too where the exchange has one.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from hipress.compression.base import Compressor
 from hipress.compression.none import NoneCompressor
 from hipress.engine import Engine, Handle
 from hipress.sync.allgather import AllgatherStrategy
+from hipress.sync.allreduce import AllreduceStrategy
 from hipress.sync.base import StateStore, Strategy, SyncContext
 from hipress.sync.hierarchical import HierarchicalStrategy
 from hipress.sync.lowrank import LowRankStrategy
@@ -84,14 +90,24 @@ class Sync:
 
 
 def make_sync(engine: Engine, exchanges: Exchanges, compressor: Compressor, strategy: str, states: StateStore,
-              average: bool, hierarchical: bool, world_size: int, is_host_root: bool) -> Sync:
+              average: bool, hierarchical: bool, world_size: int, is_host_root: bool,
+              plain_allreduce: bool = True) -> Sync:
     """The sync of gradients compressed with ``compressor`` (see the module docstring).
-    Syncs made from the same ``exchanges`` keep one order of communication per rank."""
+    Syncs made from the same ``exchanges`` keep one order of communication per rank.
+    ``plain_allreduce``: uncompressed sums by the backend's allreduce where it has one."""
+    # The world's backend decides for every group: its splits are transports of the same kind,
+    # and every rank decides the same.
+    native_sum = plain_allreduce and exchanges.world.has_allreduce
     inner_average = average and not hierarchical
-    inner = (LowRankStrategy(average=inner_average) if compressor.rounds > 1
-             else STRATEGIES[resolve_strategy(strategy, compressor)](average=inner_average))
+    if compressor.rounds > 1:
+        inner = LowRankStrategy(average=inner_average)
+    elif native_sum and isinstance(compressor, NoneCompressor):
+        inner = AllreduceStrategy(average=inner_average)
+    else:
+        inner = STRATEGIES[resolve_strategy(strategy, compressor)](average=inner_average)
     if not hierarchical:
         return Sync(inner, SyncContext(engine, exchanges.world, compressor, states))
     local_ctx = SyncContext(engine, exchanges.local, NoneCompressor(), states)
     cross_ctx = SyncContext(engine, exchanges.cross, compressor, states) if is_host_root else None
-    return Sync(HierarchicalStrategy(inner, local_ctx, cross_ctx, world_size, average), local_ctx)
+    local_sum = AllreduceStrategy(average=False) if native_sum else RingStrategy(average=False)
+    return Sync(HierarchicalStrategy(inner, local_ctx, cross_ctx, world_size, average, local_sum), local_ctx)

@@ -2,8 +2,9 @@
 compressed across hosts with one rank per host, then share the result on the host.
 
 For one gradient, on every rank:
-  1. local ring all-reduce (sum, no compression) over the ranks of this host; intra-host
-     links are much faster than the network, so compressing there would only cost time
+  1. local all-reduce (sum, no compression) over the ranks of this host: the backend's
+     allreduce where it has one, else hipress's ring; intra-host links are much faster than
+     the network, so compressing there would only cost time
   2. on the host's first rank only: the chosen cross-host strategy (ring, PS or low-rank,
      with compression, sum) over one rank per host
   3. local broadcast of the host root's result
@@ -26,16 +27,17 @@ class HierarchicalStrategy(Strategy):
     name = "hierarchical"
 
     def __init__(self, cross: Strategy, local_ctx: SyncContext, cross_ctx: Optional[SyncContext], world_size: int,
-                 average: bool = True):
+                 average: bool = True, local_sum: Optional[Strategy] = None):
         """cross: a strategy built with average=False; local_ctx: uncompressed, over this
         host's ranks; cross_ctx: over one rank per host, None on ranks that are not their
-        host's first rank."""
+        host's first rank; local_sum: the host's uncompressed sum, average=False (default:
+        hipress's ring)."""
         self.cross = cross
         self.local_ctx = local_ctx
         self.cross_ctx = cross_ctx
         self.world_size = world_size
         self.average = average
-        self.local_ring = RingStrategy(average=False)
+        self.local_sum = local_sum if local_sum is not None else RingStrategy(average=False)
 
     def reserve(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]) -> None:
         if self.cross_ctx is not None:
@@ -45,7 +47,7 @@ class HierarchicalStrategy(Strategy):
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
         h = list(deps)
         if self.local_ctx.size > 1:
-            h = [self.local_ring.build(self.local_ctx, f"{tensor_name}@local", flat, bounds, h)]
+            h = [self.local_sum.build(self.local_ctx, f"{tensor_name}@local", flat, bounds, h)]
         if self.cross_ctx is not None and self.cross_ctx.size > 1:
             h = [self.cross.build(self.cross_ctx, tensor_name, flat, bounds, h, **kw)]
         if self.local_ctx.size > 1:

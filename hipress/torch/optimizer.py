@@ -365,9 +365,10 @@ class _HipressOptimizer:
         self._hp_skip_step = False
         self.last_nonfinite: Dict[str, List[int]] = {}
 
-        def sync_for(compressor):
+        def sync_for(compressor):  # uncompressed: the backend's allreduce, except under dear (the ring's phases)
             return make_sync(engine, exchanges, compressor, self._hp_strategy_name, self._hp_states,
-                             self._hp_average, self._hp_hierarchical, world.size(), world.local_rank() == 0)
+                             self._hp_average, self._hp_hierarchical, world.size(), world.local_rank() == 0,
+                             plain_allreduce=not options.dear)
 
         self._hp_split_tensors = splits_tensors(self._hp_compressor, self._hp_strategy_name)
         # Compressed and plain gradients share the exchanges, so communication keeps one order per rank.
@@ -417,7 +418,8 @@ class _HipressOptimizer:
         # rank, so all ranks hold the same plan; N is the number of peers of the compressed sync.
         prof = profile_online(self._hp_compressor, self._hp_transport, self._hp_strategy_name)
         n_sync = len(set(world.hostnames())) if self._hp_hierarchical else world.size()
-        model = prof.cost_model(n=n_sync)
+        plain = getattr(self._hp_plain.strategy, "cross", self._hp_plain.strategy)  # across hosts, if hierarchical
+        model = prof.cost_model(n=n_sync, plain_allreduce=plain.name == "allreduce")
         return make_plan([(b.name, 4 * b.numel) for b in self._hp_buckets], model, overrides)
 
     def _hp_make_covap(self, args) -> "covap.Run":

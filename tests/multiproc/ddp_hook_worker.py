@@ -159,7 +159,8 @@ def case_resume(cfg, rank):
     state.load_state_dict(ck["hook"])
     resumed, _, _, _ = train_ddp(cfg, rank, model, opt, state, first=k, last=steps)
     return {"whole": params(whole), "resumed": params(resumed), "n_states": len(ck["hook"]["compressor_state"]),
-            "n_velocities": len(ck["hook"].get("velocity", {}))}
+            "n_velocities": len(ck["hook"].get("velocity", {})),
+            "compresses": not state.hierarchical or hipress.comm.world.local_rank() == 0}
 
 
 class _Boom:

@@ -94,7 +94,7 @@ def main():
         for b in opt._hp_buckets:
             sync, bounds = opt._hp_route(b)
             buckets.append({"name": b.name, "params": [n for n, _ in b.params], "bounds": bounds,
-                            "compressed": sync is opt._hp_compressed})
+                            "compressed": sync is opt._hp_compressed, "strategy": sync.strategy.name})
         results.append({"config": cfg, "steps": steps, "owners": owners, "buckets": buckets,
                         "hierarchical": opt._hp_hierarchical,
                         "coordinated": type(opt._hp_compressed.ctx.exchange).__name__ == "CoordinatedExchange"})

@@ -104,6 +104,21 @@ def test_parse_system_names():
         parse_system("hipress-ring-zip")
 
 
+@pytest.mark.slow  # an emulated cluster and two launches of ranks: 24 s here under load
+def test_plain_sync_compares_the_two_uncompressed_paths(tmp_path):
+    """2 ranks, 2 small buckets, 2 rounds of each path: both timed, their results agreed
+    (the worker checks them against each other), the JSON holds every round."""
+    from hipress.bench import plain_sync
+
+    out = tmp_path / "plain.json"
+    res = plain_sync.main(["--np", "2", "--bandwidth", "1gbit", "--buckets", "2", "--bucket-mb", "0.25",
+                           "--rounds", "2", "--timeout", "240", "--json", str(out)])
+    assert res["transport"] == "torch/gloo" and res["np"] == 2
+    for kind in ("allreduce", "ring"):
+        assert len(res["times"][kind]) == 2 and all(t > 0 for t in res["times"][kind])
+    assert json.loads(out.read_text())["median_s"] == res["median_s"]
+
+
 def test_compare_quick_writes_json_markdown_png(tmp_path):
     pytest.importorskip("matplotlib")
     from hipress.bench import compare

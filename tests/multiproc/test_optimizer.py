@@ -71,7 +71,9 @@ def check_against_reference(results, np):
                                        **(cfg.get("kwargs", {}) if b["compressed"] else {}))
                 grads = [[results[r][c]["steps"][step]["local"][p] for p in b["params"]] for r in range(np)]
                 local = [torch.cat([g.reshape(-1) for g in gs]) for gs in grads]
-                if comp.rounds > 1:  # a fused bucket: each matrix on its own
+                if b["strategy"] == "allreduce":  # uncompressed through the transport's allreduce: the average
+                    want = [torch.stack(local).double().mean(0).float()] * np
+                elif comp.rounds > 1:  # a fused bucket: each matrix on its own
                     want = reference.lowrank(local, comp, stores, name, None, segments=segments_of(grads[0]))
                 elif cfg["strategy"] == "ring":
                     want = reference.ring(local, comp, stores, name, bounds)
@@ -91,7 +93,15 @@ def test_uncompressed_equals_exact_average(tmp_path, np):
     configs = [{"compression": "none", "strategy": s, "passes": p, "steps": 2, "partition_bytes": pb,
                 "bucket_bytes": bb}
                for s in ("ring", "ps") for p, pb, bb in ((1, 64 << 20, 0), (2, 1024, 4 << 20))]
-    check_exact_average(launch(tmp_path, np, configs), np)
+    results = launch(tmp_path, np, configs)
+    check_exact_average(results, np)
+    assert_plain_allreduce(results)
+
+
+def assert_plain_allreduce(results):
+    """Every bucket of every config went through the transport's allreduce (compression none)."""
+    used = {b["strategy"] for rank in results for cfg in rank for b in cfg["buckets"]}
+    assert used == {"allreduce"}, used
 
 
 @pytest.mark.parametrize("np", [2, 3])
@@ -105,7 +115,9 @@ def test_algorithms_match_reference(tmp_path, np):
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
 def test_mpirun_uncompressed_and_compressed(tmp_path):
     configs = [{"compression": "none", "strategy": s, "steps": 1} for s in ("ring", "ps")]
-    check_exact_average(launch(tmp_path, 3, configs, launcher="mpi"), 3)
+    results = launch(tmp_path, 3, configs, launcher="mpi")
+    check_exact_average(results, 3)
+    assert_plain_allreduce(results)  # MPI_Iallreduce
     configs = [{"compression": a, "strategy": s, "kwargs": ALGORITHMS[a], "steps": 2, "partition_bytes": 2048}
                for a in ("tbq", "dgc", "powersgd") for s in ("ring", "ps")]
     out = tmp_path / "compressed"
@@ -222,6 +234,8 @@ def test_planned_selective_compression(tmp_path, monkeypatch):
         bounds = {b["name"]: b["bounds"] for b in plans[0]}
         compressed = {b["name"]: b["compressed"] for b in plans[0]}
         assert compressed["a.weight"] is False and len(bounds["a.weight"]) == 2
+        # uncompressed buckets go through the transport's allreduce, whatever the strategy
+        assert {b["strategy"] for b in plans[0] if not b["compressed"]} == {"allreduce"}
         assert compressed["big"] is True and len(bounds["big"]) == 3
     check_against_reference(results, np)
     assert list((tmp_path / "profiles").glob("*.json")), "profile was not cached"

@@ -80,7 +80,7 @@ def main():
         assert (loc.rank, loc.size) == (got["local_rank"], got["local_size"]), (loc, got)
         assert (cross.rank, cross.size) == (got["cross_rank"], got["cross_size"]), (cross, got)
         # every host runs the local checks together, then every cross group its own
-        out["local_checks"] = run_checks(loc, ["alltoallv", "allgatherv", "broadcast"])
+        out["local_checks"] = run_checks(loc, ["alltoallv", "allgatherv", "broadcast", "allreduce"])
         wt.barrier()
         out["cross_checks"] = run_checks(cross, ["alltoallv", "sendrecv_ring"])
         wt.barrier()

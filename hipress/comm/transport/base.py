@@ -2,7 +2,7 @@
 NCCL and in-process threads (loopback).
 
 Every buffer is a 1-D, contiguous ``torch.uint8`` tensor (CPU; CUDA where the backend
-allows). The caller owns and sizes every buffer, except in the two ``*_alloc`` operations,
+allows), except ``allreduce``'s, which sums ``torch.float32`` values. The caller owns and sizes every buffer, except in the two ``*_alloc`` operations,
 which exist for payloads whose size only the sender knows (sparsified gradients): they
 move the sizes with the data in one protocol instead of a separate exchange.
 
@@ -15,6 +15,8 @@ Operations (all ranks of the transport call the collectives in the same order):
     alltoallv_alloc(send_buf, send_counts) -> recv_buf, recv_counts # the transport allocates
     allgather(send_buf, recv_buf)     allgatherv(send_buf, recv_buf, recv_counts)
     broadcast(buf, root)              barrier()
+    allreduce(values)                                               # fp32 sum, in place (optional:
+                                                                    # see has_allreduce)
     split(color, key=None)            subgroup(ranks)               # sub-transports
     close()
 
@@ -461,6 +463,46 @@ class Transport(abc.ABC):
             return
         self._raw_broadcast(buf, root, op)
 
+    @property
+    def has_allreduce(self) -> bool:
+        """Whether this backend has a native sum (:meth:`allreduce`); hipress syncs uncompressed
+        gradients with it where it has one, and with its own ring where not."""
+        return type(self)._raw_allreduce is not Transport._raw_allreduce
+
+    def allreduce(self, values: torch.Tensor) -> None:
+        """In place: every rank's ``values`` (1-D contiguous ``torch.float32``, the same length on
+        every rank) becomes the element-wise sum over the ranks, computed by the backend's own
+        collective (gloo/NCCL allreduce, MPI_Allreduce). Every rank ends with the same bits.
+        Backends without one raise NotImplementedError (see :attr:`has_allreduce`)."""
+        op = "allreduce"
+        self._ensure_open(op)
+        if not self.has_allreduce:
+            raise NotImplementedError(f"the {self.name} transport has no allreduce; sync through its "
+                                      f"point-to-point operations (hipress's ring) instead")
+        problems = []
+        if not isinstance(values, torch.Tensor):
+            problems.append(f"values must be a torch.float32 tensor, got {type(values).__name__}")
+        elif values.dtype != torch.float32 or values.dim() != 1 or not values.is_contiguous():
+            problems.append(f"values must be a 1-D contiguous torch.float32 tensor, got dtype {values.dtype}, "
+                            f"shape {tuple(values.shape)}, contiguous={values.is_contiguous()}")
+        else:
+            bad = self._check_device("values", values)
+            if bad:
+                problems.append(bad)
+        n = 0 if problems else values.numel()
+        if self.check:
+            rows = self._meta_gather(op, [0 if problems else 1, n])
+            self._raise_local_or_remote(op, problems, rows)
+            sizes = [r[1] for r in rows]
+            if len(set(sizes)) != 1:
+                raise self._err(op, f"element counts differ between ranks: {sizes}",
+                                [i for i, s in enumerate(sizes) if s != sizes[0]] + [0])
+        elif problems:
+            raise self._err(op, "; ".join(problems))
+        if self._size == 1 or n == 0:
+            return
+        self._raw_allreduce(values, op)
+
     def barrier(self) -> None:
         self._ensure_open("barrier")
         if self._size > 1:
@@ -616,6 +658,11 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def _raw_barrier(self, op: str) -> None: ...
+
+    def _raw_allreduce(self, values: torch.Tensor, op: str) -> None:
+        """In-place sum of a non-empty fp32 ``values`` over the ranks (validated, same length
+        everywhere). Optional: backends that have a native allreduce override it."""
+        raise NotImplementedError(f"the {self.name} transport has no allreduce")
 
     def _raw_close(self) -> None:
         pass

@@ -171,6 +171,17 @@ class LoopbackTransport(Transport):
             buf.copy_(parts[root])
         self._exchange(op + ".done", None)
 
+    def _raw_allreduce(self, values, op):
+        # Copies are deposited, so a rank may overwrite its values before the others have read
+        # them; every rank adds them in rank order, so all end with the same bits.
+        parts = self._exchange(op, values.clone())
+        total = parts[0].clone()
+        for i, part in enumerate(parts[1:], 1):
+            if part.numel() != total.numel():
+                raise self._err(op, f"rank {i} contributes {part.numel()} values, rank 0 {total.numel()}", [i])
+            total.add_(part)
+        values.copy_(total)
+
     def _raw_barrier(self, op):
         self._exchange(op, None)
 

@@ -131,6 +131,9 @@ class MpiTransport(Transport):
     def _raw_broadcast(self, buf, root, op):
         self._call(op, self._comm.bcast, buf.data_ptr(), buf.numel(), root, self.timeout_s)
 
+    def _raw_allreduce(self, values, op):
+        self._call(op, self._comm.allreduce_f32, values.data_ptr(), values.numel(), self.timeout_s)
+
     def _raw_barrier(self, op):
         self._call(op, self._comm.barrier, self.timeout_s)
 

@@ -33,6 +33,8 @@ from hipress.comm.transport.base import Transport, TransportError
 __all__ = ["NcclTransport", "available", "unavailable_reason"]
 
 _NCCL_UINT8 = 1
+_NCCL_FLOAT32 = 7  # nccl.h: ncclFloat32
+_NCCL_SUM = 0  # nccl.h: ncclSum
 _lib = None
 _lib_error: Optional[str] = None
 
@@ -79,6 +81,7 @@ def _load():
     lib.ncclRecv.argtypes = [vp, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, vp, vp]
     lib.ncclAllGather.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, vp, vp]
     lib.ncclBroadcast.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, vp, vp]
+    lib.ncclAllReduce.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, vp, vp]
     lib.ncclCommGetAsyncError.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
     lib.ncclCommAbort.argtypes = [vp]
     lib.ncclCommDestroy.argtypes = [vp]
@@ -253,6 +256,12 @@ class NcclTransport(Transport):
         peers = [root] if self._rank != root else [p for p in range(self._size) if p != root]
         self._run(op, peers, lambda s: self._enq(op, self._lib.ncclBroadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(),
                                                                              _NCCL_UINT8, root, self._comm, s)))
+
+    def _raw_allreduce(self, values, op):
+        p = values.data_ptr()  # in place: NCCL allows sendbuff == recvbuff
+        self._run(op, [q for q in range(self._size) if q != self._rank],
+                  lambda s: self._enq(op, self._lib.ncclAllReduce(p, p, values.numel(), _NCCL_FLOAT32, _NCCL_SUM,
+                                                                  self._comm, s)))
 
     def _raw_barrier(self, op):
         self.boot.barrier()

@@ -128,6 +128,27 @@ def check_broadcast(t: Transport) -> None:
             _eq(f"broadcast root {root} {m}B", t, buf, pattern(1300 + root + m, m))
 
 
+def check_allreduce(t: Transport) -> None:
+    """Sums of small integers (exact in fp32 whatever order the backend adds in), sizes from
+    nothing to above a megabyte, every rank the same bits; then a length that differs on the
+    last rank raises on every rank (with checking). Skipped by backends without one."""
+    if not t.has_allreduce:
+        return
+    n, r = t.size, t.rank
+    for m in (0, 1, 7, 4096 + 3, (1 << 18) + 5):
+        values = pattern(1700 + r + m, m).float()
+        t.allreduce(values)
+        want = sum(pattern(1700 + i + m, m).float() for i in range(n)) if m else torch.empty(0)
+        _eq(f"allreduce {m} floats", t, values.view(torch.uint8), want.view(torch.uint8))
+    if t.check and n > 1:
+        _expect_error("allreduce length mismatch", t, lambda: t.allreduce(torch.zeros(3 + (r == n - 1))), True,
+                      "element counts differ")
+        values = torch.full((5,), float(r + 1))  # still usable after the error
+        t.allreduce(values)
+        _eq("allreduce after an error", t, values.view(torch.uint8),
+            torch.full((5,), float(n * (n + 1) // 2)).view(torch.uint8))
+
+
 def check_barrier(t: Transport) -> None:
     for _ in range(3):
         t.barrier()
@@ -252,6 +273,7 @@ CHECKS: Dict[str, Callable[[Transport], None]] = {
     "allgather": check_allgather,
     "allgatherv": check_allgatherv,
     "broadcast": check_broadcast,
+    "allreduce": check_allreduce,
     "barrier": check_barrier,
     "groups": check_groups,
 }

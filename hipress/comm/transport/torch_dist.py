@@ -12,6 +12,7 @@ alltoallv: concurrent point-to-point sends and receives by default (gloo's
 ``alltoall_base`` moved a 16 MB 2-rank exchange at half the link rate on the emulated
 cluster); ``HIPRESS_TORCH_ALLTOALL=native`` selects ``alltoall_base`` (falling back to
 point-to-point if the backend refuses it). allgatherv is always made of sends and receives.
+allreduce is the process group's own (``pg.allreduce``, sum).
 
 Errors from the backend (a peer that closed its connection, gloo's own timeout) come back
 as :class:`TransportError` naming the operation and the peers involved.
@@ -252,6 +253,13 @@ class TorchDistTransport(Transport):
         opts.rootTensor = 0
         peers = [root] if self._rank != root else self._others()
         self._wait(op, [self._post(op, peers, self.pg.broadcast, [buf], opts)], peers)
+
+    def _raw_allreduce(self, values, op):
+        # The backend's own algorithm (gloo: ring or halving-doubling by size; NCCL's on CUDA
+        # buffers). A collective cannot tell which peer is late, so a failure names every other rank.
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._wait(op, [self._post(op, self._others(), self.pg.allreduce, [values], opts)], self._others())
 
     def _raw_barrier(self, op):
         if self.backend == "gloo":

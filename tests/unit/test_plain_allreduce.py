@@ -1,0 +1,274 @@
+"""Uncompressed gradients through the transport's own allreduce (issue 21): the transport
+operation, the sync strategy, how make_sync chooses it, and the planner's price of it.
+Ranks are threads over the loopback transport."""
+import pytest
+import torch
+
+from hipress import compression
+from hipress.comm.coordinator import Executor
+from hipress.comm.exchange import CommChain, CoordinatedExchange, DirectExchange, Exchanges
+from hipress.comm.transport import loopback
+from hipress.comm.transport.base import Transport, TransportError
+from hipress.compression.none import NoneCompressor
+from hipress.engine import Engine
+from hipress.planner.cost_model import AffineCurve, CostModel, executed_allreduce
+from hipress.planner.plan import chunk_bounds
+from hipress.sync import AllreduceStrategy, RingStrategy, StateStore, SyncContext, make_sync, reference
+from hipress.sync.allreduce import contiguous_spans
+
+
+def grads_for(n, numel, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=g) for _ in range(n)]
+
+
+# ------------------------------------------------------------------ the transport operation
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_loopback_allreduce_sums_in_place_identically(n):
+    grads = grads_for(n, 1001, seed=n)
+
+    def body(tr):
+        x = grads[tr.rank].clone()
+        tr.allreduce(x)
+        return x
+
+    out = loopback.spawn(n, body, timeout_s=30)
+    exact = torch.stack(grads).double().sum(0).float()
+    for x in out:
+        torch.testing.assert_close(x, exact, rtol=1e-6, atol=1e-6)
+        assert torch.equal(x, out[0])  # every rank holds the same bits
+
+
+def test_allreduce_of_nothing_and_of_views():
+    def body(tr):
+        tr.allreduce(torch.empty(0))  # nothing to sum: no error
+        buf = torch.full((10,), float(tr.rank + 1))
+        tr.allreduce(buf[2:7])  # a contiguous view: only it changes
+        return buf
+
+    for r, buf in enumerate(loopback.spawn(3, body, timeout_s=30)):
+        assert buf[2:7].tolist() == [6.0] * 5
+        assert buf[:2].tolist() == buf[7:].tolist()[:2] == [float(r + 1)] * 2
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda r: torch.zeros(4, dtype=torch.float64), "torch.float32"),
+    (lambda r: torch.zeros(4, 2), "1-D"),
+    (lambda r: torch.zeros(8)[::2], "contiguous"),
+    (lambda r: torch.zeros(4, dtype=torch.uint8), "torch.float32"),
+])
+def test_bad_values_raise_the_same_error_on_every_rank(bad, match):
+    """Rank 1 passes a bad tensor: with checking, every rank raises (rank 0 names rank 1)."""
+    def body(tr):
+        x = bad(tr.rank) if tr.rank == 1 else torch.zeros(4)
+        try:
+            tr.allreduce(x)
+        except TransportError as e:
+            return str(e), e.peers
+        return None
+
+    out = loopback.spawn(2, body, timeout_s=30)
+    assert out[1] is not None and match in out[1][0]
+    assert out[0] is not None and "rank(s) [1] passed invalid arguments" in out[0][0] and out[0][1] == [1]
+
+
+def test_lengths_that_differ_between_ranks_are_refused_on_every_rank():
+    def body(tr):
+        try:
+            tr.allreduce(torch.zeros(5 + (tr.rank == 2)))
+        except TransportError as e:
+            return str(e), e.peers
+        return None
+
+    for msg, peers in loopback.spawn(3, body, timeout_s=30):
+        assert "element counts differ between ranks: [5, 5, 6]" in msg and 2 in peers
+
+
+def test_a_rank_that_never_arrives_is_named():
+    def body(tr):
+        if tr.rank == 1:
+            return None  # leaves without taking part
+        try:
+            tr.allreduce(torch.ones(3))
+        except TransportError as e:
+            return e.peers
+        return "no error"
+
+    assert loopback.spawn(2, body, timeout_s=10)[0] == [1]
+
+
+def test_a_transport_without_a_native_allreduce_says_so():
+    class NoSum(loopback.LoopbackTransport):
+        _raw_allreduce = Transport._raw_allreduce
+
+    tr = NoSum(loopback.LoopbackWorld(1), 0)
+    assert not tr.has_allreduce and loopback.LoopbackTransport(loopback.LoopbackWorld(1), 0).has_allreduce
+    with pytest.raises(NotImplementedError, match="has no allreduce"):
+        tr.allreduce(torch.ones(2))
+
+
+# ------------------------------------------------------------------ the strategy
+def test_contiguous_spans():
+    assert contiguous_spans([(0, 3), (3, 7), (7, 7), (9, 12)]) == [(0, 7), (9, 12)]
+    assert contiguous_spans([(0, 0)]) == []
+    assert contiguous_spans(chunk_bounds(1001, 4)) == [(0, 1001)]
+
+
+def run_allreduce(grads, bounds, average=True, steps=1):
+    n = len(grads)
+
+    def body(tr):
+        eng = Engine()
+        try:
+            ctx = SyncContext(eng, DirectExchange(eng, tr, CommChain()), NoneCompressor(), StateStore(tr.rank))
+            strat = AllreduceStrategy(average=average)
+            flat = grads[tr.rank].clone()
+            for _ in range(steps):
+                strat.build(ctx, "w", flat, bounds).result(timeout=30)
+            return flat, eng.counters()
+        finally:
+            eng.shutdown()
+
+    return loopback.spawn(n, body, timeout_s=60)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("numel,k", [(0, 1), (1, 1), (1001, 1), (4097, 4)])
+def test_strategy_equals_exact_average(n, numel, k):
+    grads = grads_for(n, numel, seed=numel + n)
+    out = run_allreduce(grads, chunk_bounds(numel, k))
+    exact = torch.stack(grads).double().mean(0).float()
+    for flat, _ in out:
+        torch.testing.assert_close(flat, exact, rtol=1e-6, atol=1e-6)
+        assert torch.equal(flat, out[0][0])
+
+
+def test_strategy_issues_one_collective_per_bucket_whatever_k():
+    """K partitions that touch are one allreduce (one comm task), not K."""
+    grads = grads_for(3, 4097)
+    for flat, stats in run_allreduce(grads, chunk_bounds(4097, 4), average=False):
+        torch.testing.assert_close(flat, torch.stack(grads).sum(0), rtol=1e-6, atol=1e-6)
+        assert stats["comm"]["tasks_run"] == 1, stats
+
+
+def test_compressed_and_plain_buckets_share_one_order_of_communication():
+    """A ring-compressed bucket and an allreduce bucket submitted on one chain, in the same
+    order on every rank, both arrive: the compressed one as its reference, the plain one exact."""
+    n = 3
+    comp_grads, plain_grads = grads_for(n, 600, seed=1), grads_for(n, 777, seed=2)
+    bounds_c, bounds_p = chunk_bounds(600, 2), chunk_bounds(777, 1)
+    comp = lambda: compression.get("tbq", threshold=0.05)  # noqa: E731
+
+    def body(tr):
+        eng = Engine()
+        try:
+            exchange = DirectExchange(eng, tr, CommChain())
+            st = StateStore(tr.rank)
+            c = SyncContext(eng, exchange, comp(), st)
+            p = SyncContext(eng, exchange, NoneCompressor(), st)
+            a, b = comp_grads[tr.rank].clone(), plain_grads[tr.rank].clone()
+            h1 = RingStrategy().build(c, "a", a, bounds_c)
+            h2 = AllreduceStrategy().build(p, "b", b, bounds_p)
+            h1.result(timeout=30)
+            h2.result(timeout=30)
+            return a, b
+        finally:
+            eng.shutdown()
+
+    out = loopback.spawn(n, body, timeout_s=60)
+    want = reference.ring(comp_grads, comp(), [StateStore(r) for r in range(n)], "a", bounds_c)
+    exact = torch.stack(plain_grads).double().mean(0).float()
+    for r, (a, b) in enumerate(out):
+        torch.testing.assert_close(a, want[r], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b, exact, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ make_sync's choice
+def _exchanges(eng, tr, coordinated_with=None):
+    if coordinated_with is not None:
+        ex = CoordinatedExchange(eng, coordinated_with, range(tr.size))
+        return Exchanges(ex, ex, ex)
+    chain = CommChain()
+    d = DirectExchange(eng, tr, chain)
+    return Exchanges(d, d, d)
+
+
+@pytest.mark.parametrize("coordinated", [False, True])
+def test_make_sync_sends_uncompressed_gradients_through_the_allreduce_where_it_can(coordinated):
+    def body(tr):
+        eng = Engine()
+        executor = Executor(tr.split(0, key=tr.rank), batch_bytes=1 << 12) if coordinated else None
+        try:
+            ex = _exchanges(eng, tr, executor)
+            st = StateStore(tr.rank)
+
+            def kind(comp, strategy, **kw):
+                return make_sync(eng, ex, comp, strategy, st, True, False, tr.size, True, **kw).strategy.name
+
+            return (kind(NoneCompressor(), "ring"), kind(NoneCompressor(), "ps"),
+                    kind(NoneCompressor(), "ring", plain_allreduce=False),
+                    kind(compression.get("tbq", threshold=0.05), "ring"))
+        finally:
+            if executor is not None:
+                executor.close()
+            eng.shutdown()
+
+    got = loopback.spawn(2, body, timeout_s=60)[0]
+    if coordinated:  # the coordinator plans point-to-point messages: the named strategies run them
+        assert got == ("ring", "ps", "ring", "ring")
+    else:
+        assert got == ("allreduce", "allreduce", "ring", "ring")
+
+
+def test_local_aggregation_sums_the_host_with_the_allreduce():
+    """4 ranks on 2 "hosts": the host phase is an allreduce; uncompressed across hosts too."""
+    n = 4
+    grads = grads_for(n, 501, seed=3)
+
+    def body(tr):
+        eng = Engine()
+        try:
+            local, cross = tr.split(tr.rank // 2), tr.split(tr.rank % 2)
+            chain = CommChain()
+            ex = Exchanges(DirectExchange(eng, tr, chain), DirectExchange(eng, local, chain),
+                           DirectExchange(eng, cross, chain))
+            sync = make_sync(eng, ex, NoneCompressor(), "ring", StateStore(tr.rank), True, True, n,
+                             local.rank == 0)
+            flat = grads[tr.rank].clone()
+            sync.build("w", flat, chunk_bounds(501, 2)).result(timeout=30)
+            return sync.strategy.local_sum.name, sync.strategy.cross.name, flat
+        finally:
+            eng.shutdown()
+
+    exact = torch.stack(grads).double().mean(0).float()
+    for local_name, cross_name, flat in loopback.spawn(n, body, timeout_s=60):
+        assert (local_name, cross_name) == ("allreduce", "allreduce")
+        torch.testing.assert_close(flat, exact, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the planner
+def _model(**kw):
+    send = AffineCurve(1e-4, 1e-9)  # 0.1 ms + 1 GB/s
+    return CostModel(send, AffineCurve(1e-5, 1e-10), AffineCurve(1e-5, 1e-10), 4, "ring", "quantization", 1 / 16,
+                     enc_plain=AffineCurve(0.0, 0.0), dec_plain=AffineCurve(0.0, 1e-10), task_s=2e-5, **kw)
+
+
+def test_planner_prices_the_plain_path_as_one_collective():
+    m = 8 << 20
+    model = _model(plain_allreduce=True)
+    want = 2 * 3 * model.send(m / 4) + 2e-5 + model.dec_plain(m)
+    assert executed_allreduce(model.send, model.dec_plain, model.task_s, m, 4) == pytest.approx(want)
+    assert all(model.t_sync(m, False, k) == pytest.approx(want) for k in (1, 2, 4))
+    # hipress's own ring pays a task hand-off per step and, with K partitions, K times the latency
+    assert _model().t_sync(m, False, 4) > want
+    d = model.decide(m)
+    assert d.t_orig == pytest.approx(want) and d.k_orig == 1
+    assert model.t_sync(m, True, 2) == _model().t_sync(m, True, 2)  # the compressed branch is unchanged
+
+
+def test_planner_compresses_less_when_the_plain_path_is_cheaper():
+    """Where compressing barely beats hipress's ring, the allreduce wins instead."""
+    slow_ring = _model(plain_allreduce=False)
+    fast = _model(plain_allreduce=True)
+    decided = [(slow_ring.decide(m).compress, fast.decide(m).compress) for m in (1 << 10, 1 << 16, 1 << 20, 1 << 24)]
+    assert all(f <= s for s, f in decided)  # never compresses more with the cheaper plain path
