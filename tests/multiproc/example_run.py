@@ -39,6 +39,15 @@ def clean_env(timeout_s: str, **extra) -> dict:
     return env
 
 
+def as_from_a_terminal():
+    """Popen preexec_fn: SIGINT and SIGQUIT back to their defaults in the child, as a terminal's
+    Ctrl-C finds them. A job started in the background by a non-interactive shell (nohup, CI
+    scripts) inherits them ignored, and a Python started so never raises KeyboardInterrupt: a
+    clean-clone run launched that way failed the SIGINT tests without any fault of the CLIs."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def running(program: str, marker: str):
     """pids of `program` (argv[0]'s base name) whose command line contains marker: processes
     that got as far as exec'ing it. A process between fork and exec still shows its parent's

@@ -20,7 +20,7 @@ import sys
 import time
 
 import pytest
-from example_run import procs_with, running
+from example_run import as_from_a_terminal, procs_with, running
 
 from hipress.bench import cluster as cl
 from hipress.bench.cluster import EmulatedCluster, measure_bandwidth, measure_rtt
@@ -331,7 +331,7 @@ def test_cli_signal_tears_down(sig, expected):
     marker = f"68.{os.getpid()}{int(sig)}"
     p = subprocess.Popen([PY, "-m", "hipress.bench.cluster", "--np", "2", "--bandwidth", "500mbit", "--latency", "1ms",
                           "--", "sleep", marker], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=as_from_a_terminal)
     prefix = f"{cl.PREFIX}{p.pid}-"
     try:
         # polled, so a generous bound costs nothing when the start is prompt (20 s was too short

@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from example_run import ROOT, clean_env, procs_with, running
+from example_run import ROOT, as_from_a_terminal, clean_env, procs_with, running
 
 from hipress.launch import run
 
@@ -54,7 +54,7 @@ def test_rank_killed_by_a_signal_reports_128_plus_n_and_timeout_124():
 def test_cli_signal_stops_every_rank(sig, expected):
     marker = f"72.{os.getpid()}{int(sig)}"
     p = subprocess.Popen([PY, "-m", "hipress.launch", "-np", "2", "sleep", marker], cwd=ROOT, env=clean_env("30"),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=as_from_a_terminal)
     try:
         # polled, so a generous bound costs nothing when the start is prompt: the launcher imports
         # torch, which took over 20 s in a CI run beside a busy loop and five other jobs
