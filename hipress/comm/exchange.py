@@ -261,11 +261,6 @@ class Exchanges:
     local: Exchange
     cross: Exchange
 
-    def waiting_for(self) -> Optional[tuple]:
-        """(operation name, world ranks it still waits to hear from) of the transfer in progress on
-        this rank's comm thread, or None (nothing in flight, or the coordinator schedules it)."""
-        return waiting_for(self.world)
-
     def rebind(self, world_transport, local_transport, cross_transport) -> None:
         """Moves the direct exchanges onto fresh transports (after ``world.reconnect()``)."""
         for ex, tr in ((self.world, world_transport), (self.local, local_transport), (self.cross, cross_transport)):
