@@ -59,7 +59,7 @@ from hipress.bench import tasks
 from hipress.compression import reference as ref
 from hipress.compression.error_feedback import ErrorFeedback
 from hipress.compression.grace_api import Ported
-from hipress.sync.base import rng_stream_start
+from hipress.sync.base import partition_shape, rng_stream_start
 from hipress.sync.lowrank import matrix_shape
 from hipress.torch import clipping, momentum
 from hipress.torch.optimizer import (DistributedOptimizer, bucket_bounds, final_gradient, fusion_buckets,
@@ -85,7 +85,8 @@ def _none(p, n, counter):
 
 
 def _onebit(p, n, counter):
-    return ref.onebit_encode, ref.onebit_decode
+    row = int(p.get("row", 0))  # the state's row length (OneBit.row_length of the partition's shape)
+    return (lambda x: ref.onebit_encode(x, row)), ref.onebit_decode
 
 
 def _tbq(p, n, counter):
@@ -293,7 +294,7 @@ class Reference:
                 raise Unsupported(str(e)) from None
         ef = (comp.beta, comp.gamma) if isinstance(comp, ErrorFeedback) else None
         inner = comp.inner if ef else comp
-        self.algo, self.name, self.ef = algo, inner.name, ef
+        self.algo, self.name, self.ef, self.inner = algo, inner.name, ef, inner
         self.params = dict(getattr(inner, "params", {}))
         if self.ported is not None:
             self.semantics = f"grace {comp.communicator}"
@@ -335,7 +336,10 @@ class Reference:
                 continue
             key = f"{bucket.name}/p{i}/worker"  # the allgather strategy's state key
             if key not in self._states:
-                self._states[key] = [_Worker(*self._make(self.params, e - s, rng_stream_start(r, key)), e - s,
+                params = self.params
+                if hasattr(self.inner, "row_length"):  # onebit: per-row scales of the partition's shape
+                    params = {**params, "row": self.inner.row_length(e - s, partition_shape(bucket.segments, s, e))}
+                self._states[key] = [_Worker(*self._make(params, e - s, rng_stream_start(r, key)), e - s,
                                              self.ef) for r in range(self.size)]
             acc = np.zeros(e - s, np.float32)
             for r, worker in enumerate(self._states[key]):  # rank order, as every rank adds them

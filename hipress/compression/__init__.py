@@ -58,13 +58,13 @@ def compress(grad: torch.Tensor, name: str = "tbq", state: Optional[CompressorSt
 DECOMPRESS_MIN_NUMEL = 1 << 16
 DECOMPRESS_NUMEL_PER_BYTE = 1024
 
-# Bit widths of the packed body: onebit, tbq, terngrad; GRACE's quantizers (docs/grace.md): signsgd, signum,
+# Bit widths of the packed body: tbq, terngrad; GRACE's quantizers (docs/grace.md): signsgd, signum,
 # efsignsgd (sign bits), qsgd, natural, u8bit (8-bit codes), terngrad_grace (2-bit), fp16, bf16 (16-bit values)
-_DENSE_BITS = {1: (1,), 2: (2,), 3: (1, 2, 4, 8), 7: (1,), 8: (1,), 9: (1,), 10: (8,), 11: (8,), 12: (2,), 13: (8,),
+_DENSE_BITS = {2: (2,), 3: (1, 2, 4, 8), 7: (1,), 8: (1,), 9: (1,), 10: (8,), 11: (8,), 12: (2,), 13: (8,),
                14: (16,), 15: (16,)}
 # fp32 header words (scales, thresholds, norms) per built-in; GRACE's sparsifiers (docs/grace.md):
 # randomk, topk, threshold (v), adaq (two means), dgc_grace (threshold), sketch, powersgd_grace
-_FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 4: 1, 5: 1, 6: 0, 7: 1, 8: 1, 9: 1, 10: 2, 11: 0, 12: 1, 13: 1, 14: 0, 15: 0,
+_FLOAT_WORDS = {1: 0, 2: 1, 3: 3, 4: 1, 5: 1, 6: 0, 7: 1, 8: 1, 9: 1, 10: 2, 11: 0, 12: 1, 13: 1, 14: 0, 15: 0,
                 20: 0, 21: 0, 22: 1, 23: 2, 24: 1, 25: 0, 26: 0, 27: 0}
 _SPARSE_PAIRS = (4, 5, 20, 21, 22, 24)  # count (uint32 index, fp32 value) pairs
 _NAMES = {24: "dgc_grace", 26: "powersgd_grace"}  # payload names that are not the class name in lower case
@@ -99,6 +99,12 @@ def _check_layout(algo: int, bits: int, kind: int, count: int, numel: int, body:
         if count != 0 or kind != 0:
             bad(f"unexpected count {count} / kind {kind}")
         expected = (numel * bits + 7) // 8
+    elif algo == 1:  # onebit: sign bits, then one fp32 scale per row; count = the row length
+        if bits != 1 or kind != 0:
+            bad(f"unexpected bit width {bits} / kind {kind}")
+        if (count == 0 or count > numel) if numel else count != 0:
+            bad(f"row length {count} for {numel} elements")
+        expected = (numel + 7) // 8 + (4 * ((numel + count - 1) // count) if numel else 0)
     elif algo in _SPARSE_PAIRS:  # DGC, GradDrop, GRACE's sparsifiers: count (uint32 index, fp32 value) pairs
         if bits != 0 or kind != 0:
             bad(f"unexpected bit width {bits} / kind {kind}")

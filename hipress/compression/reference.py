@@ -144,21 +144,39 @@ def _body(payload) -> np.ndarray:
 # ---------------------------------------------------------------- onebit
 
 
-def onebit_encode(g: np.ndarray) -> bytes:
-    """Sign bits, decoded as +-scale with scale = ||g||_2 / sqrt(n) (hipress/dsl/specs/onebit.cll)."""
+def onebit_row_length(n: int, row: int) -> int:
+    """The kernel's row length: ``row`` elements, or the whole tensor for row <= 0 or row >= n."""
+    return n if row <= 0 or row >= n else row
+
+
+def onebit_encode(g: np.ndarray, row: int = 0) -> bytes:
+    """Sign bits, decoded as +-scale with scale = ||x||_2 / sqrt(len) of each row x of ``row``
+    elements (the last one shorter; 0: the tensor is one row) (hipress/dsl/specs/onebit.cll).
+    Payload: header (count = the row length), the packed sign bits, one float scale per row."""
     g = np.asarray(g, dtype=np.float32).reshape(-1)
-    neg = np.signbit(g)
-    # the kernel: squares in float, their mean accumulated in double, rounded to float, sqrt in float
-    mean_sq = np.float32((g * g).astype(np.float64).sum() / g.size) if g.size else np.float32(0)
-    pos = np.sqrt(mean_sq, dtype=np.float32)
-    body = np.packbits(neg.astype(np.uint8), bitorder="little")
-    return make_header("onebit", g.size, body.size, bits=1, words=(f32_word(pos), f32_word(-pos))) + body.tobytes()
+    n = g.size
+    length = onebit_row_length(n, int(row))
+    scales = np.empty(-(-n // length) if n else 0, dtype=np.float32)
+    sq = (g * g).astype(np.float64)  # the kernel: squares in float, each row's mean accumulated in double
+    for r in range(scales.size):
+        part = sq[r * length:(r + 1) * length]
+        scales[r] = np.sqrt(np.float32(part.sum() / part.size), dtype=np.float32)
+    bits = np.packbits(np.signbit(g).astype(np.uint8), bitorder="little")
+    body = bits.tobytes() + scales.tobytes()
+    return make_header("onebit", n, len(body), bits=1, count=length) + body
 
 
 def onebit_decode(payload, n: int) -> np.ndarray:
     h = parse_header(payload)
-    table = np.array([word_f32(h["words"][0]), word_f32(h["words"][1])], dtype=np.float32)
-    return table[unpack_bits(_body(payload), n, 1)]
+    length = int(h["count"])
+    body = _body(payload)
+    nbits = -(-n // 8)
+    scales = np.frombuffer(body[nbits:].tobytes(), dtype=np.float32)
+    if n and (length < 1 or scales.size != -(-n // length)):
+        raise ValueError("onebit payload: row length and scales do not match")
+    signs = unpack_bits(body[:nbits], n, 1)
+    per_elem = np.repeat(scales, length)[:n] if n else np.zeros(0, np.float32)
+    return np.where(signs == 1, -per_elem, per_elem).astype(np.float32)
 
 
 # ---------------------------------------------------------------- TBQ

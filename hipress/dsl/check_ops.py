@@ -40,7 +40,11 @@ class OperatorTyper:
             if at.length != "mat" or u.ret == "float" else self.err(e.args[1], "map over a matrix gives floats")
 
     def op_map2(self, e, scope, ctx):
-        """map(A, B, f): f(A[i], B[i]) for two float arrays of the gradient's size (zip)."""
+        """map(A, B, f): f(A[i], B[i]) for two float arrays of the gradient's size (zip); in decode,
+        map(codes, R, f) with R an array of one value per row (a per-row reduce's, extracted):
+        f(codes[i], R[row of i])."""
+        if ctx == "decode":
+            return self.op_map_rows(e, scope, ctx)
         if ctx != "encode":
             self.err(e, "map(array, array, udf) is used in encode")
         for a in e.args[:2]:
@@ -53,6 +57,20 @@ class OperatorTyper:
         if u.randoms:
             self.err(e.args[2], "map(array, array, udf) takes a deterministic function")
         e.zip = True
+        return Arr("float", "n")
+
+    def op_map_rows(self, e, scope, ctx):
+        at = self.array_arg(e.args[0], scope, ctx, "map")
+        rt = self.array_arg(e.args[1], scope, ctx, "map")
+        if at.length != "n" or rt.length != "rows" or rt.elem != "float":
+            self.err(e, "in decode, map(codes, row_values, udf) takes an array of the gradient's size and a float "
+                        "array of one value per row (from a per-row reduce)")
+        u = self.udf_arg(e.args[2], scope, (2,), "map(codes, row_values, udf)")
+        if u.randoms:
+            self.err(e.args[2], f"'{u.func.name}' draws random numbers; decode is deterministic")
+        if u.ret not in ("float", "int32") and u.ret not in INTS:
+            self.err(e.args[2], f"'{u.func.name}' must return a number")
+        e.rows = True
         return Arr("float", "n")
 
     def op_threshold(self, e, scope, ctx):
@@ -74,6 +92,8 @@ class OperatorTyper:
         return "float"
 
     def op_reduce(self, e, scope, ctx):
+        if len(e.args) == 3:
+            return self.op_reduce_rows(e, scope, ctx)
         if len(e.args) != 2:
             self.err(e, f"reduce(array, f) takes an array and a reducer ({', '.join(REDUCERS)} or a user-defined "
                         f"function of two values)")
@@ -96,6 +116,26 @@ class OperatorTyper:
         if u.ret is None or is_arr(u.ret):
             self.err(r, "a reducer returns a value")
         return u.ret
+
+    def op_reduce_rows(self, e, scope, ctx):
+        """reduce(A, sum|mean, row): one value per row of `row` elements of A (the last row may be shorter;
+        row <= 0 or >= the length: the whole array is one row), a float array of per-row values."""
+        if ctx != "encode":
+            self.err(e, "a per-row reduce(array, f, row) is used in encode")
+        src = e.args[0]
+        inner = src.args[0] if isinstance(src, A.Call) and src.func == "map" and len(src.args) == 2 else src
+        at = self.array_arg(src, scope, ctx, "reduce")
+        if at.length != "n" or at.elem != "float" or not isinstance(inner, A.Name):
+            self.err(src, "a per-row reduce takes a float array of the gradient's size (a variable or map(variable, f))")
+        r = e.args[1]
+        if not (isinstance(r, A.Name) and r.id in ("sum", "mean") and r.id not in self.udfs):
+            self.err(r, "a per-row reduce sums: its reducer is sum or mean")
+        r.ty = "function"
+        e.reducer = r.id
+        if self.expr(e.args[2], scope, ctx) not in INTS:
+            self.err(e.args[2], "reduce's row length is an integer")
+        e.rows = True
+        return Arr("float", "rows")
 
     def op_filter(self, e, scope, ctx):
         if len(e.args) not in (2, 3):

@@ -687,6 +687,13 @@ class Checker(ExprTyper, OperatorTyper):
             if words > MAX_HEADER_WORDS - 2:
                 self.err(call, f"with a matrix view, concat stores at most {MAX_HEADER_WORDS - 2} scalars (header "
                                f"words 0 and 1 hold rows and cols)")
+        per_row = [a for a in call.args if is_arr(a.ty) and a.ty.length == "rows"]
+        if per_row and any(is_arr(a.ty) and a.ty.length == "var" for a in call.args):
+            self.err(per_row[0], "a payload holds per-row arrays or data-dependent arrays, not both (the header's "
+                                 "count holds the row length of one and the length of the other)")
+        for a in per_row:
+            if a.ty.elem != "float":
+                self.err(a, f"a per-row array in a payload holds floats, not {a.ty.elem}")
         packed = [a for a in call.args if is_arr(a.ty) and (a.ty.elem == "uintN" or bits_of(a.ty.elem))]
         widths = {(a.ty.elem if a.ty.elem != "uintN" else "dyn") for a in packed}
         if len(widths) > 1:

@@ -570,6 +570,8 @@ class Generator:
             return self.block(ind, self.scatter_into, tgt, sym, call, env)
         if f == "map":
             return self.block(ind, self.map_op, tgt, sym, call, env)
+        if f == "reduce" and getattr(call, "rows", False):
+            return self.block(ind, self.reduce_rows_op, tgt, call, env)
         if f == "filter":
             return self.block(ind, self.filter_op, tgt, call, env)
         if f == "sort":
@@ -602,6 +604,20 @@ class Generator:
             self.t.map_packed(tgt, src, call.ty, u, acode, code, "out + kHeaderBytes" if direct else "nullptr", ind)
         else:
             self.t.map_plain(tgt, sym, src, u, acode, code, call.ty.elem, ind)
+            if st.length == "rows":  # a map of per-row values is per row too
+                self.emit(f"{tgt}.row = {acode}.row;", ind)
+
+    def reduce_rows_op(self, tgt, call, env, ind):
+        """reduce(A, sum|mean, row) or reduce(map(A, f), ...): a float array of one value per row."""
+        src, _, row = call.args
+        mapf = None
+        if isinstance(src, A.Call):
+            mapf = self.s.udfs[src.args[1].id]
+            src = src.args[0]
+        if mapf is not None and mapf.randoms:
+            self.err(call, "reduce(map(..., f), r, row) with a random f is not supported; map into a variable first")
+        acode = self.array_code(src, env)
+        self.t.reduce_rows(tgt, call, src, mapf, acode, self.conv(self.ex(row, env), row.ty, "int32"), ind)
 
     def map2_op(self, tgt, sym, call, env, ind):
         a, b, fn = call.args
@@ -681,7 +697,7 @@ class Generator:
             t = a.ty
             if not is_arr(t):
                 continue
-            ln = "nvar" if t.length == "var" else "n"
+            ln = "nvar" if t.length == "var" else "n"  # per-row arrays: at most n rows (rows of 1)
             if t.elem in UINTS:
                 terms.append(f"hipress::compress::ops::packed_bytes({ln}, {UINTS[t.elem]})")
             elif t.elem == "uintN":
@@ -700,13 +716,19 @@ class Generator:
         t = self.t
         arrays = [(self.array_code(a, env), a.ty) for a in call.args if is_arr(a.ty)]
         var_first = next((code for code, ty in arrays if ty.length == "var"), None)
+        rows_first = next((code for code, ty in arrays if ty.length == "rows"), None)
         packed_first = next((code for code, ty in arrays if is_packed(ty)), None)
         self.emit("{", ind)
         i2 = ind + 1
         self.emit(f"{t.HEADER} h; h.algo = kAlgoId; h.numel = n;", i2)
         body = []
         for code, ty in arrays:
-            if ty.length == "var":
+            if ty.length == "rows":  # the header's count holds the row length; the rows follow from it
+                same = "" if code == rows_first else f"{code}.row != {rows_first}.row || "
+                self.emit(f"if ({same}{code}.n != hp::row_count(n, {code}.row) || "
+                          f"{code}.row > 0xffffffffu) throw std::logic_error(\"concat: a per-row array does not match the "
+                          f"rows of the gradient\");", i2)
+            elif ty.length == "var":
                 self.emit(f"if ({code}.n != {var_first}.n) throw std::invalid_argument(\"concat: the data-dependent "
                           f"arrays of a payload must have the same length\");", i2)
             else:
@@ -720,6 +742,8 @@ class Generator:
             self.emit(f"h.bits = static_cast<uint8_t>({packed_first}.bits);", i2)
         if var_first:
             self.emit(f"h.count = static_cast<uint32_t>({var_first}.n);", i2)
+        if rows_first:
+            self.emit(f"h.count = static_cast<uint32_t>({rows_first}.row);", i2)
         self.emit("h.body_bytes = body;", i2)
         self.emit("size_t off = kHeaderBytes;", i2)
         w = 0
@@ -756,6 +780,7 @@ class Generator:
         self.emit(f"const {t.HEADER_READ_T} h = {t.READ_HEADER}(in, bytes, kAlgoId, n);", ind)
         packed = [ty for ty in layout if is_arr(ty) and is_packed(ty)]
         var = [ty for ty in layout if is_arr(ty) and ty.length == "var"]
+        per_row = [ty for ty in layout if is_arr(ty) and ty.length == "rows"]
         self.emit("[[maybe_unused]] int bits = 0;", ind)
         if packed and packed[0].elem in UINTS:
             b = UINTS[packed[0].elem]
@@ -773,6 +798,11 @@ class Generator:
             self.emit(f"if (h.count > n) throw {FE}(kName + std::string(\" payload: \") + std::to_string(h.count)"
                       " + \" entries for \" + std::to_string(n) + \" elements\");", ind)
             self.emit("const size_t cnt = h.count;", ind)
+        elif per_row:  # count is the row length: 1..n (0 for an empty tensor)
+            self.emit(f"if (n ? (h.count == 0 || h.count > n) : h.count != 0) throw {FE}(kName + std::string("
+                      "\" payload: row length \") + std::to_string(h.count) + \" for \" + std::to_string(n) + "
+                      "\" elements (corrupt payload)\");", ind)
+            self.emit("const size_t row = h.count, nrows = hp::row_count(n, row);", ind)
         else:
             self.emit(f"if (h.count != 0) throw {FE}(kName + std::string(\" payload: unexpected count\"));", ind)
         self.emit(f"if (h.kind != 0) throw {FE}(kName + std::string(\" payload: kind \") + std::to_string(h.kind)"
@@ -780,7 +810,7 @@ class Generator:
         sizes = []
         for ty in layout:
             if is_arr(ty):
-                length = "n" if ty.length == "n" else "cnt"
+                length = {"n": "n", "var": "cnt", "rows": "nrows"}[ty.length]
                 sizes.append(f"{t.PACKED_BYTES}({length}, bits)" if is_packed(ty)
                              else f"4 * static_cast<uint64_t>({length})")
         self.emit(f"{t.EXPECT_BODY}(h, {' + '.join(sizes) if sizes else '0'}, kName.c_str());", ind)
@@ -795,13 +825,16 @@ class Generator:
                 self.extract_word(tgt, w, ty, ind)
                 w += 1
                 continue
-            length = "n" if ty.length == "n" else "cnt"
+            length = {"n": "n", "var": "cnt", "rows": "nrows"}[ty.length]
             if is_packed(ty):
                 self.emit(f"{tgt}.p = const_cast<uint8_t*>(in + off); {tgt}.n = {length}; {tgt}.bits = bits; "
                           f"off += {t.PACKED_BYTES}({length}, bits);", ind)
             else:  # copied: the payload offset of a 4-byte array need not be aligned
                 self.emit(f"hp::alloc({tgt}, {length}); if ({length}) "
                           f"{self.copy(t.OWNED.format(a=tgt), 'in + off', f'4 * {length}', fresh=True)}; off += 4 * {length};", ind)
+                if ty.length == "rows":
+                    self.emit(f"{tgt}.row = row;", ind)
+                    self.t.check_row_values(tgt, ind)
 
     def extract_word(self, tgt: str, w: int, ty, ind):
         if ty == "float":  # scales and thresholds: a forged inf/NaN would decode to inf/NaN everywhere
@@ -828,6 +861,9 @@ class Generator:
             self.emit(f"if ({ic}.n != {vc}.n) throw {self.t.FORMAT_ERROR}(kName + std::string(\" payload: index and "
                       f"value counts differ\"));", i2)
             self.t.decode_scatter(ic, vc, i2)
+        elif getattr(call, "rows", False):
+            src, rv, fn = call.args
+            self.t.decode_map_rows(src, self.array_code(src, env), self.array_code(rv, env), self.s.udfs[fn.id], i2)
         else:
             src, fn = call.args
             u = self.s.udfs[fn.id]

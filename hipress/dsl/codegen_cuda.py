@@ -269,6 +269,16 @@ class CudaTarget:
         g.emit(f"res.n = hpd::filter({f}, {acode}.n, {acode}.p, cap, res.idx.get(), res.val.get());", ind)
         g.emit(f"res.stored = std::min(res.n, cap); {tgt} = res;", ind)
 
+    def reduce_rows(self, tgt, call, src, mapf, acode, row, ind):
+        self.g.err(call, "the CUDA back end does not support per-row reduce (reduce(array, f, row)) yet; this spec "
+                         "builds for the CPU only")
+
+    def check_row_values(self, tgt, ind):  # pragma: no cover - reduce_rows refuses the spec first
+        raise AssertionError("per-row arrays on CUDA")
+
+    def decode_map_rows(self, src, acode, rcode, u, ind):  # pragma: no cover - as check_row_values
+        raise AssertionError("per-row arrays on CUDA")
+
     def check_sort(self, call):
         if call.order not in ORDERS:
             self.g.err(call, "the CUDA back end supports sort with greaterAbs, greater or smaller only (not a "

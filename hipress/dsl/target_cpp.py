@@ -170,6 +170,46 @@ class CppTarget:
                 f"[&](Acc& a, const Acc& b) {{ if (b.has) {{ a.v = a.has ? {merge} : b.v; a.has = true; }} }}); "
                 f"return a.v; }}()")
 
+    def reduce_rows(self, tgt, call, src, mapf, acode, row, ind):
+        """reduce(A, sum|mean, row): hp::sum_rows, one double sum (and count) per row."""
+        g = self.g
+        val, _, _ = g.fused_value(g.elem(acode, src.ty, "i"), src.ty, None, mapf)
+        g.emit(f"const size_t len = hp::row_length({acode}.n, {row});", ind)
+        g.emit(f"const std::vector<hp::SumAcc> sums = hp::sum_rows({acode}.n, len, [&](hp::SumAcc& a, size_t i) "
+               f"{{ a.s += static_cast<double>({val}); a.cnt += 1; }});", ind)
+        g.emit(f"hp::alloc({tgt}, sums.size()); {tgt}.row = len;", ind)
+        v = ("static_cast<float>(sums[r].s)" if call.reducer == "sum" else
+             "(sums[r].cnt ? static_cast<float>(sums[r].s / static_cast<double>(sums[r].cnt)) : 0.0f)")
+        g.emit(f"for (size_t r = 0; r < sums.size(); ++r) {tgt}.own[r] = {v};", ind)
+
+    def check_row_values(self, tgt, ind):
+        """Per-row values of a payload (scales) must be finite: a forged inf/NaN would decode to inf/NaN."""
+        self.g.emit(f"for (size_t r = 0; r < {tgt}.n; ++r) if (!std::isfinite({tgt}.p[r])) throw {self.FORMAT_ERROR}("
+                    f"kName + std::string(\" payload: the value of row \") + std::to_string(r) + \" is inf or NaN\");",
+                    ind)
+
+    def decode_map_rows(self, src, acode, rcode, u, ind):
+        """gradient = map(codes, row_values, f): per row, f tabulated over the 2^K codes with the row's value
+        and ops::dequantize_table on the row's codes when they start on a byte; otherwise element by element."""
+        g = self.g
+        tv = g.conv(g.udf_apply(u, ["static_cast<int64_t>(k)", f"{rcode}.p[r]"], ["int32", "float"], "0"), u.ret,
+                    "float")
+        g.emit(f"const int b = {acode}.bits; const size_t len = {rcode}.row;", ind)
+        g.emit(f"if ({rcode}.n != hp::row_count(n, len)) throw {self.FORMAT_ERROR}(kName + std::string(\" payload: "
+               f"row count differs from the row length's\"));", ind)
+        g.emit("if ((len * static_cast<size_t>(b)) % 8 == 0) {", ind)
+        g.emit(f"for (size_t r = 0; r < {rcode}.n; ++r) {{", ind + 1)
+        g.emit(f"float tab[256] = {{}}; for (int k = 0; k < (1 << b); ++k) tab[k] = {tv};", ind + 2)
+        g.emit("const size_t s0 = r * len, cnt = std::min(len, n - s0);", ind + 2)
+        g.emit(f"{OPS}dequantize_table({acode}.p + s0 * static_cast<size_t>(b) / 8, cnt, b, tab, alpha, add, out + s0);",
+               ind + 2)
+        g.emit("}", ind + 1)
+        g.emit("} else {", ind)
+        g.emit(f"parallel_range(n, {OPS}kGrain, [&](size_t bg, size_t e) {{ for (size_t i = bg; i < e; ++i) {{ "
+               f"const size_t r = i / len; const int64_t k = hp::get_bits({acode}.p, i, b); "
+               f"float v = {tv}; if (alpha != 1.0f) v = alpha * v; if (add) out[i] += v; else out[i] = v; }} }});", ind + 1)
+        g.emit("}", ind)
+
     # ---- array-producing operators (inside the generator's { } block) ----
     def map_packed(self, tgt, src, out_t, u, acode, code, at, ind):
         g = self.g

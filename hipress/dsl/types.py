@@ -32,7 +32,8 @@ MAX_HEADER_WORDS = 4
 @dataclass
 class Arr:
     elem: str                      # scalar type of the elements
-    length: str = "n"              # "n": as many as the gradient; "var": data dependent (filter/sort)
+    length: str = "n"              # "n": as many as the gradient; "var": data dependent (filter/sort);
+    #                                "rows": one per row of the gradient (a per-row reduce's, maps of it)
     sparse: bool = False           # has .index (filter/sort results)
     width: Optional[A.Expr] = None  # for elem == "uintN"
     shape: Optional[Tuple[str, str]] = None  # length "mat": a matrix of the view's dimensions (row-major)

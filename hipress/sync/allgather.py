@@ -22,7 +22,8 @@ from typing import Sequence, Tuple
 import torch
 
 from hipress.engine import Handle
-from hipress.sync.base import Strategy, SyncContext, frame, frame_bound, payload_bound, unframe
+from hipress.sync.base import (Strategy, SyncContext, frame, frame_bound, partition_shape, payload_bound,
+                               unframe)
 
 
 class AllgatherStrategy(Strategy):
@@ -33,7 +34,9 @@ class AllgatherStrategy(Strategy):
         self.average = average
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
-              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
+              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), segments=None, **kw) -> Handle:
+        """``segments``: the tensors of the buffer as (offset, numel, shape); a partition that is whole rows
+        of one tensor gives its state that shape (onebit's per-row scales)."""
         n, comp = ctx.size, ctx.compressor
         parts = [(f"{tensor_name}/p{i}", s, e) for i, (s, e) in enumerate(bounds) if e > s]
         if not parts:
@@ -41,7 +44,8 @@ class AllgatherStrategy(Strategy):
         slot = {"in": {}}
 
         def encode():
-            slot["out"] = frame([comp.encode(flat[s:e], ctx.states.get(f"{key}/worker", comp, e - s))
+            slot["out"] = frame([comp.encode(flat[s:e], ctx.states.get(f"{key}/worker", comp, e - s,
+                                                                       partition_shape(segments, s, e)))
                                  for key, s, e in parts])
 
         def aggregate():

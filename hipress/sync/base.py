@@ -67,6 +67,22 @@ def payload_bound(comp: Compressor, numel: int, shape=None) -> Optional[int]:
         return None
 
 
+def partition_shape(segments, s: int, e: int) -> Optional[Tuple[int, int]]:
+    """The shape (rows, row length) of the partition [s, e) of a fused buffer when it is whole rows of
+    one tensor of two or more dimensions (a row: the elements after the first dimension), else None.
+    ``segments`` are the buffer's tensors as (offset, numel, shape) (the optimizer's bucket.segments).
+    A compressor with per-row values (onebit) gets it through ``new_state(numel, shape)``."""
+    for off, numel, shape in segments or ():
+        if off <= s and e <= off + numel:
+            if shape is None or len(shape) < 2 or not shape[0] or e <= s:
+                return None
+            row = numel // int(shape[0])
+            if row and (s - off) % row == 0 and (e - s) % row == 0:
+                return ((e - s) // row, row)
+            return None
+    return None
+
+
 def frame_bound(bounds: Sequence[Optional[int]]) -> Optional[int]:
     """The size bound of :func:`frame` of payloads with these bounds (None if any is None)."""
     if any(b is None for b in bounds):

@@ -25,7 +25,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from hipress.engine import Handle
-from hipress.sync.base import Strategy, SyncContext, frame, frame_bound, payload_bound, unframe
+from hipress.sync.base import Strategy, SyncContext, frame, frame_bound, partition_shape, payload_bound, unframe
 
 
 class PSStrategy(Strategy):
@@ -65,7 +65,8 @@ class PSStrategy(Strategy):
         self.owners([(key, 4 * (e - s)) for key, s, e in self._parts(tensor_name, bounds)], ctx.size)
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
-              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
+              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), segments=None, **kw) -> Handle:
+        """``segments``: as the allgather strategy's (a partition of whole rows of one tensor gets its shape)."""
         n, r = ctx.size, ctx.rank
         comp = ctx.compressor
         parts = self._parts(tensor_name, bounds)
@@ -79,7 +80,8 @@ class PSStrategy(Strategy):
         def encode():
             per_dst: Dict[int, List[torch.Tensor]] = {a: [] for a in aggregators}
             for (key, s, e), a in zip(parts, owners):
-                per_dst[a].append(comp.encode(flat[s:e], ctx.states.get(f"{key}/worker", comp, e - s)))
+                per_dst[a].append(comp.encode(flat[s:e], ctx.states.get(f"{key}/worker", comp, e - s,
+                                                                                 partition_shape(segments, s, e))))
             slot["gather_out"] = {a: frame(p) for a, p in per_dst.items()}
 
         def aggregate():
@@ -91,7 +93,7 @@ class PSStrategy(Strategy):
                 for src in range(n):
                     comp.decode_add(received[src][j], acc)
                 m = comp.merged  # error feedback at the aggregator: what its re-encode drops is not lost
-                out.append(m.encode(acc, ctx.states.get(f"{key}/aggregator", m, e - s)))
+                out.append(m.encode(acc, ctx.states.get(f"{key}/aggregator", m, e - s, partition_shape(segments, s, e))))
             slot["bcast_out"] = frame(out)
 
         def decode():

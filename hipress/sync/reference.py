@@ -12,7 +12,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from hipress.planner.plan import chunk_bounds
-from hipress.sync.base import StateStore
+from hipress.sync.base import StateStore, partition_shape
 
 
 def _partitions(grads: Sequence[torch.Tensor], name: str, bounds: Sequence[Tuple[int, int]]):
@@ -54,15 +54,19 @@ def ring(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name
 
 
 def ps(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: str,
-       bounds: Sequence[Tuple[int, int]], owners: Sequence[int], average: bool = True) -> List[torch.Tensor]:
-    """owners[i]: aggregator rank of partition i (as the real strategy chose it)."""
+       bounds: Sequence[Tuple[int, int]], owners: Sequence[int], average: bool = True,
+       segments=None) -> List[torch.Tensor]:
+    """owners[i]: aggregator rank of partition i (as the real strategy chose it). segments: the
+    buffer's tensors as (offset, numel, shape), as the optimizer gives the strategy (a partition
+    of whole rows of one tensor gets that shape: onebit's per-row scales)."""
     n = len(grads)
     out, parts = _partitions(grads, name, bounds)
     for (key, s, e), a in zip(parts, owners):
         acc = torch.zeros(e - s, dtype=torch.float32)
+        shape = partition_shape(segments, s, e)
         for r in range(n):
-            comp.decode_add(comp.encode(out[r][s:e], stores[r].get(f"{key}/worker", comp, e - s)), acc)
-        p = comp.merged.encode(acc, stores[a].get(f"{key}/aggregator", comp.merged, e - s))
+            comp.decode_add(comp.encode(out[r][s:e], stores[r].get(f"{key}/worker", comp, e - s, shape)), acc)
+        p = comp.merged.encode(acc, stores[a].get(f"{key}/aggregator", comp.merged, e - s, shape))
         for r in range(n):
             comp.decode(p, out[r][s:e])
             if average:
@@ -71,13 +75,14 @@ def ps(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: 
 
 
 def allgather(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: str,
-              bounds: Sequence[Tuple[int, int]], average: bool = True) -> List[torch.Tensor]:
+              bounds: Sequence[Tuple[int, int]], average: bool = True, segments=None) -> List[torch.Tensor]:
     """Every rank encodes each partition with its own state; every rank sums the decoded
-    payloads of all ranks in rank order; nothing is re-encoded."""
+    payloads of all ranks in rank order; nothing is re-encoded. segments: as ps's."""
     n = len(grads)
     out, parts = _partitions(grads, name, bounds)
     for key, s, e in parts:
-        payloads = [comp.encode(out[r][s:e], stores[r].get(f"{key}/worker", comp, e - s)) for r in range(n)]
+        shape = partition_shape(segments, s, e)
+        payloads = [comp.encode(out[r][s:e], stores[r].get(f"{key}/worker", comp, e - s, shape)) for r in range(n)]
         acc = torch.zeros(e - s, dtype=torch.float32)
         for p in payloads:
             comp.decode_add(p, acc)

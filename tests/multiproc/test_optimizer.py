@@ -78,10 +78,10 @@ def check_against_reference(results, np):
                 elif cfg["strategy"] == "ring":
                     want = reference.ring(local, comp, stores, name, bounds)
                 elif cfg["strategy"] == "allgather":
-                    want = reference.allgather(local, comp, stores, name, bounds)
+                    want = reference.allgather(local, comp, stores, name, bounds, segments=segments_of(grads[0]))
                 else:
                     owners = [cfg_res["owners"][f"{name}/p{i}"] for i, (s, e) in enumerate(bounds) if e > s]
-                    want = reference.ps(local, comp, stores, name, bounds, owners)
+                    want = reference.ps(local, comp, stores, name, bounds, owners, segments=segments_of(grads[0]))
                 for r in range(np):
                     got = torch.cat([results[r][c]["steps"][step]["synced"][p].reshape(-1) for p in b["params"]])
                     torch.testing.assert_close(got, want[r], rtol=1e-5, atol=1e-6,

@@ -61,25 +61,88 @@ def test_onebit_keeps_the_norm():
     torch.testing.assert_close(out.norm(), g.norm())
 
 
+def onebit_state(c, n: int, row: int):
+    """A state whose row length (the kernel's counter 'row', scalars[1]) is row."""
+    st = c.new_state(n)
+    st.scalars[1] = row
+    return st
+
+
+def assert_onebit_payload(p: bytes, expect: bytes, n: int):
+    """Header and sign bits exact; the per-row scales (float sums of squares, accumulated in double in
+    both, in another order) to 1e-6."""
+    assert ref.parse_header(p) == ref.parse_header(expect)
+    nbits = H + (n + 7) // 8
+    assert p[:nbits] == expect[:nbits]
+    np.testing.assert_allclose(np.frombuffer(p[nbits:], np.float32), np.frombuffer(expect[nbits:], np.float32),
+                               rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n", SIZES)
-def test_onebit_matches(n, dtype, threads):
+@pytest.mark.parametrize("row", [0, 1, 64, 65, 1000])
+def test_onebit_matches(n, dtype, row, threads):
+    """Every row length, also ones that do not divide n (a shorter last row) or exceed it (one row)."""
     g = grad(n, n + 1, dtype)
     c = C.get("onebit", error_feedback=False)
-    p = c.encode(g)
-    expect = ref.onebit_encode(as_np(g))
-    ph, eh = ref.parse_header(pbytes(p)), ref.parse_header(expect)
-    # bits and layout exact; the scale is a float sum of squares (double accumulation in both)
-    assert pbytes(p)[H:] == expect[H:]
-    assert {k: v for k, v in ph.items() if k != "words"} == {k: v for k, v in eh.items() if k != "words"}
-    for i in (0, 1):
-        assert ref.word_f32(ph["words"][i]) == pytest.approx(ref.word_f32(eh["words"][i]), rel=1e-6, abs=0)
+    p = c.encode(g, onebit_state(c, n, row))
+    expect = ref.onebit_encode(as_np(g), row)
+    assert_onebit_payload(pbytes(p), expect, n)
+    assert ref.parse_header(expect)["count"] == (0 if n == 0 else (row if 0 < row < n else n))
     dec = roundtrip(c, g, p).numpy()
     np.testing.assert_array_equal(dec, ref.onebit_decode(pbytes(p), n))
-    if n:  # decoded values are exactly +-scale
+    if n:  # decoded values are exactly +-(their row's scale)
         x = as_np(g)
-        assert set(np.unique(dec)) <= {ref.word_f32(ph["words"][0]), ref.word_f32(ph["words"][1])}
+        length = row if 0 < row < n else n
+        scales = np.frombuffer(pbytes(p)[H + (n + 7) // 8:], np.float32)
+        np.testing.assert_array_equal(np.abs(dec), np.repeat(scales, length)[:n])
         assert np.all((dec < 0) == (np.signbit(x) & (x != 0)) | (dec == 0) | (x == 0))
+
+
+def test_onebit_scale_per_row_keeps_each_rows_norm():
+    """With a 2-D shape each row of at least MIN_ROW elements gets its own +-||row||_2 / sqrt(len):
+    a small row is not sent on the scale of a large one. Rows shorter than MIN_ROW, 1-D tensors,
+    rows=False and a stateless encode use one scale."""
+    c = C.get("onebit", error_feedback=False)
+    m = C.OneBit.MIN_ROW
+    g = torch.cat([torch.full((m,), 0.01), torch.full((m,), -3.0)]).reshape(2, m)
+    g[0, 0] = -0.01
+    out = c.decode(c.encode(g, c.new_state(g.numel(), g.shape)), torch.zeros(2 * m)).reshape(2, m)
+    torch.testing.assert_close(out.norm(dim=1), g.norm(dim=1))
+    assert out[0, 0] == pytest.approx(-0.01) and out[1, 0] == pytest.approx(-3.0)
+    one = math.sqrt((m * 0.01 ** 2 + m * 9) / (2 * m))
+    flat = C.get("onebit", rows=False, error_feedback=False)
+    for st in (None, c.new_state(2 * m), flat.new_state(2 * m, g.shape), c.new_state(2 * m, (4, m // 2))):
+        o = c.decode(c.encode(g, st), torch.zeros(2 * m))
+        torch.testing.assert_close(o.abs(), torch.full((2 * m,), one))
+    assert c.row_length(2 * m, (2, m)) == m and c.row_length(2 * m, (4, m // 2)) == 0
+    assert c.row_length(2 * m, (2 * m,)) == 0 and c.row_length(2 * m, None) == 0
+
+
+def test_onebit_per_row_payload_is_validated():
+    """A payload whose row length (header count) does not fit its element count, whose scales are
+    not finite, or whose body is cut is a ValueError, and the output is untouched."""
+    c = C.get("onebit", error_feedback=False)
+    n, row = 300, 100
+    g = grad(n, 3)
+    p = pbytes(c.encode(g, onebit_state(c, n, row)))
+    h = ref.parse_header(p)
+    body = p[H:]
+
+    def forged(count=h["count"], body=body):
+        return torch.frombuffer(bytearray(ref.make_header("onebit", n, len(body), bits=1, count=count) + body),
+                                dtype=torch.uint8)
+
+    out = torch.full((n,), 7.0)
+    for bad, what in [(forged(count=0), "row length"), (forged(count=n + 1), "row length"),
+                      (forged(count=99), "body"), (forged(body=body[:-4]), "body"),
+                      (forged(body=body[:-4] + np.float32(np.inf).tobytes()), "inf or NaN"),
+                      (forged(body=body[:-4] + np.float32(np.nan).tobytes()), "inf or NaN")]:
+        with pytest.raises(ValueError):
+            c.decode(bad, out)
+        assert torch.all(out == 7.0), what
+    c.decode(forged(), out)  # the unforged bytes decode
+    np.testing.assert_array_equal(out.numpy(), ref.onebit_decode(p, n))
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -270,8 +333,8 @@ def test_ten_million_elements(name, threads):
         assert pbytes(c.encode(g)) == ref.graddrop_encode(x, 0.01)
     else:
         c = C.OneBit()
-        p = c.encode(g)
-        assert pbytes(p)[H:] == ref.onebit_encode(x)[H:]
+        assert_onebit_payload(pbytes(c.encode(g)), ref.onebit_encode(x), n)
+        assert_onebit_payload(pbytes(c.encode(g, onebit_state(c, n, 1000))), ref.onebit_encode(x, 1000), n)
 
 
 # ------------------------------------------------------------------ error feedback

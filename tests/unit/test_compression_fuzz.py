@@ -144,7 +144,8 @@ IDS = {"onebit": 1, "tbq": 2, "terngrad": 3, "dgc": 4, "graddrop": 5, "powersgd"
        "efsignsgd": 9, "qsgd": 10, "natural": 11, "terngrad_grace": 12, "u8bit": 13, "fp16": 14, "bf16": 15,
        "randomk": 20, "topk": 21, "threshold": 22, "adaq": 23, "dgc_grace": 24, "sketch": 25, "powersgd_grace": 26,
        "inceptionn": 27}
-FLOAT_WORDS = {1: 2, 2: 1, 3: 3, 7: 1, 8: 1, 9: 1, 10: 2, 11: 0, 12: 1, 13: 1, 14: 0, 15: 0}  # quantised payloads
+FLOAT_WORDS = {1: 0, 2: 1, 3: 3, 7: 1, 8: 1, 9: 1, 10: 2, 11: 0, 12: 1, 13: 1, 14: 0, 15: 0}  # quantised payloads
+# (onebit: 0, its scales are in the body, one per row)
 # fp32 header words that are scales or thresholds, sparse payloads included (DGC, GradDrop and GRACE's)
 SCALE_WORDS = {**FLOAT_WORDS, 4: 1, 5: 1, 22: 1, 23: 2, 24: 1}
 ALLOC_LIMIT = 64 << 20  # bytes: far above any payload here, far below what a forged header asks for
@@ -295,6 +296,12 @@ def test_nonfinite_scale_rejected(name, word):
     """A forged inf/NaN scale or threshold is a ValueError everywhere, not inf/NaN values."""
     p = PAYLOADS[name]
     h = list(struct.unpack("<IBBBBIIQQ4I", bytes(p[:48].tolist())))
+    if name == "onebit":  # its scales follow the sign bits in the body, one per row: forge the last
+        body = bytes(p[48:].tolist())
+        q = forge(h[1], h[7], body[:-4] + struct.pack("<I", word), h[3], h[4], h[6], h[9:13])
+        with pytest.raises(ValueError, match="inf or NaN"):
+            C.decompress(q)
+        assert not try_decode(ALGOS[name], q)
     nfloat = SCALE_WORDS[IDS[name]]
     for w in range(nfloat):
         f = list(h)
