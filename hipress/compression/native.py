@@ -99,14 +99,14 @@ class OneBit(NativeCompressor):
     rows: with a shape (``new_state(numel, shape)``, which the optimizer's allgather and PS
     partitions pass when a partition is whole rows of one tensor), a scale per row, a row being
     the elements after the first dimension (Seide's per-column values of a weight matrix; char
-    LM perplexity 20.8 -> 15.1, docs/convergence.md, cause 11), for rows of at least MIN_ROW
+    LM perplexity 20.8 -> 15.1, docs/convergence.md, cause 12), for rows of at least MIN_ROW
     elements. Without a shape, for 1-D tensors, shorter rows, rows=False or a stateless encode
     (a ring's re-encode), one scale for the whole partition. The row length is the
     state's counter ``row`` (scalars[1]), so payloads describe themselves and any OneBit decodes them."""
 
     # Rows shorter than this share the tensor's one scale: a 4-byte scale costs 32 / row bits per
     # element (0.5 at 64), and digits' 3x3 kernels of one input channel (rows of 9) lost accuracy
-    # (4 ranks, mean of seeds 42/1/2: 95.1 with them, 96.9 without; docs/convergence.md, cause 11).
+    # (4 ranks, mean of seeds 42/1/2: 95.1 with them, 96.9 without; docs/convergence.md, cause 12).
     MIN_ROW = 64
 
     def __init__(self, rows: bool = True):

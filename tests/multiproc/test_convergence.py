@@ -41,7 +41,7 @@ KNOWN_2 = {("efsignsgd", "ps"): _ONEBIT,
            **{("randomk", s): _RANDOMK for s in ("auto", "ring", "ps", "allgather")},
            ("powersgd_grace", "auto"): _PSGD_GRACE, ("powersgd_grace", "lowrank"): _PSGD_GRACE}
 KNOWN_4 = {"signsgd": _SIGN, "signum": _SIGN,
-           "efsignsgd": "-3.0 points (one mean-|x| scale per tensor, as onebit before causes 10 and 11)",
+           "efsignsgd": "-3.0 points (one mean-|x| scale per tensor, as onebit before causes 10 and 12)",
            # GRACE's sparsifiers at seed 42 (docs/grace.md; threshold is within 1 on the mean of 3 seeds)
            "randomk": "42.1%: " + _RANDOMK, "powersgd_grace": "49.8%: " + _PSGD_GRACE,
            "adaq": "85.5%: per-sign means at 1% density", "dgc_grace": "90.6%: 1% density in 110 steps",

@@ -66,7 +66,7 @@ def test_onebit_mean_is_the_mean_of_decoded_error_feedback_payloads(bucket_bytes
                 u = g if (step == 0 or not with_momentum) else np.float32(0.9) * velocity[r, j] + g
                 velocity[r, j] = u
                 c = u + residual.get((r, j), 0)
-                row = compression.OneBit().row_length(c.size, named[j][1].shape)  # per-row scales (cause 11)
+                row = compression.OneBit().row_length(c.size, named[j][1].shape)  # per-row scales (cause 12)
                 d = ref.onebit_decode(ref.onebit_encode(c, row), c.size)
                 residual[r, j] = c - d
                 acc = acc + d
