@@ -322,16 +322,18 @@ def dgc_warmup_stage(step: int, warmup_steps: int) -> int:
 class DGCReference:
     """DGC with its own state (momentum u, accumulation v, step)."""
 
-    def __init__(self, n: int, ratio=0.001, momentum=0.0, warmup_steps=1360):
+    def __init__(self, n: int, ratio=0.001, momentum=0.0, warmup_steps=1360, summands=1):
         self.ratio, self.momentum, self.warmup = ratio, np.float32(momentum), warmup_steps
+        self.summands = summands  # ranks summed in the input: the density is that many times larger
         self.u = np.zeros(n, np.float32)
         self.v = np.zeros(n, np.float32)
         self.step = 0
 
     def density(self, step: int) -> float:
-        if self.warmup == 0 or step >= self.warmup:
-            return self.ratio
-        return max(self.ratio, 0.25 ** (dgc_warmup_stage(step, self.warmup) + 1))
+        d = self.ratio
+        if self.warmup > 0 and step < self.warmup:
+            d = max(self.ratio, 0.25 ** (dgc_warmup_stage(step, self.warmup) + 1))
+        return min(1.0, d * self.summands)
 
     def encode(self, g: np.ndarray) -> bytes:
         g = np.asarray(g, dtype=np.float32).reshape(-1)

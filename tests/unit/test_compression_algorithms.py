@@ -232,6 +232,21 @@ def test_dgc_stateful_matches_reference_with_warmup(n, threads):
         assert [sizes[s] for s, _ in stages] == [H + 8 * ref.count_for(d, n) for _, d in stages]
 
 
+@pytest.mark.parametrize("n", [1, 1000, 65537])
+def test_dgc_summands_scale_every_density_like_the_reference(n, threads):
+    """summands = m (a merged sum of m ranks, Compressor.for_sum_of): every step's density, warm-up
+    stages included, is m times larger, at most 1; the payload stays within max_encoded_bytes."""
+    c = C.DGC(ratio=0.001, warmup_steps=34, summands=3)
+    st = c.new_state(n)
+    r = ref.DGCReference(n, ratio=0.001, warmup_steps=34, summands=3)
+    for step in range(36):
+        g = grad(n, 300 + step)
+        p = c.encode(g, st)
+        assert pbytes(p) == r.encode(as_np(g)), f"step {step}"
+        assert p.numel() <= c.max_encoded_bytes(n)
+    assert [r.density(s) for s in (0, 1, 35)] == [0.75, 0.1875, 0.003]
+
+
 def test_dgc_default_warmup_stages_last_four_times_their_delay():
     """The default warm-up (docs/convergence.md, cause 9): 25% for 16 steps, 6.25% for 64, 1.56%
     for 256, 0.39% for 1024, then the ratio 0.1%: each stage lasts 4 / density steps."""
