@@ -47,6 +47,25 @@ def shipped_specs():
     return [name for name, _ in builtin_specs()]
 
 
+def cuda_specs():
+    """The shipped specs the CUDA back end lowers: not those with a matrix view (PowerSGD-like),
+    nor onebit's per-row scales (a DSL error names what has no device lowering)."""
+    from hipress.dsl.codegen_cuda import generate_cuda
+    from hipress.dsl.errors import DSLError
+
+    out = []
+    for s in shipped_specs():
+        spec = check(s)
+        if spec.view is not None:
+            continue
+        try:
+            generate_cuda(spec)
+        except DSLError:
+            continue
+        out.append(s)
+    return out
+
+
 def read(spec: str, source: Optional[str] = None) -> Tuple[str, str]:
     if source is not None:
         return source, spec
