@@ -50,8 +50,7 @@ KNOWN_4 = {"signsgd": _SIGN, "signum": _SIGN, "efsignsgd": "-3.0 points (as oneb
            "onebit": "94.3% vs 95.6% at seed 42 (mean of 3 seeds: -0.56)",
            "tbq": "94.6% vs 95.6% at seed 42, one image beyond (mean of 3 seeds: -0.11)",
            "terngrad": "94.3% vs 95.6%",
-           "dgc": "92.6% vs 95.6% at seed 42 (mean of 3 seeds: -0.67; docs/convergence.md, cause 9)",
-           "graddrop": "92.6% vs 95.6%"}
+           "dgc": "92.6% vs 95.6% at seed 42 (mean of 3 seeds: -0.67; docs/convergence.md, cause 9)"}
 
 
 def _accuracies(tmp_dir, np, strategy, algos, reference=False):
