@@ -201,7 +201,8 @@ def main(argv=None) -> dict:
                    help="tensor fusion of hipress and the reference (0: every gradient alone; default: hipress's)")
     p.add_argument("--ddp", action="store_true",
                    help="hipress runs as torch DistributedDataParallel with hipress's comm hook (hipress.ddp): "
-                        "no momentum correction (a hook cannot change the optimizer; docs/ddp.md), DDP's buckets")
+                        "momentum correction in the hook where the optimizer's \"auto\" applies it, with an SGD of "
+                        "momentum 0 (docs/ddp.md), DDP's buckets")
     p.add_argument("--reference-only", action="store_true", help="run only the reference simulator (no hipress)")
     p.add_argument("--no-reference", action="store_true", help="run only hipress (no reference simulator)")
     p.add_argument("--out-dir", default="results")

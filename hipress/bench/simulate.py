@@ -104,11 +104,12 @@ def _terngrad(p, n, counter):
 
 def _graddrop(p, n, counter):
     return ref.GradDropReference(n, p["ratio"], p["sample_ratio"], int(p["warmup_steps"]), int(p["seed"]),
-                                 counter).encode, ref.sparse_decode
+                                 counter, int(p["summands"])).encode, ref.sparse_decode
 
 
 def _dgc(p, n, counter):
-    return ref.DGCReference(n, p["ratio"], p["momentum"], int(p["warmup_steps"])).encode, ref.sparse_decode
+    return ref.DGCReference(n, p["ratio"], p["momentum"], int(p["warmup_steps"]), int(p["summands"])).encode, \
+        ref.sparse_decode
 
 
 def _counted(encode_at, advance):
@@ -206,8 +207,8 @@ SINGLE_ROUND = {
     "tbq": ({"threshold", "relative"}, set(), _tbq),
     "terngrad": ({"bitwidth", "seed"}, set(), _terngrad),
     # the native kernel samples a threshold, then selects the exact top-k: the sample cannot change the result
-    "dgc": ({"ratio", "momentum", "warmup_steps"}, {"sample_ratio", "seed"}, _dgc),
-    "graddrop": ({"ratio", "sample_ratio", "warmup_steps", "seed"}, set(), _graddrop),
+    "dgc": ({"ratio", "momentum", "warmup_steps", "summands"}, {"sample_ratio", "seed"}, _dgc),
+    "graddrop": ({"ratio", "sample_ratio", "warmup_steps", "summands", "seed"}, set(), _graddrop),
     # GRACE's quantizers (docs/grace.md)
     "signsgd": ({"scale"}, set(), _signsgd),
     "signum": ({"momentum", "scale"}, set(), _signum),

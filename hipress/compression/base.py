@@ -215,6 +215,21 @@ class Compressor:
 
         return ErrorFeedback(self) if self.rounds == 1 else self
 
+    def merged_for(self, contributions: int) -> "Compressor":
+        """The compressor that re-encodes, at one site, a merged sum of ``contributions`` ranks'
+        gradients (a ring chunk after s hops holds s + 1; a PS aggregator's sum and the ring's
+        reduced chunk hold N): :meth:`for_sum_of` in its merged form."""
+        return self.for_sum_of(contributions).merged
+
+    def for_sum_of(self, contributions: int) -> "Compressor":
+        """This compressor as it should encode a sum of ``contributions`` ranks' gradients.
+        Itself, except for sparsifiers whose kept fraction is a parameter (NativeCompressor's
+        ``density_param``): re-selecting one rank's k from a sum of m ranks' selections cuts
+        their union back by up to m, and what waits in residuals arrives steps late (4 ranks,
+        ring, digits: DGC 86.5%, GradDrop 84.8% against 95.6% uncompressed; docs/convergence.md,
+        cause 11)."""
+        return self
+
     def max_encoded_bytes(self, numel: int, shape=None) -> int:
         raise NotImplementedError
 

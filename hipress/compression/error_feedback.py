@@ -37,6 +37,15 @@ class ErrorFeedback(Compressor):
     def _merged_compressor(self) -> Compressor:
         return self  # the residual is already the error feedback of a re-encode
 
+    def for_sum_of(self, contributions: int) -> Compressor:
+        inner = self.inner.for_sum_of(contributions)
+        if inner is self.inner:
+            return self
+        made = self.__dict__.setdefault("_for_sum_of", {})
+        if contributions not in made:
+            made[contributions] = ErrorFeedback(inner, self.beta, self.gamma)
+        return made[contributions]
+
     @property
     def reencode_safe(self) -> bool:
         return self.inner.reencode_safe

@@ -23,6 +23,12 @@ def _is_f32_flat(t: torch.Tensor) -> bool:
 class NativeCompressor(Compressor):
     """A compressor from the C++ registry (``hipress._C.compress_names()``)."""
 
+    # The parameter that sets the kept fraction of a sparsifier, or None. A sum of m ranks'
+    # selections is re-encoded at m times the fraction, the density of their union (for_sum_of;
+    # _density_for_sum_of gives the parameter's value). The subclass's constructor takes every
+    # key of ``params`` by name.
+    density_param: Optional[str] = None
+
     def __init__(self, algorithm: str, **params):
         self.params = {k: float(v) for k, v in params.items()}
         self._c = _C.compress_create(algorithm, self.params)
@@ -31,6 +37,17 @@ class NativeCompressor(Compressor):
         self.rate = self._c.rate
         self.aggregatable = self._c.aggregatable
         self.rounds = self._c.rounds
+
+    def for_sum_of(self, contributions: int) -> Compressor:
+        if self.density_param is None or contributions <= 1:
+            return self
+        made = self.__dict__.setdefault("_for_sum_of", {})  # one instance per count: sites keep their compressor
+        if contributions not in made:
+            made[contributions] = type(self)(**{**self.params, self.density_param: self._density_for_sum_of(contributions)})
+        return made[contributions]
+
+    def _density_for_sum_of(self, contributions: int) -> float:
+        return min(1.0, self.params[self.density_param] * contributions)
 
     # Matrix view of a tensor (only low-rank compressors use it).
     def _matrix(self, numel: int, shape) -> Tuple[int, int]:
@@ -128,14 +145,21 @@ class DGC(NativeCompressor):
     ``hipress.DistributedOptimizer`` (momentum_correction="auto"), which applies it to every
     algorithm; the accumulation is then error feedback."""
 
+    # the spec multiplies every step's density by "summands" (its warm-up stages are no parameter)
+    density_param = "summands"
+
     def __init__(self, ratio: float = 0.001, momentum: float = 0.0, sample_ratio: float = 0.01,
-                 warmup_steps: int = 1360, seed: int = 0):
+                 warmup_steps: int = 1360, seed: int = 0, summands: int = 1):
         super().__init__("dgc", ratio=ratio, momentum=momentum, sample_ratio=sample_ratio,
-                         warmup_steps=warmup_steps, seed=seed)
-        self._args = dict(ratio=ratio, sample_ratio=sample_ratio, warmup_steps=warmup_steps, seed=seed)
+                         warmup_steps=warmup_steps, seed=seed, summands=summands)
+        self._args = dict(ratio=ratio, sample_ratio=sample_ratio, warmup_steps=warmup_steps, seed=seed,
+                          summands=summands)
         self.momentum = float(momentum)
         # with its own momentum, the optimizer must not apply a velocity too (a velocity of a velocity)
         self.momentum_in_compressor = self.momentum > 0
+
+    def _density_for_sum_of(self, contributions: int) -> float:
+        return self.params["summands"] * contributions
 
     def _merged_compressor(self) -> Compressor:
         # Momentum belongs to the local gradient only: a merged sum already carries it, so
@@ -150,11 +174,19 @@ class GradDrop(NativeCompressor):
     its mean delay 1 / density by default (24, 96 and 384 steps). The paper has no warm-up
     (``warmup_steps=0``); hipress turns it on by default because with a 1% density from the
     first step an element waits about 100 steps between sends, and short trainings end short
-    of uncompressed accuracy (docs/convergence.md, cause 11). A call without a state encodes
+    of uncompressed accuracy (docs/convergence.md, cause 12). A call without a state encodes
     at ``ratio``."""
 
-    def __init__(self, ratio: float = 0.01, sample_ratio: float = 0.01, warmup_steps: int = 2040, seed: int = 0):
-        super().__init__("graddrop", ratio=ratio, sample_ratio=sample_ratio, warmup_steps=warmup_steps, seed=seed)
+    # the spec multiplies every step's density by "summands", the warm-up's stages included (as DGC's)
+    density_param = "summands"
+
+    def __init__(self, ratio: float = 0.01, sample_ratio: float = 0.01, warmup_steps: int = 2040, seed: int = 0,
+                 summands: int = 1):
+        super().__init__("graddrop", ratio=ratio, sample_ratio=sample_ratio, warmup_steps=warmup_steps, seed=seed,
+                         summands=summands)
+
+    def _density_for_sum_of(self, contributions: int) -> float:
+        return self.params["summands"] * contributions
 
 
 class PowerSGD(NativeCompressor):
@@ -336,6 +368,8 @@ class RandomK(NativeCompressor):
     rank (counter-based RNG, each rank its own stream), sent as index + value; residual memory
     (ErrorFeedback) by default."""
 
+    density_param = "ratio"
+
     def __init__(self, ratio: float = 0.01, seed: int = 0):
         super().__init__("randomk", ratio=ratio, seed=seed)
 
@@ -343,6 +377,8 @@ class RandomK(NativeCompressor):
 class TopK(NativeCompressor):
     """Top-k (GRACE's ``topk``): the max(1, floor(ratio n)) largest |g|, index + value; residual
     memory (ErrorFeedback) by default. sample_ratio only speeds the exact selection up."""
+
+    density_param = "ratio"
 
     def __init__(self, ratio: float = 0.01, sample_ratio: float = 0.01, seed: int = 0):
         super().__init__("topk", ratio=ratio, sample_ratio=sample_ratio, seed=seed)
@@ -361,6 +397,8 @@ class Adaq(NativeCompressor):
     about ratio of the elements above an adjusted threshold, sent as index + sign bit and
     decoded to the mean of that sign's selected values; residual memory by default."""
 
+    density_param = "ratio"
+
     def __init__(self, ratio: float = 0.01, seed: int = 0):
         super().__init__("adaq", ratio=ratio, seed=seed)
 
@@ -370,6 +408,8 @@ class DGCGrace(NativeCompressor):
     ratio n elements reach it, all of them sent; DGC memory (accumulation, and with momentum > 0
     GRACE's momentum correction with momentum factor masking: then use an optimizer without
     momentum). hipress's ``dgc`` selects exactly the top k instead."""
+
+    density_param = "ratio"
 
     def __init__(self, ratio: float = 0.01, momentum: float = 0.0, seed: int = 0):
         super().__init__("dgc_grace", ratio=ratio, momentum=momentum, seed=seed)

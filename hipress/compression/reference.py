@@ -300,12 +300,13 @@ def graddrop_encode(g: np.ndarray, ratio: float = 0.01, sample_ratio: float = 0.
 class GradDropReference:
     """GradDrop with its own state: the RNG counter and the step of the density warm-up."""
 
-    def __init__(self, n: int, ratio=0.01, sample_ratio=0.01, warmup_steps=2040, seed=0, counter=0):
+    def __init__(self, n: int, ratio=0.01, sample_ratio=0.01, warmup_steps=2040, seed=0, counter=0, summands=1):
         self.n, self.ratio, self.sample_ratio = n, ratio, sample_ratio
         self.warmup, self.seed, self.counter, self.step = warmup_steps, seed, counter, 0
+        self.summands = summands  # ranks summed in the input: the density is that many times larger
 
     def encode(self, g: np.ndarray) -> bytes:
-        d = warmup_density(self.ratio, self.warmup, self.step)
+        d = min(1.0, warmup_density(self.ratio, self.warmup, self.step) * self.summands)
         out = graddrop_encode(g, self.ratio, self.sample_ratio, self.seed, self.counter, d)
         self.counter += graddrop_sample_size(self.n, self.sample_ratio)  # as the kernel's: the sample drawn
         self.step += 1
@@ -330,14 +331,15 @@ def warmup_density(ratio: float, warmup_steps: int, step: int) -> float:
 class DGCReference:
     """DGC with its own state (momentum u, accumulation v, step)."""
 
-    def __init__(self, n: int, ratio=0.001, momentum=0.0, warmup_steps=1360):
+    def __init__(self, n: int, ratio=0.001, momentum=0.0, warmup_steps=1360, summands=1):
         self.ratio, self.momentum, self.warmup = ratio, np.float32(momentum), warmup_steps
+        self.summands = summands  # ranks summed in the input: the density is that many times larger
         self.u = np.zeros(n, np.float32)
         self.v = np.zeros(n, np.float32)
         self.step = 0
 
     def density(self, step: int) -> float:
-        return warmup_density(self.ratio, self.warmup, step)
+        return min(1.0, warmup_density(self.ratio, self.warmup, step) * self.summands)
 
     def encode(self, g: np.ndarray) -> bytes:
         g = np.asarray(g, dtype=np.float32).reshape(-1)

@@ -55,14 +55,15 @@ def unframe(buf: torch.Tensor, expected: int) -> List[torch.Tensor]:
     return out
 
 
-def payload_bound(comp: Compressor, numel: int, shape=None) -> Optional[int]:
+def payload_bound(comp: Compressor, numel: int, shape=None, contributions: int = 1) -> Optional[int]:
     """The most bytes a peer's payload of ``numel`` elements may take, from the receiver's own
-    knowledge (``max_encoded_bytes`` of the compressor and of its merged form, which re-encodes
-    partial sums); passed to the exchange as ``max_bytes`` so a peer's announcement is never
-    trusted for allocation. None when the compressor does not implement ``max_encoded_bytes``."""
+    knowledge (``max_encoded_bytes`` of the compressor and of its merged form for sums of up to
+    ``contributions`` ranks, which re-encodes partial sums); passed to the exchange as
+    ``max_bytes`` so a peer's announcement is never trusted for allocation. None when the
+    compressor does not implement ``max_encoded_bytes``."""
     try:
         return max(int(c.max_encoded_bytes(numel) if shape is None else c.max_encoded_bytes(numel, shape))
-                   for c in (comp, comp.merged))
+                   for c in (comp, comp.merged_for(max(2, contributions))))
     except NotImplementedError:
         return None
 

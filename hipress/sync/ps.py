@@ -11,7 +11,7 @@ because they submit gradients in the same order.
   2. gather   (comm)    one bulk exchange: segment j goes to aggregator j (the own
               segment stays local)
   3. aggregate(compute) for each owned partition: acc = sum over ranks of decode(payload),
-              then encode(acc) with compressor.merged and the aggregator's state
+              then encode(acc) with compressor.merged_for(N) and the aggregator's state
   4. bcast    (comm)    one bulk exchange: each aggregator sends its encoded aggregates
               to every rank
   5. decode   (compute) every partition from its aggregator's payload, divide by N
@@ -90,7 +90,7 @@ class PSStrategy(Strategy):
                 acc = torch.zeros(e - s, dtype=torch.float32)
                 for src in range(n):
                     comp.decode_add(received[src][j], acc)
-                m = comp.merged  # error feedback at the aggregator: what its re-encode drops is not lost
+                m = comp.merged_for(n)  # error feedback at the aggregator: what its re-encode drops is not lost
                 out.append(m.encode(acc, ctx.states.get(f"{key}/aggregator", m, e - s)))
             slot["bcast_out"] = frame(out)
 
@@ -109,7 +109,7 @@ class PSStrategy(Strategy):
         gather_sink, bcast_sink = sink("gather_in"), sink("bcast_in")
         # What each peer may send, from this rank's own knowledge of the partitions (max_bytes):
         # every worker frames this aggregator's partitions; each aggregator frames its own.
-        part_bound = [payload_bound(comp, e - s) for _, s, e in parts]
+        part_bound = [payload_bound(comp, e - s, contributions=n) for _, s, e in parts]
         gather_max = frame_bound([part_bound[i] for i in mine])
         bcast_max = {a: frame_bound([part_bound[i] for i, o in enumerate(owners) if o == a]) for a in aggregators}
         enc = ctx.compute(f"encode.{tensor_name}", encode, deps, nbytes=4 * flat.numel())

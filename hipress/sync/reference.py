@@ -30,21 +30,21 @@ def ring(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name
         xs = [o[s:e] for o in out]
         ch = chunk_bounds(e - s, n)
 
-        def encode(r, c, merged=True):
+        def encode(r, c, contributions):
             a, b = ch[c]
-            enc = comp.merged if merged else comp
+            enc = comp if contributions == 1 else comp.merged_for(contributions)
             return enc.encode(xs[r][a:b], stores[r].get(f"{key}/c{c}", enc, b - a))
 
         for step in range(n - 1):
-            # Rank r sends chunk (r - step); rank r + 1 merges it into the same chunk.
-            payloads = [encode(r, (r - step) % n, merged=step > 0) for r in range(n)]
+            # Rank r sends chunk (r - step), a sum of step + 1 ranks; rank r + 1 merges it into the same chunk.
+            payloads = [encode(r, (r - step) % n, step + 1) for r in range(n)]
             for r in range(n):
                 a, b = ch[(r - step) % n]
                 comp.decode_add(payloads[r], xs[(r + 1) % n][a:b])
         for r in range(n):
             c = (r + 1) % n
             a, b = ch[c]
-            p = encode(r, c)
+            p = encode(r, c, n)
             for q in range(n):
                 comp.decode(p, xs[q][a:b])
         if average:
@@ -62,7 +62,8 @@ def ps(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], name: 
         acc = torch.zeros(e - s, dtype=torch.float32)
         for r in range(n):
             comp.decode_add(comp.encode(out[r][s:e], stores[r].get(f"{key}/worker", comp, e - s)), acc)
-        p = comp.merged.encode(acc, stores[a].get(f"{key}/aggregator", comp.merged, e - s))
+        m = comp.merged_for(n)
+        p = m.encode(acc, stores[a].get(f"{key}/aggregator", m, e - s))
         for r in range(n):
             comp.decode(p, out[r][s:e])
             if average:

@@ -18,9 +18,10 @@ compressed bytes are never averaged.
 
 Each rank encodes each chunk exactly once per sync (chunks (r - s) for s = 0..N-1), so
 per-chunk state lives on that rank. Only step 0 encodes the rank's own gradient; the
-other encodes see merged partial sums and use ``compressor.merged`` (error feedback at
-every site, so what a re-encode drops is sent in a later sync, not lost). Sparsifiers
-re-select after every merge because step 1 encodes the merged dense chunk. Aggregatable (low-rank)
+other encodes see merged partial sums of s + 1 ranks and use ``compressor.merged_for(s + 1)``
+(error feedback at every site, so what a re-encode drops is sent in a later sync, not lost).
+Sparsifiers re-select after every merge because step 1 encodes the merged dense chunk; their
+density is scaled to the number of ranks summed (``Compressor.for_sum_of``). Aggregatable (low-rank)
 compressors are synchronised by :mod:`hipress.sync.lowrank` instead.
 """
 from __future__ import annotations
@@ -86,7 +87,7 @@ class RingStrategy(Strategy):
         slot = {}
 
         def encode_owned():
-            p = encode_chunk(ctx, key, views, owned)
+            p = encode_chunk(ctx, key, views, owned, n)
             comp.decode(p, views[owned])
             slot[("fwd", 0)] = p
 
@@ -103,7 +104,7 @@ class RingStrategy(Strategy):
 
             prev = ctx.exchange.sendrecv(f"sendrecv.{key}.ag{t}", lambda t=t: slot.pop(("fwd", t)), nxt,
                                          received, prv, [prev],
-                                         max_bytes=payload_bound(comp, views[c_in].numel()))
+                                         max_bytes=payload_bound(comp, views[c_in].numel(), contributions=n))
             finals.append(ctx.compute(f"decode.{key}.ag{t}", decode, [prev], nbytes=4 * x.numel() // n))
 
         def finish():
@@ -114,12 +115,13 @@ class RingStrategy(Strategy):
         return ctx.compute(f"average.{key}", finish, finals)
 
 
-def encode_chunk(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], c: int, merged: bool = True):
-    """Encodes chunk ``c`` with its state. Step 0 of the reduce-scatter encodes this rank's own
-    gradient; later encodes see merged partial sums and use the compressor's merged form (error
-    feedback at every site). A chunk key has one role per rank, so its state always belongs to
-    the same compressor."""
-    enc = ctx.compressor.merged if merged else ctx.compressor
+def encode_chunk(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], c: int, contributions: int):
+    """Encodes chunk ``c``, a sum of ``contributions`` ranks' gradients, with its state. Step 0
+    of the reduce-scatter encodes this rank's own gradient (1); later encodes see merged partial
+    sums and use the compressor's merged form for that many (error feedback at every site; a
+    sparsifier keeps the density of their union). A chunk key has one role per rank, so its
+    state always belongs to the same compressor."""
+    enc = ctx.compressor if contributions == 1 else ctx.compressor.merged_for(contributions)
     return enc.encode(views[c], ctx.states.get(f"{key}/c{c}", enc, views[c].numel()))
 
 
@@ -144,7 +146,7 @@ def reduce_scatter(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], de
         cs, cr = (r - s + owned_offset - 1) % n, (r - s + owned_offset - 2) % n
 
         def encode(s=s, cs=cs):
-            slot[("out", s)] = encode_chunk(ctx, key, views, cs, merged=s > 0)
+            slot[("out", s)] = encode_chunk(ctx, key, views, cs, s + 1)
 
         def merge(s=s, cr=cr):
             comp.decode_add(slot.pop(("in", s)), views[cr])
@@ -153,6 +155,6 @@ def reduce_scatter(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], de
         enc = ctx.compute(f"encode.{key}.rs{s}", encode, last_compute, nbytes=nbytes)
         sr = ctx.exchange.sendrecv(f"sendrecv.{key}.rs{s}", lambda s=s: slot.pop(("out", s)), nxt,
                                    lambda buf, s=s: slot.__setitem__(("in", s), buf), prv, [enc],
-                                   max_bytes=payload_bound(comp, views[cr].numel()))
+                                   max_bytes=payload_bound(comp, views[cr].numel(), contributions=n))
         last_compute = [ctx.compute(f"merge.{key}.rs{s}", merge, [sr], nbytes=nbytes)]
     return last_compute[0]

@@ -18,9 +18,10 @@ autograd), built on hipress's byte transport (:mod:`hipress.comm.transport`):
   collective) or a bad argument on one rank raises on *every* rank, naming the ranks, before a
   byte of data moves; the transport stays usable. The rank whose arguments were bad raises
   ``ValueError``; the others raise :class:`HorovodInternalError`.
-* Reductions are exact and deterministic: each element is reduced by one rank, in rank order
-  (reduce-scatter over ``alltoallv``, then ``allgatherv``), so every rank gets bit-identical
-  results. Scale factors are applied as Horovod does: ``prescale_factor`` to each rank's input,
+* Reductions are deterministic and every rank gets bit-identical results: float32 Sum and
+  Average use the backend's own allreduce where it has one (gloo, NCCL, MPI:
+  ``Transport.allreduce``; its order of addition); every other reduction is reduced by one rank
+  per element, in rank order (reduce-scatter over ``alltoallv``, then ``allgatherv``). Scale factors are applied as Horovod does: ``prescale_factor`` to each rank's input,
   ``postscale_factor`` (divided by the set size for Average) to the result, computed in double
   precision and cast back (integers truncate toward zero, so Average of integer tensors is
   ``trunc(sum / n)``).
@@ -552,6 +553,12 @@ def _allreduce_flat(tr, flat: torch.Tensor, rop: str, post: float) -> torch.Tens
     n, N = tr.size, flat.numel()
     if N == 0:
         return flat.clone()
+    if rop in (Sum, Average) and flat.dtype == torch.float32 and n > 1 and tr.has_allreduce:
+        # the backend's own collective (gloo/NCCL allreduce, MPI_Iallreduce): its algorithm and
+        # its order of addition, the same bits on every rank (Transport.allreduce)
+        out = flat.clone()
+        _call(tr.allreduce, out)
+        return _scale(out, _post_factor(rop, post, n))
     b = _bounds(N, n)
     mine = _reduce_scatter_flat(tr, flat, b, rop, post)
     if n == 1:

@@ -119,6 +119,26 @@ def run_all():
                 eq(x, data(R, dtype) if dtype != torch.uint8 else x, "input unchanged")
 
     @check
+    def float32_sum_uses_the_backends_allreduce():
+        # gloo and MPI have one: float32 Sum/Average go through it; other dtypes and ops do not
+        from hipress.comm.transport.base import Transport
+        calls, real = [], Transport.allreduce
+
+        def counted(self, values):
+            calls.append(values.numel())
+            return real(self, values)
+
+        Transport.allreduce = counted
+        try:
+            eq(hvd.allreduce(data(R, torch.float32), op=hvd.Average), expected_reduce("average", torch.float32))
+            eq(hvd.allreduce(data(R, torch.float64), op=hvd.Sum), expected_reduce("sum", torch.float64))
+            eq(hvd.allreduce(data(R, torch.float32), op=hvd.Max), expected_reduce("max", torch.float32))
+        finally:
+            Transport.allreduce = real
+        has = world.transport().has_allreduce
+        assert calls == ([data(R, torch.float32).numel()] if N > 1 and has else []), (calls, has)
+
+    @check
     def allreduce_average_of_integers_truncates_toward_zero():
         # rank 0: -3, others 0 (n=2: -1.5 -> -1; n=3: -1 -> -1); rank 0: 5 -> 2.5 -> 2 / 1.67 -> 1
         x = torch.tensor([-3 if R == 0 else 0, 5 if R == 0 else 0, 1], dtype=torch.int32)

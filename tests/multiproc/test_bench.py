@@ -23,16 +23,22 @@ def _valid_record(r, system):
     assert r["exposed_comm_s"] >= 0 and r["loss_finite"]
 
 
-def test_worker_emits_records_for_ddp_and_hipress(tmp_path):
-    # One DDP and one hipress system in the same processes, no cluster.
-    cmd = [sys.executable, "-m", "hipress.bench.train", "--model", "vgg19", "--systems", "ddp,hipress-ring-onebit",
+def _run_worker(tmp_path, systems, timeout=240):
+    """The benchmark worker on 2 ranks, VGG19-like, a few steps: its records, one per system, in order."""
+    cmd = [sys.executable, "-m", "hipress.bench.train", "--model", "vgg19", "--systems", ",".join(systems),
            "--warmup", "1", "--steps", "2", "--compute-steps", "1", "--out", str(tmp_path)]
-    code, logs = run(cmd, 2, timeout=240, quiet=True, env=ENV)
+    code, logs = run(cmd, 2, timeout=timeout, quiet=True, env=ENV)
     assert code == 0, "\n".join(logs)[-3000:]
     recs = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [r["system"] for r in recs] == ["ddp", "hipress-ring-onebit"]
-    _valid_record(recs[0], "ddp")
-    _valid_record(recs[1], "hipress-ring-onebit")
+    assert [r["system"] for r in recs] == list(systems)
+    for r in recs:
+        _valid_record(r, r["system"])
+    return recs
+
+
+def test_worker_emits_records_for_ddp_and_hipress(tmp_path):
+    # One DDP and one hipress system in the same processes, no cluster.
+    recs = _run_worker(tmp_path, ["ddp", "hipress-ring-onebit"])
     assert recs[0]["compression_s"] is None                # DDP: no engine
     assert recs[1]["compression_s"] > 0 and recs[1]["engine_tasks_per_step"] > 0
     assert recs[1]["hipress"]["compressor"] == "onebit"
@@ -40,31 +46,17 @@ def test_worker_emits_records_for_ddp_and_hipress(tmp_path):
 
 
 def test_worker_runs_dear_systems(tmp_path):
-    cmd = [sys.executable, "-m", "hipress.bench.train", "--model", "vgg19", "--systems",
-           "hipress-dear,hipress-dear-terngrad", "--warmup", "1", "--steps", "2", "--compute-steps", "1",
-           "--out", str(tmp_path)]
-    code, logs = run(cmd, 2, timeout=240, quiet=True, env=ENV)
-    assert code == 0, "\n".join(logs)[-3000:]
-    recs = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [r["system"] for r in recs] == ["hipress-dear", "hipress-dear-terngrad"]
+    recs = _run_worker(tmp_path, ["hipress-dear", "hipress-dear-terngrad"])
     for r, comp in zip(recs, ("none", "terngrad")):
-        _valid_record(r, r["system"])
         assert r["hipress"] == {"strategy": "dear", "compressor": comp, "hierarchical": False}
 
 
 def test_worker_runs_covap_systems(tmp_path):
     # COVAP's warm-up runs on until its filter is on (settling DDP's buckets, profiling)
-    cmd = [sys.executable, "-m", "hipress.bench.train", "--model", "vgg19", "--systems",
-           "hipress-covap,ddp-covap-hook", "--warmup", "1", "--steps", "2", "--compute-steps", "1",
-           "--out", str(tmp_path)]
-    code, logs = run(cmd, 2, timeout=300, quiet=True, env=ENV)
-    assert code == 0, "\n".join(logs)[-3000:]
-    recs = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [r["system"] for r in recs] == ["hipress-covap", "ddp-covap-hook"]
+    recs = _run_worker(tmp_path, ["hipress-covap", "ddp-covap-hook"], timeout=300)
     from hipress.torch.covap import MAX_INTERVAL, PROFILE_STEPS, interval_from_ccr
 
     for r in recs:
-        _valid_record(r, r["system"])
         cv = r["covap"]
         assert cv["filter_on"] and cv["warmup_steps"] > PROFILE_STEPS, cv
         p = cv["profile"]

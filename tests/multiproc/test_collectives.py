@@ -75,7 +75,7 @@ def _check(n, rcs, res, out, transport):
     for r, d in res.items():
         assert d["size"] == n and d["transport"] == transport, d
         assert set(d["passed"]) == names, (r, d["passed"])
-    assert len(names) == 18, sorted(names)  # every check of collectives_worker.run_all
+    assert len(names) == 19, sorted(names)  # every check of collectives_worker.run_all
 
 
 @pytest.mark.timeout(300)

@@ -2,8 +2,9 @@
 
 Default suite, 2 ranks, a short seeded digits run (``python -m hipress.bench.convergence
 --task digits --np 2``), test accuracy at least uncompressed accuracy - 3 points: HiPress's
-six algorithms x every strategy they accept, and every other registered algorithm (GRACE's
-family) under strategy "auto", the one a user gets by default. Slow (``-m slow``): those
+six algorithms x every strategy they accept, and through DDP's comm hook under "auto"; every
+other registered algorithm (GRACE's family) under strategy "auto", the one a user gets by
+default. Slow (``-m slow``): those
 others under every strategy, and 4 ranks, strategy "auto", within 1 point for all. Each run
 starts and stops its own ranks (hipress.launch, with a timeout).
 
@@ -53,11 +54,12 @@ KNOWN_4 = {"signsgd": _SIGN, "signum": _SIGN, "efsignsgd": "-3.0 points (as oneb
            "dgc": "92.6% vs 95.6% at seed 42 (mean of 3 seeds: -0.67; docs/convergence.md, cause 9)"}
 
 
-def _accuracies(tmp_dir, np, strategy, algos, reference=False):
+def _accuracies(tmp_dir, np, strategy, algos, reference=False, ddp=False):
     from hipress.bench import convergence
 
     args = ["--task", "digits", "--np", str(np), "--strategy", strategy, "--algos", ",".join(["none"] + algos),
-            "--out-dir", str(tmp_dir), "--no-plots", "--timeout", "600"] + ([] if reference else ["--no-reference"])
+            "--out-dir", str(tmp_dir), "--no-plots", "--timeout", "600"] + ([] if reference else ["--no-reference"]) \
+        + (["--ddp"] if ddp else [])
     doc = convergence.main(args)
     out = {}
     for algo, r in doc["runs"].items():
@@ -77,14 +79,16 @@ def _per_strategy(algos):
 _CHUNK = 6
 
 
-def _launches(per_strategy):
-    """[(strategy, algos)], one bench launch each, with uncompressed beside them."""
-    return [(s, tuple(algos[i:i + _CHUNK])) for s, algos in per_strategy for i in range(0, len(algos), _CHUNK)]
+def _launches(per_strategy, ddp=False):
+    """[(strategy, algos, ddp)], one bench launch each, with uncompressed beside them; ddp: through
+    torch DDP and hipress's comm hook instead of the optimizer."""
+    return [(s, tuple(algos[i:i + _CHUNK]), ddp) for s, algos in per_strategy for i in range(0, len(algos), _CHUNK)]
 
 
 OTHERS = [a for a in ALGOS if a not in CORE]
 DEFAULT_LAUNCHES = _launches(_per_strategy(sorted(CORE & set(ALGOS))) + [("auto", OTHERS)])
 SLOW_LAUNCHES = _launches(_per_strategy(OTHERS))
+DDP_LAUNCHES = _launches([("auto", sorted(CORE & set(ALGOS)))], ddp=True)
 _done = {}  # launch -> {algo: accuracy} with "none", or the error it ended with
 
 
@@ -93,7 +97,7 @@ def _two_rank(tmp_path_factory, launches, algo, strategy):
     launch = next(l for l in launches if algo in l[1] and strategy in (l[0], "lowrank"))
     if launch not in _done:
         try:
-            got = _accuracies(tmp_path_factory.mktemp(launch[0]), 2, launch[0], list(launch[1]))
+            got = _accuracies(tmp_path_factory.mktemp(launch[0]), 2, launch[0], list(launch[1]), ddp=launch[2])
             _done[launch] = {a: acc for a, (acc, _) in got.items()}
         except Exception as e:  # every case of this launch reports it; none relaunches it
             _done[launch] = e
@@ -120,6 +124,13 @@ def _within_3(accuracies, algo, strategy):
 @pytest.mark.parametrize("algo,strategy", [_case(a, s) for a, s in CASES])
 def test_two_ranks_within_3_points(tmp_path_factory, algo, strategy):
     _within_3(_two_rank(tmp_path_factory, DEFAULT_LAUNCHES, algo, strategy), algo, strategy)
+
+
+@pytest.mark.parametrize("algo", sorted(CORE & set(ALGOS)))
+def test_ddp_hook_two_ranks_within_3_points(tmp_path_factory, algo):
+    """The same rule through torch DDP and hipress's comm hook, strategy "auto", momentum
+    correction in the hook (docs/ddp.md)."""
+    _within_3(_two_rank(tmp_path_factory, DDP_LAUNCHES, algo, "auto"), algo, "auto (DDP hook)")
 
 
 @pytest.mark.slow

@@ -169,6 +169,21 @@ def test_dgc_stateful_matches_reference_with_warmup(n, threads):
         assert [sizes[s] for s, _ in stages] == [H + 8 * ref.count_for(d, n) for _, d in stages]
 
 
+@pytest.mark.parametrize("n", [1, 1000, 65537])
+def test_dgc_summands_scale_every_density_like_the_reference(n, threads):
+    """summands = m (a merged sum of m ranks, Compressor.for_sum_of): every step's density, warm-up
+    stages included, is m times larger, at most 1; the payload stays within max_encoded_bytes."""
+    c = C.DGC(ratio=0.001, warmup_steps=34, summands=3)
+    st = c.new_state(n)
+    r = ref.DGCReference(n, ratio=0.001, warmup_steps=34, summands=3)
+    for step in range(36):
+        g = grad(n, 300 + step)
+        p = c.encode(g, st)
+        assert pbytes(p) == r.encode(as_np(g)), f"step {step}"
+        assert p.numel() <= c.max_encoded_bytes(n)
+    assert [r.density(s) for s in (0, 1, 35)] == [0.75, 0.1875, 0.003]
+
+
 def test_dgc_default_warmup_stages_last_four_times_their_delay():
     """The default warm-up (docs/convergence.md, cause 9): 25% for 16 steps, 6.25% for 64, 1.56%
     for 256, 0.39% for 1024, then the ratio 0.1%: each stage lasts 4 / density steps."""
@@ -231,13 +246,15 @@ def test_graddrop_matches_reference(n, dtype, threads):
     np.testing.assert_array_equal(roundtrip(c, g, p).numpy(), ref.sparse_decode(expect, n))
 
 
+@pytest.mark.parametrize("summands", [1, 3])
 @pytest.mark.parametrize("n", [1, 1000, 65537, 200003])
-def test_graddrop_stateful_matches_reference_with_warmup(n, threads):
+def test_graddrop_stateful_matches_reference_with_warmup(n, summands, threads):
     """Over the warm-up's stages and past its end: the kernel's payloads, RNG counter and step
-    equal the reference's, and every payload fits max_encoded_bytes (sized for the 25% stage)."""
-    c = C.GradDrop(ratio=0.01, seed=3, warmup_steps=34)
+    equal the reference's, and every payload fits max_encoded_bytes (sized for the 25% stage).
+    summands = m (a merged sum of m ranks): every density m times larger, at most 1."""
+    c = C.GradDrop(ratio=0.01, seed=3, warmup_steps=34, summands=summands)
     st = c.new_state(n)
-    r = ref.GradDropReference(n, ratio=0.01, warmup_steps=34, seed=3)
+    r = ref.GradDropReference(n, ratio=0.01, warmup_steps=34, seed=3, summands=summands)
     counts = []
     for step in range(36):
         g = grad(n, 300 + step)
@@ -249,11 +266,12 @@ def test_graddrop_stateful_matches_reference_with_warmup(n, threads):
     assert st.step == 36
     if n > 1000:  # 25% at step 0, 6.25% at 1, 1.56% at 2-8, the 0.39% stage (9-33) and after at the 1% ratio
         for s, d in [(0, 0.25), (1, 0.0625), (2, 0.015625), (8, 0.015625), (9, 0.01), (33, 0.01), (35, 0.01)]:
+            d = min(1.0, d * summands)
             assert 0.5 * d * n < counts[s] <= 2 * ref.count_for(d, n), f"step {s}"
 
 
 def test_graddrop_default_warmup_stages_last_six_times_their_delay():
-    """The default warm-up (docs/convergence.md, cause 11): 25% for 24 steps, 6.25% for 96,
+    """The default warm-up (docs/convergence.md, cause 12): 25% for 24 steps, 6.25% for 96,
     1.56% for 384, then the ratio 1% (the 0.39% stage is below it); a state-less encode is the
     plain form at the ratio; max_encoded_bytes covers the first stage's 2k."""
     n = 20000

@@ -273,6 +273,49 @@ def test_merged_sums_are_reencoded_with_error_feedback():
     torch.testing.assert_close(out + st.buffers["residual"], x, rtol=0, atol=1e-5)
 
 
+def test_sparsifiers_reencode_a_sum_at_the_density_of_its_union():
+    """A merged sum of m ranks' selections is re-selected at m times the density (cause 11),
+    one compressor per count, each in its merged form; quantizers re-encode as before."""
+    from hipress.compression.error_feedback import ErrorFeedback
+
+    d = compression.get("dgc", ratio=0.01, momentum=0.9)
+    assert d.merged_for(4).params["summands"] == 4 and d.merged_for(4).momentum == 0
+    assert d.merged_for(4) is d.merged_for(4) and d.for_sum_of(1) is d
+    t = compression.get("topk", ratio=0.01, beta=0.5)
+    m = t.merged_for(3)
+    assert isinstance(m, ErrorFeedback) and m.beta == 0.5 and m.inner.params["ratio"] == pytest.approx(0.03)
+    # GradDrop, like DGC, scales every density of its warm-up by the count (summands; at most all)
+    assert compression.get("graddrop", ratio=0.4).merged_for(3).inner.params["summands"] == 3
+    for name in ("onebit", "terngrad", "none"):
+        c = compression.get(name)
+        assert c.merged_for(4) is c.merged, name
+    # DGC keeps (ratio x m) of a sum: 4 ranks' 1% is 4%, also during its warm-up stages (x m each)
+    n, x = 10000, torch.randn(10000)
+    for warmup, density in ((0, 0.04), (1360, 1.0)):
+        c = compression.get("dgc", ratio=0.01, warmup_steps=warmup).merged_for(4)
+        nnz = (c.decode(c.encode(x, c.new_state(n)), torch.zeros(n)) != 0).sum().item()
+        assert nnz == round(density * n), (warmup, nnz)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ps"])
+@pytest.mark.parametrize("algo,kw", [("dgc", {"ratio": 0.02, "warmup_steps": 0}), ("topk", {"ratio": 0.02})])
+def test_merged_sums_keep_the_density_of_the_union(strategy, algo, kw):
+    """Four ranks: bit-identical to the oracle over two steps, and the result holds more than one
+    rank's k per chunk (it would be cut back to k, 2%, if merged sums were re-selected at k)."""
+    n, numel = 4, 4000
+    grads = grads_for(n, numel, seed=5)
+    bounds = [(0, numel)]
+    got, _ = run_strategy(strategy, lambda: compression.get(algo, **kw), grads, bounds, steps=2)
+    stores = [StateStore(r) for r in range(n)]
+    for step in range(2):
+        oracle = reference.ring if strategy == "ring" else \
+            (lambda g, c, st, name, b: reference.ps(g, c, st, name, b, [0]))
+        want = oracle(grads, compression.get(algo, **kw), stores, "w", bounds)
+        for r in range(n):
+            assert torch.equal(got[r][step], want[r]), (step, r)
+    assert (got[0][0] != 0).sum().item() > 2 * 0.02 * numel
+
+
 @pytest.mark.parametrize("strategy,algo,kw", [("ring", "dgc", {"ratio": 0.05}), ("ring", "terngrad", {"bitwidth": 2}),
                                               ("ps", "graddrop", {"ratio": 0.05}), ("allgather", "tbq", {}),
                                               ("lowrank", "powersgd", {"rank": 2})])
@@ -302,9 +345,9 @@ def test_strategies_bound_what_peers_send(monkeypatch, strategy, algo, kw):
     received = [(b, c) for _, b, c in seen if c > 0]
     assert received and all(b is not None and c <= b for b, c in received), received
     comp = compression.get(algo, **kw)
-    if strategy == "ring":  # exactly the chunk's max_encoded_bytes
-        chunk_max = {comp.max_encoded_bytes(e - s) for s0, e0 in bounds
-                     for s, e in chunk_bounds(e0 - s0, n)}
+    if strategy == "ring":  # exactly the chunk's max_encoded_bytes (a merged sum's of n ranks where larger)
+        chunk_max = {max(comp.max_encoded_bytes(e - s), comp.merged_for(n).max_encoded_bytes(e - s))
+                     for s0, e0 in bounds for s, e in chunk_bounds(e0 - s0, n)}
         assert {b for b, _ in received} <= chunk_max
 
 
