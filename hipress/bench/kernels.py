@@ -83,11 +83,13 @@ def configs():
         ("tbq", lambda: C.TBQ(0.01), lambda x: ref.tbq_encode(x, 0.01), ref.tbq_decode),
         ("terngrad-2bit", lambda: C.TernGrad(2), lambda x: ref.terngrad_encode(x, 2), ref.terngrad_decode),
         ("terngrad-8bit", lambda: C.TernGrad(8), lambda x: ref.terngrad_encode(x, 8), ref.terngrad_decode),
-        # warmup_steps=0: the steady-state density the label names (the default warm-up starts at 25%)
+        # warmup_steps=0: the steady-state density the label names (DGC's and GradDrop's default
+        # warm-ups start at 25%)
         ("dgc-0.1%", lambda: C.DGC(ratio=0.001, warmup_steps=0), None, ref.sparse_decode),
         ("dgc-1%", lambda: C.DGC(ratio=0.01, warmup_steps=0), None, ref.sparse_decode),
-        ("graddrop-1%", lambda: C.GradDrop(ratio=0.01), lambda x: ref.graddrop_encode(x, 0.01), ref.sparse_decode),
-        ("graddrop-0.1%", lambda: C.GradDrop(ratio=0.001), lambda x: ref.graddrop_encode(x, 0.001),
+        ("graddrop-1%", lambda: C.GradDrop(ratio=0.01, warmup_steps=0), lambda x: ref.graddrop_encode(x, 0.01),
+         ref.sparse_decode),
+        ("graddrop-0.1%", lambda: C.GradDrop(ratio=0.001, warmup_steps=0), lambda x: ref.graddrop_encode(x, 0.001),
          ref.sparse_decode),
         ("powersgd-r4", lambda: C.PowerSGD(rank=4), None, None),
         # GRACE's quantizers (docs/grace.md); u8bit, efsignsgd and natural without their error feedback
@@ -475,7 +477,7 @@ def markdown(results: Dict) -> str:
 
 GENERATED = [("onebit", "onebit", {}), ("tbq", "tbq", {"threshold": 0.01}), ("terngrad-2bit", "terngrad", {"bitwidth": 2}),
              ("terngrad-8bit", "terngrad", {"bitwidth": 8}), ("dgc-0.1%", "dgc", {"ratio": 0.001, "warmup_steps": 0}),
-             ("graddrop-1%", "graddrop", {"ratio": 0.01}), ("powersgd-r4", "powersgd", {"rank": 4})]
+             ("graddrop-1%", "graddrop", {"ratio": 0.01, "warmup_steps": 0}), ("powersgd-r4", "powersgd", {"rank": 4})]
 
 
 def bench_generated(sizes_mb, threads: List[int], repeat: int) -> Dict:

@@ -104,13 +104,8 @@ def _terngrad(p, n, counter):
 
 
 def _graddrop(p, n, counter):
-    st = [counter]
-
-    def encode(x):  # the counter moves by the number of sampled elements
-        out = ref.graddrop_encode(x, p["ratio"], p["sample_ratio"], int(p["seed"]), st[0])
-        st[0] += ref.graddrop_sample_size(n, p["sample_ratio"])
-        return out
-    return encode, ref.sparse_decode
+    return ref.GradDropReference(n, p["ratio"], p["sample_ratio"], int(p["warmup_steps"]), int(p["seed"]),
+                                 counter, int(p["summands"])).encode, ref.sparse_decode
 
 
 def _dgc(p, n, counter):
@@ -214,7 +209,7 @@ SINGLE_ROUND = {
     "terngrad": ({"bitwidth", "seed"}, set(), _terngrad),
     # the native kernel samples a threshold, then selects the exact top-k: the sample cannot change the result
     "dgc": ({"ratio", "momentum", "warmup_steps", "summands"}, {"sample_ratio", "seed"}, _dgc),
-    "graddrop": ({"ratio", "sample_ratio", "seed"}, set(), _graddrop),
+    "graddrop": ({"ratio", "sample_ratio", "warmup_steps", "summands", "seed"}, set(), _graddrop),
     # GRACE's quantizers (docs/grace.md)
     "signsgd": ({"scale"}, set(), _signsgd),
     "signum": ({"momentum", "scale"}, set(), _signum),

@@ -20,7 +20,8 @@ Tasks (all offline: no downloads):
                1000 test sequences from numpy's RandomState(seed). Uncompressed, 4 ranks of
                batch 32 at lr 0.05 reach 98.9% in the default 4 epochs (97.2% after 3; chance
                is about 12.5%). Compressed, the reference simulator's 4 workers end (points vs
-               none): onebit -0.5, TBQ -35.9, TernGrad +1.0, DGC -62.5, GradDrop -2.0,
+               none): onebit -0.5, TBQ -35.9, TernGrad +1.0, DGC -62.5, GradDrop +0.3 (-2.0
+               before its density warm-up, docs/convergence.md cause 13),
                PowerSGD +1.0. Metric: test accuracy (%).
 
 Sharding and order: rank r of N trains on examples r, r+N, r+2N, ... of the training set; in

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -294,16 +294,19 @@ def graddrop_sample_size(n: int, sample_ratio: float) -> int:
 
 
 def graddrop_encode(g: np.ndarray, ratio: float = 0.01, sample_ratio: float = 0.01, seed: int = 0,
-                    counter: int = 0) -> bytes:
+                    counter: int = 0, density: Optional[float] = None) -> bytes:
+    """GradDrop at ``density`` (default: ``ratio``, the stateless form; a stateful encode passes
+    :func:`warmup_density` at its step)."""
     g = np.asarray(g, dtype=np.float32).reshape(-1)
+    d = ratio if density is None else density
     n = g.size
     s = graddrop_sample_size(n, sample_ratio)
-    kmax = min(n, 2 * count_for(ratio, n))
+    kmax = min(n, 2 * count_for(d, n))
     if n == 0:
         return sparse_payload("graddrop", 0, np.zeros(0, np.uint32), np.zeros(0, np.float32), 0.0)
     a = np.abs(g)
     sm = a[random_index(seed, counter, n, s)]
-    r = max(1, min(s, math.ceil(ratio * s)))
+    r = max(1, min(s, math.ceil(d * s)))
     thr = np.sort(sm)[::-1][r - 1]
     sel = (a >= thr) & (a > 0)
     idx = np.flatnonzero(sel).astype(np.uint32)
@@ -312,11 +315,35 @@ def graddrop_encode(g: np.ndarray, ratio: float = 0.01, sample_ratio: float = 0.
     return sparse_payload("graddrop", n, idx, g[idx], float(thr))
 
 
+class GradDropReference:
+    """GradDrop with its own state: the RNG counter and the step of the density warm-up."""
+
+    def __init__(self, n: int, ratio=0.01, sample_ratio=0.01, warmup_steps=2040, seed=0, counter=0, summands=1):
+        self.n, self.ratio, self.sample_ratio = n, ratio, sample_ratio
+        self.warmup, self.seed, self.counter, self.step = warmup_steps, seed, counter, 0
+        self.summands = summands  # ranks summed in the input: the density is that many times larger
+
+    def encode(self, g: np.ndarray) -> bytes:
+        d = min(1.0, warmup_density(self.ratio, self.warmup, self.step) * self.summands)
+        out = graddrop_encode(g, self.ratio, self.sample_ratio, self.seed, self.counter, d)
+        self.counter += graddrop_sample_size(self.n, self.sample_ratio)  # as the kernel's: the sample drawn
+        self.step += 1
+        return out
+
+
 def dgc_warmup_stage(step: int, warmup_steps: int) -> int:
     """DGC's warm-up stage (0..3, density 0.25^(stage+1)) at ``step`` < ``warmup_steps``: stage
     i lasts warmup_steps * 4^(i+1) / 340 steps, so it ends after warmup_steps * (4^(i+2) - 4) / 1020."""
     t, w = 1020.0 * step, float(warmup_steps)
     return 0 if t < 12.0 * w else 1 if t < 60.0 * w else 2 if t < 252.0 * w else 3
+
+
+def warmup_density(ratio: float, warmup_steps: int, step: int) -> float:
+    """The density of DGC's warm-up (also GradDrop's) at ``step``: 0.25^(stage + 1), never below
+    ``ratio``, then ``ratio`` from ``warmup_steps`` on (0: no warm-up)."""
+    if warmup_steps == 0 or step >= warmup_steps:
+        return ratio
+    return max(ratio, 0.25 ** (dgc_warmup_stage(step, warmup_steps) + 1))
 
 
 class DGCReference:
@@ -330,10 +357,7 @@ class DGCReference:
         self.step = 0
 
     def density(self, step: int) -> float:
-        d = self.ratio
-        if self.warmup > 0 and step < self.warmup:
-            d = max(self.ratio, 0.25 ** (dgc_warmup_stage(step, self.warmup) + 1))
-        return min(1.0, d * self.summands)
+        return min(1.0, warmup_density(self.ratio, self.warmup, step) * self.summands)
 
     def encode(self, g: np.ndarray) -> bytes:
         g = np.asarray(g, dtype=np.float32).reshape(-1)

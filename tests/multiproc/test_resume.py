@@ -29,11 +29,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 NP, K, M = 2, 3, 3
 # every registered algorithm, and COVAP's filter (its residuals and step are state too)
 ALGORITHMS = compression.available() + ["covap"]
-# Defaults everywhere except where they leave part of a state unused: DGC's step counter
-# only matters during warm-up, so let the warm-up cross the checkpoint (step K of 4).
+# Defaults everywhere except where they leave part of a state unused: DGC's and GradDrop's
+# step counters only matter during warm-up, so let the warm-up cross the checkpoint (step K
+# of 4: a step lost at the checkpoint would restart at the 25% density of step 0).
 # COVAP: a fixed interval (the profiled one depends on timing) around TBQ, whose residuals
 # make the compressor state non-empty.
-KWARGS = {"dgc": {"warmup_steps": 4}, "covap": {"interval": 2, "inner": "tbq"}}
+KWARGS = {"dgc": {"warmup_steps": 4}, "graddrop": {"warmup_steps": 4}, "covap": {"interval": 2, "inner": "tbq"}}
 
 
 def strategies(algorithm):

@@ -298,7 +298,7 @@ def test_dgc_own_momentum_is_not_applied_twice():
 @pytest.mark.parametrize("n", SIZES)
 def test_graddrop_matches_reference(n, dtype, threads):
     g = grad(n, n + 4, dtype)
-    c = C.GradDrop(ratio=0.01, seed=4)
+    c = C.GradDrop(ratio=0.01, seed=4, warmup_steps=0)  # the paper's plain form
     st = c.new_state(n)
     st.scalars[0] = 99
     p = c.encode(g, st)
@@ -307,6 +307,51 @@ def test_graddrop_matches_reference(n, dtype, threads):
     assert p.numel() <= c.max_encoded_bytes(n)
     assert st.rng_counter == 99 + ref.graddrop_sample_size(n, 0.01)
     np.testing.assert_array_equal(roundtrip(c, g, p).numpy(), ref.sparse_decode(expect, n))
+
+
+@pytest.mark.parametrize("summands", [1, 3])
+@pytest.mark.parametrize("n", [1, 1000, 65537, 200003])
+def test_graddrop_stateful_matches_reference_with_warmup(n, summands, threads):
+    """Over the warm-up's stages and past its end: the kernel's payloads, RNG counter and step
+    equal the reference's, and every payload fits max_encoded_bytes (sized for the 25% stage).
+    summands = m (a merged sum of m ranks): every density m times larger, at most 1."""
+    c = C.GradDrop(ratio=0.01, seed=3, warmup_steps=34, summands=summands)
+    st = c.new_state(n)
+    r = ref.GradDropReference(n, ratio=0.01, warmup_steps=34, seed=3, summands=summands)
+    counts = []
+    for step in range(36):
+        g = grad(n, 300 + step)
+        p = c.encode(g, st)
+        assert pbytes(p) == r.encode(as_np(g)), f"step {step}"
+        assert (st.rng_counter, st.step) == (r.counter, r.step)
+        assert p.numel() <= c.max_encoded_bytes(n)
+        counts.append(ref.parse_header(pbytes(p))["count"])
+    assert st.step == 36
+    if n > 1000:  # 25% at step 0, 6.25% at 1, 1.56% at 2-8, the 0.39% stage (9-33) and after at the 1% ratio
+        for s, d in [(0, 0.25), (1, 0.0625), (2, 0.015625), (8, 0.015625), (9, 0.01), (33, 0.01), (35, 0.01)]:
+            d = min(1.0, d * summands)
+            assert 0.5 * d * n < counts[s] <= 2 * ref.count_for(d, n), f"step {s}"
+
+
+def test_graddrop_default_warmup_stages_last_six_times_their_delay():
+    """The default warm-up (docs/convergence.md, cause 13): 25% for 24 steps, 6.25% for 96,
+    1.56% for 384, then the ratio 1% (the 0.39% stage is below it); a state-less encode is the
+    plain form at the ratio; max_encoded_bytes covers the first stage's 2k."""
+    n = 20000
+    c = C.GradDrop()
+    st = c.new_state(n)
+    expect = {0: 0.25, 23: 0.25, 24: 0.0625, 119: 0.0625, 120: 0.015625, 503: 0.015625, 504: 0.01,
+              2039: 0.01, 2040: 0.01}
+    g = grad(n, 5)
+    for step in range(2041):
+        counter = st.rng_counter
+        p = c.encode(g, st)
+        if step in expect:
+            assert ref.warmup_density(0.01, 2040, step) == expect[step], f"step {step}"
+            assert pbytes(p) == ref.graddrop_encode(g.numpy(), 0.01, counter=counter, density=expect[step])
+    assert c.max_encoded_bytes(n) == H + 8 * 2 * ref.count_for(0.25, n)
+    assert C.GradDrop(warmup_steps=0).max_encoded_bytes(n) == H + 8 * 2 * ref.count_for(0.01, n)
+    assert pbytes(c.encode(g)) == ref.graddrop_encode(g.numpy(), 0.01)
 
 
 def test_graddrop_keeps_about_one_percent():
@@ -325,6 +370,29 @@ def test_graddrop_cap_on_bad_estimate():
     p = c.encode(g)
     assert ref.parse_header(pbytes(p))["count"] <= 2 * ref.count_for(0.005, n)
     assert pbytes(p) == ref.graddrop_encode(g.numpy(), 0.005)
+
+
+def test_graddrop_state_dict_carries_the_warmup_step():
+    """Resuming from state_dict() continues the warm-up where it was (the step is saved with the
+    RNG counter); a state whose step were lost (0) would send the 25% stage's payload again."""
+    n = 20000
+    c = C.get("graddrop", warmup_steps=340)  # the registry's form: error feedback around it
+    st = c.new_state(n)
+    for step in range(6):  # 25% for steps 0-3, then 6.25%
+        c.encode(grad(n, 40 + step), st)
+    assert st.step == 6
+    resumed = c.new_state(n)
+    resumed.load_state_dict(st.state_dict())
+    step_lost = c.new_state(n)
+    step_lost.load_state_dict(st.state_dict())
+    step_lost.scalars[1] = 0
+    g = grad(n, 46)
+    p_cont, p_res, p_lost = c.encode(g, st), c.encode(g, resumed), c.encode(g, step_lost)
+    assert torch.equal(p_res, p_cont)
+    assert torch.equal(resumed.buffers["residual"], st.buffers["residual"])
+    assert (resumed.rng_counter, resumed.step) == (st.rng_counter, 7)
+    count = lambda p: ref.parse_header(pbytes(p))["count"]  # noqa: E731
+    assert count(p_cont) <= 2 * ref.count_for(0.0625, n) < count(p_lost)
 
 
 # ------------------------------------------------------------------ 10^7 elements
@@ -377,8 +445,8 @@ def test_error_feedback_conserves_and_matches_reference(name, params, beta, gamm
         np.testing.assert_array_equal(new.numpy(), comp - dec.numpy())
         if name in ("tbq", "graddrop"):  # stateless inner algorithms: whole step equals the reference
             enc = (lambda x: ref.tbq_encode(x, 0.03)) if name == "tbq" else \
-                (lambda x, s=step: ref.graddrop_encode(x, 0.05, counter=sum(
-                    ref.graddrop_sample_size(n, 0.01) for _ in range(s))))
+                (lambda x, s=step: ref.graddrop_encode(x, 0.05, counter=s * ref.graddrop_sample_size(n, 0.01),
+                                                       density=ref.warmup_density(0.05, 2040, s)))
             decf = ref.tbq_decode if name == "tbq" else ref.sparse_decode
             payload, r_ref = ref.error_feedback_step(enc, decf, g.numpy(), r_ref, beta, gamma)
             assert pbytes(p) == payload
