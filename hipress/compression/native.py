@@ -47,7 +47,9 @@ class NativeCompressor(Compressor):
         return made[contributions]
 
     def _density_for_sum_of(self, contributions: int) -> float:
-        return min(1.0, self.params[self.density_param] * contributions)
+        value = self.params[self.density_param] * contributions
+        # "summands" (DGC, GradDrop) multiplies the density inside the spec, which caps it at all
+        return value if self.density_param == "summands" else min(1.0, value)
 
     # Matrix view of a tensor (only low-rank compressors use it).
     def _matrix(self, numel: int, shape) -> Tuple[int, int]:
@@ -187,9 +189,6 @@ class DGC(NativeCompressor):
         # with its own momentum, the optimizer must not apply a velocity too (a velocity of a velocity)
         self.momentum_in_compressor = self.momentum > 0
 
-    def _density_for_sum_of(self, contributions: int) -> float:
-        return self.params["summands"] * contributions
-
     def _merged_compressor(self) -> Compressor:
         # Momentum belongs to the local gradient only: a merged sum already carries it, so
         # partial sums are re-selected with accumulation (error feedback) but no momentum.
@@ -213,9 +212,6 @@ class GradDrop(NativeCompressor):
                  summands: int = 1):
         super().__init__("graddrop", ratio=ratio, sample_ratio=sample_ratio, warmup_steps=warmup_steps, seed=seed,
                          summands=summands)
-
-    def _density_for_sum_of(self, contributions: int) -> float:
-        return self.params["summands"] * contributions
 
 
 class PowerSGD(NativeCompressor):
