@@ -63,7 +63,7 @@ def payload_bound(comp: Compressor, numel: int, shape=None, contributions: int =
     compressor does not implement ``max_encoded_bytes``."""
     try:
         return max(int(c.max_encoded_bytes(numel) if shape is None else c.max_encoded_bytes(numel, shape))
-                   for c in (comp, comp.merged_for(max(2, contributions))))
+                   for c in (comp, comp.merged_for(contributions)))
     except NotImplementedError:
         return None
 
