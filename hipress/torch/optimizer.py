@@ -50,7 +50,8 @@ from hipress.engine import Handle, get_engine
 from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
 from hipress.planner.online import profile_online
 from hipress.sync import STRATEGIES, StateStore, make_sync, resolve_strategy, use_local_aggregation
-from hipress.torch import clipping, covap, dear, momentum, nonfinite
+from hipress.torch import adasum, clipping, covap, dear, momentum, nonfinite
+from hipress.torch.collectives import Adasum
 from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWarning  # noqa: F401 (re-exported)
 
 Average = "average"
@@ -284,7 +285,7 @@ class Options:
         if self.backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {self.backward_passes_per_step}")
         if self.op not in (Average, Sum):
-            raise ValueError(f"op must be hipress.Average or hipress.Sum, got {self.op!r}")
+            raise ValueError(f"op must be hipress.Average, hipress.Sum or hipress.Adasum, got {self.op!r}")
         nonfinite.resolve(self.nonfinite)
         f = self.gradient_predivide_factor
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
@@ -1079,6 +1080,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     rank finds inf and lowers its scale alike. "raise": the states are restored and
     synchronize()/step() raise NonFiniteGradientError on every rank. "off": no check, no
     copies (a non-finite value then corrupts compressor state for good).
+    op: Average (default) or Sum of the gradients; Adasum (Horovod's, hipress/torch/adasum.py):
+    each rank steps the wrapped optimizer on its own gradients and step() combines the ranks'
+    parameter updates adaptively (a power of 2 ranks; nothing sent in backward; compression "none"
+    or "fp16", the updates' dtype on the wire).
     gradient_predivide_factor, num_groups, groups, sparse_as_dense: Horovod's, same names and
     meaning (docs/horovod.md). gradient_predivide_factor=f (op=Average only): each gradient is
     divided by f before the sync and multiplied by f after it (f / size of the sum). groups=n
@@ -1107,6 +1112,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     elif model is not None:
         raise ValueError(f"model= is used by strategy='dear' only, not by strategy={strategy!r}")
     named = _resolve_named_parameters(optimizer, named_parameters)
+    if op == Adasum:  # updates combined in step(), nothing synchronized in backward (hipress/torch/adasum.py)
+        fixed = {"strategy": (strategy, "auto"), "plan": (plan, None),
+                 "gradient_predivide_factor": (gradient_predivide_factor, 1.0), "groups": (groups, None),
+                 "num_groups": (num_groups, 0), "sparse_as_dense": (sparse_as_dense, False),
+                 "grad_clip": (grad_clip, "auto"), "momentum_correction": (momentum_correction, "auto"),
+                 "local_aggregation": (local_aggregation, "auto")}
+        changed = sorted(k for k, (given, default) in fixed.items() if given is not default and given != default)
+        if compression not in ("none", "fp16"):
+            changed.insert(0, f"compression={compression!r}")
+        if changed or compression_kwargs:
+            raise ValueError(f"op=hipress.Adasum combines each rank's optimizer update in step() and sends nothing "
+                             f"during backward; it takes none of {changed + sorted(compression_kwargs)} "
+                             f"(only compression 'none' or 'fp16', backward_passes_per_step and nonfinite)")
+        return adasum.wrap(optimizer, named, nonfinite, fp16=compression == "fp16")
     base = optimizer.__class__
     cls = type(base.__name__, (base,), {k: v for k, v in _HipressOptimizer.__dict__.items()
                                         if not k.startswith("__")} | {"__module__": base.__module__})

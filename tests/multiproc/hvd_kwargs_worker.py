@@ -9,6 +9,7 @@ times powers of two), so the test can compare with exact expected values. Saves 
 synchronized gradients, bucket layouts and error messages to OUT_DIR/rank{r}.pt.
 """
 import sys
+import warnings
 
 import torch
 import torch.nn as nn
@@ -100,7 +101,36 @@ def main():
         res["sparse error"] = None
     except ValueError as e:
         res["sparse error"] = str(e)
+    res["adasum"] = adasum_cases(rank)
     torch.save(res, f"{out_dir}/rank{rank}.pt")
+
+
+def adasum_cases(rank):
+    """op=Adasum: the parameters after each of 3 Adam steps (a power of 2 ranks), a step where
+    rank 1's gradient is NaN, and, with 3 ranks, the error of every rank."""
+    model = Five()
+    try:
+        opt = hipress.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), op=hipress.Adasum)
+    except NotImplementedError as e:
+        return {"error": str(e)}
+    out = {"params": []}
+    for step in range(3):
+        opt.zero_grad()
+        model.loss(rank, step).backward()
+        opt.step()
+        out["params"].append([p.detach().clone() for p in model.p])
+    opt.zero_grad()
+    model.loss(rank, 3).backward()
+    if rank == 1:
+        model.p[2].grad[0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    out["after nan"] = [p.detach().clone() for p in model.p]
+    out["nan warnings"] = [str(w.message) for w in caught]
+    out["last_nonfinite"] = opt.last_nonfinite
+    return out
 
 
 if __name__ == "__main__":

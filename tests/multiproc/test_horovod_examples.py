@@ -128,6 +128,18 @@ def test_mnist_fp16_allreduce_learns():
     assert accuracy > MNIST_ACCURACY
 
 
+def test_mnist_adasum_learns():
+    """--use-adasum: each rank's SGD update, combined by Adasum in step() (lr not scaled)."""
+    _, accuracy = digests(launch_local([MNIST, *MNIST_ARGS, "--use-adasum"]), N)
+    assert accuracy > MNIST_ACCURACY
+
+
+@pytest.mark.slow
+def test_mnist_adasum_fp16_learns():
+    _, accuracy = digests(launch_local([MNIST, *MNIST_ARGS, "--use-adasum", "--fp16-allreduce"]), N)
+    assert accuracy > MNIST_ACCURACY
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mnist_on_horovod_itself(mnist_local, tmp_path):

@@ -80,6 +80,63 @@ def test_sparse_as_dense_synchronizes_embedding_gradients(ranks):
         assert err is not None and "sparse" in err and "sparse_as_dense=True" in err, err
 
 
+def adasum_pair(a, b):
+    """Horovod's Adasum of two updates, written from the paper's formula."""
+    dot = float(a @ b)
+    return (1 - dot / (2 * float(a @ a))) * a + (1 - dot / (2 * float(b @ b))) * b
+
+
+def adasum_expected(n, steps):
+    """Each rank runs its own Adam (its moments local) from the shared parameters; the ranks'
+    updates are combined pairwise per tensor; every rank continues from the combination."""
+    shared = [torch.zeros(m, dtype=torch.float64) for m in SIZES]
+    local = [[torch.zeros(m, dtype=torch.float64, requires_grad=True) for m in SIZES] for _ in range(n)]
+    adams = [torch.optim.Adam(ps, lr=0.1) for ps in local]
+    out = []
+    for step in range(steps):
+        deltas = []
+        for r in range(n):
+            for i, q in enumerate(local[r]):
+                q.data.copy_(shared[i])
+                q.grad = local_input(i, SIZES[i], r, step).double()
+            adams[r].step()
+            deltas.append([q.detach() - s for q, s in zip(local[r], shared)])
+        averaged = [s + sum(d[i] for d in deltas) / n for i, s in enumerate(shared)]
+        for i in range(len(SIZES)):
+            level = [d[i] for d in deltas]
+            while len(level) > 1:
+                level = [adasum_pair(level[j], level[j + 1]) for j in range(0, len(level), 2)]
+            shared[i] = shared[i] + level[0]
+        out.append(([s.clone() for s in shared], averaged))
+    return out
+
+
+def test_adasum_combines_each_ranks_adam_update(ranks):
+    n, res = ranks
+    if n & (n - 1):
+        for r in range(n):  # every rank refuses, none hangs
+            assert "power of 2" in res[r]["adasum"]["error"], res[r]["adasum"]
+        return
+    want = adasum_expected(n, 3)
+    for r in range(n):
+        got = res[r]["adasum"]["params"]
+        for step, (combined, _) in enumerate(want):
+            for i in range(len(SIZES)):
+                torch.testing.assert_close(got[step][i].double(), combined[i], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"rank {r}, step {step}, p.{i}: {m}")
+    # the ranks' updates differ from step 1 on (Adam's first step is about lr * sign(g) on both),
+    # so there the combination is not the average
+    combined, averaged = want[1]
+    assert max(float((c - a).abs().max()) for c, a in zip(combined, averaged)) > 1e-3
+    # a NaN in rank 1's gradient: no rank steps, every rank warns naming it
+    for r in range(n):
+        a = res[r]["adasum"]
+        for before, after in zip(a["params"][-1], a["after nan"]):
+            assert torch.equal(before, after)
+        assert a["last_nonfinite"] == {"p.2": [1]}
+        assert len(a["nan warnings"]) == 1 and "step skipped on every rank" in a["nan warnings"][0]
+
+
 # ------------------------------------------------------------------ argument checks (one rank)
 def wrap(model, **kw):
     return hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -101,6 +158,9 @@ def model():
     ({"groups": [torch.zeros(2)]}, r"groups\[0\] must be a list"),
     ({"groups": [[1.0]]}, "must consist of torch.Tensor"),
     ({"groups": [[torch.zeros(2)]]}, "not a parameter of this optimizer"),
+    ({"op": hipress.Adasum, "compression": "onebit"}, "Adasum .* takes none of .\"compression='onebit'\""),
+    ({"op": hipress.Adasum, "gradient_predivide_factor": 2.0}, "none of .'gradient_predivide_factor'"),
+    ({"op": hipress.Adasum, "ratio": 0.1}, r"none of \['ratio'\]"),
 ])
 def test_bad_horovod_arguments_raise(model, kw, match):
     with pytest.raises(ValueError, match=match):
