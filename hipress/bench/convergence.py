@@ -99,7 +99,7 @@ def worker(a) -> None:
             # multi-round compressors (PowerSGD) sync with the low-rank strategy whatever the option says
             comp, name = (state.compressor, state.strategy) if a.ddp else (opt._hp_compressor, opt._hp_strategy_name)
             name = "dear" if a.strategy == "dear" else name  # dear syncs with the ring's phases
-            strategy = ("lowrank" if comp.rounds > 1 else name) + (" (DDP hook)" if a.ddp else "")
+            strategy = ("lowrank" if comp.lowrank else name) + (" (DDP hook)" if a.ddp else "")
             json.dump({"algo": a.algo, "points": points, "steps_per_epoch": task.steps_per_epoch(size),
                        "strategy": strategy}, f)
 

@@ -294,8 +294,8 @@ class Reference:
         self.params = dict(getattr(inner, "params", {}))
         if self.ported is not None:
             self.semantics = f"grace {comp.communicator}"
-        elif comp.rounds > 1:
-            if self.name not in ("powersgd", "powersgd_grace"):
+        elif comp.lowrank:
+            if self.name not in ("powersgd", "powersgd_grace", "acpsgd"):
                 raise Unsupported(f"no pure reference for the multi-round compressor {self.name!r}")
             if self.name == "powersgd_grace":  # GRACE's: fresh Q every step, error feedback always
                 self.params.setdefault("error_feedback", 1.0)
@@ -381,7 +381,12 @@ class Reference:
         segments = [sg for sg in bucket.segments if sg[1] > 0]
         for i, (off, numel, shape) in enumerate(segments):
             key = f"{bucket.name}/lowrank" + ("" if len(segments) == 1 else f"/{i}")  # the low-rank strategy's
-            if key not in self._states:
+            if key not in self._states and self.name == "acpsgd":
+                rows, cols = matrix_shape(shape, numel)
+                self._states[key] = [ref.ACPSGDReference(rows, cols, int(self.params["rank"]), int(self.params["seed"]),
+                                                         bool(self.params["error_feedback"]))
+                                     for _ in range(self.size)]
+            elif key not in self._states:
                 rows, cols = matrix_shape(shape, numel)
                 self._states[key] = [ref.PowerSGDReference(rows, cols, int(self.params["rank"]),
                                                            int(self.params["seed"]),
@@ -389,6 +394,10 @@ class Reference:
                                                            fresh_q=self.name == "powersgd_grace")
                                      for _ in range(self.size)]
             workers = self._states[key]
+            if self.name == "acpsgd":  # one factor per step
+                total = sum_in_rank_order(w.local(f[off:off + numel]) for w, f in zip(workers, flats))
+                out[off:off + numel] = [w.finish(total) for w in workers][0]
+                continue
             p_sum = sum_in_rank_order(w.round0(f[off:off + numel]) for w, f in zip(workers, flats))
             q_sum = sum_in_rank_order(w.round1(p_sum) for w in workers)
             decoded = [w.finish(q_sum) for w in workers]  # the same on every worker: the same sums

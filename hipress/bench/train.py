@@ -14,7 +14,8 @@ group; hipress wraps it), each on a freshly built model with the same seed:
   hipress-<strategy>-<algo>[-plan]
                            hipress.DistributedOptimizer(compression=<algo>, strategy=<strategy>
                            [, plan="auto"]); strategy ring|ps|auto, algo none|onebit|tbq|terngrad|
-                           dgc|graddrop|powersgd|auto (powersgd always runs the low-rank sync)
+                           dgc|graddrop|powersgd|acpsgd|auto (powersgd and acpsgd always run the
+                           low-rank sync)
   hipress-dear[-<algo>]    strategy="dear" (docs/dear.md): reduce-scatter in backward, all-gather
                            and update before the next forward; algo: a single-round one (default none)
   hipress-covap            hipress.DistributedOptimizer(compression="covap") (docs/covap.md: interval
@@ -51,7 +52,7 @@ from hipress import config
 from hipress.bench import models
 
 DDP_SYSTEMS = ("ddp", "ddp-fp16", "ddp-powersgd", "ddp-covap-hook")
-ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop", "powersgd", "auto")
+ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop", "powersgd", "acpsgd", "auto")
 STRATEGIES = ("ring", "ps", "auto")
 DEAR_ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")  # single-round: the ring's phases carry them
 
@@ -70,7 +71,7 @@ def parse_system(name: str) -> dict:
         plan = None
         if parts[-1] == "plan":
             plan, parts = "auto", parts[:-1]
-        if len(parts) == 2 and parts[1] in ("powersgd", "auto"):      # hipress-powersgd, hipress-auto
+        if len(parts) == 2 and parts[1] in ("powersgd", "acpsgd", "auto"):  # hipress-powersgd, -acpsgd, -auto
             parts = ["hipress", "ring", parts[1]]
         if parts[1:] == ["dear"]:                                     # hipress-dear: uncompressed
             parts = ["hipress", "dear", "none"]
@@ -79,7 +80,7 @@ def parse_system(name: str) -> dict:
         if len(parts) == 3 and parts[1] in STRATEGIES and parts[2] in ALGOS:
             return {"kind": "hipress", "strategy": parts[1], "compression": parts[2], "plan": plan}
     raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, hipress-covap, "
-                     f"hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, hipress-auto, "
+                     f"hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, hipress-acpsgd, hipress-auto, "
                      f"hipress-dear[-<{'|'.join(DEAR_ALGOS)}>]")
 
 

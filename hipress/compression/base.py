@@ -40,7 +40,7 @@ merged dense buffer (DGC: exactly k = ceil(ratio * n) pairs, so every ring step
 sends the same number of bytes; GradDrop: at most 2k). Residual bookkeeping
 happens only in the first, stateful encode of the local gradient.
 
-Multi-round, aggregatable compressors (``rounds > 1``, PowerSGD)::
+Low-rank, aggregatable compressors (``lowrank``; PowerSGD: ``rounds == 2``)::
 
     st = c.new_state(numel, shape=(rows, cols))
     p = c.encode_round(0, grad, st)            # P = M Q; M = grad + residual
@@ -187,6 +187,14 @@ class Compressor:
     fixed_strategy: Optional[str] = None
 
     @property
+    def lowrank(self) -> bool:
+        """Synchronized as whole matrices in rounds of summed factors (hipress/sync/lowrank.py):
+        PowerSGD's two rounds per step, ACP-SGD's one. Its payloads are combined, never decoded
+        and re-encoded, so it takes no strategy, no error-feedback wrapper and no momentum
+        correction (it keeps momentum after aggregation, as PowerSGD's paper)."""
+        return self.category == "lowrank"
+
+    @property
     def reencode_safe(self) -> bool:
         """Whether re-encoding merged partial sums (ring hops, PS aggregators) keeps this
         algorithm's accuracy; ``strategy="auto"`` avoids strategies that re-encode when not.
@@ -213,7 +221,7 @@ class Compressor:
     def _merged_compressor(self) -> "Compressor":
         from hipress.compression.error_feedback import ErrorFeedback  # it subclasses Compressor
 
-        return ErrorFeedback(self) if self.rounds == 1 else self
+        return self if self.lowrank else ErrorFeedback(self)
 
     def merged_for(self, contributions: int) -> "Compressor":
         """The compressor that re-encodes, at one site, a merged sum of ``contributions`` ranks'
@@ -262,10 +270,10 @@ class Compressor:
             out.div_(len(payloads))
         return out
 
-    # ---- multi-round (rounds > 1) ----
+    # ---- low-rank (lowrank: rounds of summed factors) ----
     def encode_round(self, round: int, inp: torch.Tensor, state: CompressorState,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if round == 0 and self.rounds == 1:
+        if round == 0 and not self.lowrank:
             return self.encode(inp, state, out)
         raise NotImplementedError(f"{self.name} is a single-round compressor")
 
@@ -274,7 +282,7 @@ class Compressor:
 
     def finish(self, payload: torch.Tensor, state: CompressorState, out: torch.Tensor,
                add: bool = False) -> torch.Tensor:
-        if self.rounds == 1:
+        if not self.lowrank:
             return self.decode_add(payload, out) if add else self.decode(payload, out)
         raise NotImplementedError
 

@@ -24,8 +24,8 @@ class ErrorFeedback(Compressor):
     def __init__(self, inner: Compressor, beta: float = 1.0, gamma: float = 1.0):
         if not isinstance(inner, Compressor):
             raise TypeError("ErrorFeedback wraps a hipress.compression.Compressor")
-        if inner.rounds != 1:
-            raise ValueError(f"{inner.name} is multi-round and keeps its own error feedback")
+        if inner.lowrank:
+            raise ValueError(f"{inner.name} is low-rank and keeps its own error feedback")
         self.inner = inner
         self.beta, self.gamma = float(beta), float(gamma)
         self.name = inner.name

@@ -649,6 +649,53 @@ class PowerSGDReference:
         return self.finish(q)
 
 
+def acpsgd_first_q(seed: int, rows: int, cols: int, r: int) -> np.ndarray:
+    """ACP-SGD's first Q (cols x r), the same on every rank: seeded by the seed and the shape."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + rows * 7919 + cols)
+    return torch.randn(cols * r, generator=g).numpy().reshape(cols, r)
+
+
+class ACPSGDReference:
+    """One rank of ACP-SGD (hipress/compression/acpsgd.py): PowerSGD's two halves alternated over
+    the steps. For N ranks: local(g) on all, sum the factors, finish(sum) on all."""
+
+    def __init__(self, rows: int, cols: int, rank: int = 32, seed: int = 0, error_feedback: bool = True):
+        self.rows, self.cols = rows, cols
+        self.r = min(rank, rows, cols)
+        self.ef = error_feedback
+        self.e = np.zeros((rows, cols), np.float32)
+        self.Q = acpsgd_first_q(seed, rows, cols, self.r)
+        self.P = np.zeros((rows, self.r), np.float32)
+        self.step = 0
+
+    def local(self, g: np.ndarray) -> np.ndarray:
+        m = np.asarray(g, np.float32).reshape(self.rows, self.cols)
+        if self.ef:
+            m = m + self.e
+        if self.step % 2 == 0:
+            self.Q = np.linalg.qr(self.Q)[0]  # Householder, as the compressor (not Gram-Schmidt: see there)
+            f = m @ self.Q
+            approx = f @ self.Q.T
+        else:
+            self.P = np.linalg.qr(self.P)[0]
+            f = m.T @ self.P
+            approx = self.P @ f.T
+        if self.ef:
+            self.e = m - approx
+        return f
+
+    def finish(self, total: np.ndarray) -> np.ndarray:
+        """The decoded SUM over the ranks; the summed factor is kept for the next step."""
+        if self.step % 2 == 0:
+            self.P = total.astype(np.float32)
+        else:
+            self.Q = total.astype(np.float32)
+        self.step += 1
+        return (self.P @ self.Q.T).reshape(-1)
+
+
 # ---------------------------------------------------------------- GRACE's quantizers (docs/grace.md)
 # Written from the GRACE paper (Xu et al. 2021, §III-A) and its methods' papers; where GRACE's
 # implementation fixes a detail (8-bit codes, table, clipping) the reference follows it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Union
 
+from hipress.compression.acpsgd import ACPSGD
 from hipress.compression.base import Compressor
 from hipress.compression.error_feedback import ErrorFeedback
 from hipress.compression.native import (BF16, DGC, FP16, QSGD, TBQ, Adaq, DGCGrace, EFSignSGD, GradDrop, Inceptionn,
@@ -53,7 +54,7 @@ def get(name: Union[str, Compressor], *, error_feedback: Union[bool, None] = Non
     if not isinstance(comp, Compressor):
         raise TypeError(f"factory for {name!r} returned {type(comp).__name__}, not a Compressor")
     ef = _DEFAULT_EF[key] if error_feedback is None else error_feedback
-    if ef and comp.rounds == 1:
+    if ef and not comp.lowrank:
         comp = ErrorFeedback(comp, beta=beta, gamma=gamma)
     elif ef and error_feedback:
         raise ValueError(f"{name} has its own error feedback (pass its own parameter)")
@@ -67,6 +68,7 @@ register("terngrad", TernGrad)
 register("dgc", DGC)
 register("graddrop", GradDrop, error_feedback=True)
 register("powersgd", PowerSGD)
+register("acpsgd", ACPSGD)  # PowerSGD alternating P and Q: one collective per step
 # GRACE's quantizers under GRACE's names (docs/grace.md), with GRACE's memory (Table I)
 register("u8bit", U8bit, error_feedback=True)
 register("signsgd", SignSGD)

@@ -99,7 +99,7 @@ def make_sync(engine: Engine, exchanges: Exchanges, compressor: Compressor, stra
     # and every rank decides the same.
     native_sum = plain_allreduce and exchanges.world.has_allreduce
     inner_average = average and not hierarchical
-    if compressor.rounds > 1:
+    if compressor.lowrank:
         inner = LowRankStrategy(average=inner_average)
     elif native_sum and isinstance(compressor, NoneCompressor):
         inner = AllreduceStrategy(average=inner_average)

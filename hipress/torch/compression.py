@@ -72,8 +72,8 @@ class AlgorithmCompressor(Compressor):
         name = str(self)
         # error feedback needs a residual per tensor, which a stateless collective does not keep
         comp = hc.get(name, error_feedback=False) if registry._DEFAULT_EF.get(name) else hc.get(name)
-        if comp.rounds != 1:
-            raise NotImplementedError(f"Compression.{name} is a {comp.rounds}-round algorithm; it runs only "
+        if comp.lowrank:
+            raise NotImplementedError(f"Compression.{name} is a low-rank algorithm; it runs only "
                                       "inside hipress.DistributedOptimizer(compression=...)")
         return comp
 

@@ -165,9 +165,9 @@ class HookState:
             self.covap = covap.StreamRun(mine)
         self.compressor = (_compression.get(compression, **compression_kwargs) if isinstance(compression, str)
                            else compression)
-        if self.covap is not None and self.compressor.rounds > 1:
+        if self.covap is not None and self.compressor.lowrank:
             raise ValueError(f"compression='covap' filters whole buckets; its inner algorithm must be single-round, "
-                             f"got {self.compressor.name!r}")
+                             f"not low-rank, got {self.compressor.name!r}")
         self.strategy = resolve_strategy(strategy, self.compressor)
         self.average = op == Average
         self.partition_bytes = partition_bytes
@@ -477,7 +477,7 @@ class HookState:
         self._loaded = st["loaded"]
 
     def __repr__(self) -> str:
-        strategy = "lowrank" if self.compressor.rounds > 1 else self.strategy
+        strategy = "lowrank" if self.compressor.lowrank else self.strategy
         return (f"HookState(compression={self.compressor.name!r}, strategy={strategy!r}, "
                 f"buckets synced={self.buckets_synced})")
 

@@ -105,8 +105,8 @@ class FsdpState:
                              f"hipress.fsdp takes an algorithm name or a Compressor")
         self.compressor = (_compression.get(compression, **compression_kwargs) if isinstance(compression, str)
                            else compression)
-        if self.compressor.rounds > 1:
-            raise ValueError(f"hipress.fsdp: {self.compressor.name} is a multi-round (low-rank) algorithm; a "
+        if self.compressor.lowrank:
+            raise ValueError(f"hipress.fsdp: {self.compressor.name} is a low-rank algorithm (whole matrices); a "
                              f"ring reduce-scatter re-encodes partial sums, which it cannot; use a quantizer "
                              f"or sparsifier (onebit, tbq, terngrad, dgc, ...) or 'none'")
         if partition_bytes is not None and partition_bytes < 0:

@@ -64,7 +64,7 @@ def resolve(mode, optimizer: torch.optim.Optimizer, compressor) -> bool:
     if mode is True and why_not:
         raise ValueError(f"momentum_correction=True: {why_not}")
     if mode == "auto":
-        return why_not is None and compressor.name != "none" and compressor.rounds == 1
+        return why_not is None and compressor.name != "none" and not compressor.lowrank
     return bool(mode)
 
 

@@ -153,7 +153,7 @@ def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False) -
         if not fuse or nbytes >= bucket_bytes:
             groups.append([(name, p)])
             continue
-        sent = compressor.max_encoded_bytes(p.numel(), tuple(p.shape)) if compressor.rounds > 1 else nbytes
+        sent = compressor.max_encoded_bytes(p.numel(), tuple(p.shape)) if compressor.lowrank else nbytes
         if cur and cur_bytes + sent > bucket_bytes:
             groups.append(cur)
             cur, cur_bytes = [], 0
@@ -331,9 +331,9 @@ class _HipressOptimizer:
                              f"but hipress's gradient payloads are CPU tensors; use HIPRESS_TRANSPORT=torch or mpi")
         comp = options.compression
         self._hp_compressor = _compression.get(comp, **options.compression_kwargs) if isinstance(comp, str) else comp
-        if options.dear and self._hp_compressor.rounds > 1:
-            raise ValueError(f"strategy='dear' uses the ring's phases, which carry single-round compressors only; "
-                             f"{self._hp_compressor.name!r} is multi-round")
+        if options.dear and self._hp_compressor.lowrank:
+            raise ValueError(f"strategy='dear' uses the ring's phases, which carry partitions of single-round "
+                             f"compressors only; {self._hp_compressor.name!r} is low-rank (whole matrices)")
         self._hp_strategy_name = ("ring" if options.dear
                                   else resolve_strategy(options.strategy, self._hp_compressor, options.plan is not None))
         self._hp_clip = clipping.resolve(options.grad_clip, self._hp_compressor.name)
@@ -413,7 +413,7 @@ class _HipressOptimizer:
         overrides = plan if isinstance(plan, Overrides) else Overrides()
         if not isinstance(plan, Overrides) and plan != "auto":
             raise ValueError(f"plan must be 'auto', a hipress.planner.Plan or Overrides, got {plan!r}")
-        if self._hp_compressor.rounds > 1 or self._hp_compressor.name == "none":
+        if self._hp_compressor.lowrank or self._hp_compressor.name == "none":
             raise ValueError(f"plan='auto' needs a single-round compressor, got {self._hp_compressor.name!r}")
         # Profiled over the world ring (its slowest link is the one that matters), by every
         # rank, so all ranks hold the same plan; N is the number of peers of the compressed sync.
@@ -424,9 +424,9 @@ class _HipressOptimizer:
         return make_plan([(b.name, 4 * b.numel) for b in self._hp_buckets], model, overrides)
 
     def _hp_make_covap(self, args) -> "covap.Run":
-        if self._hp_compressor.rounds > 1:
+        if self._hp_compressor.lowrank:
             raise ValueError(f"compression='covap' filters whole buckets; its inner algorithm must be single-round, "
-                             f"got {self._hp_compressor.name!r}")
+                             f"not low-rank, got {self._hp_compressor.name!r}")
         if self._hp_plan is not None:
             raise ValueError("compression='covap' and plan= both choose what to send; use one")
         run = covap.Run({b.name: b.numel for b in self._hp_buckets}, **args)

@@ -62,7 +62,7 @@ def corrected(cfg):
     """Whether momentum correction runs (in the hook; the optimizer's "auto" decides the same):
     a momentum SGD and a single-round compressor other than none."""
     comp = hipress.compression.get(cfg["compression"], **cfg.get("kwargs", {}))
-    return bool(cfg.get("momentum")) and comp.name != "none" and comp.rounds == 1
+    return bool(cfg.get("momentum")) and comp.name != "none" and not comp.lowrank
 
 
 def hook_state(model, cfg):

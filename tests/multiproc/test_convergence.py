@@ -23,7 +23,7 @@ ALGOS = [a for a in compression.available() if a != "none"]
 CORE = {"onebit", "tbq", "terngrad", "dgc", "graddrop", "powersgd"}
 
 
-LOWRANK = {a for a in ALGOS if compression.get(a).rounds > 1}
+LOWRANK = {a for a in ALGOS if compression.get(a).lowrank}
 
 
 def strategies_of(algo):

@@ -28,7 +28,7 @@ AMP = {("none", "ring"), ("terngrad", "allgather"), ("powersgd", "ring")}
 
 
 def strategies(algorithm):
-    if algorithm != "covap" and compression.get(algorithm).rounds > 1:
+    if algorithm != "covap" and compression.get(algorithm).lowrank:
         return ["ring"]  # the low-rank strategy, whatever is asked
     return sorted(STRATEGIES)
 

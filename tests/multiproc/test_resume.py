@@ -40,7 +40,7 @@ KWARGS = {"dgc": {"warmup_steps": 4}, "graddrop": {"warmup_steps": 4}, "covap": 
 def strategies(algorithm):
     # Multi-round compressors (PowerSGD) always run the low-rank strategy whatever is
     # asked (hipress.sync.factory.make_sync): one run covers them.
-    if algorithm != "covap" and compression.get(algorithm).rounds > 1:
+    if algorithm != "covap" and compression.get(algorithm).lowrank:
         return ["ring"]
     return sorted(STRATEGIES)
 

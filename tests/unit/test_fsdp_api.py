@@ -74,7 +74,7 @@ def test_reduce_ops():
 
 
 @pytest.mark.parametrize("bad,match", [("covap", "DistributedOptimizer"), ("auto", "DistributedOptimizer"),
-                                       ("powersgd", "multi-round")])
+                                       ("powersgd", "low-rank")])
 def test_unsupported_compressions(bad, match):
     with pytest.raises(ValueError, match=match):
         FsdpState(bad)

@@ -362,7 +362,7 @@ def test_powersgd_grace_two_rounds_aggregated(world):
 def test_powersgd_grace_registry_and_payloads():
     c = C.get("powersgd_grace")
     assert not isinstance(c, C.ErrorFeedback) and c.category == "lowrank" and c.aggregatable and c.rounds == 2
-    assert resolve_strategy("auto", c) == "allgather"  # single-round rule; the optimizer sends rounds > 1 to low rank
+    assert resolve_strategy("auto", c) == "allgather"  # single-round rule; the optimizer sends low-rank ones to the low-rank strategy
     g = grad(600, 3).view(30, 20)
     p = c.encode(g, c.new_state(600, (30, 20)))
     info = C.payload_info(p)
