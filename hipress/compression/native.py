@@ -168,8 +168,8 @@ class TernGrad(NativeCompressor):
 class DGC(NativeCompressor):
     """Deep gradient compression (Lin 2018): local accumulation, sampled-threshold exact
     top-k, the paper's warm-up of the density (25%, 6.25%, 1.56%, 0.39%, then ``ratio``) over
-    ``warmup_steps`` steps (0: none), each stage lasting four times its mean delay 1 / density
-    by default (16, 64, 256 and 1024 steps: docs/convergence.md, cause 9); with ``momentum`` > 0,
+    ``warmup_steps`` steps (0: none), each stage lasting six times its mean delay 1 / density
+    by default (24, 96, 384 and 1536 steps, as GradDrop's: docs/convergence.md, causes 9 and 14); with ``momentum`` > 0,
     the paper's momentum correction inside the compressor with momentum factor masking (the
     optimizer's momentum correction then applies no velocity of its own,
     ``momentum_in_compressor``). The default, momentum 0, leaves momentum correction to
@@ -180,7 +180,7 @@ class DGC(NativeCompressor):
     density_param = "summands"
 
     def __init__(self, ratio: float = 0.001, momentum: float = 0.0, sample_ratio: float = 0.01,
-                 warmup_steps: int = 1360, seed: int = 0, summands: int = 1):
+                 warmup_steps: int = 2040, seed: int = 0, summands: int = 1):
         super().__init__("dgc", ratio=ratio, momentum=momentum, sample_ratio=sample_ratio,
                          warmup_steps=warmup_steps, seed=seed, summands=summands)
         self._args = dict(ratio=ratio, sample_ratio=sample_ratio, warmup_steps=warmup_steps, seed=seed,

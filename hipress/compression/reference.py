@@ -349,7 +349,7 @@ def warmup_density(ratio: float, warmup_steps: int, step: int) -> float:
 class DGCReference:
     """DGC with its own state (momentum u, accumulation v, step)."""
 
-    def __init__(self, n: int, ratio=0.001, momentum=0.0, warmup_steps=1360, summands=1):
+    def __init__(self, n: int, ratio=0.001, momentum=0.0, warmup_steps=2040, summands=1):
         self.ratio, self.momentum, self.warmup = ratio, np.float32(momentum), warmup_steps
         self.summands = summands  # ranks summed in the input: the density is that many times larger
         self.u = np.zeros(n, np.float32)

@@ -50,8 +50,7 @@ KNOWN_4 = {"signsgd": _SIGN, "signum": _SIGN,
            "inceptionn": "93.9% vs 95.6% at seed 42: below 2^-10 sent as 0, no memory (mean of 3 seeds: -0.4)",
            "terngrad_grace": "-2.0 points: the paper's 2.5 sigma clipping (clip=0: +0.1 over 3 seeds)",
            "tbq": "94.6% vs 95.6% at seed 42, one image beyond (mean of 3 seeds: -0.11)",
-           "terngrad": "94.3% vs 95.6%",
-           "dgc": "92.6% vs 95.6% at seed 42 (mean of 3 seeds: -0.67; docs/convergence.md, cause 9)"}
+           "terngrad": "94.3% vs 95.6%"}
 
 
 def _accuracies(tmp_dir, np, strategy, algos, reference=False, ddp=False):

@@ -247,16 +247,19 @@ def test_dgc_summands_scale_every_density_like_the_reference(n, threads):
     assert [r.density(s) for s in (0, 1, 35)] == [0.75, 0.1875, 0.003]
 
 
-def test_dgc_default_warmup_stages_last_four_times_their_delay():
-    """The default warm-up (docs/convergence.md, cause 9): 25% for 16 steps, 6.25% for 64, 1.56%
-    for 256, 0.39% for 1024, then the ratio 0.1%: each stage lasts 4 / density steps."""
+def test_dgc_default_warmup_stages_last_six_times_their_delay():
+    """The default warm-up (docs/convergence.md, causes 9 and 14): 25% for 24 steps, 6.25% for 96,
+    1.56% for 384, 0.39% for 1536, then the ratio 0.1%: each stage lasts 6 / density steps. The
+    reference's default is the same schedule."""
     n = 20000
     c = C.DGC()
     st = c.new_state(n)
-    expect = {0: 0.25, 15: 0.25, 16: 0.0625, 79: 0.0625, 80: 0.015625, 335: 0.015625, 336: 0.00390625,
-              1359: 0.00390625, 1360: 0.001, 1361: 0.001}
+    expect = {0: 0.25, 23: 0.25, 24: 0.0625, 119: 0.0625, 120: 0.015625, 503: 0.015625, 504: 0.00390625,
+              2039: 0.00390625, 2040: 0.001, 2041: 0.001}
+    r = ref.DGCReference(n)
+    assert {s: r.density(s) for s in expect} == expect
     g = grad(n, 5)
-    for step in range(1362):
+    for step in range(2042):
         p = c.encode(g, st)
         if step in expect:
             assert p.numel() == H + 8 * ref.count_for(expect[step], n), f"step {step}"
