@@ -141,18 +141,17 @@ class ACPSGD(Compressor):
         if self.error_feedback:
             m = m + res.view(rows, cols)
         p, q = st.buffers["p"].view(rows, r), st.buffers["q"].view(cols, r)
-        if st.step % 2 == 0:
+        kind = st.step % 2
+        if kind == _P:
             q.copy_(_orthonormal(q))
             local = m @ q
-            approx = local @ q.T
-            kind = _P
+            if self.error_feedback:  # residual = M - local Q^T, in one fused product
+                torch.addmm(m, local, q.T, alpha=-1, out=res.view(rows, cols))
         else:
             p.copy_(_orthonormal(p))
             local = m.T @ p
-            approx = p @ local.T
-            kind = _Q
-        if self.error_feedback:
-            torch.sub(m, approx, out=res.view(rows, cols))
+            if self.error_feedback:
+                torch.addmm(m, p, local.T, alpha=-1, out=res.view(rows, cols))
         return self._payload(kind, rows, cols, r, [local], out)
 
     def combine(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
