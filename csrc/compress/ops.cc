@@ -1008,7 +1008,13 @@ void matmul_nt(const float* A, const float* B, float* C, size_t m, size_t r, siz
 }
 
 void orthogonalize(float* P, size_t rows, size_t r, float eps) {
+  // eps is relative to the column's norm before the projections, so the result does not depend on
+  // P's scale: with an absolute eps, PowerSGD's warm start (P = M Q, Q carrying the last
+  // gradient's scale, so P ~ |M|^2) fell below eps for small gradients and the basis collapsed
+  // (docs/pipeline.md). A zero column stays zero.
   for (size_t j = 0; j < r; ++j) {
+    double s0 = 0;
+    for (size_t i = 0; i < rows; ++i) s0 += static_cast<double>(P[i * r + j]) * P[i * r + j];
     for (size_t l = 0; l < j; ++l) {
       double d = 0;
       for (size_t i = 0; i < rows; ++i) d += static_cast<double>(P[i * r + l]) * P[i * r + j];
@@ -1017,7 +1023,7 @@ void orthogonalize(float* P, size_t rows, size_t r, float eps) {
     }
     double s = 0;
     for (size_t i = 0; i < rows; ++i) s += static_cast<double>(P[i * r + j]) * P[i * r + j];
-    float inv = static_cast<float>(1.0 / (std::sqrt(s) + eps));
+    float inv = s0 > 0 ? static_cast<float>(1.0 / (std::sqrt(s) + eps * std::sqrt(s0))) : 0.0f;
     for (size_t i = 0; i < rows; ++i) P[i * r + j] *= inv;
   }
 }

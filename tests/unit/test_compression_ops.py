@@ -136,6 +136,22 @@ def test_orthogonalize(rows, r):
         np.testing.assert_allclose(Q.T @ Q, np.eye(r), atol=1e-4)
 
 
+@pytest.mark.parametrize("scale", [1e-9, 1e-4, 1e6])
+def test_orthogonalize_does_not_depend_on_scale(scale):
+    """PowerSGD's warm-started P = M Q scales as |M|^2; an absolute eps (1e-8) used to shrink the
+    columns of small P's and collapse the basis (docs/pipeline.md)."""
+    P = np.random.default_rng(7).standard_normal((64, 8)).astype(np.float32)
+    unit, scaled = P.copy(), (P * np.float32(scale)).astype(np.float32)
+    _C.ops_orthogonalize(ptr(unit), 64, 8)
+    _C.ops_orthogonalize(ptr(scaled), 64, 8)
+    np.testing.assert_allclose(scaled, unit, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(scaled.T @ scaled, np.eye(8), atol=1e-4)
+    np.testing.assert_allclose(ref.orthogonalize(P * scale), ref.orthogonalize(P), rtol=1e-4, atol=1e-5)
+    zero = np.zeros((64, 2), np.float32)
+    _C.ops_orthogonalize(ptr(zero), 64, 2)
+    assert not zero.any()  # a zero column stays zero, no NaN
+
+
 def test_axpby_rounding_matches_numpy():
     x = np.random.default_rng(1).standard_normal(70001).astype(np.float32)
     y = np.random.default_rng(2).standard_normal(70001).astype(np.float32)
