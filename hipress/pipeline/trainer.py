@@ -43,8 +43,8 @@ class Pipeline:
     lazy_error: carry each send's compression error to the next micro-batch's;
     epilogue_only: compress only the sends of the 1F1B epilogue (schedule.in_epilogue).
     backward_compression_warmup: steps whose backward sends all go uncompressed before
-    backward_compression starts (the paper's warm-up of uncompressed iterations, §9.1; at 10% of
-    a 300-step run it took CB's perplexity cost from +8.0% to +3.5%, docs/pipeline.md).
+    backward_compression starts (the paper's warm-up of uncompressed iterations, §9.1; 10% of a
+    300-step run took the example's CB cost from +6.2% to +1.7% perplexity, docs/pipeline.md).
     compress_stages: the stages whose data-parallel gradients are compressed with
     dp_compression (+ dp_compression_kwargs): None (none), k (the first k) or a list.
     Other keywords go to hipress.DistributedOptimizer (strategy=, bucket_bytes=, ...).
