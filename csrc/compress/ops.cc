@@ -1008,16 +1008,27 @@ void matmul_nt(const float* A, const float* B, float* C, size_t m, size_t r, siz
 }
 
 void orthogonalize(float* P, size_t rows, size_t r, float eps) {
+  // eps is relative to the column's norm before the projections, so the result does not depend on
+  // P's scale: with an absolute eps, PowerSGD's warm start (P = M Q, Q carrying the last
+  // gradient's scale, so P ~ |M|^2) fell below eps for small gradients and the basis collapsed
+  // (docs/pipeline.md). A zero column stays zero. The projections run twice ("twice is enough"):
+  // one pass leaves an overlap of about (float eps) x cond(P), so a warm-started P (cond ~ the
+  // squared singular value ratio) came out far from orthonormal, and even a full-rank PowerSGD
+  // lost 7-30% of an activation gradient.
   for (size_t j = 0; j < r; ++j) {
-    for (size_t l = 0; l < j; ++l) {
-      double d = 0;
-      for (size_t i = 0; i < rows; ++i) d += static_cast<double>(P[i * r + l]) * P[i * r + j];
-      float df = static_cast<float>(d);
-      for (size_t i = 0; i < rows; ++i) P[i * r + j] -= df * P[i * r + l];
+    double s0 = 0;
+    for (size_t i = 0; i < rows; ++i) s0 += static_cast<double>(P[i * r + j]) * P[i * r + j];
+    for (int pass = 0; pass < 2; ++pass) {
+      for (size_t l = 0; l < j; ++l) {
+        double d = 0;
+        for (size_t i = 0; i < rows; ++i) d += static_cast<double>(P[i * r + l]) * P[i * r + j];
+        float df = static_cast<float>(d);
+        for (size_t i = 0; i < rows; ++i) P[i * r + j] -= df * P[i * r + l];
+      }
     }
     double s = 0;
     for (size_t i = 0; i < rows; ++i) s += static_cast<double>(P[i * r + j]) * P[i * r + j];
-    float inv = static_cast<float>(1.0 / (std::sqrt(s) + eps));
+    float inv = s0 > 0 ? static_cast<float>(1.0 / (std::sqrt(s) + eps * std::sqrt(s0))) : 0.0f;
     for (size_t i = 0; i < rows; ++i) P[i * r + j] *= inv;
   }
 }

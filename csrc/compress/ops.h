@@ -122,7 +122,9 @@ void matmul_tn(const float* A, const float* B, float* C, size_t m, size_t k, siz
 // C (m x n) (+)= alpha * A (m x r) * B^T with B (n x r)
 void matmul_nt(const float* A, const float* B, float* C, size_t m, size_t r, size_t n, float alpha, bool add);
 // In-place Gram-Schmidt orthonormalisation of the r columns of P (rows x r,
-// row-major): col_j -= sum_{l<j} (col_l . col_j) col_l ; col_j /= (|col_j| + eps).
+// row-major): col_j -= sum_{l<j} (col_l . col_j) col_l ; col_j /= (|col_j| + eps * |col_j before|)
+// (eps relative, so the result does not depend on P's scale; a zero column stays zero); the
+// projections run twice, which keeps the columns orthonormal for ill-conditioned P.
 void orthogonalize(float* P, size_t rows, size_t r, float eps = 1e-8f);
 
 }  // namespace hipress::compress::ops

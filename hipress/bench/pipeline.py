@@ -25,7 +25,7 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_gpt_3d.py")
 SPEED_CONFIGS = {
     "all off": [],
     "FE (fused embedding sync)": ["--fuse-embedding"],
-    "CB (compressed backprop, epilogue, lazy error)": ["--compress-backward", "8"],
+    "CB (compressed backprop, epilogue, lazy error)": ["--compress-backward", "16"],
     "SC (stage 0's DP gradients, PowerSGD)": ["--compress-stages", "1"],
     "all on (CB+FE+SC)": ["--all"],
 }

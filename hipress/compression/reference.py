@@ -597,11 +597,15 @@ def error_feedback_step(encode, decode, g: np.ndarray, residual: np.ndarray, bet
 
 
 def orthogonalize(P: np.ndarray, eps: float = 1e-8) -> np.ndarray:
+    """Gram-Schmidt with the projections run twice; eps is relative to each column's norm before
+    its projections (scale-free)."""
     P = P.astype(np.float64).copy()
     for j in range(P.shape[1]):
-        for l in range(j):
-            P[:, j] -= (P[:, l] @ P[:, j]) * P[:, l]
-        P[:, j] /= (np.linalg.norm(P[:, j]) + eps)
+        before = np.linalg.norm(P[:, j])
+        for _ in range(2):
+            for l in range(j):
+                P[:, j] -= (P[:, l] @ P[:, j]) * P[:, l]
+        P[:, j] = P[:, j] / (np.linalg.norm(P[:, j]) + eps * before) if before > 0 else 0.0
     return P.astype(np.float32)
 
 

@@ -20,6 +20,8 @@ CONFIGS = {
     "every_send": dict(BASE, epilogue_only=False, **LOWRANK),
     "plain_1": dict(BASE, steps=1),
     "stage1_only_1": dict(BASE, steps=1, compress_stages=[1], dp_compression="terngrad"),
+    "cb_warmup": dict(BASE, backward_compression_warmup=2, **LOWRANK),
+    "cb_warmup_1": dict(BASE, steps=1, backward_compression_warmup=1, **LOWRANK),
 }
 
 
@@ -53,7 +55,8 @@ def test_pipeline_ranks(tmp_path):
         assert fused["tied_sync_groups"] == [[0, 1, 2, 3]]
         # compressed backward sends: stage 1 sends, stage 0 receives. Epilogue only: the last
         # micro-batch of each step (stage 0's cool-down is one backward); else every one
-        sends = {"plain": 0, "fused": 0, "all_on": STEPS, "every_send": STEPS * MICRO}
+        sends = {"plain": 0, "fused": 0, "all_on": STEPS, "every_send": STEPS * MICRO,
+                 "cb_warmup": STEPS - 2, "cb_warmup_1": 0}  # warm-up steps send uncompressed
         for name, n in sends.items():
             assert run_[name]["compressed_sends"] == (n if plain["stage"] == 1 else 0), (r, name)
         for name in ("all_on", "every_send"):  # compression changed training, which still learns
@@ -64,6 +67,7 @@ def test_pipeline_ranks(tmp_path):
         # selective stage compression of stage 1 only: after one step stage 0 (uncompressed, and
         # its gradients depend only on the initial stage 1) is bit-identical, stage 1 is not
         one, sel = run_["plain_1"]["params"], run_["stage1_only_1"]["params"]
+        assert all(torch.equal(run_["cb_warmup_1"]["params"][n], p) for n, p in one.items()), r  # a warm-up step is exact
         same = {n: torch.equal(sel[n], one[n]) for n in one}
         if plain["stage"] == 0:
             assert all(same.values()), (r, same)

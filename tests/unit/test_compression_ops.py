@@ -136,6 +136,37 @@ def test_orthogonalize(rows, r):
         np.testing.assert_allclose(Q.T @ Q, np.eye(r), atol=1e-4)
 
 
+@pytest.mark.parametrize("scale", [1e-9, 1e-4, 1e6])
+def test_orthogonalize_does_not_depend_on_scale(scale):
+    """PowerSGD's warm-started P = M Q scales as |M|^2; an absolute eps (1e-8) used to shrink the
+    columns of small P's and collapse the basis (docs/pipeline.md)."""
+    P = np.random.default_rng(7).standard_normal((64, 8)).astype(np.float32)
+    unit, scaled = P.copy(), (P * np.float32(scale)).astype(np.float32)
+    _C.ops_orthogonalize(ptr(unit), 64, 8)
+    _C.ops_orthogonalize(ptr(scaled), 64, 8)
+    np.testing.assert_allclose(scaled, unit, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(scaled.T @ scaled, np.eye(8), atol=1e-4)
+    np.testing.assert_allclose(ref.orthogonalize(P * scale), ref.orthogonalize(P), rtol=1e-4, atol=1e-5)
+    zero = np.zeros((64, 2), np.float32)
+    _C.ops_orthogonalize(ptr(zero), 64, 2)
+    assert not zero.any()  # a zero column stays zero, no NaN
+
+
+def test_orthogonalize_keeps_ill_conditioned_columns_orthonormal():
+    """A warm-started PowerSGD P = M Q has condition number ~ (sigma_1 / sigma_r)^2; the columns
+    must still come out orthonormal (the regression test of the second Gram-Schmidt pass is
+    test_pipeline_parts.py's test_full_rank_powersgd_is_exact_after_a_warm_start)."""
+    rng = np.random.default_rng(8)
+    U, _ = np.linalg.qr(rng.standard_normal((256, 32)))
+    V, _ = np.linalg.qr(rng.standard_normal((32, 32)))
+    P = ((U * np.logspace(0, -5, 32)) @ V.T).astype(np.float32)  # cond 1e5
+    Q = P.copy()
+    _C.ops_orthogonalize(ptr(Q), 256, 32)
+    np.testing.assert_allclose(Q.T @ Q, np.eye(32), atol=1e-3)
+    R = ref.orthogonalize(P)
+    np.testing.assert_allclose(R.T @ R, np.eye(32), atol=1e-3)
+
+
 def test_axpby_rounding_matches_numpy():
     x = np.random.default_rng(1).standard_normal(70001).astype(np.float32)
     y = np.random.default_rng(2).standard_normal(70001).astype(np.float32)
