@@ -56,6 +56,12 @@ from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWar
 
 Average = "average"
 Sum = "sum"
+# Tensor fusion's bucket size (bucket_bytes="auto"). Uncompressed buckets go through the backend's
+# allreduce, one engine task and one call each, so fewer, larger ones win: DDP's 25 MiB
+# (docs/benchmarks.md: uncompressed hipress at 10 Gbit/s, 0.79-0.82x DDP with 1 MiB buckets,
+# 0.93-0.98x with 25 MiB). Compressed buckets stay small, so encoding starts early in backward.
+PLAIN_BUCKET_BYTES = 25 << 20
+BUCKET_BYTES = 1 << 20
 # Bytes before the per-parameter ones in a row of the per-step agreement (_hp_agree).
 _AGREE_HEADER = 4
 # Wrapped optimizers of this process, in wrapping order (the same on every rank): names join()'s store keys.
@@ -267,7 +273,7 @@ class Options:
     local_aggregation: object = "auto"
     plan: object = None
     coordinator: Optional[bool] = None    # None: HIPRESS_COORDINATOR
-    bucket_bytes: Optional[int] = 1 << 20
+    bucket_bytes: object = "auto"          # an int, None, or "auto" (PLAIN_BUCKET_BYTES / BUCKET_BYTES)
     grad_clip: object = "auto"            # hipress.torch.clipping: "auto" (the paper's), None or a callable
     momentum_correction: object = "auto"  # hipress.torch.momentum: "auto", True or False
     covap: Optional[dict] = None          # compression="covap": hipress.torch.covap.Run's arguments
@@ -304,6 +310,11 @@ class Options:
             object.__setattr__(self, "plan", self.plan if self.plan is not None else "auto")
         if self.coordinator is None:
             object.__setattr__(self, "coordinator", config.get("HIPRESS_COORDINATOR"))
+        if self.bucket_bytes == "auto":
+            uncompressed = getattr(self.compression, "name", self.compression) == "none"
+            plain = (uncompressed and self.covap is None and self.plan is None and not self.dear
+                     and not self.coordinator)
+            object.__setattr__(self, "bucket_bytes", PLAIN_BUCKET_BYTES if plain else BUCKET_BYTES)
         if self.dear:
             if self.plan is not None:
                 raise ValueError("strategy='dear' runs the ring's phases on every bucket; plan= (which picks a "
@@ -1023,7 +1034,7 @@ class _HipressOptimizer:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none",
                          strategy: str = "auto", backward_passes_per_step: int = 1, op: str = Average,
                          partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto", plan=None,
-                         coordinator: Optional[bool] = None, bucket_bytes: Optional[int] = 1 << 20,
+                         coordinator: Optional[bool] = None, bucket_bytes="auto",
                          grad_clip="auto", momentum_correction="auto", nonfinite: str = "skip",
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                          sparse_as_dense: bool = False, model: Optional[torch.nn.Module] = None,
@@ -1058,7 +1069,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     measures again.
     bucket_bytes: tensor fusion: gradients smaller than this share buffers, synced (and
     planned, compressed, partitioned) as one, until an exchange of the buffer sends this
-    many bytes (None or 0: every gradient alone). Multi-round compressors such as PowerSGD
+    many bytes (None or 0: every gradient alone). "auto" (default): 25 MiB where every bucket
+    goes through the backend's allreduce uncompressed (compression="none", no plan, COVAP,
+    dear or coordinator), else 1 MiB. Multi-round compressors such as PowerSGD
     send only factors, so more gradients share a buffer; each matrix is compressed whole.
     grad_clip: clipping of each gradient before it is compressed (hipress.torch.clipping):
     "auto" (default) applies what the algorithm's paper prescribes (TernGrad: 2.5 sigma per
