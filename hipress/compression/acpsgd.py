@@ -176,10 +176,9 @@ class ACPSGD(Compressor):
         p, q = st.buffers["p"].view(rows, r), st.buffers["q"].view(cols, r)
         if kind == _P:
             p.copy_(f.view(rows, r))
-            full = p @ q.T
         else:
             q.copy_(f.view(cols, r))
-            full = p @ q.T
+        full = p @ q.T
         st.scalars[1] += 1
         target = out.view(-1)
         if add:
