@@ -62,8 +62,8 @@ from hipress.compression.grace_api import Ported
 from hipress.sync.base import partition_shape, rng_stream_start
 from hipress.sync.lowrank import matrix_shape
 from hipress.torch import clipping, momentum
-from hipress.torch.optimizer import (BUCKET_BYTES, PLAIN_BUCKET_BYTES, DistributedOptimizer, bucket_bounds,
-                                     final_gradient, fusion_buckets, splits_tensors)
+from hipress.torch.optimizer import (DistributedOptimizer, auto_bucket_bytes, bucket_bounds, final_gradient,
+                                     fusion_buckets, splits_tensors)
 
 # hipress's defaults, read from the optimizer's signature so that a change there changes both runs
 _DEFAULTS = {k: v.default for k, v in inspect.signature(DistributedOptimizer).parameters.items()
@@ -315,8 +315,8 @@ class Reference:
         velocity = not momentum.in_compressor(comp)  # signum keeps its own momentum
         self.momentum = ([momentum.MomentumCorrection(optimizer, names, velocity=velocity) for _ in range(size)]
                          if use_mc else None)
-        if bucket_bytes == "auto":  # the optimizer's rule without plan, COVAP, dear or coordinator
-            bucket_bytes = PLAIN_BUCKET_BYTES if comp.name == "none" else BUCKET_BYTES
+        if bucket_bytes == "auto":  # the optimizer's rule (no plan, COVAP, dear or coordinator here)
+            bucket_bytes = auto_bucket_bytes(comp)
         self.buckets = fusion_buckets(self.named, comp, bucket_bytes)
         self.split_tensors = splits_tensors(comp, "allgather")
         self.partition_bytes = partition_bytes

@@ -62,6 +62,12 @@ Sum = "sum"
 # 0.93-0.98x with 25 MiB). Compressed buckets stay small, so encoding starts early in backward.
 PLAIN_BUCKET_BYTES = 25 << 20
 BUCKET_BYTES = 1 << 20
+
+
+def auto_bucket_bytes(compression, plain_path: bool = True) -> int:
+    """bucket_bytes="auto": PLAIN_BUCKET_BYTES for an uncompressed algorithm on the plain path
+    (no plan, COVAP, dear or coordinator), else BUCKET_BYTES."""
+    return PLAIN_BUCKET_BYTES if plain_path and getattr(compression, "name", compression) == "none" else BUCKET_BYTES
 # Bytes before the per-parameter ones in a row of the per-step agreement (_hp_agree).
 _AGREE_HEADER = 4
 # Wrapped optimizers of this process, in wrapping order (the same on every rank): names join()'s store keys.
@@ -311,10 +317,8 @@ class Options:
         if self.coordinator is None:
             object.__setattr__(self, "coordinator", config.get("HIPRESS_COORDINATOR"))
         if self.bucket_bytes == "auto":
-            uncompressed = getattr(self.compression, "name", self.compression) == "none"
-            plain = (uncompressed and self.covap is None and self.plan is None and not self.dear
-                     and not self.coordinator)
-            object.__setattr__(self, "bucket_bytes", PLAIN_BUCKET_BYTES if plain else BUCKET_BYTES)
+            plain = self.covap is None and self.plan is None and not self.dear and not self.coordinator
+            object.__setattr__(self, "bucket_bytes", auto_bucket_bytes(self.compression, plain))
         if self.dear:
             if self.plan is not None:
                 raise ValueError("strategy='dear' runs the ring's phases on every bucket; plan= (which picks a "
