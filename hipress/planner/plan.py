@@ -155,6 +155,25 @@ class Plan:
             self._by_name[name] = e
         return e
 
+    def merge_uncompressed(self, names: Sequence[str], name: str) -> PlanEntry:
+        """Replaces the entries of ``names`` (all planned uncompressed, consecutive) by one
+        uncompressed entry ``name`` covering their bytes: the optimizer fuses such gradients
+        into one allreduce after planning. Its times are the sums of theirs."""
+        old = [self._by_name[n] for n in names]
+        if not old or any(e.compress for e in old):
+            raise ValueError(f"merge_uncompressed: {list(names)} must be planned entries, none compressed")
+        at = self.entries.index(old[0])
+        if self.entries[at:at + len(old)] != old:
+            raise ValueError(f"merge_uncompressed: {list(names)} are not consecutive in the plan")
+        merged = PlanEntry(False, 1, sum(e.t_orig for e in old), 1, sum(e.t_cpr for e in old),
+                           max(e.k_cpr for e in old), name=name, nbytes=sum(e.nbytes for e in old),
+                           reason=f"fused: {len(old)} uncompressed")
+        self.entries[at:at + len(old)] = [merged]
+        for n in names:
+            del self._by_name[n]
+        self._by_name[name] = merged
+        return merged
+
     def compress(self, name: str, numel: int) -> bool:
         return self.entry(name, numel).compress
 

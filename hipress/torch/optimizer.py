@@ -176,6 +176,35 @@ def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False) -
     return [_Bucket(g, own_buffers) for g in groups]
 
 
+def fuse_uncompressed(buckets: List[_Bucket], plan, limit: int) -> List[_Bucket]:
+    """After planning: each run of consecutive buckets the plan leaves uncompressed becomes
+    buckets of up to ``limit`` bytes (the plan's entries merged to match), since they go through
+    the backend's allreduce, where fewer, larger calls win (PLAIN_BUCKET_BYTES). Compressed
+    buckets, and uncompressed ones of ``limit`` bytes or more, stay as they are."""
+    out: List[_Bucket] = []
+    run: List[_Bucket] = []
+
+    def flush():
+        if len(run) > 1:
+            merged = _Bucket([np for b in run for np in b.params])
+            plan.merge_uncompressed([b.name for b in run], merged.name)
+            out.append(merged)
+        else:
+            out.extend(run)
+        run.clear()
+
+    for b in buckets:
+        if plan.entry(b.name, b.numel).compress or 4 * b.numel >= limit:
+            flush()
+            out.append(b)
+            continue
+        if run and 4 * (sum(r.numel for r in run) + b.numel) > limit:
+            flush()
+        run.append(b)
+    flush()
+    return out
+
+
 def split_evenly(items: list, n: int) -> List[list]:
     """items cut into n consecutive runs whose lengths differ by at most one (longer ones
     first), empty runs dropped: Horovod's ``groups=n``."""
@@ -287,6 +316,9 @@ class Options:
     gradient_predivide_factor: float = 1.0  # Horovod's: op=Average as (sum of g / f) * f / size
     groups: object = None                 # Horovod's: None, an int, or lists of parameters (explicit_groups)
     sparse_as_dense: bool = False         # Horovod's: sparse gradients densified and synchronized
+    # derived: bucket_bytes="auto" with a plan fuses runs of buckets the plan leaves uncompressed up
+    # to this many bytes after planning (fuse_uncompressed); 0: no such fusion
+    plain_fusion_bytes: int = 0
 
     @property
     def dear(self) -> bool:
@@ -319,6 +351,8 @@ class Options:
         if self.bucket_bytes == "auto":
             plain = self.covap is None and self.plan is None and not self.dear and not self.coordinator
             object.__setattr__(self, "bucket_bytes", auto_bucket_bytes(self.compression, plain))
+            if self.plan is not None and not self.coordinator and self.groups is None:
+                object.__setattr__(self, "plain_fusion_bytes", PLAIN_BUCKET_BYTES)
         if self.dear:
             if self.plan is not None:
                 raise ValueError("strategy='dear' runs the ring's phases on every bucket; plan= (which picks a "
@@ -396,6 +430,9 @@ class _HipressOptimizer:
         self._hp_densified: set = set()  # ids of parameters whose sparse gradient was made dense this step
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
         self._hp_plan = self._hp_make_plan(options.plan) if options.plan is not None else None
+        if self._hp_plan is not None and options.plain_fusion_bytes:
+            self._hp_buckets = fuse_uncompressed(self._hp_buckets, self._hp_plan, options.plain_fusion_bytes)
+            self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
         self._hp_covap = self._hp_make_covap(options.covap) if options.covap is not None else None
         self._hp_passes = options.backward_passes_per_step
         self._hp_partition_bytes = options.partition_bytes
