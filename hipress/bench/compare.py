@@ -264,7 +264,7 @@ def summarize(records: List[dict], bandwidths: Sequence[str], systems: Sequence[
             plan = ok[0].get("plan")
             if plan and "gradients" in plan:
                 row["note"] = f"plan: {plan['compressed_gradients']}/{plan['gradients']} gradients compressed " \
-                              f"({plan['compressed_mb']:.1f} MB)"
+                              f"({plan['compressed_mb']:.1f} MB), {plan.get('bf16_mb', 0):.1f} MB as bf16"
             rows.append(row)
         base = next((r for r in rows if r["bandwidth"] == bw and r["system"] == "ddp" and r.get("throughput")), None)
         for r in rows:

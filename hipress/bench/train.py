@@ -224,7 +224,8 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
             info["plan"] = {"compressed_gradients": sum(len(b.params) for b, e in planned if e.compress),
                             "gradients": sum(len(b.params) for b, _ in planned),
                             "compressed_mb": sum(4 * b.numel for b, e in planned if e.compress) / 2**20,
-                            "buckets": [{"bytes": 4 * b.numel, "compress": e.compress, "k": e.k}
+                            "bf16_mb": sum(4 * b.numel for b, e in planned if e.bf16) / 2**20,
+                            "buckets": [{"bytes": 4 * b.numel, "compress": e.compress, "bf16": e.bf16, "k": e.k}
                                         for b, e in planned]}
         except Exception as e:  # noqa: BLE001 - informational only
             info["plan"] = {"error": str(e)}

@@ -98,7 +98,8 @@ class Exchange(abc.ABC):
         return False
 
     def allreduce(self, name: str, values: torch.Tensor, deps: Sequence[Handle] = ()) -> Handle:
-        """In place: ``values`` (1-D contiguous fp32) becomes the sum over the group's ranks."""
+        """In place: ``values`` (1-D contiguous, one of the transport's ``allreduce_dtypes``)
+        becomes the sum over the group's ranks."""
         raise NotImplementedError(f"{type(self).__name__} has no allreduce (see has_allreduce)")
 
     def sendrecv(self, name: str, send: Send, dst: int, sink: Sink, src: int, deps: Sequence[Handle] = (),

@@ -323,6 +323,18 @@ def executed_allreduce(send: Curve, copy: Curve, task: float, m: float, n: int) 
     return 2 * (n - 1) * send(m / n) + task + copy(m)
 
 
+def executed_allreduce16(send: Curve, copy: Curve, task: float, m: float, n: int) -> float:
+    """The same m fp32 bytes sent as bf16 (hipress.sync.allreduce with wire=torch.bfloat16):
+    half the bytes on the links, one more hand-off, and two more passes (the cast to bf16 and
+    the copy back; the copy back is priced as a pass over m, the cast as one over m/2 written).
+
+        T = 2(N-1) S(m/2N) + 2o + pass(m) + pass(m/2) + pass(m)
+    """
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * send(m / (2 * n)) + 2 * task + 2 * copy(m) + copy(m / 2)
+
+
 # -------------------------------------------------------------------------- the model
 @dataclass(frozen=True)
 class Decision:
@@ -339,6 +351,8 @@ class Decision:
     k_orig: int
     t_cpr: float
     k_cpr: int
+    # the uncompressed branch travels as bf16 (the plain16 path beat fp32; t_orig is its time)
+    bf16: bool = False
 
     @property
     def t_best(self) -> float:
@@ -370,6 +384,8 @@ class CostModel:
       plain_allreduce: uncompressed gradients go through the backend's allreduce (what
           hipress does where the transport has one) rather than through the strategy's own
           graph: their time is :func:`executed_allreduce`.
+      plain16: that allreduce also sums bf16, so an uncompressed gradient may travel as bf16
+          where :func:`executed_allreduce16` beats it (``decide(allow_16bit=True)``).
     Curves left out (profiles measured before they existed) cost nothing; send_one
     defaults to send.
     """
@@ -386,6 +402,7 @@ class CostModel:
     task_s: float = 0.0
     send_one: Optional[Curve] = None
     plain_allreduce: bool = False
+    plain16: bool = False
 
     def __post_init__(self):
         if self.strategy in EXECUTED_STRATEGIES:
@@ -433,9 +450,11 @@ class CostModel:
         return run(op, m, self.n, int(k))
 
     def decide(self, m: float, k_max: Optional[int] = None, allow_compress: bool = True,
-               k_min: int = 1) -> Decision:
+               k_min: int = 1, bf16: Optional[bool] = False) -> Decision:
         """Minimise over compress in {False, True} and K in k_min..k_max (default N).
         K counts executed partitions for "ring" / "ps", the paper's K otherwise.
+        bf16 (needs plain16): whether the uncompressed branch travels as bf16: None, where it
+        is faster than fp32; True, always; False, never.
 
         Exhaustive over K: the range is small (tens), and with piecewise curves or
         K > N rounds the cost is not convex in K, so a convex search could miss the
@@ -445,9 +464,19 @@ class CostModel:
         if k_min < 1 or k_max < k_min:
             raise ValueError(f"need 1 <= k_min <= k_max, got k_min={k_min}, k_max={k_max}")
         t_o, k_o = min((self.t_sync(m, False, k), k) for k in range(k_min, k_max + 1))
+        if bf16 is not False:
+            if not (self.plain16 and self.plain_allreduce and self.strategy in EXECUTED_STRATEGIES):
+                if bf16:
+                    raise ValueError("bf16=True needs a backend whose allreduce sums bf16 (CostModel.plain16)")
+                bf16 = False
+            else:
+                t16 = executed_allreduce16(self.send, self.dec_plain or _zero, self.task_s, m, self.n)
+                bf16 = bool(bf16) or t16 < t_o
+                if bf16:
+                    t_o = t16  # K: as fp32's (the partitions of a bucket are one collective)
         if allow_compress:
             t_c, k_c = min((self.t_sync(m, True, k), k) for k in range(k_min, k_max + 1))
         else:
             t_c, k_c = math.inf, k_min
         compress = t_c < t_o
-        return Decision(compress, k_c if compress else k_o, t_o, k_o, t_c, k_c)
+        return Decision(compress, k_c if compress else k_o, t_o, k_o, t_c, k_c, bf16)

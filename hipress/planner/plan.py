@@ -11,6 +11,7 @@ fly from numel), so an optimizer can call it for every gradient it submits.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -32,6 +33,9 @@ class Overrides:
     force: per-name decision: True/False forces compress on/off (K still chosen by
         the model), an int forces K (compression still chosen), a (bool, int) pair
         forces both.
+    bf16: how an uncompressed gradient travels where the backend's allreduce sums bf16
+        (CostModel.plain16; hipress.sync.allreduce): None, as bf16 where the model says it is
+        faster than fp32; True, always as bf16; False, always fp32 (bit for bit uncompressed).
     """
 
     min_compress_bytes: int = 0
@@ -39,6 +43,7 @@ class Overrides:
     max_partitions: Optional[int] = None
     min_partition_bytes: int = 0
     force: Dict[str, Union[bool, int, Tuple[bool, int]]] = field(default_factory=dict)
+    bf16: Optional[bool] = None
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,8 @@ class PlanEntry(Decision):
 
     Times are the model's predictions in seconds. t_orig, t_cpr: best predicted time
     without / with compression over the allowed K (both are always computed, also when a
-    pin rules one out); k_orig, k_cpr: the K achieving them. compress, k: the decision.
+    pin rules one out); k_orig, k_cpr: the K achieving them. compress, k: the decision;
+    bf16: not compressed, and sent as bf16 (here bf16 means the decision, not only the branch).
     name, nbytes: the gradient (give them by keyword; they follow Decision's fields).
     reason: 'model', or which pin decided.
     """
@@ -112,7 +118,8 @@ def plan_one(name: str, nbytes: int, model: CostModel, overrides: Optional[Overr
     lo, hi = (forced_k, forced_k) if forced_k is not None else (1, k_max)
     if forced_c is not None:
         allow = forced_c
-    d: Decision = model.decide(nbytes, k_max=hi, k_min=lo, allow_compress=True)  # both branches, for display
+    d: Decision = model.decide(nbytes, k_max=hi, k_min=lo, allow_compress=True,  # both branches, for display
+                               bf16=ov.bf16)
     if forced_c is True:
         compress = True
     elif not allow:
@@ -120,7 +127,8 @@ def plan_one(name: str, nbytes: int, model: CostModel, overrides: Optional[Overr
     else:
         compress = d.compress
     k = d.k_cpr if compress else d.k_orig
-    return PlanEntry(compress, k, d.t_orig, d.k_orig, d.t_cpr, d.k_cpr, name=name, nbytes=nbytes, reason=reason)
+    return PlanEntry(compress, k, d.t_orig, d.k_orig, d.t_cpr, d.k_cpr, d.bf16 and not compress,
+                     name=name, nbytes=nbytes, reason=reason)
 
 
 class Plan:
@@ -157,17 +165,18 @@ class Plan:
 
     def merge_uncompressed(self, names: Sequence[str], name: str) -> PlanEntry:
         """Replaces the entries of ``names`` (all planned uncompressed, consecutive) by one
-        uncompressed entry ``name`` covering their bytes: the optimizer fuses such gradients
-        into one allreduce after planning. Its times are the sums of theirs."""
+        uncompressed entry ``name`` covering their bytes, planned by the model for its size
+        (fp32 or bf16 on the wire, one partition): the optimizer fuses such gradients into one
+        allreduce after planning."""
         old = [self._by_name[n] for n in names]
         if not old or any(e.compress for e in old):
             raise ValueError(f"merge_uncompressed: {list(names)} must be planned entries, none compressed")
         at = self.entries.index(old[0])
         if self.entries[at:at + len(old)] != old:
             raise ValueError(f"merge_uncompressed: {list(names)} are not consecutive in the plan")
-        merged = PlanEntry(False, 1, sum(e.t_orig for e in old), 1, sum(e.t_cpr for e in old),
-                           max(e.k_cpr for e in old), name=name, nbytes=sum(e.nbytes for e in old),
-                           reason=f"fused: {len(old)} uncompressed")
+        pinned = dataclasses.replace(self.overrides, force={name: (False, 1)})
+        merged = dataclasses.replace(plan_one(name, sum(e.nbytes for e in old), self.model, pinned),
+                                     reason=f"fused: {len(old)} uncompressed")
         self.entries[at:at + len(old)] = [merged]
         for n in names:
             del self._by_name[n]
@@ -224,7 +233,7 @@ def format_table(entries: Sequence[PlanEntry], model: CostModel) -> str:
     rows = []
     for e in entries:
         sp = e.t_orig / e.t_pred if e.t_pred > 0 else 1.0
-        rows.append((e.name, fmt_bytes(e.nbytes), "yes" if e.compress else "no", str(e.k), _ms(e.t_orig),
+        rows.append((e.name, fmt_bytes(e.nbytes), "yes" if e.compress else ("bf16" if e.bf16 else "no"), str(e.k), _ms(e.t_orig),
                      str(e.k_orig), _ms(e.t_cpr), str(e.k_cpr) if not math.isinf(e.t_cpr) else "-",
                      f"{sp:.2f}x", e.reason))
     w = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]

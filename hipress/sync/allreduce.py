@@ -9,6 +9,11 @@ For one gradient (or fused bucket) on every rank:
                 place in the rank's one order of communication (the chain shared with
                 compressed gradients) and overlaps backward like any comm task
   2. average    (compute) divide by N (op=Average); with op=Sum the allreduce is the last task
+With ``wire=torch.bfloat16`` (a plan's choice where it pays: half the bytes for two memory
+passes) step 1 is preceded by a cast of the bucket to bf16 and step 2 copies the bf16 sum back
+(then divides, in fp32). bf16 rather than fp16 because it has fp32's exponent range: a gradient
+neither overflows to inf nor underflows to zero on the way, whatever its scale (DDP's fp16 hook
+can do both), at 8 bits of mantissa (relative rounding 2^-9 per add).
 Partitions do not matter here: the bucket's contiguous partitions are one collective (K only
 pipelines compute against communication, and there is no compute to pipeline). The sum's
 order is the backend's, so it may differ from a rank-order sum in the last bit, but every
@@ -16,7 +21,7 @@ rank ends with the same bits.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -40,24 +45,47 @@ def contiguous_spans(bounds: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]
 class AllreduceStrategy(Strategy):
     name = "allreduce"
 
-    def __init__(self, average: bool = True):
+    def __init__(self, average: bool = True, wire: torch.dtype = torch.float32):
         self.average = average
+        self.wire = wire
+        self._wire_buffers: Dict[str, torch.Tensor] = {}  # per gradient name: its bf16 copy, reused
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
         spans = contiguous_spans(bounds)
         if not spans:
             return ctx.compute(f"done.{tensor_name}", lambda: None, list(deps))
-        sums = [ctx.exchange.allreduce(f"allreduce.{tensor_name}" + (f"/s{i}" if len(spans) > 1 else ""),
-                                       flat[s:e], deps)
-                for i, (s, e) in enumerate(spans)]
-        if not self.average and len(sums) == 1:
+        nbytes = 4 * sum(e - s for s, e in spans)
+        cast = flat.dtype != self.wire
+        if cast:
+            n16 = sum(e - s for s, e in spans)
+            buf = self._wire_buffers.get(tensor_name)
+            if buf is None or buf.numel() != n16:
+                buf = self._wire_buffers[tensor_name] = torch.empty(n16, dtype=self.wire)
+            views, at = [], 0
+            for s, e in spans:
+                views.append((flat[s:e], buf[at:at + e - s]))
+                at += e - s
+
+            def to_wire():
+                for src, dst in views:
+                    dst.copy_(src)
+
+            deps = [ctx.compute(f"cast.{tensor_name}", to_wire, list(deps), nbytes=nbytes)]
+            sent = [w for _, w in views]
+        else:
+            sent = [flat[s:e] for s, e in spans]
+        sums = [ctx.exchange.allreduce(f"allreduce.{tensor_name}" + (f"/s{i}" if len(spans) > 1 else ""), t, deps)
+                for i, t in enumerate(sent)]
+        if not self.average and not cast and len(sums) == 1:
             return sums[0]
         n = ctx.size
 
         def finish():
-            if self.average:
-                for s, e in spans:
+            for (s, e), t in zip(spans, sent):
+                if cast:
+                    flat[s:e].copy_(t)
+                if self.average:
                     flat[s:e].div_(n)
 
-        return ctx.compute(f"average.{tensor_name}", finish, sums, nbytes=4 * sum(e - s for s, e in spans))
+        return ctx.compute(f"average.{tensor_name}", finish, sums, nbytes=nbytes)

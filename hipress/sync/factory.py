@@ -91,10 +91,11 @@ class Sync:
 
 def make_sync(engine: Engine, exchanges: Exchanges, compressor: Compressor, strategy: str, states: StateStore,
               average: bool, hierarchical: bool, world_size: int, is_host_root: bool,
-              plain_allreduce: bool = True) -> Sync:
+              plain_allreduce: bool = True, wire: torch.dtype = torch.float32) -> Sync:
     """The sync of gradients compressed with ``compressor`` (see the module docstring).
     Syncs made from the same ``exchanges`` keep one order of communication per rank.
-    ``plain_allreduce``: uncompressed sums by the backend's allreduce where it has one."""
+    ``plain_allreduce``: uncompressed sums by the backend's allreduce where it has one;
+    ``wire``: the dtype they travel in (torch.bfloat16 where the backend sums it: a plan's choice)."""
     # The world's backend decides for every group: its splits are transports of the same kind,
     # and every rank decides the same.
     native_sum = plain_allreduce and exchanges.world.has_allreduce
@@ -102,7 +103,9 @@ def make_sync(engine: Engine, exchanges: Exchanges, compressor: Compressor, stra
     if compressor.lowrank:
         inner = LowRankStrategy(average=inner_average)
     elif native_sum and isinstance(compressor, NoneCompressor):
-        inner = AllreduceStrategy(average=inner_average)
+        if wire not in exchanges.world.transport.allreduce_dtypes:
+            raise ValueError(f"the {exchanges.world.transport.name} transport's allreduce does not sum {wire}")
+        inner = AllreduceStrategy(average=inner_average, wire=wire)
     else:
         inner = STRATEGIES[resolve_strategy(strategy, compressor)](average=inner_average)
     if not hierarchical:

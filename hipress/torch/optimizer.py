@@ -84,7 +84,7 @@ class _Bucket:
     (also how fp16/bf16 and non-CPU gradients are handled).
     """
 
-    __slots__ = ("params", "name", "offsets", "numel", "segments", "in_place", "flat")
+    __slots__ = ("params", "name", "offsets", "numel", "segments", "in_place", "flat", "_slot")
 
     def __init__(self, params, own_buffer: bool = False):
         self.params = params
@@ -101,6 +101,7 @@ class _Bucket:
         self.in_place = (not own_buffer and len(params) == 1 and p0.dtype == torch.float32
                          and p0.device.type == "cpu")
         self.flat = None if self.in_place else torch.zeros(off, dtype=torch.float32)
+        self._slot = {id(p): (o, p.numel()) for o, (_, p) in zip(self.offsets, params)}  # put() in O(1)
 
     def put(self, p) -> None:
         if self.in_place:
@@ -109,11 +110,11 @@ class _Bucket:
                 p.grad = g = g.contiguous()
             self.flat = g.view(-1)
             return
-        i = next(i for i, (_, q) in enumerate(self.params) if q is p)
-        self.flat[self.offsets[i]:self.offsets[i] + p.numel()].copy_(p.grad.detach().reshape(-1))
+        off, n = self._slot[id(p)]
+        self.flat[off:off + n].copy_(p.grad.detach().reshape(-1))
 
-    def full(self, taken) -> bool:
-        return all(id(p) in taken for _, p in self.params)
+    def full(self, taken: set) -> bool:
+        return taken.issuperset(self._slot)  # in C: called once per gradient
 
     def unpack(self) -> None:
         for (_, p), off in zip(self.params, self.offsets):
@@ -415,10 +416,11 @@ class _HipressOptimizer:
         self._hp_skip_step = False
         self.last_nonfinite: Dict[str, List[int]] = {}
 
-        def sync_for(compressor):  # uncompressed: the backend's allreduce, except under dear (the ring's phases)
+        def sync_for(compressor, wire=torch.float32):  # uncompressed: the backend's allreduce, except under
+            # dear (the ring's phases); wire: the dtype uncompressed gradients travel in
             return make_sync(engine, exchanges, compressor, self._hp_strategy_name, self._hp_states,
                              self._hp_average, self._hp_hierarchical, world.size(), world.local_rank() == 0,
-                             plain_allreduce=not options.dear)
+                             plain_allreduce=not options.dear, wire=wire)
 
         self._hp_split_tensors = splits_tensors(self._hp_compressor, self._hp_strategy_name)
         # Compressed and plain gradients share the exchanges, so communication keeps one order per rank.
@@ -433,6 +435,9 @@ class _HipressOptimizer:
         if self._hp_plan is not None and options.plain_fusion_bytes:
             self._hp_buckets = fuse_uncompressed(self._hp_buckets, self._hp_plan, options.plain_fusion_bytes)
             self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
+        # a plan's uncompressed buckets that travel as bf16 (hipress.sync.allreduce)
+        self._hp_plain16 = (sync_for(NoneCompressor(), torch.bfloat16)
+                            if self._hp_plan is not None and self._hp_plan.model.plain16 else None)
         self._hp_covap = self._hp_make_covap(options.covap) if options.covap is not None else None
         self._hp_passes = options.backward_passes_per_step
         self._hp_partition_bytes = options.partition_bytes
@@ -472,7 +477,8 @@ class _HipressOptimizer:
         prof = profile_online(self._hp_compressor, self._hp_transport, self._hp_strategy_name)
         n_sync = len(set(world.hostnames())) if self._hp_hierarchical else world.size()
         plain = getattr(self._hp_plain.strategy, "cross", self._hp_plain.strategy)  # across hosts, if hierarchical
-        model = prof.cost_model(n=n_sync, plain_allreduce=plain.name == "allreduce")
+        model = prof.cost_model(n=n_sync, plain_allreduce=plain.name == "allreduce",
+                                plain16=torch.bfloat16 in self._hp_transport.allreduce_dtypes)
         return make_plan([(b.name, 4 * b.numel) for b in self._hp_buckets], model, overrides)
 
     def _hp_make_covap(self, args) -> "covap.Run":
@@ -621,7 +627,10 @@ class _HipressOptimizer:
                 # runs the same collectives); synchronize() undoes the step on every rank
                 self._hp_bad.add(key)
                 grad = torch.zeros_like(grad)
-            p.grad = final_gradient(self._hp_names[key], p, grad, self._hp_clip, self._hp_momentum)
+            # the algorithm's clipping is an aid to its compression: not for a bucket the plan leaves uncompressed
+            clip = self._hp_clip if self._hp_plan is None or self._hp_route(self._hp_bucket_of[key])[0] is \
+                self._hp_compressed else None
+            p.grad = final_gradient(self._hp_names[key], p, grad, clip, self._hp_momentum)
             if self._hp_predivide != 1.0:  # Horovod's gradient_predivide_factor: 1/f before the sum
                 p.grad.div_(self._hp_predivide)
         self._hp_taken.add(key)
@@ -658,7 +667,8 @@ class _HipressOptimizer:
         """(the sync, the partitions) of a bucket: the plan's choice, or compressed."""
         if self._hp_plan is not None:
             entry = self._hp_plan.entry(bucket.name, bucket.numel)
-            return (self._hp_compressed if entry.compress else self._hp_plain), entry.bounds(bucket.numel)
+            sync = self._hp_compressed if entry.compress else self._hp_plain16 if entry.bf16 else self._hp_plain
+            return sync, entry.bounds(bucket.numel)
         return self._hp_compressed, bucket_bounds(bucket, self._hp_partition_bytes, self._hp_split_tensors)
 
     def _hp_submit(self, bucket: "_Bucket"):

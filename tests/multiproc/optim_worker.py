@@ -62,7 +62,8 @@ def main():
         plan = None
         if "plan_force" in cfg:
             from hipress.planner import Overrides
-            plan = Overrides(force={k: tuple(v) if isinstance(v, list) else v for k, v in cfg["plan_force"].items()})
+            plan = Overrides(force={k: tuple(v) if isinstance(v, list) else v for k, v in cfg["plan_force"].items()},
+                             bf16=cfg.get("plan_bf16"))
         opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                            compression=cfg["compression"], strategy=cfg["strategy"],
                                            backward_passes_per_step=cfg.get("passes", 1),
@@ -94,7 +95,8 @@ def main():
         for b in opt._hp_buckets:
             sync, bounds = opt._hp_route(b)
             buckets.append({"name": b.name, "params": [n for n, _ in b.params], "bounds": bounds,
-                            "compressed": sync is opt._hp_compressed, "strategy": sync.strategy.name})
+                            "compressed": sync is opt._hp_compressed, "strategy": sync.strategy.name,
+                            "wire": str(getattr(sync.strategy, "wire", torch.float32))})
         results.append({"config": cfg, "steps": steps, "owners": owners, "buckets": buckets,
                         "hierarchical": opt._hp_hierarchical,
                         "coordinated": type(opt._hp_compressed.ctx.exchange).__name__ == "CoordinatedExchange"})

@@ -114,22 +114,64 @@ def test_contiguous_spans():
     assert contiguous_spans(chunk_bounds(1001, 4)) == [(0, 1001)]
 
 
-def run_allreduce(grads, bounds, average=True, steps=1):
+def run_allreduce(grads, bounds, average=True, steps=1, wire=torch.float32):
     n = len(grads)
 
     def body(tr):
         eng = Engine()
         try:
             ctx = SyncContext(eng, DirectExchange(eng, tr, CommChain()), NoneCompressor(), StateStore(tr.rank))
-            strat = AllreduceStrategy(average=average)
-            flat = grads[tr.rank].clone()
+            strat = AllreduceStrategy(average=average, wire=wire)
+            out = []
             for _ in range(steps):
+                flat = grads[tr.rank].clone()
                 strat.build(ctx, "w", flat, bounds).result(timeout=30)
-            return flat, eng.counters()
+                out.append(flat)
+            return out[-1], eng.counters(), out, strat
         finally:
             eng.shutdown()
 
     return loopback.spawn(n, body, timeout_s=60)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("average", [True, False])
+def test_bf16_on_the_wire_is_the_sum_of_bf16_roundings(n, average):
+    """wire=bf16: each rank's gradient rounded to bf16, summed (in bf16, rank order on loopback),
+    copied back to fp32, then divided. Also over a gap in the partitions (two collectives)."""
+    numel = 2049
+    grads = grads_for(n, numel, seed=7 + n)
+    bounds = [(0, 1000), (1000, 1000), (1200, 2049)]  # a gap: elements 1000..1199 are not synced
+    out = run_allreduce(grads, bounds, average=average, steps=2, wire=torch.bfloat16)
+    want = grads[0].to(torch.bfloat16)
+    for g in grads[1:]:
+        want = want + g.to(torch.bfloat16)
+    want = want.float() / (n if average else 1)
+    for r, (flat, _, steps, strat) in enumerate(out):
+        assert flat.dtype == torch.float32
+        assert torch.equal(flat[:1000], want[:1000]) and torch.equal(flat[1200:], want[1200:])
+        assert torch.equal(flat[1000:1200], grads[r][1000:1200])  # outside the partitions: untouched
+        assert torch.equal(steps[0], steps[1])  # the reused bf16 buffer carries nothing over
+        assert len(strat._wire_buffers) == 1
+        # within bf16's rounding of the exact average (2^-8 relative per value, n values)
+        exact = torch.stack(grads).double().sum(0).float() / (n if average else 1)
+        torch.testing.assert_close(flat[1200:], exact[1200:], rtol=0, atol=n * 2 ** -8 * 4)
+
+
+def test_make_sync_refuses_a_wire_dtype_the_backend_cannot_sum():
+    class Fp32Only(loopback.LoopbackTransport):
+        allreduce_dtypes = (torch.float32,)
+
+    eng = Engine()
+    try:
+        tr = Fp32Only(loopback.LoopbackWorld(1), 0)
+        ex = _exchanges(eng, tr)
+        with pytest.raises(ValueError, match="does not sum torch.bfloat16"):
+            make_sync(eng, ex, NoneCompressor(), "ring", StateStore(0), True, False, 1, True, wire=torch.bfloat16)
+        assert make_sync(eng, ex, NoneCompressor(), "ring", StateStore(0), True, False, 1, True).strategy.wire \
+            == torch.float32
+    finally:
+        eng.shutdown()
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -138,7 +180,7 @@ def test_strategy_equals_exact_average(n, numel, k):
     grads = grads_for(n, numel, seed=numel + n)
     out = run_allreduce(grads, chunk_bounds(numel, k))
     exact = torch.stack(grads).double().mean(0).float()
-    for flat, _ in out:
+    for flat, *_ in out:
         torch.testing.assert_close(flat, exact, rtol=1e-6, atol=1e-6)
         assert torch.equal(flat, out[0][0])
 
@@ -146,7 +188,7 @@ def test_strategy_equals_exact_average(n, numel, k):
 def test_strategy_issues_one_collective_per_bucket_whatever_k():
     """K partitions that touch are one allreduce (one comm task), not K."""
     grads = grads_for(3, 4097)
-    for flat, stats in run_allreduce(grads, chunk_bounds(4097, 4), average=False):
+    for flat, stats, *_ in run_allreduce(grads, chunk_bounds(4097, 4), average=False):
         torch.testing.assert_close(flat, torch.stack(grads).sum(0), rtol=1e-6, atol=1e-6)
         assert stats["comm"]["tasks_run"] == 1, stats
 

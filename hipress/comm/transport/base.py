@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import abc
 import struct
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -469,11 +469,16 @@ class Transport(abc.ABC):
         gradients with it where it has one, and with its own ring where not."""
         return type(self)._raw_allreduce is not Transport._raw_allreduce
 
+    # The dtypes :meth:`allreduce` sums (where :attr:`has_allreduce`); backends whose collective
+    # also sums 16-bit floats add them (hipress's plan may send uncompressed gradients as bf16).
+    allreduce_dtypes: Tuple[torch.dtype, ...] = (torch.float32,)
+
     def allreduce(self, values: torch.Tensor) -> None:
-        """In place: every rank's ``values`` (1-D contiguous ``torch.float32``, the same length on
-        every rank) becomes the element-wise sum over the ranks, computed by the backend's own
-        collective (gloo/NCCL allreduce, MPI_Allreduce). Every rank ends with the same bits.
-        Backends without one raise NotImplementedError (see :attr:`has_allreduce`)."""
+        """In place: every rank's ``values`` (1-D contiguous, one of :attr:`allreduce_dtypes`
+        (fp32 everywhere), the same length on every rank) becomes the element-wise sum over the
+        ranks, computed by the backend's own collective (gloo/NCCL allreduce, MPI_Allreduce).
+        Every rank ends with the same bits. Backends without one raise NotImplementedError
+        (see :attr:`has_allreduce`)."""
         op = "allreduce"
         self._ensure_open(op)
         if not self.has_allreduce:
@@ -481,9 +486,10 @@ class Transport(abc.ABC):
                                       f"point-to-point operations (hipress's ring) instead")
         problems = []
         if not isinstance(values, torch.Tensor):
-            problems.append(f"values must be a torch.float32 tensor, got {type(values).__name__}")
-        elif values.dtype != torch.float32 or values.dim() != 1 or not values.is_contiguous():
-            problems.append(f"values must be a 1-D contiguous torch.float32 tensor, got dtype {values.dtype}, "
+            problems.append(f"values must be a torch tensor, got {type(values).__name__}")
+        elif values.dtype not in self.allreduce_dtypes or values.dim() != 1 or not values.is_contiguous():
+            problems.append(f"values must be a 1-D contiguous tensor of dtype "
+                            f"{' or '.join(map(str, self.allreduce_dtypes))}, got dtype {values.dtype}, "
                             f"shape {tuple(values.shape)}, contiguous={values.is_contiguous()}")
         else:
             bad = self._check_device("values", values)

@@ -60,6 +60,7 @@ class LoopbackWorld:
 
 class LoopbackTransport(Transport):
     name = "loopback"
+    allreduce_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     def __init__(self, world: LoopbackWorld, rank: int, timeout_s: Optional[float] = None, check: Optional[bool] = None):
         super().__init__(rank, world.size, timeout_s, check)

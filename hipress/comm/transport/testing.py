@@ -130,7 +130,8 @@ def check_broadcast(t: Transport) -> None:
 
 def check_allreduce(t: Transport) -> None:
     """Sums of small integers (exact in fp32 whatever order the backend adds in), sizes from
-    nothing to above a megabyte, every rank the same bits; then a length that differs on the
+    nothing to above a megabyte, every rank the same bits; the same in each 16-bit dtype the
+    backend sums; then a length that differs on the
     last rank raises on every rank (with checking). Skipped by backends without one."""
     if not t.has_allreduce:
         return
@@ -140,6 +141,12 @@ def check_allreduce(t: Transport) -> None:
         t.allreduce(values)
         want = sum(pattern(1700 + i + m, m).float() for i in range(n)) if m else torch.empty(0)
         _eq(f"allreduce {m} floats", t, values.view(torch.uint8), want.view(torch.uint8))
+    for dtype in t.allreduce_dtypes:  # 16-bit sums too, where the backend has them (small integers: exact)
+        if dtype != torch.float32:
+            values = (pattern(1800 + r, 4099) % 16).to(dtype)
+            t.allreduce(values)
+            want = sum((pattern(1800 + i, 4099) % 16).float() for i in range(n)).to(dtype)
+            _eq(f"allreduce {dtype}", t, values.view(torch.uint8), want.view(torch.uint8))
     if t.check and n > 1:
         _expect_error("allreduce length mismatch", t, lambda: t.allreduce(torch.zeros(3 + (r == n - 1))), True,
                       "element counts differ")

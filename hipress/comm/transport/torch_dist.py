@@ -42,6 +42,7 @@ def _td(seconds: float) -> datetime.timedelta:
 
 class TorchDistTransport(Transport):
     name = "torch"
+    allreduce_dtypes = (torch.float32, torch.bfloat16, torch.float16)  # gloo and NCCL sum all three
 
     def __init__(self, pg, rank: int, size: int, store=None, backend: str = "gloo",
                  timeout_s: Optional[float] = None, check: Optional[bool] = None, prefix: str = "hipress"):
