@@ -315,9 +315,10 @@ class Reference:
         velocity = not momentum.in_compressor(comp)  # signum keeps its own momentum
         self.momentum = ([momentum.MomentumCorrection(optimizer, names, velocity=velocity) for _ in range(size)]
                          if use_mc else None)
+        first = None
         if bucket_bytes == "auto":  # the optimizer's rule (no plan, COVAP, dear or coordinator here)
-            bucket_bytes = auto_bucket_bytes(comp)
-        self.buckets = fusion_buckets(self.named, comp, bucket_bytes)
+            bucket_bytes, first = auto_bucket_bytes(comp)
+        self.buckets = fusion_buckets(self.named, comp, bucket_bytes, first_bucket_bytes=first)
         self.split_tensors = splits_tensors(comp, "allgather")
         self.partition_bytes = partition_bytes
         self._index = {id(p): j for j, (_, p) in enumerate(self.named)}

@@ -64,10 +64,14 @@ PLAIN_BUCKET_BYTES = 25 << 20
 BUCKET_BYTES = 1 << 20
 
 
-def auto_bucket_bytes(compression, plain_path: bool = True) -> int:
-    """bucket_bytes="auto": PLAIN_BUCKET_BYTES for an uncompressed algorithm on the plain path
-    (no plan, COVAP, dear or coordinator), else BUCKET_BYTES."""
-    return PLAIN_BUCKET_BYTES if plain_path and getattr(compression, "name", compression) == "none" else BUCKET_BYTES
+def auto_bucket_bytes(compression, plain_path: bool = True) -> Tuple[int, Optional[int]]:
+    """bucket_bytes="auto": (bucket size, size of the first bucket of backward or None: as the
+    others). DDP's rule, PLAIN_BUCKET_BYTES after a first bucket of BUCKET_BYTES (so the
+    allreduce starts early in backward), for an uncompressed algorithm on the plain path (no
+    plan, COVAP, dear or coordinator); else BUCKET_BYTES throughout."""
+    if plain_path and getattr(compression, "name", compression) == "none":
+        return PLAIN_BUCKET_BYTES, BUCKET_BYTES
+    return BUCKET_BYTES, None
 # Bytes before the per-parameter ones in a row of the per-step agreement (_hp_agree).
 _AGREE_HEADER = 4
 # Wrapped optimizers of this process, in wrapping order (the same on every rank): names join()'s store keys.
@@ -145,7 +149,8 @@ def split_at(bounds: List[Tuple[int, int]], cuts: Sequence[int]) -> List[Tuple[i
     return out
 
 
-def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False) -> List[_Bucket]:
+def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False,
+                   first_bucket_bytes: Optional[int] = None) -> List[_Bucket]:
     """Tensor fusion: consecutive small gradients (in reverse parameter order, roughly
     the order backward produces them) share one buffer, synced as one gradient, until
     what one exchange of it sends reaches bucket_bytes; gradients of bucket_bytes or
@@ -156,7 +161,9 @@ def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False) -
     on 2 cores: 0.59-0.64 s per step instead of 0.69-0.77). A function of its own because
     the convergence bench's reference simulator (hipress/bench/simulate.py) compresses
     the same buckets. ``own_buffers``: every bucket syncs in a buffer of its own, never in
-    the gradient (strategy "dear" keeps the reduced gradient past zero_grad())."""
+    the gradient (strategy "dear" keeps the reduced gradient past zero_grad()).
+    ``first_bucket_bytes``: the first bucket of backward fills only to this (DDP's small first
+    bucket)."""
     fuse = bool(bucket_bytes)
     groups, cur, cur_bytes = [], [], 0
     for name, p in reversed(named):
@@ -167,7 +174,8 @@ def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False) -
             groups.append([(name, p)])
             continue
         sent = compressor.max_encoded_bytes(p.numel(), tuple(p.shape)) if compressor.lowrank else nbytes
-        if cur and cur_bytes + sent > bucket_bytes:
+        limit = first_bucket_bytes if first_bucket_bytes and not groups else bucket_bytes
+        if cur and cur_bytes + sent > limit:
             groups.append(cur)
             cur, cur_bytes = [], 0
         cur.append((name, p))
@@ -181,8 +189,9 @@ def fuse_uncompressed(buckets: List[_Bucket], plan, limit: int) -> List[_Bucket]
     """After planning: each run of consecutive buckets the plan leaves uncompressed becomes
     buckets of up to ``limit`` bytes (the plan's entries merged to match), since they go through
     the backend's allreduce, where fewer, larger calls win (PLAIN_BUCKET_BYTES). Compressed
-    buckets, and uncompressed ones of ``limit`` bytes or more, stay as they are."""
-    out: List[_Bucket] = []
+    buckets, uncompressed ones of ``limit`` bytes or more, and the first bucket of backward (as
+    DDP's, small so that communication starts early) stay as they are."""
+    out: List[_Bucket] = buckets[:1]
     run: List[_Bucket] = []
 
     def flush():
@@ -194,7 +203,7 @@ def fuse_uncompressed(buckets: List[_Bucket], plan, limit: int) -> List[_Bucket]
             out.extend(run)
         run.clear()
 
-    for b in buckets:
+    for b in buckets[1:]:
         if plan.entry(b.name, b.numel).compress or 4 * b.numel >= limit:
             flush()
             out.append(b)
@@ -317,8 +326,10 @@ class Options:
     gradient_predivide_factor: float = 1.0  # Horovod's: op=Average as (sum of g / f) * f / size
     groups: object = None                 # Horovod's: None, an int, or lists of parameters (explicit_groups)
     sparse_as_dense: bool = False         # Horovod's: sparse gradients densified and synchronized
-    # derived: bucket_bytes="auto" with a plan fuses runs of buckets the plan leaves uncompressed up
-    # to this many bytes after planning (fuse_uncompressed); 0: no such fusion
+    # derived from bucket_bytes="auto" (auto_bucket_bytes): the first bucket's size (None: as the
+    # others); with a plan, runs of buckets it leaves uncompressed are fused up to plain_fusion_bytes
+    # after planning, all but the first bucket (fuse_uncompressed); 0: no such fusion
+    first_bucket_bytes: Optional[int] = None
     plain_fusion_bytes: int = 0
 
     @property
@@ -351,7 +362,9 @@ class Options:
             object.__setattr__(self, "coordinator", config.get("HIPRESS_COORDINATOR"))
         if self.bucket_bytes == "auto":
             plain = self.covap is None and self.plan is None and not self.dear and not self.coordinator
-            object.__setattr__(self, "bucket_bytes", auto_bucket_bytes(self.compression, plain))
+            size, first = auto_bucket_bytes(self.compression, plain)
+            object.__setattr__(self, "bucket_bytes", size)
+            object.__setattr__(self, "first_bucket_bytes", first)
             if self.plan is not None and not self.coordinator and self.groups is None:
                 object.__setattr__(self, "plain_fusion_bytes", PLAIN_BUCKET_BYTES)
         if self.dear:
@@ -396,6 +409,7 @@ class _HipressOptimizer:
                                  and use_local_aggregation(options.local_aggregation, world.hostnames()))
         self._hp_named = named
         self._hp_bucket_bytes = options.bucket_bytes
+        self._hp_first_bucket_bytes = options.first_bucket_bytes
         self._hp_groups = options.groups
         self._hp_own_buffers = options.dear
         self._hp_buckets = self._hp_build_buckets()
@@ -575,7 +589,7 @@ class _HipressOptimizer:
         ``groups``, each group is one bucket and the parameters in no group are fused as usual."""
         size, own = self._hp_bucket_bytes, self._hp_own_buffers
         if self._hp_groups is None:
-            return fusion_buckets(self._hp_named, self._hp_compressor, size, own)
+            return fusion_buckets(self._hp_named, self._hp_compressor, size, own, self._hp_first_bucket_bytes)
         grouped = explicit_groups(self._hp_named, self._hp_groups)
         in_group = {id(p) for g in grouped for _, p in g}
         rest = [(n, p) for n, p in self._hp_named if id(p) not in in_group]

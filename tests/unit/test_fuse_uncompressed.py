@@ -26,25 +26,36 @@ def test_runs_fuse_up_to_the_limit_and_compressed_buckets_stay():
     # backward order is p5..p0; p2 compressed splits the uncompressed runs
     force = {f"p{i}": i == 2 for i in range(6)}
     buckets, plan = setup(force)
-    out = fuse_uncompressed(buckets, plan, 4 * 1000)
-    # p5 (900) + p4 (100) = 1000 elements fit; p3 starts a run of one (stays); p2 stays; p1 + p0 fuse
-    assert layout(out) == [["p5", "p4"], ["p3"], ["p2"], ["p1", "p0"]]
+    out = fuse_uncompressed(buckets, plan, 4 * 200)
+    # p5, the first bucket of backward, stays small (DDP's rule); p4 + p3 fit in 200 elements;
+    # p2 (compressed) stays; p1 + p0 fuse
+    assert layout(out) == [["p5"], ["p4", "p3"], ["p2"], ["p1", "p0"]]
     assert [plan.entry(b.name, b.numel).compress for b in out] == [False, False, True, False]
     assert [e.name for e in plan] == [b.name for b in out]   # the plan's order is the buckets'
-    merged = plan[out[0].name]
-    assert merged.nbytes == 4 * 1000 and merged.k == 1 and merged.reason == "fused: 2 uncompressed"
-    assert merged.t_orig == pytest.approx(plan.model.t_sync(4000, False, 1))  # planned for its size
-    assert "p5" not in plan and "p4" not in plan
-    assert out[0].flat is not None and out[0].flat.numel() == 1000 and not out[0].in_place
-    assert out[1] is buckets[2]  # a run of one is the same bucket
+    merged = plan[out[1].name]
+    assert merged.nbytes == 4 * 200 and merged.k == 1 and merged.reason == "fused: 2 uncompressed"
+    assert merged.t_orig == pytest.approx(plan.model.t_sync(800, False, 1))  # planned for its size
+    assert "p4" not in plan and "p3" not in plan
+    assert out[1].flat is not None and out[1].flat.numel() == 200 and not out[1].in_place
+    assert out[0] is buckets[0] and out[2] is buckets[3]
+    # a run too long for one bucket: p4 p3 | p1 p0 with p2 uncompressed too at limit 300
+    buckets, plan = setup({f"p{i}": False for i in range(6)})
+    assert layout(fuse_uncompressed(buckets, plan, 4 * 300)) == [["p5"], ["p4", "p3", "p2"], ["p1", "p0"]]
 
 
 def test_a_bucket_at_the_limit_stays_alone_in_place():
     force = {f"p{i}": False for i in range(6)}
-    buckets, plan = setup(force)
+    buckets, plan = setup(force, sizes=(100, 100, 100, 100, 900, 50))
     out = fuse_uncompressed(buckets, plan, 4 * 900)
-    assert layout(out) == [["p5"], ["p4", "p3", "p2", "p1", "p0"]]
-    assert out[0].in_place
+    assert layout(out) == [["p5"], ["p4"], ["p3", "p2", "p1", "p0"]]
+    assert out[1].in_place
+
+
+def test_fusion_buckets_keeps_the_first_bucket_small():
+    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(100))) for i in range(6)]
+    assert layout(fusion_buckets(named, NoneCompressor(), 4 * 300, first_bucket_bytes=4 * 100)) == \
+        [["p5"], ["p4", "p3", "p2"], ["p1", "p0"]]
+    assert layout(fusion_buckets(named, NoneCompressor(), 4 * 300)) == [["p5", "p4", "p3"], ["p2", "p1", "p0"]]
 
 
 def test_merge_refuses_compressed_or_scattered_entries():
@@ -88,4 +99,5 @@ def test_fused_entries_are_planned_for_their_size():
                      Overrides(force={b.name: False for b in buckets}))
     assert not any(e.bf16 for e in plan)  # 8 bytes each: fp32
     out = fuse_uncompressed(buckets, plan, 4 * 2000)
-    assert len(out) == 1 and plan[out[0].name].bf16 and plan[out[0].name].k == 1  # 24 bytes: bf16
+    assert layout(out) == [["q2"], ["q1", "q0"]]
+    assert plan[out[1].name].bf16 and plan[out[1].name].k == 1 and not plan[out[0].name].bf16  # 16 bytes: bf16
