@@ -478,9 +478,15 @@ class _HipressOptimizer:
         self._hp_joins = 0  # join() calls so far
 
     def _hp_make_plan(self, plan):
-        """plan: a Plan, "auto" (profile now, collectively), or an Overrides."""
+        """plan: a Plan, "auto" (profile now, collectively), an Overrides, or a dict of Overrides'
+        fields (as from JSON)."""
         if isinstance(plan, Plan):
             return plan
+        if isinstance(plan, dict):
+            fields = {f.name for f in dataclasses.fields(Overrides)}
+            if set(plan) - fields:
+                raise ValueError(f"plan: unknown field(s) {sorted(set(plan) - fields)}; Overrides has {sorted(fields)}")
+            plan = Overrides(**plan)
         overrides = plan if isinstance(plan, Overrides) else Overrides()
         if not isinstance(plan, Overrides) and plan != "auto":
             raise ValueError(f"plan must be 'auto', a hipress.planner.Plan or Overrides, got {plan!r}")
@@ -1121,9 +1127,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     True/False force it on/off.
     plan: selective compression and partitioning (paper §3.3). "auto" profiles encode,
     decode and the link once (cached; see hipress.planner) and then, per gradient,
-    compresses only where the cost model says it pays and picks the partition count;
-    a hipress.planner.Overrides pins thresholds on top of "auto"; a Plan is used as is.
-    compression="auto" means TernGrad with plan="auto".
+    compresses only where the cost model says it pays and picks the partition count, and
+    sends the rest as fp32 or, where the backend sums bf16 and it pays, bf16 (docs/planner.md);
+    a hipress.planner.Overrides (or a dict of its fields) pins thresholds on top of "auto";
+    a Plan is used as is. compression="auto" means TernGrad with plan="auto".
     compression="covap": COVAP's filter (paper 004; hipress/torch/covap.py, docs/covap.md): each
     step syncs only the buckets (or shards of large ones) whose index t has (t + step) % I == 0,
     the rest waits in a residual. Its keywords: interval ("auto": ceil(CCR), profiled over the

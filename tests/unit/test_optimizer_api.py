@@ -92,6 +92,8 @@ def test_bad_arguments(model):
         hipress.DistributedOptimizer(model)
     with pytest.raises(ValueError, match="'allgather' has no cost model yet"):
         wrap(model, compression="tbq", strategy="allgather", plan="auto")
+    with pytest.raises(ValueError, match=r"plan: unknown field\(s\) \['bogus'\]"):
+        wrap(model, compression="tbq", plan={"bf16": True, "bogus": 1})
 
 
 def same(a, b):
