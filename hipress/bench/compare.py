@@ -21,7 +21,11 @@ Writes, per model, into ``--out-dir`` (default ``results/``):
 
 Every row also gives x_compute: its throughput over the compute-only throughput (the same
 job with communication removed: world samples / compute time), and COVAP's rows the interval
-its profiler chose beside the CCR it measured.
+its profiler chose beside the CCR it measured. cpu_ms and cpu_compute_ms are CPU time per step
+of a rank's whole process (every thread; mean over ranks) in the timed and the compute-only
+steps: where ranks outnumber cores, a framework's own work (hooks, copies, engine threads,
+extra collectives) costs throughput one for one, and CPU time shows it with far less noise
+than wall time.
 
 Time breakdown (per step, medians over repeats): compute = forward + backward + local
 optimizer update with synchronization off (measured on all ranks at once, so with the
@@ -244,7 +248,8 @@ def summarize(records: List[dict], bandwidths: Sequence[str], systems: Sequence[
                 row["note"] = rs[0].get("skipped") or rs[0].get("error", "")
                 rows.append(row)
                 continue
-            for k in ("throughput", "step_s", "compute_s", "compression_s", "exposed_comm_s", "comm_busy_s", "ff_s"):
+            for k in ("throughput", "step_s", "compute_s", "compression_s", "exposed_comm_s", "comm_busy_s", "ff_s",
+                      "cpu_s", "cpu_compute_s"):
                 row[k] = _median([r.get(k) for r in ok])
             if s.startswith("hipress-dear") and row["comm_busy_s"] and row["ff_s"]:
                 _eq6(row, ok[0]["np"])
@@ -357,14 +362,14 @@ def goals(model: str, rows: List[dict], bandwidths: Sequence[str]) -> List[dict]
 
 
 COLUMNS = ["bandwidth", "system", "throughput", "x_ddp", "x_compute", "step_ms", "compute_ms", "compression_ms",
-           "exposed_comm_ms", "speedup", "eq6_bound", "runs", "note"]
+           "exposed_comm_ms", "cpu_ms", "cpu_compute_ms", "speedup", "eq6_bound", "runs", "note"]
 
 
 def table(rows: List[dict]) -> str:
     view = []
     for r in rows:
         v = dict(r)
-        for k in ("step", "compute", "compression", "exposed_comm"):
+        for k in ("step", "compute", "compression", "exposed_comm", "cpu", "cpu_compute"):
             x = r.get(k + "_s")
             v[k + "_ms"] = "" if x is None else round(1e3 * x, 1)
         if r.get("throughput") is not None:
