@@ -35,7 +35,7 @@ not applied twice (a velocity of a velocity, or momentum again after the average
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Optional
+from typing import Dict, Optional, Set
 
 import torch
 
@@ -85,6 +85,8 @@ class MomentumCorrection:
         self._velocity = bool(velocity)
         self._group_of: Dict[int, dict] = {}
         self.velocity: Dict[str, torch.Tensor] = {}
+        # ids of the parameters it corrects (limit_to); None: every parameter
+        self._only: Optional[Set[int]] = None
         # copy-on-write log of this step's velocity changes (see hipress.sync.undo; enabled by
         # the optimizer unless nonfinite="off")
         self.undo_log = UndoLog()
@@ -96,8 +98,19 @@ class MomentumCorrection:
             g = self._group_of[id(p)]
         return g
 
+    def limit_to(self, params: Set[int]) -> None:
+        """Correct only the parameters with these ids (those a plan compresses); the others keep
+        the wrapped SGD's own momentum and weight decay (see plain_step)."""
+        self._only = set(params)
+
+    def corrects(self, p: torch.nn.Parameter) -> bool:
+        return self._only is None or id(p) in self._only
+
     def apply(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        """Turns p's final local gradient into its local update direction, in place."""
+        """Turns p's final local gradient into its local update direction, in place (nothing for
+        a parameter it does not correct)."""
+        if not self.corrects(p):
+            return
         group = self._group(p)
         m = group.get("momentum", 0.0)
         if group.get("weight_decay", 0.0):
@@ -119,15 +132,24 @@ class MomentumCorrection:
 
     @contextlib.contextmanager
     def plain_step(self):
-        """Inside: the wrapped SGD steps without momentum and weight decay (applied already)."""
-        saved = [{k: g[k] for k in _TAKEN if k in g} for g in self._opt.param_groups]
+        """Inside: the wrapped SGD steps without momentum and weight decay (applied already) on the
+        parameters this corrects, and as configured on the others: each param group is split in
+        two for the step (copies of the group's settings; the optimizer's state is per parameter,
+        so it is unaffected), and the groups are back as they were after it."""
+        groups = self._opt.param_groups
+        split = []
+        for g in groups:
+            mine = [p for p in g["params"] if self.corrects(p)]
+            rest = [p for p in g["params"] if not self.corrects(p)]
+            if mine:
+                split.append({**g, **{k: v for k, v in _TAKEN.items() if k in g}, "params": mine})
+            if rest:
+                split.append({**g, "params": rest})
+        self._opt.param_groups = split
         try:
-            for g in self._opt.param_groups:
-                g.update({k: v for k, v in _TAKEN.items() if k in g})
             yield
         finally:
-            for g, s in zip(self._opt.param_groups, saved):
-                g.update(s)
+            self._opt.param_groups = groups
 
     def commit(self) -> None:
         self.undo_log.commit()

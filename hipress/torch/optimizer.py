@@ -444,11 +444,15 @@ class _HipressOptimizer:
         self._hp_predivide = float(options.gradient_predivide_factor)
         self._hp_sparse_as_dense = options.sparse_as_dense
         self._hp_densified: set = set()  # ids of parameters whose sparse gradient was made dense this step
-        self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
         self._hp_plan = self._hp_make_plan(options.plan) if options.plan is not None else None
         if self._hp_plan is not None and options.plain_fusion_bytes:
             self._hp_buckets = fuse_uncompressed(self._hp_buckets, self._hp_plan, options.plain_fusion_bytes)
-            self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
+        if self._hp_plan is not None and self._hp_momentum is not None:
+            # momentum correction is an aid to compression: the parameters of buckets the plan leaves
+            # uncompressed keep the wrapped SGD's own momentum (the same sum, momentum being linear),
+            # without a velocity of hipress's, its pass per step or its undo copy
+            self._hp_momentum.limit_to({id(p) for b in self._hp_buckets if self._hp_plan.entry(b.name, b.numel).compress
+                                        for _, p in b.params})
         # a plan's uncompressed buckets that travel as bf16 (hipress.sync.allreduce)
         self._hp_plain16 = (sync_for(NoneCompressor(), torch.bfloat16)
                             if self._hp_plan is not None and self._hp_plan.model.plain16 else None)
@@ -468,6 +472,7 @@ class _HipressOptimizer:
         self._hp_dear = (dear.Schedule(self._hp_buckets, model, self._hp_names, self._hp_dear_update,
                                       self._hp_waiting_for)
                          if options.dear else None)
+        self._hp_index_buckets()
         self._hp_trainable = tuple(p.requires_grad for _, p in named)  # the set the buckets were built for
         self._hp_hooks = {id(p): p.register_post_accumulate_grad_hook(self._hp_on_grad)
                           for _, p in named if p.requires_grad}
@@ -601,6 +606,38 @@ class _HipressOptimizer:
         rest = [(n, p) for n, p in self._hp_named if id(p) not in in_group]
         return [_Bucket(g, own) for g in grouped] + fusion_buckets(rest, self._hp_compressor, size, own)
 
+    def _hp_index_buckets(self) -> None:
+        """After (re)building the buckets: each parameter's bucket, and the buckets whose
+        gradients are checked for NaN/Inf once per bucket, when the bucket is full, rather than
+        one by one in backward (one pass and one call per bucket instead of per gradient). That
+        is where nothing changes a gradient before it is in its bucket: no clipping, no momentum
+        correction, no COVAP residual, no dear, and more than one rank (one rank fills no bucket)."""
+        self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
+        mc = self._hp_momentum
+        self._hp_check_per_bucket = set() if (not self._hp_guard or self._hp_transport.size == 1
+                                              or self._hp_dear is not None
+                                              or self._hp_covap is not None) else {
+            b.name for b in self._hp_buckets
+            if self._hp_clip_for(b) is None and (mc is None or not any(mc.corrects(p) for _, p in b.params))}
+
+    def _hp_clip_for(self, bucket: "_Bucket"):
+        """The clip of the gradients of ``bucket``: the algorithm's clipping is an aid to its
+        compression, so none for a bucket the plan leaves uncompressed."""
+        if self._hp_plan is not None and self._hp_route(bucket)[0] is not self._hp_compressed:
+            return None
+        return self._hp_clip
+
+    def _hp_check_bucket(self, bucket: "_Bucket") -> None:
+        """The per-bucket form of the NaN/Inf check (_hp_index_buckets): a gradient that is not
+        finite is recorded and sent as zeros, as the per-gradient check does."""
+        if nonfinite.all_finite(bucket.flat):
+            return
+        for (_, p), (off, n, _) in zip(bucket.params, bucket.segments):
+            part = bucket.flat[off:off + n]
+            if not nonfinite.all_finite(part):
+                self._hp_bad.add(id(p))
+                part.zero_()
+
     def _hp_on_grad(self, p: torch.nn.Parameter):
         if self._hp_skip:
             return
@@ -632,6 +669,7 @@ class _HipressOptimizer:
                 self._hp_commit()  # the last all-gathers' state changes belong to the last step
             self._hp_dear.check_fresh(p)
         grad = p.grad
+        bucket = self._hp_bucket_of[key]
         if joined:
             p.grad = torch.zeros_like(p) if grad is None or grad.is_sparse else grad.zero_()
         else:
@@ -642,19 +680,16 @@ class _HipressOptimizer:
                                      f"DistributedOptimizer, or use a dense embedding")
                 grad = grad.to_dense()
                 self._hp_densified.add(key)
-            if self._hp_guard and grad is not None and not nonfinite.all_finite(grad):
+            if (self._hp_guard and grad is not None and bucket.name not in self._hp_check_per_bucket
+                    and not nonfinite.all_finite(grad)):
                 # never clipped, momentum-corrected, compressed or sent: zeros instead (every rank
                 # runs the same collectives); synchronize() undoes the step on every rank
                 self._hp_bad.add(key)
                 grad = torch.zeros_like(grad)
-            # the algorithm's clipping is an aid to its compression: not for a bucket the plan leaves uncompressed
-            clip = self._hp_clip if self._hp_plan is None or self._hp_route(self._hp_bucket_of[key])[0] is \
-                self._hp_compressed else None
-            p.grad = final_gradient(self._hp_names[key], p, grad, clip, self._hp_momentum)
+            p.grad = final_gradient(self._hp_names[key], p, grad, self._hp_clip_for(bucket), self._hp_momentum)
             if self._hp_predivide != 1.0:  # Horovod's gradient_predivide_factor: 1/f before the sum
                 p.grad.div_(self._hp_predivide)
         self._hp_taken.add(key)
-        bucket = self._hp_bucket_of[key]
         if self._hp_transport.size > 1 or self._hp_dear is not None:
             bucket.put(p)
         if bucket.full(self._hp_taken):
@@ -676,7 +711,7 @@ class _HipressOptimizer:
         old = {(b.name, b.numel) for b in self._hp_buckets}
         self._hp_trainable = flags
         self._hp_buckets = self._hp_build_buckets()
-        self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
+        self._hp_index_buckets()
         for name, _ in old - {(b.name, b.numel) for b in self._hp_buckets}:
             self._hp_states.discard(f"{name}/")  # a bucket that is gone: its residuals would be stale
         for _, p in self._hp_named:
@@ -695,6 +730,8 @@ class _HipressOptimizer:
         if self._hp_transport.size == 1:
             self._hp_handles[bucket.name] = None
             return
+        if bucket.name in self._hp_check_per_bucket:
+            self._hp_check_bucket(bucket)
         flat = bucket.flat
         sync, bounds = self._hp_route(bucket)
         if self._hp_dear is not None:  # the all-gather waits for step() (hipress/torch/dear.py)

@@ -231,17 +231,21 @@ def test_gradient_clipping_before_compression(model):
         clipping.sigma(0)
 
 
+@pytest.mark.parametrize("limited", [False, True])
 @pytest.mark.parametrize("kw", [dict(momentum=0.9), dict(momentum=0.9, weight_decay=0.01, nesterov=True),
                                 dict(momentum=0.5, dampening=0.3, weight_decay=0.1)])
-def test_momentum_correction_is_sgd_without_compression(kw):
+def test_momentum_correction_is_sgd_without_compression(kw, limited):
     """Momentum correction moves SGD's momentum and weight decay in front of the sync; with a
     lossless sync that is SGD itself (up to float rounding), and the user's settings are back
-    after each step."""
+    after each step. limited: it corrects only the first layer (as under a plan, the parameters
+    of compressed buckets); the others step with the SGD's own momentum, and the sum is the same."""
     torch.manual_seed(0)
     a = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
     b = copy.deepcopy(a)
     opt = hipress.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1, **kw), named_parameters=a.named_parameters(),
                                        momentum_correction=True)
+    if limited:
+        opt._hp_momentum.limit_to({id(p) for p in a[0].parameters()})
     ref = torch.optim.SGD(b.parameters(), lr=0.1, **kw)
     for _ in range(6):
         x = torch.randn(8, 5)
@@ -251,8 +255,13 @@ def test_momentum_correction_is_sgd_without_compression(kw):
             o.step()
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    assert all(opt.param_groups[0][k] == v for k, v in kw.items())
-    assert not opt.state_dict()["state"] and opt.state_dict()["hipress"]["velocity"]
+    assert len(opt.param_groups) == 1 and all(opt.param_groups[0][k] == v for k, v in kw.items())
+    sd = opt.state_dict()
+    assert sorted(sd["hipress"]["velocity"]) == (["0.bias", "0.weight"] if limited else
+                                                 ["0.bias", "0.weight", "2.bias", "2.weight"])
+    # the SGD's own momentum buffers: only for the parameters momentum correction leaves alone
+    assert sorted(i for i, st in sd["state"].items() if st.get("momentum_buffer") is not None) == \
+        ([2, 3] if limited else [])
 
 
 def test_momentum_correction_choices(model):
@@ -282,3 +291,20 @@ def test_auto_strategy_is_the_fastest_safe_one(model):
     assert resolve_strategy("auto", hipress.compression.get("dgc"), planned=True) == "ps"
     with pytest.raises(ValueError, match="unknown strategy"):
         wrap(model, compression="dgc", strategy="tree")
+
+
+def test_a_plan_corrects_momentum_only_where_it_compresses(model):
+    """Under a plan, momentum correction (an aid to compression) covers the parameters of the
+    buckets it compresses; the others keep the SGD's own momentum, and their NaN/Inf check runs
+    per bucket (nothing changes their gradients before it)."""
+    from hipress.planner import AffineCurve, CostModel
+    from hipress.planner.plan import Overrides, make_plan
+
+    names = [n for n, _ in model.named_parameters()]
+    cost = CostModel(AffineCurve(10, 1), AffineCurve(3, 0.5), AffineCurve(2, 0.25), 2, "ring", "quantization", 0.25)
+    plan = make_plan([(n, 4 * p.numel()) for n, p in reversed(list(model.named_parameters()))], cost,
+                     Overrides(force={n: n.startswith("0.") for n in names}))
+    opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), compression="tbq",
+               plan=plan, bucket_bytes=1)
+    assert {n for n, p in model.named_parameters() if opt._hp_momentum.corrects(p)} == {"0.weight", "0.bias"}
+    assert opt._hp_clip_for(opt._hp_bucket_of[id(model[2].weight)]) is None
