@@ -88,7 +88,7 @@ class _Bucket:
     (also how fp16/bf16 and non-CPU gradients are handled).
     """
 
-    __slots__ = ("params", "name", "offsets", "numel", "segments", "in_place", "flat", "_slot")
+    __slots__ = ("params", "name", "offsets", "numel", "segments", "in_place", "flat", "_slot", "_views")
 
     def __init__(self, params, own_buffer: bool = False):
         self.params = params
@@ -105,7 +105,11 @@ class _Bucket:
         self.in_place = (not own_buffer and len(params) == 1 and p0.dtype == torch.float32
                          and p0.device.type == "cpu")
         self.flat = None if self.in_place else torch.zeros(off, dtype=torch.float32)
-        self._slot = {id(p): (o, p.numel()) for o, (_, p) in zip(self.offsets, params)}  # put() in O(1)
+        self._slot = {id(p): (o, p.numel()) for o, (_, p) in zip(self.offsets, params)}  # full() in O(1)
+        # each gradient's place in the buffer, shaped like it: put/unpack are one copy each (this
+        # runs once per gradient per step in backward, where every Python call shows)
+        self._views = {} if self.in_place else {id(p): self.flat[o:o + p.numel()].view(p.shape)
+                                                 for o, (_, p) in zip(self.offsets, params)}
 
     def put(self, p) -> None:
         if self.in_place:
@@ -114,15 +118,14 @@ class _Bucket:
                 p.grad = g = g.contiguous()
             self.flat = g.view(-1)
             return
-        off, n = self._slot[id(p)]
-        self.flat[off:off + n].copy_(p.grad.detach().reshape(-1))
+        self._views[id(p)].copy_(p.grad)
 
     def full(self, taken: set) -> bool:
         return taken.issuperset(self._slot)  # in C: called once per gradient
 
     def unpack(self) -> None:
-        for (_, p), off in zip(self.params, self.offsets):
-            p.grad.copy_(self.flat[off:off + p.numel()].view_as(p.grad))
+        for _, p in self.params:
+            p.grad.copy_(self._views[id(p)])
 
 
 def final_gradient(name: str, p: torch.nn.Parameter, grad: Optional[torch.Tensor], clip, mc) -> torch.Tensor:
@@ -466,7 +469,8 @@ class _HipressOptimizer:
         self._hp_synchronized = False
         # Timeline row 2 shows when each gradient became ready, next to the queues.
         self._hp_mark_ns = _C.now_ns()
-        if engine.timeline_enabled:
+        self._hp_timeline = engine.timeline_enabled  # set when the engine starts (HIPRESS_TIMELINE)
+        if self._hp_timeline:
             engine.timeline_row(2, "backward (gradient ready)")
         # before any hook is registered: it refuses parameters no module of the model holds
         self._hp_dear = (dear.Schedule(self._hp_buckets, model, self._hp_names, self._hp_dear_update,
@@ -645,7 +649,7 @@ class _HipressOptimizer:
             self._hp_refresh_trainable()
         key = id(p)
         now = _C.now_ns()
-        if self._hp_engine.timeline_enabled:
+        if self._hp_timeline:
             self._hp_engine.timeline_slice(2, f"grad.{self._hp_names[key]}", self._hp_mark_ns, now)
         self._hp_mark_ns = now
         if self._hp_covap is not None and self._hp_covap.profiling:
@@ -686,7 +690,9 @@ class _HipressOptimizer:
                 # runs the same collectives); synchronize() undoes the step on every rank
                 self._hp_bad.add(key)
                 grad = torch.zeros_like(grad)
-            p.grad = final_gradient(self._hp_names[key], p, grad, self._hp_clip_for(bucket), self._hp_momentum)
+            final = final_gradient(self._hp_names[key], p, grad, self._hp_clip_for(bucket), self._hp_momentum)
+            if final is not p.grad:  # (the setter checks shape and dtype: not when nothing changed)
+                p.grad = final
             if self._hp_predivide != 1.0:  # Horovod's gradient_predivide_factor: 1/f before the sum
                 p.grad.div_(self._hp_predivide)
         self._hp_taken.add(key)
