@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV = dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
 
 RECORD_KEYS = {"system", "model", "np", "config", "steps", "step_s", "throughput", "compute_s", "exposed_comm_s",
-               "compression_s", "final_loss"}
+               "compression_s", "final_loss", "cpu_s", "cpu_compute_s"}
 
 
 def _valid_record(r, system):
@@ -21,6 +21,7 @@ def _valid_record(r, system):
     assert r["step_s"] > 0 and r["throughput"] > 0 and r["compute_s"] > 0
     assert r["throughput"] == pytest.approx(2 * r["batch_per_rank"] / r["step_s"], rel=1e-6)
     assert r["exposed_comm_s"] >= 0 and r["loss_finite"]
+    assert r["cpu_s"] > 0 and r["cpu_compute_s"] > 0
 
 
 def _run_worker(tmp_path, systems, timeout=240):
@@ -109,6 +110,27 @@ def test_plain_sync_compares_the_two_uncompressed_paths(tmp_path):
     for kind in ("allreduce", "ring"):
         assert len(res["times"][kind]) == 2 and all(t > 0 for t in res["times"][kind])
     assert json.loads(out.read_text())["median_s"] == res["median_s"]
+
+
+def test_overhead_times_every_system_and_the_hook(tmp_path):
+    """2 local ranks, one block of one step per system: every system timed (wall, process and
+    training-thread CPU), the first is the base, and the hipress system's hook timed once per
+    gradient of the model."""
+    from hipress.bench import models, overhead
+
+    out = tmp_path / "overhead.json"
+    res = overhead.main(["--model", "resnet50", "--np", "2", "--blocks", "1", "--steps", "1",
+                         "--systems", "ddp,hipress-ring-none", "--timeout", "240", "--json", str(out)])
+    rows = {r["system"]: r for r in res["rows"]}
+    assert list(rows) == ["ddp", "hipress-ring-none"] and rows["ddp"]["x_base"] == 1.0
+    for r in rows.values():
+        assert r["step_s"] > 0 and 0 < r["main_cpu_s"] <= r["cpu_s"]
+    hp = rows["hipress-ring-none"]
+    assert hp["gradients_per_step"] == len(list(models.get("resnet50").build().parameters()))
+    assert hp["hook_us_per_gradient"] > 0 and "hook_us_per_gradient" not in rows["ddp"]
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+    with pytest.raises(SystemExit, match="horovod, dear"):
+        overhead.main(["--np", "2", "--systems", "ddp,hipress-dear"])
 
 
 def test_compare_quick_writes_json_markdown_png(tmp_path):

@@ -1,0 +1,212 @@
+"""Framework overhead per step: hipress against DDP on the same model, A/B in one job (issue 21).
+
+    python -m hipress.bench.overhead --model resnet50 --np 4 [--bandwidth 10gbit --latency 0.2ms]
+        [--systems ddp,ddp-fp16,hipress-ring-none,hipress-auto] [--blocks 8 --steps 3]
+
+Every rank builds every system at once (the system names of ``hipress.bench.compare``, set up by
+``hipress.bench.train``: each on its own copy of the model, same seed) and then runs blocks of
+``--steps`` training steps, system after system, the order reversed every block, so a drift of
+the machine's load falls on all of them. Per block and system: the slowest rank's wall time per
+step, and every rank's CPU time per step, of the whole process (every thread) and of the training
+thread alone. Where ranks outnumber cores (this 2-core machine runs 4), a framework's own work
+costs throughput one for one, and CPU time shows it with far less noise than wall time.
+
+After the timed blocks, a probe step per hipress system times its gradient hook (the Python work
+per gradient per step on the training thread: ``_hp_on_grad``), so the table also gives the hook's
+microseconds per gradient and milliseconds per step.
+
+``--bandwidth none`` runs the ranks as plain local processes over loopback (compute and framework
+only); a rate runs them in the emulated cluster (``hipress.bench.cluster``). Prints a markdown table
+(medians over blocks); ``--json`` writes every block.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_SYSTEMS = "ddp,ddp-fp16,hipress-ring-none,hipress-auto"
+
+
+def _hook_probe(opt, step) -> dict:
+    """CPU time of ``opt``'s gradient hook over one step (a hipress DistributedOptimizer): its
+    hooks are registered again around a timer for the step, then as they were."""
+    spent = [0, 0]
+
+    def timed(p):
+        t = time.thread_time_ns()
+        try:
+            opt._hp_on_grad(p)
+        finally:
+            spent[0] += time.thread_time_ns() - t
+            spent[1] += 1
+
+    def register(fn):
+        for key in list(opt._hp_hooks):
+            opt._hp_hooks[key].remove()
+        opt._hp_hooks = {id(p): p.register_post_accumulate_grad_hook(fn) for _, p in opt._hp_named if p.requires_grad}
+
+    register(timed)
+    try:
+        step()
+    finally:
+        register(opt._hp_on_grad)
+    return {"hook_us_per_gradient": spent[0] / 1e3 / max(spent[1], 1), "hook_ms_per_step": spent[0] / 1e6,
+            "gradients_per_step": spent[1]}
+
+
+def _configs(systems: list) -> dict:
+    """Each system's configuration (hipress.bench.train's names); SystemExit for one this bench cannot run."""
+    from hipress.bench import train
+
+    cfgs = {s: train.parse_system(s) for s in systems}
+    for s, cfg in cfgs.items():
+        if cfg["kind"] not in ("ddp", "hipress") or cfg.get("strategy") == "dear":
+            raise SystemExit(f"{s}: this bench runs DDP and hipress systems with a step() per step (not horovod, dear)")
+    return cfgs
+
+
+def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hipress.bench import models, train
+
+    cfgs = _configs(systems)
+    torch.set_num_threads(1)
+    os.environ.setdefault("HIPRESS_TRANSPORT", "torch")
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    spec = models.get(model_name)
+    x, y = spec.batch(spec.batch_size, torch.Generator().manual_seed(1000 + rank))
+    runs = {}
+    for s, cfg in cfgs.items():
+        torch.manual_seed(0)
+        net, opt, _, _, info = train._setup(s, cfg, spec.build(), 0.01)
+
+        def step(net=net, opt=opt):
+            opt.zero_grad()
+            spec.loss(net(x), y).backward()
+            opt.step()
+
+        runs[s] = {"step": step, "opt": opt if cfg["kind"] == "hipress" else None, "plan": info.get("plan")}
+
+    def block(s, n):
+        dist.barrier()
+        t, c, m = time.perf_counter(), time.process_time(), time.thread_time()
+        for _ in range(n):
+            runs[s]["step"]()
+        mine = torch.tensor([time.perf_counter() - t, time.process_time() - c, time.thread_time() - m],
+                            dtype=torch.float64) / n
+        every = [torch.zeros(3, dtype=torch.float64) for _ in range(size)]
+        dist.all_gather(every, mine)
+        return {"step_s": max(float(e[0]) for e in every), "cpu_s": sum(float(e[1]) for e in every) / size,
+                "main_cpu_s": sum(float(e[2]) for e in every) / size}
+
+    for s in systems:  # warm-up: first steps allocate, plan, profile
+        block(s, 2)
+    res = {s: [] for s in systems}
+    for b in range(blocks):
+        for s in (systems if b % 2 == 0 else systems[::-1]):
+            res[s].append(block(s, steps))
+    probes = {s: _hook_probe(r["opt"], r["step"]) for s, r in runs.items() if r["opt"] is not None}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"np": size, "model": model_name, "blocks": res, "hook": probes,
+                       "plans": {s: r["plan"] for s, r in runs.items() if r["plan"]}}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summarize(res: dict, systems: list) -> list:
+    """One row per system: medians over blocks, and the ratios against the first system."""
+    rows = []
+    for s in systems:
+        row = {"system": s}
+        for k in ("step_s", "cpu_s", "main_cpu_s"):
+            row[k] = statistics.median(b[k] for b in res["blocks"][s])
+        row.update(res["hook"].get(s, {}))
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        row["x_base"] = base["step_s"] / row["step_s"]
+        row["cpu_over_base_ms"] = 1e3 * (row["cpu_s"] - base["cpu_s"])
+    return rows
+
+
+def table(rows: list, base: str) -> str:
+    head = ["system", "step ms", f"x {base}", "cpu ms/step", f"cpu over {base} ms", "training-thread cpu ms",
+            "hook us/gradient", "hook ms/step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        hook = (f"{r['hook_us_per_gradient']:.1f}", f"{r['hook_ms_per_step']:.2f}") if "hook_ms_per_step" in r else ("", "")
+        lines.append(f"| {r['system']} | {1e3 * r['step_s']:.1f} | {r['x_base']:.3f} | {1e3 * r['cpu_s']:.1f} | "
+                     f"{r['cpu_over_base_ms']:+.1f} | {1e3 * r['main_cpu_s']:.1f} | {hook[0]} | {hook[1]} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--np", type=int, default=4)
+    p.add_argument("--systems", default=DEFAULT_SYSTEMS, help="names of hipress.bench.compare; the first is the base")
+    p.add_argument("--bandwidth", default="none", help="tc rate per host (emulated cluster); 'none' = local processes")
+    p.add_argument("--latency", default="0.2ms")
+    p.add_argument("--blocks", type=int, default=8, help="timed blocks of every system")
+    p.add_argument("--steps", type=int, default=3, help="steps per block")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--json", help="write every block here")
+    p.add_argument("--worker", nargs=5, metavar=("MODEL", "SYSTEMS", "BLOCKS", "STEPS", "OUT"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(a.worker[0], a.worker[1].split(","), int(a.worker[2]), int(a.worker[3]), a.worker[4])
+        return {}
+    from hipress.bench import models
+
+    systems = [s for s in a.systems.split(",") if s]
+    if a.model not in models.NAMES:
+        raise SystemExit(f"--model must be one of {', '.join(models.NAMES)}, got {a.model!r}")
+    _configs(systems)  # a bad name fails here, before any rank starts
+    if a.blocks < 1 or a.steps < 1:
+        raise SystemExit("--blocks and --steps must be >= 1")
+    out = os.path.join("/tmp", f"hipress-overhead-{os.getpid()}.json")
+    env = {"PYTHONPATH": REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    cmd = [sys.executable, "-m", "hipress.bench.overhead", "--worker", a.model, ",".join(systems), str(a.blocks),
+           str(a.steps), out]
+    if a.bandwidth == "none":
+        from hipress.launch import run
+        code, outputs = run(cmd, a.np, timeout=a.timeout, quiet=True, env=env)
+        emulated = False
+    else:
+        from hipress.bench.cluster import EmulatedCluster
+        with EmulatedCluster(a.np, bandwidth=a.bandwidth, latency=a.latency, quiet=True) as cluster:
+            code, outputs = cluster.run(cmd, timeout=a.timeout, env=env, cwd=REPO)
+            emulated = cluster.emulated
+    if code != 0:
+        raise SystemExit(f"the ranks failed (exit {code}):\n" + "\n".join(o[-3000:] for o in outputs))
+    with open(out) as f:
+        res = json.load(f)
+    os.unlink(out)
+    rows = summarize(res, systems)
+    link = "local processes (loopback)" if a.bandwidth == "none" else \
+        f"{a.bandwidth}, {a.latency}" + ("" if emulated else " (NOT emulated: loopback)")
+    print(f"### overhead: {a.model}, {a.np} ranks, {link}; medians of {a.blocks} blocks of {a.steps} steps "
+          f"(load average {os.getloadavg()[0]:.1f})\n")
+    print(table(rows, systems[0]))
+    for s, plan in res.get("plans", {}).items():
+        if "gradients" in plan:
+            print(f"\n{s}: plan compresses {plan['compressed_gradients']}/{plan['gradients']} gradients, "
+                  f"{plan.get('bf16_mb', 0):.1f} MB as bf16")
+    doc = {"config": vars(a), "emulated": emulated, "rows": rows, "raw": res}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
