@@ -68,7 +68,7 @@ def auto_bucket_bytes(compression, plain_path: bool = True) -> Tuple[int, Option
     """bucket_bytes="auto": (bucket size, size of the first bucket of backward or None: as the
     others). DDP's rule, PLAIN_BUCKET_BYTES after a first bucket of BUCKET_BYTES (so the
     allreduce starts early in backward), for an uncompressed algorithm on the plain path (no
-    plan, COVAP, dear or coordinator); else BUCKET_BYTES throughout."""
+    plan, dear or coordinator; COVAP with "none" inside too); else BUCKET_BYTES throughout."""
     if plain_path and getattr(compression, "name", compression) == "none":
         return PLAIN_BUCKET_BYTES, BUCKET_BYTES
     return BUCKET_BYTES, None
@@ -364,7 +364,9 @@ class Options:
         if self.coordinator is None:
             object.__setattr__(self, "coordinator", config.get("HIPRESS_COORDINATOR"))
         if self.bucket_bytes == "auto":
-            plain = self.covap is None and self.plan is None and not self.dear and not self.coordinator
+            # COVAP (its compression is now the inner algorithm) filters fused buckets: with "none" inside,
+            # DDP's buckets, as in its paper (units are those buckets, sharded by the median rule)
+            plain = self.plan is None and not self.dear and not self.coordinator
             size, first = auto_bucket_bytes(self.compression, plain)
             object.__setattr__(self, "bucket_bytes", size)
             object.__setattr__(self, "first_bucket_bytes", first)
