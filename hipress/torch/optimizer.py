@@ -1325,6 +1325,23 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     goes through the backend's allreduce uncompressed (compression="none", no plan, COVAP,
     dear or coordinator), else 1 MiB. Multi-round compressors such as PowerSGD
     send only factors, so more gradients share a buffer; each matrix is compressed whole.
+    "tune": the size is searched while training by Bayesian optimisation (paper 001 §IV-B,
+    DeAR; hipress/torch/bucket_tuner.py, docs/dear.md; needs optuna): each trial applies a size on
+    every rank, lets ``warmup`` steps pass and measures ``window`` steps; its objective is the
+    slowest rank's mean step time. Trial 0 is 25 MiB (clamped to the range), the others are
+    proposed by optuna's GPSampler (log expected improvement over log2 bytes); after ``trials``
+    trials the best measured size is kept for good and rank 0 prints it once. Rank 0 decides and
+    broadcasts; every rank rebuilds its buckets at the same step (the first final gradient of a
+    step; under dear, after the last step's updates), and the residuals of error-feedback
+    compressors are added to the next step's gradients, so none is lost. With strategy ring, ps,
+    allgather or dear, and compression "none" or a single-round algorithm whose state is a residual
+    only (not DGC or Signum: their momentum has no place to go; not low-rank ones); not with
+    plan=, groups= or compression="covap" (ValueError). ``opt.bucket_tuner`` shows the search;
+    ``state_dict()`` carries it, so a resumed job goes on as the uninterrupted one would.
+    bucket_tune: the tuner's knobs as a dict (bucket_bytes="tune" only): trials=20, window=10,
+    warmup=1, min_bytes=1 MiB, max_bytes=256 MiB (capped at the bytes of the trainable
+    gradients), start_bytes=25 MiB, startup_trials=3 (random trials before the GP proposes),
+    seed=0, clock=None (a callable giving seconds; default time.perf_counter), verbose=True.
     grad_clip: clipping of each gradient before it is compressed (hipress.torch.clipping):
     "auto" (default) applies what the algorithm's paper prescribes (TernGrad: 2.5 sigma per
     layer) and nothing for the others; None turns it off; a callable (name, grad) is yours.
