@@ -603,7 +603,8 @@ class _HipressOptimizer:
             "dear": repr(options.dear),
             "gradient_predivide_factor": repr(options.gradient_predivide_factor),
             "sparse_as_dense": repr(options.sparse_as_dense),
-            "bucket tune": (repr(sorted((k, v) for k, v in options.bucket_tune.items() if k != "clock"))
+            # the knobs that decide sizes and steps (a clock and printing may differ per rank)
+            "bucket tune": (repr(sorted((k, v) for k, v in options.bucket_tune.items() if k not in ("clock", "verbose")))
                             if options.tune else "off"),
         }
 
