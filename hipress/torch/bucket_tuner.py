@@ -30,7 +30,7 @@ import contextlib
 import math
 import time
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 MIB = 1 << 20
 # Defaults: DeAR measures "over multiple steps (e.g., 10 steps)" from a first trial at 25 MB and
