@@ -22,9 +22,10 @@ apt_install_missing mpicxx:libopenmpi-dev,openmpi-bin ip:iproute2 tc:iproute2 ip
 # Python packages. torch is pinned: a bare "torch" would pull the CUDA build (GBs).
 log "installing Python packages"
 # accelerate and lightning: the tests of docs/ddp.md's recipes (examples/recipes/), pinned to
-# the versions they were written against.
+# the versions they were written against. optuna: bucket_bytes="tune"'s Bayesian optimisation
+# (GPSampler; docs/dear.md), imported only when a job tunes.
 $PY -m pip install -q "torch==2.13.0" numpy pybind11 setuptools wheel \
-  pytest pytest-timeout hypothesis scikit-learn matplotlib "accelerate==1.15.0" "lightning==2.6.6"
+  pytest pytest-timeout hypothesis scikit-learn matplotlib "accelerate==1.15.0" "lightning==2.6.6" "optuna==4.6.0"
 if command -v mpicxx >/dev/null; then
   $PY -m pip install -q mpi4py
 fi

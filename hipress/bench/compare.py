@@ -3,6 +3,7 @@
     python -m hipress.bench.compare --preset issue9            # VGG19- and ResNet50-like, 4 ranks, 1 and 10 Gbit/s
     python -m hipress.bench.compare --preset issue7            # planner vs compress all / nothing (mixed model)
     python -m hipress.bench.compare --model vgg19 --bandwidth 1gbit,10gbit --np 4 [--systems ...] [--quick]
+    python -m hipress.bench.compare --preset dear-bo   # bucket_bytes="tune" against a sweep of fixed sizes
 
 For every bandwidth (the cluster is re-shaped with ``set_link`` between them), model
 and repeat, the systems run as ranks of ``hipress.bench.train`` inside
@@ -26,6 +27,12 @@ of a rank's whole process (every thread; mean over ranks) in the timed and the c
 steps: where ranks outnumber cores, a framework's own work (hooks, copies, engine threads,
 extra collectives) costs throughput one for one, and CPU time shows it with far less noise
 than wall time.
+
+Bucket-size tuning (docs/dear.md): a system ``X-tune`` runs X with bucket_bytes="tune" (its
+warm-up lasts until the tuner settles; ``--tune-*`` set the tuner's knobs), ``X-b<MiB>`` runs X
+with that fixed size. With both, the goals list the tuned throughput over the best of the fixed
+ones (the issue's target: at least 0.95 in at most 20 trials); the tuned row's note says the
+size chosen and what tuning cost.
 
 Time breakdown (per step, medians over repeats): compute = forward + backward + local
 optimizer update with synchronization off (measured on all ranks at once, so with the
@@ -70,6 +77,13 @@ PRESETS = {
                    systems="hipress-ring-none,hipress-ring-tbq,hipress-ring-tbq-plan,"
                            "hipress-ps-none,hipress-ps-tbq,hipress-ps-tbq-plan",
                    warmup=2, steps=8, compute_steps=2, repeats=2, max_seconds=0),
+    # Issue 17's bucket-size tuning: DeAR with bucket_bytes="tune" (20 trials of 3 measured steps
+    # after 1 warm-up step) against a sweep of fixed sizes over the tuner's range, 1 MiB to the
+    # model's 5.8 MiB (about 10 min here).
+    "dear-bo": dict(model="resnet50", bandwidth="10gbit", np=4, latency="0.2ms",
+                    systems="hipress-dear-tune,hipress-dear-b1,hipress-dear-b2,hipress-dear-b4,hipress-dear-b6",
+                    warmup=2, steps=8, compute_steps=2, repeats=1, max_seconds=0,
+                    tune_trials=20, tune_window=3, tune_warmup=1),
     # Everything, all four models, three bandwidths (long: about an hour here).
     "full": dict(model="vgg19,resnet50,bert,lstm", bandwidth="1gbit,10gbit,25gbit", np=4, latency="0.2ms",
                  systems=",".join(ALL_SYSTEMS), warmup=3, steps=10, compute_steps=3, repeats=3, max_seconds=0),
@@ -173,6 +187,9 @@ def _groups(systems: Sequence[str]) -> List[List[str]]:
     return [[s] for s in systems if s == "horovod"] + ([rest] if rest else [])
 
 
+TUNE_FLAGS = ("tune_trials", "tune_window", "tune_warmup", "tune_min_bytes")  # passed on to hipress.bench.train
+
+
 def _run_group(cluster, group: List[str], a, bw: str, model: str, repeat: int, prog: Progress,
                env: dict) -> List[dict]:
     """Runs the systems of group (re-launching after a failure); returns one record per system."""
@@ -188,6 +205,9 @@ def _run_group(cluster, group: List[str], a, bw: str, model: str, repeat: int, p
                 cmd += ["--batch", str(a.batch)]
             if a.max_seconds:
                 cmd += ["--max-seconds", str(a.max_seconds)]
+            for k in TUNE_FLAGS:
+                if getattr(a, k) is not None:
+                    cmd += ["--" + k.replace("_", "-"), str(getattr(a, k))]
             prog.label = f"{model} {bw} rep{repeat + 1}"
             stop = threading.Event()
             w = threading.Thread(target=_watch, args=(os.path.join(d, "progress"), prog, per_system, stop),
@@ -266,6 +286,14 @@ def summarize(records: List[dict], bandwidths: Sequence[str], systems: Sequence[
                 row["note"] = "; ".join(f"interval {p['interval']} at CCR {p['ccr']:.2f}" for p in profiles)
                 row["covap_intervals"] = [p["interval"] for p in profiles]
                 row["covap_ccrs"] = [p["ccr"] for p in profiles]
+            tuned = [r["bucket_tune"] for r in ok if r.get("bucket_tune")]
+            if tuned:
+                row["tuned_bytes"] = [t["chosen_bytes"] for t in tuned]
+                row["tune_trials"] = [len(t["trials"]) for t in tuned]
+                row["note"] = "; ".join(
+                    f"tuned to {t['chosen_bytes'] / 2**20:.2f} MiB ({t['buckets']} buckets) after {len(t['trials'])} "
+                    f"trials, {t['warmup_steps']} steps, {t['tuning_s']:.0f} s" + ("" if t["done"] else " (NOT settled)")
+                    for t in tuned)
             plan = ok[0].get("plan")
             if plan and "gradients" in plan:
                 row["note"] = f"plan: {plan['compressed_gradients']}/{plan['gradients']} gradients compressed " \
@@ -307,6 +335,20 @@ def goals(model: str, rows: List[dict], bandwidths: Sequence[str]) -> List[dict]
 
     out = []
     by_rate = {bw: (parse_rate(bw) if bw != "none" else None) or float("inf") for bw in bandwidths}
+    for bw in bandwidths:  # issue 17: a tuned bucket size against the best fixed one of a sweep
+        for r in rows:
+            if r["bandwidth"] != bw or not r["system"].endswith("-tune") or not r.get("throughput"):
+                continue
+            base = r["system"][:-len("-tune")]
+            sweep = [x for x in rows if x["bandwidth"] == bw and x.get("throughput")
+                     and x["system"].startswith(base + "-b") and x["system"][len(base) + 2:].replace(".", "").isdigit()]
+            if sweep:
+                best = max(sweep, key=lambda x: x["throughput"])
+                ratio = r["throughput"] / best["throughput"]
+                trials = max(r.get("tune_trials") or [0])
+                out.append({"goal": f"{model} @ {bw}: {r['system']} >= 0.95x the best fixed buffer of "
+                                    f"{len(sweep)} ({best['system']}) in <= 20 trials ({trials})",
+                            "best": best["system"], "ratio": ratio, "met": ratio >= 0.95 and trials <= 20})
     if model == "vgg19":
         bw = next((b for b in bandwidths if by_rate[b] == 1e9), None)
         if bw and best_hp(bw):
@@ -404,6 +446,10 @@ def main(argv=None) -> dict:
                    help="extra environment of the ranks, e.g. HIPRESS_TRANSPORT_CHECK=0 (recorded in the JSON)")
     p.add_argument("--batch", type=int, default=0, help="per-rank batch (default: the model's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tune-trials", type=int, help="-tune systems: trials of the bucket-size search (default 20)")
+    p.add_argument("--tune-window", type=int, help="-tune systems: measured steps per trial (default 10)")
+    p.add_argument("--tune-warmup", type=int, help="-tune systems: unmeasured steps after each change (default 1)")
+    p.add_argument("--tune-min-bytes", type=int, help="-tune systems: smallest size searched (default 1 MiB)")
     p.add_argument("--quick", action="store_true", help="ddp and hipress-ring-onebit, 2 timed steps (smoke test)")
     p.add_argument("--out-dir", default="results")
     p.add_argument("--timeout", type=float, default=300, help="seconds per system of a launch")
@@ -412,7 +458,8 @@ def main(argv=None) -> dict:
     p.add_argument("--verbose", action="store_true", help="show the ranks' output")
     a = p.parse_args(argv)
     defaults = dict(model="vgg19", bandwidth="1gbit,10gbit", latency="0.2ms", np=4, systems=",".join(ALL_SYSTEMS),
-                    warmup=3, steps=10, compute_steps=3, repeats=1, max_seconds=0)
+                    warmup=3, steps=10, compute_steps=3, repeats=1, max_seconds=0,
+                    **{k: None for k in TUNE_FLAGS})
     if a.preset:
         defaults.update(PRESETS[a.preset])
     if a.quick:

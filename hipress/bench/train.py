@@ -18,12 +18,20 @@ group; hipress wraps it), each on a freshly built model with the same seed:
                            low-rank sync)
   hipress-dear[-<algo>]    strategy="dear" (docs/dear.md): reduce-scatter in backward, all-gather
                            and update before the next forward; algo: a single-round one (default none)
+  <hipress system>-tune    any hipress-<strategy>-<algo> or hipress-dear[-<algo>] system with bucket_bytes="tune"
+                           (docs/dear.md: the fusion buffer size found online by Bayesian optimisation;
+                           --tune-trials, --tune-window, --tune-warmup, --tune-min-bytes set its knobs)
+  <hipress system>-b<MiB>  the same with a fixed bucket_bytes of that many MiB (e.g. hipress-dear-b4,
+                           hipress-ring-none-b0.5): a sweep of these gives the best fixed buffer
   hipress-covap            hipress.DistributedOptimizer(compression="covap") (docs/covap.md: interval
                            "auto", profiled by COVAP's distributed profiler, sharding on)
   ddp-covap-hook           DDP + hipress.ddp.register(model, "covap") (the same, as a DDP comm hook)
 
 COVAP's systems profile before they filter: their warm-up runs on until the filter is on
 (at least ``--warmup`` steps), and the record holds the profile (CCR and the interval).
+Likewise a ``-tune`` system's warm-up runs on until the tuner has settled, and its record holds
+the trials (bytes, slowest rank's seconds per step), the size chosen and the tuning's steps and
+seconds; the timed steps then run at the chosen size.
 
 Per system: ``--warmup`` steps, then ``--steps`` timed steps (throughput = world samples /
 slowest rank's time), then ``--compute-steps`` steps of forward + backward + local
@@ -41,6 +49,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -58,7 +67,18 @@ DEAR_ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")  # single-
 
 
 def parse_system(name: str) -> dict:
-    """'hipress-ps-onebit-plan' -> {'kind': 'hipress', 'strategy': 'ps', 'compression': 'onebit', 'plan': 'auto'}."""
+    """'hipress-ps-onebit-plan' -> {'kind': 'hipress', 'strategy': 'ps', 'compression': 'onebit', 'plan': 'auto'};
+    a hipress system's name may end in -tune (bucket_bytes="tune") or -b<MiB> (a fixed bucket_bytes):
+    'hipress-dear-b4' -> {..., 'strategy': 'dear', 'compression': 'none', 'plan': None, 'bucket_bytes': 4194304}."""
+    bucket = re.fullmatch(r"(hipress-.+)-(tune|b(\d+(?:\.\d+)?))", name)
+    if bucket and name != "hipress-covap":
+        cfg = parse_system(bucket[1])
+        if cfg["plan"] or cfg["compression"] == "covap":
+            raise ValueError(f"system {name!r}: a plan and COVAP fix their buckets; -tune and -b<MiB> do not apply")
+        size = "tune" if bucket[2] == "tune" else int(float(bucket[3]) * 2 ** 20)
+        if size != "tune" and size < 4:
+            raise ValueError(f"system {name!r}: bucket size {bucket[3]} MiB is below one fp32 element")
+        return {**cfg, "bucket_bytes": size}
     if name in DDP_SYSTEMS:
         return {"kind": "ddp", "hook": {"ddp": None, "ddp-fp16": "fp16", "ddp-powersgd": "powersgd",
                                         "ddp-covap-hook": "covap"}[name]}
@@ -85,6 +105,12 @@ def parse_system(name: str) -> dict:
 
 
 COVAP_MAX_WARMUP = 30  # a bound on COVAP's warm-up (settling DDP's buckets, profiling)
+
+
+def _tuning(opt) -> bool:
+    """Whether a bucket_bytes="tune" optimizer is still searching (every rank says the same)."""
+    tuner = getattr(opt, "bucket_tuner", None)
+    return tuner is not None and not tuner.done
 
 
 def _covap_on(owner) -> bool:
@@ -211,6 +237,10 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
         kw["plan"] = cfg["plan"]
     # strategy "dear" updates in the model's forward pre-hooks, so it takes the model itself
     kw.update({"model": model} if cfg["strategy"] == "dear" else {"named_parameters": model.named_parameters()})
+    if "bucket_bytes" in cfg:
+        kw["bucket_bytes"] = cfg["bucket_bytes"]
+        if cfg["bucket_bytes"] == "tune":
+            kw["bucket_tune"] = cfg["bucket_tune"]
     opt = hipress.DistributedOptimizer(opt, compression=cfg["compression"], strategy=cfg["strategy"], **kw)
     base = type(opt).__mro__[1]
     info["hipress"] = {"strategy": "dear" if cfg["strategy"] == "dear" else opt._hp_strategy_name, "compressor": opt._hp_compressor.name,
@@ -250,6 +280,9 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
         except Exception as e:  # noqa: BLE001
             rec.update(skipped=f"horovod.torch does not import here: {type(e).__name__}: {e}")
             return rec
+    if cfg.get("bucket_bytes") == "tune":
+        cfg["bucket_tune"] = {"trials": a.tune_trials, "window": a.tune_window, "warmup": a.tune_warmup,
+                              "min_bytes": a.tune_min_bytes}
     torch.manual_seed(a.seed)
     model = spec.build()
     rec["profile"] = models.profile(model)
@@ -277,13 +310,25 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     warm = 0
     # COVAP profiles, then filters: its warm-up lasts until the filter is on (every rank
     # decides it from the same gathered profile, so all run the same number of steps)
-    while warm < a.warmup or (covap_owner is not None and not _covap_on(covap_owner) and warm < COVAP_MAX_WARMUP):
+    tune_max = (a.tune_trials * (a.tune_window + a.tune_warmup) + 2 * a.warmup + 2
+                if cfg.get("bucket_bytes") == "tune" else 0)  # a bound, for skipped steps
+    tune_t0 = time.perf_counter()
+    while warm < a.warmup or (covap_owner is not None and not _covap_on(covap_owner) and warm < COVAP_MAX_WARMUP) \
+            or (_tuning(opt) and warm < tune_max):
         t = time.perf_counter()
         step()
         tw = time.perf_counter() - t
         warm += 1
         done += 1
         _progress(out, f"{tag} {done}/{nsteps}")
+    if cfg.get("bucket_bytes") == "tune":
+        tuner = opt.bucket_tuner
+        rec["bucket_tune"] = {"knobs": cfg["bucket_tune"], "range": [tuner.lo, tuner.hi], "done": tuner.done,
+                              "chosen_bytes": tuner.size, "trials": [list(t) for t in tuner.history],
+                              "warmup_steps": warm, "tuning_s": time.perf_counter() - tune_t0,
+                              "buckets": len(opt._hp_buckets)}
+    elif cfg["kind"] == "hipress":
+        rec["buckets"] = len(opt._hp_buckets)
     if covap_owner is not None:
         prof = covap_owner.covap_profile
         rec["covap"] = {"warmup_steps": warm, "filter_on": _covap_on(covap_owner),
@@ -390,6 +435,10 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--tune-trials", type=int, default=20, help="-tune systems: trials of the bucket-size search")
+    p.add_argument("--tune-window", type=int, default=10, help="-tune systems: measured steps per trial")
+    p.add_argument("--tune-warmup", type=int, default=1, help="-tune systems: unmeasured steps after each change")
+    p.add_argument("--tune-min-bytes", type=int, default=1 << 20, help="-tune systems: smallest size searched")
     p.add_argument("--out", default="", help="folder for results.jsonl and progress (rank 0)")
     a = p.parse_args(argv)
     spec = models.get(a.model)

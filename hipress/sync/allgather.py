@@ -33,6 +33,9 @@ class AllgatherStrategy(Strategy):
     def __init__(self, average: bool = True):
         self.average = average
 
+    def state_spans(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]):
+        return [(f"{tensor_name}/p{i}/worker", s, e) for i, (s, e) in enumerate(bounds) if e > s]
+
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), segments=None, **kw) -> Handle:
         """``segments``: the tensors of the buffer as (offset, numel, shape); a partition that is whole rows

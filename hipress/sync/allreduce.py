@@ -50,6 +50,9 @@ class AllreduceStrategy(Strategy):
         self.wire = wire
         self._wire_buffers: Dict[str, torch.Tensor] = {}  # per gradient name: its bf16 copy, reused
 
+    def state_spans(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]):
+        return []  # nothing is encoded: no compressor state
+
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
         spans = contiguous_spans(bounds)

@@ -172,6 +172,19 @@ class StateStore:
         self._states.clear()
         self._pending = dict(sd)
 
+    def take(self, key: str) -> Optional[Dict[str, torch.Tensor]]:
+        """Removes the state ``key`` (in use, or restored and not used yet) and returns its
+        buffers by name (None if there is none). For buckets that are rebuilt with another
+        layout (bucket_bytes="tune"): the optimizer hands their residuals back to the gradients."""
+        st = self._states.pop(key, None)
+        pending = self._pending.pop(key, None)
+        self.undo_log.forget([key])
+        if st is not None:
+            return dict(st.buffers)
+        if pending is not None:
+            return {k: v.reshape(-1) for k, v in pending["buffers"].items()}
+        return None
+
     def discard(self, prefix: str) -> int:
         """Drops every state (in use or restored and not used yet) whose key starts with
         ``prefix``; returns how many. For buckets that no longer exist (DDP rebuilt its buckets:
@@ -238,3 +251,15 @@ class Strategy:
         per-partition choices depend on the order partitions first appear in (PS: which rank
         aggregates) makes them here, so they do not depend on which gradient is synced first
         (COVAP syncs a different subset each step, and a resumed run starts elsewhere)."""
+
+    def state_spans(self, ctx: SyncContext, tensor_name: str,
+                    bounds: Sequence[Tuple[int, int]]) -> List[Tuple[str, int, int]]:
+        """Every compressor-state key this rank may use for the gradient, with the elements
+        [start, end) of ``flat`` that the state's per-element buffers (a residual) stand for:
+        the key scheme of :meth:`build`, in one place beside it. The optimizer maps residuals
+        back to parameters with it when buckets are rebuilt (bucket_bytes="tune")."""
+        raise NotImplementedError(f"strategy {self.name!r} does not list its state keys")
+
+    def forget_layout(self) -> None:
+        """The gradients were regrouped (bucket_bytes="tune"): per-gradient choices made on first
+        sight (PS's aggregators) are dropped, so the new layout gets them as a fresh job would."""

@@ -81,6 +81,12 @@ class Sync:
     def reserve(self, name: str, bounds: Sequence[Tuple[int, int]]) -> None:
         self.strategy.reserve(self.ctx, name, bounds)
 
+    def state_spans(self, name: str, bounds: Sequence[Tuple[int, int]]):
+        return self.strategy.state_spans(self.ctx, name, bounds)
+
+    def forget_layout(self) -> None:
+        self.strategy.forget_layout()
+
     # The ring's two phases, apart (only RingStrategy has them; strategy "dear" uses them).
     def reduce_scatter(self, name: str, flat: torch.Tensor, bounds: Sequence[Tuple[int, int]]) -> Handle:
         return self.strategy.reduce_scatter(self.ctx, name, flat, bounds)

@@ -43,6 +43,13 @@ class HierarchicalStrategy(Strategy):
         if self.cross_ctx is not None:
             self.cross.reserve(self.cross_ctx, tensor_name, bounds)
 
+    def state_spans(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]):
+        # the host's sum is uncompressed (no residual); the cross-host sync's states on host roots
+        return self.cross.state_spans(self.cross_ctx, tensor_name, bounds) if self.cross_ctx is not None else []
+
+    def forget_layout(self) -> None:
+        self.cross.forget_layout()
+
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
         h = list(deps)

@@ -64,6 +64,16 @@ class PSStrategy(Strategy):
     def reserve(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]) -> None:
         self.owners([(key, 4 * (e - s)) for key, s, e in self._parts(tensor_name, bounds)], ctx.size)
 
+    def state_spans(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]):
+        """The worker's state of each partition, and the aggregator's where this rank aggregates it
+        (listed for every partition: a key this rank never used has no state)."""
+        return [(f"{key}/{role}", s, e) for key, s, e in self._parts(tensor_name, bounds)
+                for role in ("worker", "aggregator")]
+
+    def forget_layout(self) -> None:
+        self._owner.clear()
+        self._load = []
+
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), segments=None, **kw) -> Handle:
         """``segments``: as the allgather strategy's (a partition of whole rows of one tensor gets its shape)."""

@@ -62,6 +62,13 @@ class RingStrategy(Strategy):
         bounds), then the average: afterwards ``flat`` is the synchronized gradient."""
         return self._each_partition(ctx, tensor_name, flat, bounds, deps, self._all_gather)
 
+    def state_spans(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]):
+        """One state per chunk of each partition (encode_chunk's ``{key}/c{chunk}``): on each rank
+        every chunk is encoded at exactly one site per sync (reduce-scatter hop or all-gather)."""
+        return [(f"{tensor_name}/p{i}/c{c}", s + cs, s + ce)
+                for i, (s, e) in enumerate(bounds) if e > s
+                for c, (cs, ce) in enumerate(chunk_bounds(e - s, ctx.size))]
+
     @staticmethod
     def _each_partition(ctx, tensor_name, flat, bounds, deps, phase) -> Handle:
         finals = [phase(ctx, f"{tensor_name}/p{i}", flat[s:e], deps)

@@ -89,21 +89,35 @@ class Schedule:
         self._update = update
         self._waiting_for = waiting_for
         self._names = names
+        self._model = model
         self._pending: Dict[str, _Pending] = {}
+        self._stale: set = set()  # ids of parameters whose update was still pending when backward began
+        self._hooks: list = []
+        self.set_buckets(buckets)
+        # model.state_dict() / load_state_dict() see (or replace) current parameters
+        self._model_hooks = [model.register_state_dict_pre_hook(lambda *args: self.flush()),
+                             model.register_load_state_dict_pre_hook(lambda *args: self.flush())]
+
+    def set_buckets(self, buckets: Sequence) -> None:
+        """Schedules ``buckets`` from now on (the optimizer rebuilt them: bucket_bytes="tune"); the
+        forward pre-hooks are registered again for them. Only with nothing pending: the pending
+        updates belong to the old buckets."""
+        if self._pending:
+            raise RuntimeError(f"strategy='dear': buckets rebuilt while updates of {list(self._pending)[:5]} are "
+                               f"pending; flush() first")
         # Forward order: buckets are filled in reverse parameter order (backward's), so the
         # first bucket a forward needs is the last one. Every rank queues the all-gathers in
-        # this order, fixed at construction, so their messages match whatever the model does.
+        # this order, fixed with the buckets, so their messages match whatever the model does.
         self.forward_order = list(reversed(buckets))
         params = [p for b in buckets for _, p in b.params]
         bucket_of = {id(p): b.name for b in buckets for _, p in b.params}
-        self._releases: Dict[torch.nn.Module, List[str]] = {}
-        for module, ids in owning_modules(model, params, names).items():
-            self._releases[module] = list(dict.fromkeys(bucket_of[i] for i in ids))
-        self._stale: set = set()  # ids of parameters whose update was still pending when backward began
+        releases: Dict[torch.nn.Module, List[str]] = {}
+        for module, ids in owning_modules(self._model, params, self._names).items():
+            releases[module] = list(dict.fromkeys(bucket_of[i] for i in ids))
+        for h in self._hooks:
+            h.remove()
+        self._releases = releases
         self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in self._releases]
-        # model.state_dict() / load_state_dict() see (or replace) current parameters
-        self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.flush()))
-        self._hooks.append(model.register_load_state_dict_pre_hook(lambda *args: self.flush()))
 
     @property
     def pending(self) -> List[str]:

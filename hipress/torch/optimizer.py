@@ -50,7 +50,7 @@ from hipress.engine import Handle, get_engine
 from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
 from hipress.planner.online import profile_online
 from hipress.sync import STRATEGIES, StateStore, make_sync, resolve_strategy, use_local_aggregation
-from hipress.torch import adasum, clipping, covap, dear, momentum, nonfinite
+from hipress.torch import adasum, bucket_tuner, clipping, covap, dear, momentum, nonfinite
 from hipress.torch.collectives import Adasum
 from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWarning  # noqa: F401 (re-exported)
 
@@ -321,7 +321,7 @@ class Options:
     local_aggregation: object = "auto"
     plan: object = None
     coordinator: Optional[bool] = None    # None: HIPRESS_COORDINATOR
-    bucket_bytes: object = "auto"          # an int, None, or "auto" (PLAIN_BUCKET_BYTES / BUCKET_BYTES)
+    bucket_bytes: object = "auto"          # an int, None, "auto" (PLAIN_BUCKET_BYTES / BUCKET_BYTES) or "tune"
     grad_clip: object = "auto"            # hipress.torch.clipping: "auto" (the paper's), None or a callable
     momentum_correction: object = "auto"  # hipress.torch.momentum: "auto", True or False
     covap: Optional[dict] = None          # compression="covap": hipress.torch.covap.Run's arguments
@@ -329,11 +329,17 @@ class Options:
     gradient_predivide_factor: float = 1.0  # Horovod's: op=Average as (sum of g / f) * f / size
     groups: object = None                 # Horovod's: None, an int, or lists of parameters (explicit_groups)
     sparse_as_dense: bool = False         # Horovod's: sparse gradients densified and synchronized
+    bucket_tune: Optional[dict] = None    # bucket_bytes="tune": the tuner's knobs (hipress/torch/bucket_tuner.py)
     # derived from bucket_bytes="auto" (auto_bucket_bytes): the first bucket's size (None: as the
     # others); with a plan, runs of buckets it leaves uncompressed are fused up to plain_fusion_bytes
     # after planning, all but the first bucket (fuse_uncompressed); 0: no such fusion
     first_bucket_bytes: Optional[int] = None
     plain_fusion_bytes: int = 0
+
+    @property
+    def tune(self) -> bool:
+        """bucket_bytes="tune": the size searched online (hipress/torch/bucket_tuner.py)."""
+        return self.bucket_bytes == "tune"
 
     @property
     def dear(self) -> bool:
@@ -363,6 +369,17 @@ class Options:
             object.__setattr__(self, "plan", self.plan if self.plan is not None else "auto")
         if self.coordinator is None:
             object.__setattr__(self, "coordinator", config.get("HIPRESS_COORDINATOR"))
+        if self.bucket_tune is not None and not self.tune:
+            raise ValueError(f"bucket_tune= configures bucket_bytes='tune'; got bucket_bytes={self.bucket_bytes!r}")
+        if self.tune:
+            object.__setattr__(self, "bucket_tune", bucket_tuner.check_knobs(self.bucket_tune))
+            # What rebuilding buckets cannot follow: a plan's and COVAP's decisions are per bucket,
+            # made once; Horovod's groups fix the buckets by hand.
+            fixed = [name for name, on in (("plan=", self.plan is not None), ("compression='covap'", self.covap is not None),
+                                           ("groups=", self.groups is not None)) if on]
+            if fixed:
+                raise ValueError(f"bucket_bytes='tune' rebuilds the fusion buckets while training; {', '.join(fixed)} "
+                                 f"fix(es) them: use a fixed bucket_bytes with it")
         if self.bucket_bytes == "auto":
             # COVAP (its compression is now the inner algorithm) filters fused buckets: with "none" inside,
             # DDP's buckets, as in its paper (units are those buckets, sharded by the median rule)
@@ -413,7 +430,8 @@ class _HipressOptimizer:
         self._hp_hierarchical = (not options.dear
                                  and use_local_aggregation(options.local_aggregation, world.hostnames()))
         self._hp_named = named
-        self._hp_bucket_bytes = options.bucket_bytes
+        self._hp_tuner = self._hp_make_tuner(options) if options.tune else None
+        self._hp_bucket_bytes = self._hp_tuner.size if self._hp_tuner is not None else options.bucket_bytes
         self._hp_first_bucket_bytes = options.first_bucket_bytes
         self._hp_groups = options.groups
         self._hp_own_buffers = options.dear
@@ -485,8 +503,37 @@ class _HipressOptimizer:
         self._hp_failure: Optional[str] = None  # a failed sync's error, until reset()
         self._hp_joined = False  # in join()
         self._hp_steps = 0  # synchronizations finished (successful or skipped): the same count on every rank
+        self._hp_skipped = 0  # steps not taken for non-finite gradients (every rank alike): the tuner skips them
+        self._hp_skipped_seen = 0
+        # bucket_bytes="tune": residuals of rebuilt buckets, per parameter id, added to the next
+        # step's gradients (_hp_rebuild); dropped once that step commits, kept if it is undone
+        self._hp_carry: Dict[int, torch.Tensor] = {}
+        self._hp_carry_sent = False
         self._hp_uid = next(_wrapped)
         self._hp_joins = 0  # join() calls so far
+
+    def _hp_make_tuner(self, options: Options) -> "bucket_tuner.BucketTuner":
+        """bucket_bytes="tune": checks that rebuilt buckets can keep the compressor's state, then
+        the tuner over [min_bytes, min(max_bytes, bytes of the trainable gradients)]."""
+        comp = self._hp_compressor
+        if comp.lowrank:
+            raise ValueError(f"bucket_bytes='tune' needs compression 'none' or a single-round algorithm; "
+                             f"{comp.name!r} is low-rank (its state is per matrix, kept across steps)")
+        # A rebuild hands each residual back to the gradients it came from (_hp_rebuild). Any other
+        # per-element state (DGC's and Signum's momentum) has no such home: refused rather than lost.
+        other = sorted({b for c in (comp, comp.merged_for(2)) for b in c.new_state(8).buffers} - {"residual"})
+        if other:
+            raise ValueError(f"bucket_bytes='tune' rebuilds buckets and hands error-feedback residuals back to the "
+                             f"gradients; {comp.name!r} keeps other per-element state ({', '.join(other)}) that would "
+                             f"be lost: use a fixed bucket_bytes with it")
+        model_bytes = sum(4 * p.numel() for _, p in self._hp_named if p.requires_grad)
+        return bucket_tuner.BucketTuner(model_bytes, options.bucket_tune)
+
+    @property
+    def bucket_tuner(self) -> Optional["bucket_tuner.BucketTuner"]:
+        """bucket_bytes="tune": the tuner (``size``, ``done``, ``history`` of (bytes, seconds per
+        step of the slowest rank), ``best``, ``summary()``); None otherwise."""
+        return self._hp_tuner
 
     def _hp_make_plan(self, plan):
         """plan: a Plan, "auto" (profile now, collectively), an Overrides, or a dict of Overrides'
@@ -567,6 +614,9 @@ class _HipressOptimizer:
             "dear": repr(options.dear),
             "gradient_predivide_factor": repr(options.gradient_predivide_factor),
             "sparse_as_dense": repr(options.sparse_as_dense),
+            # the knobs that decide sizes and steps (a clock and printing may differ per rank)
+            "bucket tune": (repr(sorted((k, v) for k, v in options.bucket_tune.items() if k not in ("clock", "verbose")))
+                            if options.tune else "off"),
         }
 
     def _hp_check_same_configuration(self, options: Options) -> None:
@@ -669,10 +719,13 @@ class _HipressOptimizer:
         """p's gradient is final for this step: put it in its bucket; submit a full bucket.
         joined (a rank in join()): zeros, sent as they are (no clipping, no momentum)."""
         key = id(p)
-        if self._hp_dear is not None:
-            if not self._hp_taken:  # a step's first final gradient: the last step's updates are all done
+        if not self._hp_taken:  # a step's first final gradient
+            if self._hp_dear is not None:  # the last step's updates are all done
                 self._hp_dear.begin_backward()
                 self._hp_commit()  # the last all-gathers' state changes belong to the last step
+            if self._hp_tuner is not None:
+                self._hp_tune_step()
+        if self._hp_dear is not None:
             self._hp_dear.check_fresh(p)
         grad = p.grad
         bucket = self._hp_bucket_of[key]
@@ -697,6 +750,10 @@ class _HipressOptimizer:
                 p.grad = final
             if self._hp_predivide != 1.0:  # Horovod's gradient_predivide_factor: 1/f before the sum
                 p.grad.div_(self._hp_predivide)
+        carry = self._hp_carry.get(key)
+        if carry is not None:  # a residual of a rebuilt bucket (_hp_rebuild), in the units of what is sent
+            p.grad.add_(carry.to(p.grad.device).view_as(p.grad))
+            self._hp_carry_sent = True
         self._hp_taken.add(key)
         if self._hp_transport.size > 1 or self._hp_dear is not None:
             bucket.put(p)
@@ -718,13 +775,83 @@ class _HipressOptimizer:
                                f"optimizer again")
         old = {(b.name, b.numel) for b in self._hp_buckets}
         self._hp_trainable = flags
-        self._hp_buckets = self._hp_build_buckets()
-        self._hp_index_buckets()
-        for name, _ in old - {(b.name, b.numel) for b in self._hp_buckets}:
+        new = self._hp_build_buckets()
+        for name, _ in old - {(b.name, b.numel) for b in new}:
             self._hp_states.discard(f"{name}/")  # a bucket that is gone: its residuals would be stale
+        self._hp_set_buckets(new)
+
+    def _hp_set_buckets(self, buckets: List["_Bucket"]) -> None:
+        """The buckets every later sync uses (rebuilt at the start of a step, nothing in flight),
+        with what depends on them: which bucket each parameter goes to, dear's schedule, and a
+        gradient hook on every parameter that needs a gradient now."""
+        self._hp_buckets = buckets
+        self._hp_index_buckets()
+        if self._hp_dear is not None:
+            self._hp_dear.set_buckets(buckets)
         for _, p in self._hp_named:
             if p.requires_grad and id(p) not in self._hp_hooks:
                 self._hp_hooks[id(p)] = p.register_post_accumulate_grad_hook(self._hp_on_grad)
+
+    # ------------------------------------------------------------------ bucket_bytes="tune"
+    def _hp_tune_step(self) -> None:
+        """At a step's first final gradient (nothing of this step submitted yet; the last step's
+        syncs done and, under dear, its all-gathers and updates applied): the tuner counts the last
+        step, and at the end of a trial every rank gets the next size from rank 0 and rebuilds its
+        buckets alike, before this gradient goes into one."""
+        tuner = self._hp_tuner
+        if tuner.done:
+            return
+        skipped = self._hp_skipped != self._hp_skipped_seen  # agreed by every rank in the last step
+        self._hp_skipped_seen = self._hp_skipped
+        size = tuner.step_start(skipped, self._hp_slowest, self._hp_share, self._hp_transport.rank)
+        if size is not None:
+            self._hp_bucket_bytes = size
+            self._hp_rebuild()
+            tuner.mark()
+
+    def _hp_slowest(self, seconds: float) -> float:
+        """The largest of every rank's ``seconds`` (the ranks wait for each other: the slowest sets
+        the pace). An allgather on the world transport; nothing else is in flight here."""
+        return float(covap.gather_rows(self._hp_transport, torch.tensor([seconds], dtype=torch.float64)).max())
+
+    def _hp_share(self, decision: Tuple[int, bool]) -> Tuple[int, bool]:
+        """Rank 0's (size, settled) on every rank: one broadcast."""
+        buf = torch.tensor([int(decision[0]), int(decision[1])], dtype=torch.int64)
+        self._hp_transport.broadcast(buf.view(torch.uint8), 0)
+        return int(buf[0]), bool(buf[1])
+
+    def _hp_rebuild(self) -> None:
+        """Buckets of the current size, in place of the old ones, if the layout differs. Compressor
+        state is per bucket, partition and chunk, so a new layout cannot reuse it. Its residuals
+        are gradient mass not sent yet (error feedback): dropping them would lose it. Each one is
+        handed back, element by element, to the parameter it stands for, and added to that
+        parameter's next gradient on this rank (_hp_take): every residual, at whatever site of the
+        sync it waited (a ring hop's partial sum, a PS aggregator's sum), is a part of the sum over
+        ranks, so the sum of the next step carries exactly what the old states held. The carry is
+        dropped when that step commits and kept if it is undone (skipped for non-finite gradients,
+        reset()). Every state of the old layout goes (not only the buckets that changed), and so
+        do PS's aggregator choices, so the new layout starts as a fresh job with these buckets would:
+        what a job resumed from a checkpoint starts from too."""
+        new = self._hp_build_buckets()
+        if [(b.name, b.numel) for b in new] == [(b.name, b.numel) for b in self._hp_buckets]:
+            return  # the same buckets (a size between the same two layouts): states stay as they are
+        for b in self._hp_buckets:
+            sync, bounds = self._hp_route(b)
+            acc = None
+            for key, s, e in sync.state_spans(b.name, bounds):
+                bufs = self._hp_states.take(key)
+                if bufs and "residual" in bufs:
+                    if acc is None:
+                        acc = torch.zeros(b.numel, dtype=torch.float32)
+                    acc[s:e] += bufs["residual"]
+            self._hp_states.discard(f"{b.name}/")
+            if acc is not None:
+                for (_, p), off in zip(b.params, b.offsets):
+                    part = acc[off:off + p.numel()].view(p.shape)
+                    prev = self._hp_carry.get(id(p))
+                    self._hp_carry[id(p)] = part.clone() if prev is None else prev + part
+        self._hp_compressed.forget_layout()
+        self._hp_set_buckets(new)
 
     def _hp_route(self, bucket: "_Bucket"):
         """(the sync, the partitions) of a bucket: the plan's choice, or compressed."""
@@ -849,7 +976,8 @@ class _HipressOptimizer:
         self._hp_handles.clear()
         self._hp_finish_gradients()
         self._hp_steps += 1
-        if not self._hp_guard:
+        if not self._hp_guard:  # nothing is undone: the step is kept
+            self._hp_carry_committed()
             return False
         table = self._hp_agree(bad)
         self._hp_check_same_trainable(table)
@@ -910,6 +1038,7 @@ class _HipressOptimizer:
         return waiting_words(self._hp_exchanges.world)
 
     def _hp_commit(self) -> None:
+        self._hp_carry_committed()
         self._hp_states.commit()
         if self._hp_momentum is not None:
             self._hp_momentum.commit()
@@ -927,6 +1056,7 @@ class _HipressOptimizer:
             self._hp_commit()
             return False
         self._hp_undo()
+        self._hp_skipped += 1
         where = {}
         for i in hit:
             name, p = self._hp_named[i]
@@ -943,7 +1073,13 @@ class _HipressOptimizer:
         self._hp_skip_step = self._hp_synchronized = True
         return True
 
+    def _hp_carry_committed(self) -> None:
+        """The step that added the carry to its gradients is kept: the carry is in its sums now."""
+        if self._hp_carry_sent:
+            self._hp_carry, self._hp_carry_sent = {}, False
+
     def _hp_undo(self) -> None:
+        self._hp_carry_sent = False  # the step is dropped: its gradients (and the carry in them) were not taken
         self._hp_states.undo()
         if self._hp_momentum is not None:
             self._hp_momentum.undo()
@@ -979,6 +1115,10 @@ class _HipressOptimizer:
         self._hp_check_usable()
         if self._hp_dear is not None:
             raise RuntimeError("join() is not supported with strategy='dear' (its updates wait for the next forward)")
+        if self._hp_tuner is not None and not self._hp_tuner.done:
+            raise RuntimeError("join() while bucket_bytes='tune' is still tuning: the working ranks measure steps and "
+                               "agree on sizes that a joined rank would not take part in; join after the tuner has "
+                               "settled (opt.bucket_tuner.done)")
         if self._hp_handles or self._hp_taken or self._hp_counts:
             raise RuntimeError("join() called while gradients are being synchronized; call step() or "
                                "synchronize() first")
@@ -1045,6 +1185,8 @@ class _HipressOptimizer:
         self._hp_bad = set()
         self._hp_undo()
         self._hp_skip_step = self._hp_synchronized = False
+        if self._hp_tuner is not None:  # the failed step's time is no measurement
+            self._hp_tuner.restart_window()
         self._hp_exchanges.reset()
         if self._hp_transport.size > 1:
             world.reconnect()
@@ -1131,7 +1273,39 @@ class _HipressOptimizer:
             sd["hipress"]["velocity"] = self._hp_momentum.state_dict()
         if self._hp_covap is not None:
             sd["hipress"]["covap"] = self._hp_covap.state_dict()
+        if self._hp_tuner is not None:  # the layout the compressor states belong to, and where the search is
+            sd["hipress"]["bucket_tune"] = {"tuner": self._hp_tuner.state_dict(),
+                                            "carry": {self._hp_names[k]: v.clone() for k, v in self._hp_carry.items()}}
         return sd
+
+    def _hp_load_tuning(self, hp: dict) -> None:
+        """load_state_dict(), bucket_bytes="tune": the tuner's state, and the buckets of the size in
+        force when the checkpoint was saved (the compressor states loaded next belong to them; this
+        optimizer's own states are replaced, so nothing is carried), and the carry not yet sent."""
+        saved = hp.get("bucket_tune")
+        if self._hp_tuner is None:
+            if saved is not None and _holds_buffers(hp["compressor_state"]) and (
+                    saved["carry"] or saved["tuner"]["size"] != self._hp_bucket_bytes or self._hp_first_bucket_bytes):
+                raise ValueError(f"the checkpoint was saved with bucket_bytes='tune' at {saved['tuner']['size']} bytes"
+                                 f"{' with residuals not yet sent' if saved['carry'] else ''}; its compressor states "
+                                 f"belong to those buckets: resume with bucket_bytes='tune' (or bucket_bytes="
+                                 f"{saved['tuner']['size']} once nothing waits to be sent)")
+            return
+        if saved is None:
+            if _holds_buffers(hp["compressor_state"]):
+                raise ValueError("the checkpoint was saved without bucket_bytes='tune': its compressor states belong "
+                                 "to buckets of another size; resume with the bucket_bytes it was saved with")
+            return
+        by_name = {n: p for n, p in self._hp_named}
+        unknown = sorted(set(saved["carry"]) - set(by_name))
+        if unknown:
+            raise ValueError(f"the checkpoint's bucket_tune carry names parameters this optimizer lacks: {unknown[:10]}")
+        self._hp_tuner.load_state_dict(saved["tuner"])
+        self._hp_bucket_bytes = self._hp_tuner.size
+        self._hp_compressed.forget_layout()
+        self._hp_set_buckets(self._hp_build_buckets())
+        self._hp_carry = {id(by_name[n]): v.clone() for n, v in saved["carry"].items()}
+        self._hp_carry_sent = False
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
@@ -1140,11 +1314,18 @@ class _HipressOptimizer:
             self._hp_dear.flush()  # pending updates belong to the state being replaced
         super(self.__class__, self).load_state_dict(state_dict)
         if hp is not None:
+            self._hp_load_tuning(hp)
             self._hp_states.load_state_dict(hp["compressor_state"])
             if self._hp_momentum is not None:
                 self._hp_momentum.load_state_dict(hp.get("velocity", {}))
             if self._hp_covap is not None and "covap" in hp:
                 self._hp_covap.load_state_dict(hp["covap"])
+
+
+def _holds_buffers(states: dict) -> bool:
+    """Whether saved compressor states hold any per-element buffer (a residual); uncompressed
+    ring syncs save states without any."""
+    return any(st.get("buffers") for st in states.values())
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none",
@@ -1154,7 +1335,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          grad_clip="auto", momentum_correction="auto", nonfinite: str = "skip",
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                          sparse_as_dense: bool = False, model: Optional[torch.nn.Module] = None,
-                         **compression_kwargs):
+                         bucket_tune: Optional[dict] = None, **compression_kwargs):
     """Wraps ``optimizer`` so that step() uses gradients averaged over all ranks.
 
     compression: an algorithm name of ``hipress.compression`` ("none", "onebit", "tbq",
@@ -1190,6 +1371,23 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     goes through the backend's allreduce uncompressed (compression="none", no plan, COVAP,
     dear or coordinator), else 1 MiB. Multi-round compressors such as PowerSGD
     send only factors, so more gradients share a buffer; each matrix is compressed whole.
+    "tune": the size is searched while training by Bayesian optimisation (paper 001 §IV-B,
+    DeAR; hipress/torch/bucket_tuner.py, docs/dear.md; needs optuna): each trial applies a size on
+    every rank, lets ``warmup`` steps pass and measures ``window`` steps; its objective is the
+    slowest rank's mean step time. Trial 0 is 25 MiB (clamped to the range), the others are
+    proposed by optuna's GPSampler (log expected improvement over log2 bytes); after ``trials``
+    trials the best measured size is kept for good and rank 0 prints it once. Rank 0 decides and
+    broadcasts; every rank rebuilds its buckets at the same step (the first final gradient of a
+    step; under dear, after the last step's updates), and the residuals of error-feedback
+    compressors are added to the next step's gradients, so none is lost. With strategy ring, ps,
+    allgather or dear, and compression "none" or a single-round algorithm whose state is a residual
+    only (not DGC or Signum: their momentum has no place to go; not low-rank ones); not with
+    plan=, groups= or compression="covap" (ValueError). ``opt.bucket_tuner`` shows the search;
+    ``state_dict()`` carries it, so a resumed job goes on as the uninterrupted one would.
+    bucket_tune: the tuner's knobs as a dict (bucket_bytes="tune" only): trials=20, window=10,
+    warmup=1, min_bytes=1 MiB, max_bytes=256 MiB (capped at the bytes of the trainable
+    gradients), start_bytes=25 MiB, startup_trials=3 (random trials before the GP proposes),
+    seed=0, clock=None (a callable giving seconds; default time.perf_counter), verbose=True.
     grad_clip: clipping of each gradient before it is compressed (hipress.torch.clipping):
     "auto" (default) applies what the algorithm's paper prescribes (TernGrad: 2.5 sigma per
     layer) and nothing for the others; None turns it off; a callable (name, grad) is yours.
@@ -1249,6 +1447,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                  "grad_clip": (grad_clip, "auto"), "momentum_correction": (momentum_correction, "auto"),
                  "local_aggregation": (local_aggregation, "auto")}
         changed = sorted(k for k, (given, default) in fixed.items() if given is not default and given != default)
+        if bucket_bytes == "tune" or bucket_tune is not None:  # nothing is fused: there is no bucket to tune
+            changed.append("bucket_bytes='tune'")
         if compression not in ("none", "fp16"):
             changed.insert(0, f"compression={compression!r}")
         if changed or compression_kwargs:
@@ -1262,7 +1462,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     options = Options(compression, compression_kwargs, strategy, backward_passes_per_step, op, partition_bytes,
                       local_aggregation, plan, coordinator, bucket_bytes, grad_clip, momentum_correction,
                       nonfinite=nonfinite, gradient_predivide_factor=gradient_predivide_factor,
-                      groups=_horovod_groups(num_groups, groups), sparse_as_dense=bool(sparse_as_dense))
+                      groups=_horovod_groups(num_groups, groups), sparse_as_dense=bool(sparse_as_dense),
+                      bucket_tune=bucket_tune)
     optimizer.__class__ = cls
     try:
         optimizer._hipress_setup(named, options, model)

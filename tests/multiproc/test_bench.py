@@ -24,10 +24,10 @@ def _valid_record(r, system):
     assert r["cpu_s"] > 0 and r["cpu_compute_s"] > 0
 
 
-def _run_worker(tmp_path, systems, timeout=240):
+def _run_worker(tmp_path, systems, timeout=240, extra=()):
     """The benchmark worker on 2 ranks, VGG19-like, a few steps: its records, one per system, in order."""
     cmd = [sys.executable, "-m", "hipress.bench.train", "--model", "vgg19", "--systems", ",".join(systems),
-           "--warmup", "1", "--steps", "2", "--compute-steps", "1", "--out", str(tmp_path)]
+           "--warmup", "1", "--steps", "2", "--compute-steps", "1", "--out", str(tmp_path), *extra]
     code, logs = run(cmd, 2, timeout=timeout, quiet=True, env=ENV)
     assert code == 0, "\n".join(logs)[-3000:]
     recs = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -50,6 +50,38 @@ def test_worker_runs_dear_systems(tmp_path):
     recs = _run_worker(tmp_path, ["hipress-dear", "hipress-dear-terngrad"])
     for r, comp in zip(recs, ("none", "terngrad")):
         assert r["hipress"] == {"strategy": "dear", "compressor": comp, "hierarchical": False}
+
+
+def test_worker_runs_bucket_tune_systems(tmp_path):
+    """A -tune system warms up until its tuner settles and records the trials and the size chosen;
+    a -b<MiB> system runs at that fixed size."""
+    recs = _run_worker(tmp_path, ["hipress-dear-tune", "hipress-ring-none-b2"],
+                       extra=["--tune-trials", "3", "--tune-window", "1", "--tune-warmup", "0"])
+    bt = recs[0]["bucket_tune"]
+    assert bt["done"] and len(bt["trials"]) == 3 and bt["warmup_steps"] >= 4
+    assert bt["range"] == [1 << 20, 4 * recs[0]["profile"]["parameters"]]  # capped at the model's gradient bytes
+    assert bt["chosen_bytes"] == min(bt["trials"], key=lambda t: t[1])[0]
+    assert bt["trials"][0][0] == 25 << 20 and all(v > 0 for _, v in bt["trials"])
+    assert recs[1]["config"]["bucket_bytes"] == 2 << 20 and recs[1]["buckets"] > 1
+
+
+def test_summary_and_goal_of_bucket_tuning():
+    from hipress.bench.compare import goals, summarize
+
+    tune = {"chosen_bytes": 3 << 20, "trials": [[25 << 20, 1.0]] * 12, "warmup_steps": 40, "tuning_s": 50.0,
+            "done": True, "buckets": 4}
+    recs = [{"system": "hipress-dear-tune", "bandwidth": "10gbit", "step_s": 1.0, "throughput": 96.0,
+             "bucket_tune": tune},
+            {"system": "hipress-dear-b1", "bandwidth": "10gbit", "step_s": 1.0, "throughput": 90.0},
+            {"system": "hipress-dear-b4", "bandwidth": "10gbit", "step_s": 1.0, "throughput": 100.0}]
+    systems = ["hipress-dear-tune", "hipress-dear-b1", "hipress-dear-b4"]
+    rows = summarize(recs, ["10gbit"], systems)
+    assert rows[0]["note"] == "tuned to 3.00 MiB (4 buckets) after 12 trials, 40 steps, 50 s"
+    g, = goals("resnet50", rows, ["10gbit"])
+    assert g["best"] == "hipress-dear-b4" and g["ratio"] == pytest.approx(0.96) and g["met"]
+    recs[0]["throughput"] = 94.0
+    g, = goals("resnet50", summarize(recs, ["10gbit"], systems), ["10gbit"])
+    assert not g["met"]
 
 
 def test_worker_runs_covap_systems(tmp_path):
@@ -95,6 +127,13 @@ def test_parse_system_names():
             parse_system(name)
     with pytest.raises(ValueError):
         parse_system("hipress-ring-zip")
+    assert parse_system("hipress-dear-tune") == {"kind": "hipress", "strategy": "dear", "compression": "none",
+                                                 "plan": None, "bucket_bytes": "tune"}
+    assert parse_system("hipress-ring-onebit-b0.5")["bucket_bytes"] == 1 << 19
+    assert parse_system("hipress-dear-tbq-b4")["bucket_bytes"] == 4 << 20
+    for name in ("hipress-ring-tbq-plan-tune", "hipress-covap-tune", "hipress-dear-b0", "ddp-tune"):
+        with pytest.raises(ValueError):
+            parse_system(name)
 
 
 @pytest.mark.slow  # an emulated cluster and two launches of ranks: 24 s here under load

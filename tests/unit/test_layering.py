@@ -64,3 +64,16 @@ def test_every_source_folder_is_a_regular_package():
     missing = sorted(str(d.relative_to(PKG)) for d in {p.parent for p in modules(PKG)}
                      if not (d / "__init__.py").exists())
     assert missing == []
+
+
+def test_optuna_is_imported_lazily():
+    """bucket_bytes="tune" needs optuna; ``import hipress`` must not: no module imports it at its
+    top level (only inside the functions that tune)."""
+    bad = []
+    for p in modules(PKG):
+        tree = ast.parse(p.read_text(), str(p))
+        for node in tree.body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [(str(p.relative_to(PKG)), n) for n in names if n == "optuna" or n.startswith("optuna.")]
+    assert bad == []
