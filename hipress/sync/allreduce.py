@@ -9,6 +9,9 @@ For one gradient (or fused bucket) on every rank:
                 place in the rank's one order of communication (the chain shared with
                 compressed gradients) and overlaps backward like any comm task
   2. average    (compute) divide by N (op=Average); with op=Sum the allreduce is the last task
+With ``into`` (the optimizer's fused gradients, each with its offset in ``flat``), step 2 writes
+sum / N straight into them, one pass, where an average in ``flat`` and a copy back would be two;
+``flat`` then holds the sum (fp32 on the wire) or is left as it was (bf16).
 With ``wire=torch.bfloat16`` (a plan's choice where it pays: half the bytes for two memory
 passes) step 1 is preceded by a cast of the bucket to bf16 and step 2 copies the bf16 sum back
 (then divides, in fp32). bf16 rather than fp16 because it has fp32's exponent range: a gradient
@@ -21,7 +24,7 @@ rank ends with the same bits.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,6 +47,7 @@ def contiguous_spans(bounds: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]
 
 class AllreduceStrategy(Strategy):
     name = "allreduce"
+    writes_into = True
 
     def __init__(self, average: bool = True, wire: torch.dtype = torch.float32):
         self.average = average
@@ -54,10 +58,16 @@ class AllreduceStrategy(Strategy):
         return []  # nothing is encoded: no compressor state
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
-              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
+              bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (),
+              into: Optional[Sequence[Tuple[int, torch.Tensor]]] = None, **kw) -> Handle:
+        """``into``: (offset in ``flat``, tensor) pairs that tile all of ``flat``; the result goes
+        there instead of into ``flat`` (see the module docstring)."""
         spans = contiguous_spans(bounds)
         if not spans:
             return ctx.compute(f"done.{tensor_name}", lambda: None, list(deps))
+        if into is not None and (spans != [(0, flat.numel())] or sum(t.numel() for _, t in into) != flat.numel()):
+            raise ValueError(f"{tensor_name}: 'into' must tile the whole gradient, which must be sent whole "
+                             f"(partitions {spans[:4]} of {flat.numel()} elements)")
         nbytes = 4 * sum(e - s for s, e in spans)
         cast = flat.dtype != self.wire
         if cast:
@@ -80,11 +90,21 @@ class AllreduceStrategy(Strategy):
             sent = [flat[s:e] for s, e in spans]
         sums = [ctx.exchange.allreduce(f"allreduce.{tensor_name}" + (f"/s{i}" if len(spans) > 1 else ""), t, deps)
                 for i, t in enumerate(sent)]
-        if not self.average and not cast and len(sums) == 1:
+        if not self.average and not cast and len(sums) == 1 and into is None:
             return sums[0]
         n = ctx.size
 
         def finish():
+            if into is not None:  # one span, all of flat: sent[0] holds the sum of every element
+                for off, dst in into:
+                    src = sent[0][off:off + dst.numel()].view(dst.shape)
+                    if cast or not self.average:
+                        dst.copy_(src)  # (bf16: to fp32 first, so the division is fp32's)
+                        if self.average:
+                            dst.div_(n)
+                    else:
+                        torch.div(src, n, out=dst)
+                return
             for (s, e), t in zip(spans, sent):
                 if cast:
                     flat[s:e].copy_(t)

@@ -239,6 +239,9 @@ class Strategy:
     # that more partitions cost compute calls but no messages (allgather, PS; not the ring,
     # where each partition has its own chain of exchanges).
     frames_partitions = False
+    # Whether build() takes ``into``: tensors the result is written to instead of ``flat``
+    # (the fused gradients themselves, so that no copy back follows; hipress.sync.allreduce).
+    writes_into = False
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:

@@ -127,6 +127,18 @@ class _Bucket:
         for _, p in self.params:
             p.grad.copy_(self._views[id(p)])
 
+    def into(self) -> Optional[List[Tuple[int, torch.Tensor]]]:
+        """(offset, gradient) of each parameter, for a sync that writes its result into the
+        gradients themselves (hipress.sync.allreduce: no unpack); None for a bucket synced in
+        place, or where a gradient is not a contiguous fp32 CPU tensor (unpack converts those)."""
+        if self.in_place:
+            return None
+        grads = [p.grad for _, p in self.params]
+        if any(g is None or g.dtype != torch.float32 or g.device.type != "cpu" or not g.is_contiguous()
+               for g in grads):
+            return None
+        return list(zip(self.offsets, grads))
+
 
 def final_gradient(name: str, p: torch.nn.Parameter, grad: Optional[torch.Tensor], clip, mc) -> torch.Tensor:
     """What is synced of p's final gradient of a step: zeros if p was unused (every rank then
@@ -873,6 +885,10 @@ class _HipressOptimizer:
             self._hp_handles[bucket.name] = sync.reduce_scatter(bucket.name, flat, bounds)
             return
         units = self._hp_covap.select(bucket.name, flat) if self._hp_covap is not None else None
+        into = bucket.into() if self._hp_covap is None and sync.strategy.writes_into else None
+        if into is not None:  # the backend's allreduce writes the average straight into the gradients
+            self._hp_handles[bucket.name] = sync.build(bucket.name, flat, bounds, into=into)
+            return
         if units is None:
             handles = [sync.build(bucket.name, flat, bounds, segments=bucket.segments)]
             if self._hp_covap is not None:  # profiling: time it

@@ -185,6 +185,38 @@ def test_strategy_equals_exact_average(n, numel, k):
         assert torch.equal(flat, out[0][0])
 
 
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("average", [True, False])
+def test_into_writes_the_result_into_the_gradients_themselves(wire, average):
+    """into=[(offset, tensor)]: the result goes to the fused gradients (shaped as they are), the
+    same values the strategy otherwise leaves in flat; K touching partitions are still one span.
+    into that does not tile the bucket is refused."""
+    n, shapes = 3, [(3, 5), (7,), (2, 2, 4)]
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    grads = grads_for(n, numel, seed=11)
+    want = run_allreduce(grads, chunk_bounds(numel, 2), average=average, wire=wire)[0][0]
+
+    def body(tr):
+        eng = Engine()
+        try:
+            ctx = SyncContext(eng, DirectExchange(eng, tr, CommChain()), NoneCompressor(), StateStore(tr.rank))
+            strat = AllreduceStrategy(average=average, wire=wire)
+            dsts, into, off = [], [], 0
+            for shape in shapes:
+                dsts.append(torch.full(shape, float("nan")))
+                into.append((off, dsts[-1]))
+                off += dsts[-1].numel()
+            strat.build(ctx, "w", grads[tr.rank].clone(), chunk_bounds(numel, 2), into=into).result(timeout=30)
+            with pytest.raises(ValueError, match="must tile the whole gradient"):
+                strat.build(ctx, "x", grads[tr.rank].clone(), [(0, numel)], into=into[:2])
+            return torch.cat([d.reshape(-1) for d in dsts])
+        finally:
+            eng.shutdown()
+
+    for got in loopback.spawn(n, body, timeout_s=60):
+        assert torch.equal(got, want)
+
+
 def test_strategy_issues_one_collective_per_bucket_whatever_k():
     """K partitions that touch are one allreduce (one comm task), not K."""
     grads = grads_for(3, 4097)
