@@ -32,7 +32,7 @@ workers=$!
 step cuda_libs 240 python3 -c "
 from concurrent.futures import ThreadPoolExecutor
 from hipress import compll
-specs = [s for s in compll.shipped_specs() if compll.check(s).view is None]
+specs = compll.cuda_specs()
 with ThreadPoolExecutor(16) as ex:
     for s, (_, path) in zip(specs, ex.map(lambda s: compll.build(s, cuda=True), specs)):
         print(s, path)"
