@@ -141,12 +141,13 @@ class Engine:
         self.timeline_path = timeline_path
 
     def submit(self, name: str, work: Work, queue: str = "compute", deps: Iterable[Handle] = (),
-               batch: Optional[str] = None) -> Handle:
+               batch: Optional[str] = None, keep: Any = None) -> Handle:
         """batch: tasks queued back to back with the same batch name run as one batch
-        (one hand-off, one completion pass, one timeline slice): batch compression."""
+        (one hand-off, one completion pass, one timeline slice): batch compression.
+        keep: what a native work reads or writes (tensors), kept alive as long as the handle."""
         if queue not in QUEUES:
             raise ValueError(f"unknown queue {queue!r}; expected one of {sorted(QUEUES)}")
-        box = [_NOT_SET]
+        box = [_NOT_SET, keep]
         if isinstance(work, _C.NativeWork):
             body = work
         elif callable(work):

@@ -98,6 +98,17 @@ HIPRESS_BINDINGS(engine, m) {
           return NativeWork{native_work::copy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n)};
         },
         py::arg("dst_ptr"), py::arg("src_ptr"), py::arg("nbytes"));
+  m.def("native_scatter_divided",
+        [](uintptr_t src, bool src_bf16, float divisor, const std::vector<std::tuple<size_t, uintptr_t, size_t>>& segs) {
+          std::vector<native_work::ScatterSegment> out;
+          out.reserve(segs.size());
+          for (const auto& [off, dst, n] : segs) out.push_back({off, reinterpret_cast<float*>(dst), n});
+          return NativeWork{native_work::scatter_divided(reinterpret_cast<const void*>(src), src_bf16, divisor,
+                                                         std::move(out))};
+        },
+        py::arg("src_ptr"), py::arg("src_bf16"), py::arg("divisor"), py::arg("segments"),
+        "dst = src / divisor for each (src offset in elements, fp32 dst pointer, count) segment; src fp32 or "
+        "bf16. The caller keeps every buffer alive until the task ran.");
 
   py::class_<TaskNode, TaskHandle>(m, "TaskHandle")
       .def_property_readonly("id", &TaskNode::id)

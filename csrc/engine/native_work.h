@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "engine/engine.h"
 
@@ -17,5 +18,15 @@ Work sleep(double us);
 Work fail(std::string message);
 // memcpy(dst, src, bytes) on host memory.
 Work copy(void* dst, const void* src, size_t bytes);
+
+// One piece of a scatter: count values from src[src_offset] to dst.
+struct ScatterSegment {
+  size_t src_offset;
+  float* dst;
+  size_t count;
+};
+// dst = src / divisor for every segment, in fp32 (src is fp32, or bf16 widened first; divisor 1:
+// a copy): an allreduced bucket written into the gradients it fused, one pass without the GIL.
+Work scatter_divided(const void* src, bool src_bf16, float divisor, std::vector<ScatterSegment> segments);
 
 }  // namespace hipress::native_work

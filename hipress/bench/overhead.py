@@ -7,8 +7,11 @@ Every rank builds every system at once (the system names of ``hipress.bench.comp
 ``hipress.bench.train``: each on its own copy of the model, same seed) and then runs blocks of
 ``--steps`` training steps, system after system, the order reversed every block, so a drift of
 the machine's load falls on all of them. Per block and system: the slowest rank's wall time per
-step, and every rank's CPU time per step, of the whole process (every thread) and of the training
-thread alone. Where ranks outnumber cores (this 2-core machine runs 4), a framework's own work
+step, the mean over ranks of the wall time in forward, backward and ``opt.step()`` (DDP waits for
+its allreduces at the end of backward, hipress in ``opt.step()``), and every rank's CPU time per
+step, of the whole process (every thread) and of the training thread alone. Where the first system
+is DDP, a ``compute-only`` row runs its model under ``no_sync()`` (no communication at all): the
+limit every system is measured against. Where ranks outnumber cores (this 2-core machine runs 4), a framework's own work
 costs throughput one for one, and CPU time shows it with far less noise than wall time.
 
 After the timed blocks, a probe step per hipress system times its gradient hook (the Python work
@@ -22,6 +25,8 @@ only); a rate runs them in the emulated cluster (``hipress.bench.cluster``). Pri
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import statistics
@@ -30,6 +35,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_SYSTEMS = "ddp,ddp-fp16,hipress-ring-none,hipress-auto"
+COMPUTE_ONLY = "compute-only"  # the base DDP model under no_sync(): the limit with no communication
+PHASES = ("forward_s", "backward_s", "opt_step_s")  # wall time per step in each, mean over ranks
 
 
 def _hook_probe(opt, step) -> dict:
@@ -84,40 +91,55 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
     spec = models.get(model_name)
     x, y = spec.batch(spec.batch_size, torch.Generator().manual_seed(1000 + rank))
     runs = {}
+    phases = [0.0, 0.0, 0.0]  # this block's forward, backward and opt.step() wall seconds
+
+    def timed_step(net, opt, sync=None):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        with sync() if sync is not None else contextlib.nullcontext():
+            loss = spec.loss(net(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        for i, d in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+            phases[i] += d
+
     for s, cfg in cfgs.items():
         torch.manual_seed(0)
-        net, opt, _, _, info = train._setup(s, cfg, spec.build(), 0.01)
-
-        def step(net=net, opt=opt):
-            opt.zero_grad()
-            spec.loss(net(x), y).backward()
-            opt.step()
-
-        runs[s] = {"step": step, "opt": opt if cfg["kind"] == "hipress" else None, "plan": info.get("plan")}
+        net, opt, no_sync, _, info = train._setup(s, cfg, spec.build(), 0.01)
+        runs[s] = {"step": functools.partial(timed_step, net, opt),
+                   "opt": opt if cfg["kind"] == "hipress" else None, "plan": info.get("plan")}
+        if s == systems[0] and cfg["kind"] == "ddp":  # the same model, no communication at all
+            runs[COMPUTE_ONLY] = {"step": functools.partial(timed_step, net, opt, no_sync), "opt": None}
+    order = list(runs)
 
     def block(s, n):
         dist.barrier()
+        phases[:] = [0.0, 0.0, 0.0]
         t, c, m = time.perf_counter(), time.process_time(), time.thread_time()
         for _ in range(n):
             runs[s]["step"]()
-        mine = torch.tensor([time.perf_counter() - t, time.process_time() - c, time.thread_time() - m],
+        mine = torch.tensor([time.perf_counter() - t, time.process_time() - c, time.thread_time() - m] + phases,
                             dtype=torch.float64) / n
-        every = [torch.zeros(3, dtype=torch.float64) for _ in range(size)]
+        every = [torch.zeros(6, dtype=torch.float64) for _ in range(size)]
         dist.all_gather(every, mine)
         return {"step_s": max(float(e[0]) for e in every), "cpu_s": sum(float(e[1]) for e in every) / size,
-                "main_cpu_s": sum(float(e[2]) for e in every) / size}
+                "main_cpu_s": sum(float(e[2]) for e in every) / size,
+                **{k: sum(float(e[3 + i]) for e in every) / size for i, k in enumerate(PHASES)}}
 
-    for s in systems:  # warm-up: first steps allocate, plan, profile
+    for s in order:  # warm-up: first steps allocate, plan, profile
         block(s, 2)
-    res = {s: [] for s in systems}
+    res = {s: [] for s in order}
     for b in range(blocks):
-        for s in (systems if b % 2 == 0 else systems[::-1]):
+        for s in (order if b % 2 == 0 else order[::-1]):
             res[s].append(block(s, steps))
     probes = {s: _hook_probe(r["opt"], r["step"]) for s, r in runs.items() if r["opt"] is not None}
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"np": size, "model": model_name, "blocks": res, "hook": probes,
-                       "plans": {s: r["plan"] for s, r in runs.items() if r["plan"]}}, f)
+            json.dump({"np": size, "model": model_name, "systems": order, "blocks": res, "hook": probes,
+                       "plans": {s: r["plan"] for s, r in runs.items() if r.get("plan")}}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -125,9 +147,9 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
 def summarize(res: dict, systems: list) -> list:
     """One row per system: medians over blocks, and the ratios against the first system."""
     rows = []
-    for s in systems:
+    for s in res.get("systems", systems):
         row = {"system": s}
-        for k in ("step_s", "cpu_s", "main_cpu_s"):
+        for k in ("step_s", "cpu_s", "main_cpu_s") + PHASES:
             row[k] = statistics.median(b[k] for b in res["blocks"][s])
         row.update(res["hook"].get(s, {}))
         rows.append(row)
@@ -139,12 +161,13 @@ def summarize(res: dict, systems: list) -> list:
 
 
 def table(rows: list, base: str) -> str:
-    head = ["system", "step ms", f"x {base}", "cpu ms/step", f"cpu over {base} ms", "training-thread cpu ms",
-            "hook us/gradient", "hook ms/step"]
+    head = ["system", "step ms", f"x {base}", "forward / backward / opt.step ms", "cpu ms/step", f"cpu over {base} ms",
+            "training-thread cpu ms", "hook us/gradient", "hook ms/step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         hook = (f"{r['hook_us_per_gradient']:.1f}", f"{r['hook_ms_per_step']:.2f}") if "hook_ms_per_step" in r else ("", "")
-        lines.append(f"| {r['system']} | {1e3 * r['step_s']:.1f} | {r['x_base']:.3f} | {1e3 * r['cpu_s']:.1f} | "
+        split = " / ".join(f"{1e3 * r[k]:.1f}" for k in PHASES) if PHASES[0] in r else ""
+        lines.append(f"| {r['system']} | {1e3 * r['step_s']:.1f} | {r['x_base']:.3f} | {split} | {1e3 * r['cpu_s']:.1f} | "
                      f"{r['cpu_over_base_ms']:+.1f} | {1e3 * r['main_cpu_s']:.1f} | {hook[0]} | {hook[1]} |")
     return "\n".join(lines)
 

@@ -10,7 +10,10 @@ are callables) and handed to ``sinks`` when they arrive.
     allgather(name, send, sinks, deps)           send() to every rank, sinks from every rank
     broadcast(name, buf, root, deps)             root's buf into every rank's buf, in place
     allreduce(name, values, deps)                fp32 sum over the ranks, in place, by the
-                                                 transport's own collective (has_allreduce)
+                                                 transport's own collective (has_allreduce);
+                                                 sizes_agreed / agree_on skip or extend its check
+    gather_rows(name, row, table, deps)          every rank's row of a fixed size into every
+                                                 rank's table (a few bytes of per-step control)
 
 ``max_bytes`` (sendrecv, bulk, allgather): the most bytes this rank accepts from a source,
 from what it knows itself (the compressor's ``max_encoded_bytes`` of the payloads it
@@ -97,10 +100,20 @@ class Exchange(abc.ABC):
         """Whether :meth:`allreduce` is available (the transport has a native allreduce)."""
         return False
 
-    def allreduce(self, name: str, values: torch.Tensor, deps: Sequence[Handle] = ()) -> Handle:
+    def allreduce(self, name: str, values: torch.Tensor, deps: Sequence[Handle] = (), sizes_agreed: bool = False,
+                  agree_on: Optional[int] = None) -> Handle:
         """In place: ``values`` (1-D contiguous, one of the transport's ``allreduce_dtypes``)
-        becomes the sum over the group's ranks."""
+        becomes the sum over the group's ranks. ``sizes_agreed``, ``agree_on``: as the
+        transport's (Transport.allreduce)."""
         raise NotImplementedError(f"{type(self).__name__} has no allreduce (see has_allreduce)")
+
+    def gather_rows(self, name: str, row: torch.Tensor, table: torch.Tensor, deps: Sequence[Handle] = ()) -> Handle:
+        """``table`` (uint8, ``size`` rows of ``row.numel()`` bytes) gets every rank's ``row`` (uint8),
+        in group rank order. The row's size must be fixed by a configuration the ranks compared
+        once (the optimizer's, at wrap): a transport that can skips its checking round for it."""
+        rows = table.view(self.size, row.numel())
+        return self.allgather(name, lambda: row, {r: rows[r].copy_ for r in range(self.size)}, deps,
+                              max_bytes=row.numel())
 
     def sendrecv(self, name: str, send: Send, dst: int, sink: Sink, src: int, deps: Sequence[Handle] = (),
                  max_bytes: Optional[int] = None) -> Handle:
@@ -198,11 +211,22 @@ class DirectExchange(Exchange):
 
         return self._comm(name, run, deps)
 
+    def gather_rows(self, name, row, table, deps=()):
+        tr = self.transport
+        waits_for = [m for i, m in enumerate(self.members) if i != self.rank]
+
+        def run():
+            self.chain.in_flight = (name, waits_for, tr, self.members)
+            tr.allgather(row, table, sizes_agreed=True)  # one collective, no checking round
+            self.chain.in_flight = None
+
+        return self._comm(name, run, deps)
+
     @property
     def has_allreduce(self) -> bool:
         return self.transport.has_allreduce
 
-    def allreduce(self, name, values, deps=()):
+    def allreduce(self, name, values, deps=(), sizes_agreed=False, agree_on=None):
         if not self.has_allreduce:
             return super().allreduce(name, values, deps)
         tr = self.transport
@@ -210,7 +234,7 @@ class DirectExchange(Exchange):
 
         def run():
             self.chain.in_flight = (name, waits_for, tr, self.members)
-            tr.allreduce(values)
+            tr.allreduce(values, sizes_agreed, agree_on)
             self.chain.in_flight = None
 
         return self._comm(name, run, deps)

@@ -6,6 +6,7 @@
     world.transport()              # the world transport (hipress.comm.transport.Transport)
     world.local_transport()        # ranks on this host;   world.cross_transport(): one rank per host
     world.members("local")         # world ranks of a group, in the group's rank order
+    world.control_transport()      # all ranks again, apart: control beside the data (or None)
     world.shutdown()
 
 Transport: ``init(transport=...)`` (a name or a Transport object), else the registry's choice
@@ -30,7 +31,7 @@ from hipress import config
 from hipress.comm.discovery import LaunchInfo, detect_launch
 
 __all__ = ["init", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size",
-           "cross_rank", "cross_size", "transport", "local_transport", "cross_transport",
+           "cross_rank", "cross_size", "transport", "local_transport", "cross_transport", "control_transport",
            "launch_info", "hostnames", "members", "on_shutdown", "reconnect", "silent_peers"]
 
 
@@ -46,6 +47,7 @@ class _State:
     hostnames: list
     local_members: list   # world ranks of this host, in local rank order
     cross_members: list   # world ranks with this local_rank, in cross rank order
+    control: object = None  # control_transport(), made on its first call
 
     @property
     def local_rank(self) -> int:
@@ -112,6 +114,20 @@ def cross_transport():
     return _get().cross
 
 
+def control_transport():
+    """A second transport over the world's ranks, for small control exchanges that one thread
+    runs while the comm queue's thread runs the data over the world transport (the optimizer's
+    per-step agreement, beside the step's last allreduce). None where the world's backend cannot
+    run two at once, or with one rank. Collective on its first call after init() or reconnect(),
+    which every rank makes at the same point while nothing else communicates (an optimizer's wrap
+    or reset())."""
+    with _lock:
+        s = _get()
+        if s.control is None and s.size > 1 and s.world.concurrent_splits:
+            s.control = s.world.split(0, key=s.rank)
+        return s.control
+
+
 def launch_info() -> LaunchInfo:
     return _get().launch
 
@@ -175,7 +191,7 @@ def reconnect() -> None:
         if fresh is None:
             raise RuntimeError(f"the {s.world.name} transport cannot reconnect after a failure")
         new_world = fresh()
-        for t in {id(t): t for t in (s.cross, s.local, s.world)}.values():
+        for t in {id(t): t for t in (s.cross, s.local, s.world, s.control) if t is not None}.values():
             try:
                 t.close()
             except Exception:  # noqa: BLE001 - best effort: the old connections may be broken
@@ -257,7 +273,9 @@ def shutdown() -> None:
         s, _state = _state, None
         if s is None:
             return
-        for t in (s.cross, s.local, s.world):
+        for t in (s.control, s.cross, s.local, s.world):
+            if t is None:
+                continue
             try:
                 t.close()
             except Exception:  # noqa: BLE001 - best effort at teardown

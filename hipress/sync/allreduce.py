@@ -17,6 +17,9 @@ passes) step 1 is preceded by a cast of the bucket to bf16 and step 2 copies the
 (then divides, in fp32). bf16 rather than fp16 because it has fp32's exponent range: a gradient
 neither overflows to inf nor underflows to zero on the way, whatever its scale (DDP's fp16 hook
 can do both), at 8 bits of mantissa (relative rounding 2^-9 per add).
+``agree_on`` / ``sizes_agreed`` (the optimizer's): the step's first allreduce compares a digest
+of the bucket layout in its checking round, and the step's later ones skip that round (a round
+trip at the tail of the step, where the last bucket waits for it).
 Partitions do not matter here: the bucket's contiguous partitions are one collective (K only
 pipelines compute against communication, and there is no compute to pipeline). The sum's
 order is the backend's, so it may differ from a rank-order sum in the last bit, but every
@@ -28,6 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hipress import _C
 from hipress.engine import Handle
 from hipress.sync.base import Strategy, SyncContext
 
@@ -59,15 +63,21 @@ class AllreduceStrategy(Strategy):
 
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (),
-              into: Optional[Sequence[Tuple[int, torch.Tensor]]] = None, **kw) -> Handle:
+              into: Optional[Sequence[Tuple[int, torch.Tensor]]] = None, sizes_agreed: bool = False,
+              agree_on: Optional[int] = None, **kw) -> Handle:
         """``into``: (offset in ``flat``, tensor) pairs that tile all of ``flat``; the result goes
-        there instead of into ``flat`` (see the module docstring)."""
+        there instead of into ``flat``. ``agree_on``, ``sizes_agreed``: for the transport's check
+        (see the module docstring); a later partition of this gradient skips it either way."""
         spans = contiguous_spans(bounds)
         if not spans:
             return ctx.compute(f"done.{tensor_name}", lambda: None, list(deps))
-        if into is not None and (spans != [(0, flat.numel())] or sum(t.numel() for _, t in into) != flat.numel()):
+        if into is not None and (spans != [(0, flat.numel())] or sum(t.numel() for _, t in into) != flat.numel()
+                                 or any(off < 0 or off + t.numel() > flat.numel() for off, t in into)):
             raise ValueError(f"{tensor_name}: 'into' must tile the whole gradient, which must be sent whole "
                              f"(partitions {spans[:4]} of {flat.numel()} elements)")
+        if into is not None and any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                                    for _, t in into):
+            raise ValueError(f"{tensor_name}: 'into' takes contiguous fp32 CPU tensors")
         nbytes = 4 * sum(e - s for s, e in spans)
         cast = flat.dtype != self.wire
         if cast:
@@ -88,23 +98,19 @@ class AllreduceStrategy(Strategy):
             sent = [w for _, w in views]
         else:
             sent = [flat[s:e] for s, e in spans]
-        sums = [ctx.exchange.allreduce(f"allreduce.{tensor_name}" + (f"/s{i}" if len(spans) > 1 else ""), t, deps)
+        sums = [ctx.exchange.allreduce(f"allreduce.{tensor_name}" + (f"/s{i}" if len(spans) > 1 else ""), t, deps,
+                                       sizes_agreed=sizes_agreed or (i > 0 and agree_on is not None),
+                                       agree_on=agree_on if i == 0 else None)
                 for i, t in enumerate(sent)]
         if not self.average and not cast and len(sums) == 1 and into is None:
             return sums[0]
         n = ctx.size
+        if into is not None:  # one span, all of flat: sent[0] holds the sum; one native pass, no GIL
+            work = _C.native_scatter_divided(sent[0].data_ptr(), cast, float(n) if self.average else 1.0,
+                                             [(off, dst.data_ptr(), dst.numel()) for off, dst in into])
+            return ctx.compute(f"average.{tensor_name}", work, sums, nbytes=nbytes, keep=(sent, into))
 
         def finish():
-            if into is not None:  # one span, all of flat: sent[0] holds the sum of every element
-                for off, dst in into:
-                    src = sent[0][off:off + dst.numel()].view(dst.shape)
-                    if cast or not self.average:
-                        dst.copy_(src)  # (bf16: to fp32 first, so the division is fp32's)
-                        if self.average:
-                            dst.div_(n)
-                    else:
-                        torch.div(src, n, out=dst)
-                return
             for (s, e), t in zip(spans, sent):
                 if cast:
                     flat[s:e].copy_(t)

@@ -217,15 +217,15 @@ class SyncContext:
     def size(self) -> int:
         return self.exchange.size
 
-    def compute(self, name: str, fn: Callable[[], object], deps: Sequence[Handle] = (), nbytes: int = -1) -> Handle:
-        """A compute task. Given the bytes it works on, small ones (<= batch_compute_bytes)
-        of the same primitive batch with those queued right behind them: batch
-        compression (paper §3.2), one hand-off and one completion pass for many small
-        gradients."""
+    def compute(self, name: str, fn, deps: Sequence[Handle] = (), nbytes: int = -1, keep=None) -> Handle:
+        """A compute task (a callable, or a native work with ``keep``: the tensors it touches).
+        Given the bytes it works on, small ones (<= batch_compute_bytes) of the same primitive
+        batch with those queued right behind them: batch compression (paper §3.2), one hand-off
+        and one completion pass for many small gradients."""
         batch = None
         if 0 <= nbytes <= self.batch_compute_bytes:
             batch = name.split(".", 1)[0]
-        return self.engine.submit(name, fn, queue="compute", deps=deps, batch=batch)
+        return self.engine.submit(name, fn, queue="compute", deps=deps, batch=batch, keep=keep)
 
 
 class Strategy:

@@ -45,6 +45,7 @@ from hipress import _C, config
 from hipress import compression as _compression
 from hipress.comm import world
 from hipress.comm.exchange import open_exchanges, waiting_words
+from hipress.comm.transport.base import TransportError
 from hipress.compression.none import NoneCompressor
 from hipress.engine import Handle, get_engine
 from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
@@ -74,6 +75,8 @@ def auto_bucket_bytes(compression, plain_path: bool = True) -> Tuple[int, Option
     return BUCKET_BYTES, None
 # Bytes before the per-parameter ones in a row of the per-step agreement (_hp_agree).
 _AGREE_HEADER = 4
+# The per-step agreement's name, as a task and among the step's handles.
+_AGREEMENT = "step agreement"
 # Wrapped optimizers of this process, in wrapping order (the same on every rank): names join()'s store keys.
 _wrapped = itertools.count()
 # Bytes per rank of the configuration record compared at wrap time (_hp_check_same_configuration).
@@ -88,7 +91,7 @@ class _Bucket:
     (also how fp16/bf16 and non-CPU gradients are handled).
     """
 
-    __slots__ = ("params", "name", "offsets", "numel", "segments", "in_place", "flat", "_slot", "_views")
+    __slots__ = ("params", "name", "offsets", "numel", "segments", "in_place", "flat", "_views")
 
     def __init__(self, params, own_buffer: bool = False):
         self.params = params
@@ -105,7 +108,6 @@ class _Bucket:
         self.in_place = (not own_buffer and len(params) == 1 and p0.dtype == torch.float32
                          and p0.device.type == "cpu")
         self.flat = None if self.in_place else torch.zeros(off, dtype=torch.float32)
-        self._slot = {id(p): (o, p.numel()) for o, (_, p) in zip(self.offsets, params)}  # full() in O(1)
         # each gradient's place in the buffer, shaped like it: put/unpack are one copy each (this
         # runs once per gradient per step in backward, where every Python call shows)
         self._views = {} if self.in_place else {id(p): self.flat[o:o + p.numel()].view(p.shape)
@@ -119,9 +121,6 @@ class _Bucket:
             self.flat = g.view(-1)
             return
         self._views[id(p)].copy_(p.grad)
-
-    def full(self, taken: set) -> bool:
-        return taken.issuperset(self._slot)  # in C: called once per gradient
 
     def unpack(self) -> None:
         for _, p in self.params:
@@ -463,6 +462,8 @@ class _HipressOptimizer:
             self._hp_momentum.undo_log.enabled = self._hp_guard
         self._hp_bad: set = set()  # ids of parameters whose gradient was not finite here this step
         self._hp_skip_step = False
+        # the per-step agreement's own channel where the backend has one (_hp_agree)
+        self._hp_control = world.control_transport() if self._hp_guard else None
         self.last_nonfinite: Dict[str, List[int]] = {}
 
         def sync_for(compressor, wire=torch.float32):  # uncompressed: the backend's allreduce, except under
@@ -681,12 +682,22 @@ class _HipressOptimizer:
         is where nothing changes a gradient before it is in its bucket: no clipping, no momentum
         correction, no COVAP residual, no dear, and more than one rank (one rank fills no bucket)."""
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
+        # compared by the step's first allreduce, so that its later ones skip their check (_hp_submit)
+        self._hp_layout_digest = zlib.crc32(";".join(f"{b.name}:{b.numel}" for b in self._hp_buckets).encode())
+        self._hp_layout_agreed = False
         mc = self._hp_momentum
         self._hp_check_per_bucket = set() if (not self._hp_guard or self._hp_transport.size == 1
                                               or self._hp_dear is not None
                                               or self._hp_covap is not None) else {
             b.name for b in self._hp_buckets
             if self._hp_clip_for(b) is None and (mc is None or not any(mc.corrects(p) for _, p in b.params))}
+        # parameters whose final gradient is the gradient itself (nothing to clip, correct, divide
+        # or check one by one): _hp_take only puts them in their bucket
+        self._hp_as_is = set() if self._hp_predivide != 1.0 or self._hp_dear is not None else {
+            id(p) for b in self._hp_buckets
+            if self._hp_clip_for(b) is None and (not self._hp_guard or b.name in self._hp_check_per_bucket)
+            for _, p in b.params if mc is None or not mc.corrects(p)}
+        self._hp_filled: Dict["_Bucket", int] = {}  # this step's gradients in each bucket
 
     def _hp_clip_for(self, bucket: "_Bucket"):
         """The clip of the gradients of ``bucket``: the algorithm's clipping is an aid to its
@@ -743,6 +754,8 @@ class _HipressOptimizer:
         bucket = self._hp_bucket_of[key]
         if joined:
             p.grad = torch.zeros_like(p) if grad is None or grad.is_sparse else grad.zero_()
+        elif key in self._hp_as_is and grad is not None and not grad.is_sparse:
+            pass  # what final_gradient would return: the gradient itself
         else:
             if grad is not None and grad.is_sparse:
                 if not self._hp_sparse_as_dense:
@@ -769,7 +782,8 @@ class _HipressOptimizer:
         self._hp_taken.add(key)
         if self._hp_transport.size > 1 or self._hp_dear is not None:
             bucket.put(p)
-        if bucket.full(self._hp_taken):
+        filled = self._hp_filled[bucket] = self._hp_filled.get(bucket, 0) + 1
+        if filled == len(bucket.params):
             self._hp_submit(bucket)
 
     def _hp_refresh_trainable(self) -> None:
@@ -884,13 +898,22 @@ class _HipressOptimizer:
         if self._hp_dear is not None:  # the all-gather waits for step() (hipress/torch/dear.py)
             self._hp_handles[bucket.name] = sync.reduce_scatter(bucket.name, flat, bounds)
             return
+        first = not self._hp_handles  # the step's first sync, the same bucket on every rank
         units = self._hp_covap.select(bucket.name, flat) if self._hp_covap is not None else None
-        into = bucket.into() if self._hp_covap is None and sync.strategy.writes_into else None
+        layout = {}
+        if self._hp_covap is None and sync.strategy.writes_into:  # the backend's allreduce
+            # The step's first sync compares the layout of every bucket, so a later allreduce of
+            # the step needs no check of its own: one round trip less at the tail of the step.
+            # Every rank decides the same: which bucket comes first and its strategy are the same.
+            layout = {"agree_on": self._hp_layout_digest} if first else {"sizes_agreed": self._hp_layout_agreed}
+        if first:
+            self._hp_layout_agreed = "agree_on" in layout
+        into = bucket.into() if layout else None
         if into is not None:  # the backend's allreduce writes the average straight into the gradients
-            self._hp_handles[bucket.name] = sync.build(bucket.name, flat, bounds, into=into)
+            self._hp_handles[bucket.name] = sync.build(bucket.name, flat, bounds, into=into, **layout)
             return
         if units is None:
-            handles = [sync.build(bucket.name, flat, bounds, segments=bucket.segments)]
+            handles = [sync.build(bucket.name, flat, bounds, segments=bucket.segments, **layout)]
             if self._hp_covap is not None:  # profiling: time it
                 self._hp_covap.submitted(bucket.name, _C.now_ns() * 1e-9)
                 handles[0].add_done_callback(lambda h, n=bucket.name: self._hp_covap.completed(n, _C.now_ns() * 1e-9))
@@ -980,10 +1003,19 @@ class _HipressOptimizer:
     def _hp_finish_step(self) -> bool:
         """Waits for the step's collectives, then agrees with every rank on the step (one small
         allgather: join state, trainable set, non-finite gradients). True if the step is not taken."""
-        errors = self._hp_wait_all()
+        # Every gradient is taken, so the flags are final: the agreement runs now, beside the
+        # step's last syncs, not after them.
+        table, errors = None, []
+        if self._hp_guard:
+            try:
+                table = self._hp_agree(self._hp_bad)
+            except TransportError as e:  # on the control channel: a peer that died or stalled
+                errors.append(f"the step's agreement (non-finite gradients, trainable set) failed: {e}")
+        errors = self._hp_wait_all() + errors
         self._hp_counts.clear()
         self._hp_taken.clear()
-        bad, self._hp_bad = self._hp_bad, set()
+        self._hp_filled.clear()
+        self._hp_bad = set()
         if errors:
             # keep the handles (reset() waits them out) and the undo logs (reset() undoes the step)
             self._hp_failure = errors[0].splitlines()[0][:300]
@@ -995,24 +1027,33 @@ class _HipressOptimizer:
         if not self._hp_guard:  # nothing is undone: the step is kept
             self._hp_carry_committed()
             return False
-        table = self._hp_agree(bad)
         self._hp_check_same_trainable(table)
         return self._hp_decide_nonfinite(table[:, _AGREE_HEADER:])
 
     def _hp_agree(self, bad: set) -> torch.Tensor:
         """Every rank's row: [4 bytes of the trainable set's digest, one byte per parameter (not
-        finite here this step)]. One allgather of a few bytes per step (not with nonfinite="off")."""
-        tr = self._hp_transport
+        finite here this step)], gathered into the returned table (ranks x row) by one allgather of
+        a few bytes per step (not with nonfinite="off"). Its size is fixed by the parameters, which
+        the ranks compared at wrap, so it has no checking round.
+
+        Where the backend has a control channel (world.control_transport()), this thread runs it
+        there at once, while the comm queue's thread still moves the step's last buckets: it adds
+        nothing to the step's tail. Elsewhere it is queued on the comm queue behind those buckets
+        (its handle among theirs: the table is complete once they are all done)."""
         mine = torch.zeros(_AGREE_HEADER + len(self._hp_named), dtype=torch.uint8)
         mine[:_AGREE_HEADER] = torch.tensor(list(zlib.crc32(bytes(self._hp_trainable)).to_bytes(4, "little")),
                                             dtype=torch.uint8)
         if bad:
             mine[_AGREE_HEADER:] = torch.tensor([id(p) in bad for _, p in self._hp_named], dtype=torch.uint8)
-        if tr.size == 1:
+        n = self._hp_transport.size
+        if n == 1:
             return mine.view(1, -1)
-        table = torch.empty(tr.size * mine.numel(), dtype=torch.uint8)
-        tr.allgather(mine, table)
-        return table.view(tr.size, mine.numel())
+        table = torch.empty(n * mine.numel(), dtype=torch.uint8)
+        if self._hp_control is not None:
+            self._hp_control.allgather(mine, table, sizes_agreed=True)
+        else:
+            self._hp_handles[_AGREEMENT] = self._hp_exchanges.world.gather_rows(_AGREEMENT, mine, table)
+        return table.view(n, mine.numel())
 
     def _hp_check_same_trainable(self, table: torch.Tensor) -> None:
         digests = table[:, :_AGREE_HEADER]
@@ -1198,6 +1239,7 @@ class _HipressOptimizer:
         self._hp_handles.clear()
         self._hp_counts.clear()
         self._hp_taken.clear()
+        self._hp_filled.clear()
         self._hp_bad = set()
         self._hp_undo()
         self._hp_skip_step = self._hp_synchronized = False
@@ -1208,6 +1250,7 @@ class _HipressOptimizer:
             world.reconnect()
             self._hp_exchanges.rebind(world.transport(), world.local_transport(), world.cross_transport())
             self._hp_transport = world.transport()
+            self._hp_control = world.control_transport() if self._hp_guard else None
         self._hp_failure = None
 
     def step(self, closure=None):

@@ -9,6 +9,8 @@ Scenarios (each rank writes OUT_DIR/rank{r}.pt):
            opt.join(); records every rank's batches, the final parameters and join()'s result.
   freeze   momentum SGD with TBQ: the first layer is frozen after step 1 and unfrozen after
            step 3; records the parameters at freeze time, before unfreezing, and at the end.
+  freeze_one_rank  compression none, three buckets: rank 1 alone freezes the first layer
+           for step 2; records each step's error (every rank resets after it) and the final parameters.
   reset    TBQ with momentum: at step 2 a comm call fails on every rank (injected into the
            transport); every rank catches it, calls opt.reset() and goes on. A second run never
            fails but skips step 2's batch. Records both runs' final parameters.
@@ -123,6 +125,24 @@ def main(scenario, out_dir, arg):
             train_step(model, opt, batch(rank, t))
         out["final"] = params(model)
         save(out)
+
+    elif scenario == "freeze_one_rank":
+        # compression none: the backend's allreduce over buckets [2.bias, 2.weight], [0.bias],
+        # [0.weight]; rank 1 alone freezes the first layer for step 2, so it has the first bucket only
+        model = make_model()
+        opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), compression="none",
+                                           bucket_bytes=128)
+        errors = []
+        for t in range(4):
+            if rank == 1 and t in (2, 3):
+                model[0].requires_grad_(t == 3)
+            try:
+                train_step(model, opt, batch(rank, t))
+            except RuntimeError as e:
+                errors.append((t, str(e)))
+                opt.reset()
+        save({"errors": errors, "final": params(model)})
 
     elif scenario == "reset":
         def run(inject):

@@ -105,6 +105,19 @@ def test_requires_grad_changes_after_wrapping(tmp_path, strategy):
             assert torch.equal(v, res[0]["final"][k]), f"rank {r} {k} differs from rank 0"
 
 
+def test_ranks_that_freeze_different_parameters_fail_the_step_on_every_rank(tmp_path):
+    """Rank 1's buckets differ from rank 0's for one step. The step's first allreduce compares the
+    bucket layouts (its later ones then skip their own check): every rank fails that step with the
+    same named error, before a mismatched collective could abort a process; after reset() and with
+    the same parameters trained again, the ranks agree again."""
+    res = launch(tmp_path, "freeze_one_rank", 2)
+    for r in range(2):
+        assert [t for t, _ in res[r]["errors"]] == [2], res[r]["errors"]
+        assert "ranks disagree on what the sizes follow from (agree_on)" in res[r]["errors"][0][1]
+        for k, v in res[r]["final"].items():
+            assert torch.equal(v, res[0]["final"][k]), f"rank {r} {k} differs from rank 0"
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 def test_reset_after_failed_sync(tmp_path, strategy):
     res = launch(tmp_path, "reset", 2, env={"STRATEGY": strategy})

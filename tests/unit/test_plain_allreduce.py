@@ -84,6 +84,52 @@ def test_lengths_that_differ_between_ranks_are_refused_on_every_rank():
         assert "element counts differ between ranks: [5, 5, 6]" in msg and 2 in peers
 
 
+def _counting_meta_rounds(monkeypatch):
+    """Counts the checking rounds (Transport._meta_gather) of every rank (threads share the class)."""
+    calls = []
+    real = Transport._meta_gather
+
+    def counted(self, op, values):
+        calls.append(op)
+        return real(self, op, values)
+
+    monkeypatch.setattr(Transport, "_meta_gather", counted)
+    return calls
+
+
+def test_sizes_agreed_skips_the_checking_round_and_still_sums(monkeypatch):
+    calls = _counting_meta_rounds(monkeypatch)
+
+    def body(tr):
+        x = torch.full((7,), float(tr.rank + 1))
+        tr.allreduce(x, sizes_agreed=True)
+        rows = torch.empty(3 * 2, dtype=torch.uint8)
+        tr.allgather(torch.tensor([tr.rank, 10 + tr.rank], dtype=torch.uint8), rows, sizes_agreed=True)
+        return x, rows
+
+    for x, rows in loopback.spawn(3, body, timeout_s=30):
+        assert x.tolist() == [6.0] * 7
+        assert rows.tolist() == [0, 10, 1, 11, 2, 12]
+    assert calls == []
+    # without it, each call has its round on every rank
+    loopback.spawn(3, lambda tr: tr.allreduce(torch.ones(2)), timeout_s=30)
+    assert calls == ["allreduce"] * 3
+
+
+def test_agree_on_that_differs_is_refused_on_every_rank_before_data_moves():
+    def body(tr):
+        x = torch.ones(4)
+        try:
+            tr.allreduce(x, agree_on=111 if tr.rank != 1 else 222)
+        except TransportError as e:
+            return str(e), e.peers, x.tolist()
+        return None
+
+    for msg, peers, x in loopback.spawn(3, body, timeout_s=30):
+        assert "ranks disagree on what the sizes follow from (agree_on): [111, 222, 111]" in msg and 1 in peers
+        assert x == [1.0] * 4  # nothing was summed
+
+
 def test_a_rank_that_never_arrives_is_named():
     def body(tr):
         if tr.rank == 1:
@@ -215,6 +261,22 @@ def test_into_writes_the_result_into_the_gradients_themselves(wire, average):
 
     for got in loopback.spawn(n, body, timeout_s=60):
         assert torch.equal(got, want)
+
+
+def test_into_refuses_what_its_native_pass_cannot_write():
+    eng = Engine()
+    try:
+        tr = loopback.LoopbackTransport(loopback.LoopbackWorld(1), 0)
+        ctx = SyncContext(eng, DirectExchange(eng, tr, CommChain()), NoneCompressor(), StateStore(0))
+        flat = torch.zeros(6)
+        with pytest.raises(ValueError, match="contiguous fp32 CPU"):
+            AllreduceStrategy().build(ctx, "g", flat, [(0, 6)], into=[(0, torch.zeros(6, dtype=torch.float64))])
+        with pytest.raises(ValueError, match="contiguous fp32 CPU"):
+            AllreduceStrategy().build(ctx, "g", flat, [(0, 6)], into=[(0, torch.zeros(12)[::2])])
+        with pytest.raises(ValueError, match="must tile"):
+            AllreduceStrategy().build(ctx, "g", flat, [(0, 6)], into=[(3, torch.zeros(6))])
+    finally:
+        eng.shutdown()
 
 
 def test_strategy_issues_one_collective_per_bucket_whatever_k():

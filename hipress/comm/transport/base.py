@@ -379,8 +379,13 @@ class Transport(abc.ABC):
         self._raw_alltoallv(send_buf, sc, recv_buf, rc, op)
         return recv_buf, rc
 
-    def allgather(self, send_buf: torch.Tensor, recv_buf: torch.Tensor) -> None:
-        """``recv_buf[i*m:(i+1)*m]`` = rank i's ``send_buf`` (m bytes, the same on every rank)."""
+    def allgather(self, send_buf: torch.Tensor, recv_buf: torch.Tensor, sizes_agreed: bool = False) -> None:
+        """``recv_buf[i*m:(i+1)*m]`` = rank i's ``send_buf`` (m bytes, the same on every rank).
+
+        ``sizes_agreed``: the caller has already made every rank's m the same (a size fixed by a
+        configuration that was compared across ranks once), so the checking round is skipped even
+        with ``check``: a local problem raises on this rank only, and the peers' wait ends at the
+        timeout. For small per-step exchanges, where that round would double the cost."""
         op = "allgather"
         self._ensure_open(op)
         problems = []
@@ -391,7 +396,7 @@ class Transport(abc.ABC):
         m = 0 if problems else send_buf.numel()
         if not problems and recv_buf.numel() < m * self._size:
             problems.append(f"recv_buf holds {recv_buf.numel()} bytes, needs size*{m} = {m * self._size}")
-        if self.check:
+        if self.check and not sizes_agreed:
             rows = self._meta_gather(op, [0 if problems else 1, m])
             self._raise_local_or_remote(op, problems, rows)
             sizes = [r[1] for r in rows]
@@ -469,16 +474,27 @@ class Transport(abc.ABC):
         gradients with it where it has one, and with its own ring where not."""
         return type(self)._raw_allreduce is not Transport._raw_allreduce
 
+    @property
+    def concurrent_splits(self) -> bool:
+        """Whether a split of this transport may run collectives on another thread while this one
+        runs its own (:func:`hipress.comm.world.control_transport`)."""
+        return False
+
     # The dtypes :meth:`allreduce` sums (where :attr:`has_allreduce`); backends whose collective
     # also sums 16-bit floats add them (hipress's plan may send uncompressed gradients as bf16).
     allreduce_dtypes: Tuple[torch.dtype, ...] = (torch.float32,)
 
-    def allreduce(self, values: torch.Tensor) -> None:
+    def allreduce(self, values: torch.Tensor, sizes_agreed: bool = False, agree_on: Optional[int] = None) -> None:
         """In place: every rank's ``values`` (1-D contiguous, one of :attr:`allreduce_dtypes`
         (fp32 everywhere), the same length on every rank) becomes the element-wise sum over the
         ranks, computed by the backend's own collective (gloo/NCCL allreduce, MPI_Allreduce).
         Every rank ends with the same bits. Backends without one raise NotImplementedError
-        (see :attr:`has_allreduce`)."""
+        (see :attr:`has_allreduce`).
+
+        ``agree_on``: an int64 that every rank must pass the same, compared in the checking round
+        (a digest of what later calls' sizes follow from, such as a bucket layout): a mismatch
+        raises on every rank. ``sizes_agreed``: an earlier such comparison already made the
+        length the same on every rank, so the checking round is skipped (as ``allgather``'s)."""
         op = "allreduce"
         self._ensure_open(op)
         if not self.has_allreduce:
@@ -496,13 +512,17 @@ class Transport(abc.ABC):
             if bad:
                 problems.append(bad)
         n = 0 if problems else values.numel()
-        if self.check:
-            rows = self._meta_gather(op, [0 if problems else 1, n])
+        if self.check and not sizes_agreed:
+            rows = self._meta_gather(op, [0 if problems else 1, n, 0 if agree_on is None else int(agree_on)])
             self._raise_local_or_remote(op, problems, rows)
             sizes = [r[1] for r in rows]
             if len(set(sizes)) != 1:
                 raise self._err(op, f"element counts differ between ranks: {sizes}",
                                 [i for i, s in enumerate(sizes) if s != sizes[0]] + [0])
+            agreed = [r[2] for r in rows]
+            if len(set(agreed)) != 1:
+                raise self._err(op, f"ranks disagree on what the sizes follow from (agree_on): {agreed}",
+                                [i for i, a in enumerate(agreed) if a != agreed[0]] + [0])
         elif problems:
             raise self._err(op, "; ".join(problems))
         if self._size == 1 or n == 0:

@@ -92,6 +92,10 @@ class MpiTransport(Transport):
         C, _ = _ensure_mpi_initialized()
         return cls(C.MpiComm.from_fortran(comm.py2f()), timeout_s, check)
 
+    @property
+    def concurrent_splits(self) -> bool:
+        return self._C.mpi_thread_level() >= self._C.MPI_THREAD_MULTIPLE
+
     def _check_device(self, what, t):
         if t.device.type == "cpu" or (self._cuda_aware and t.device.type == "cuda"):
             return None

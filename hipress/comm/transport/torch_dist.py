@@ -255,6 +255,10 @@ class TorchDistTransport(Transport):
         peers = [root] if self._rank != root else self._others()
         self._wait(op, [self._post(op, peers, self.pg.broadcast, [buf], opts)], peers)
 
+    @property
+    def concurrent_splits(self) -> bool:
+        return self.backend == "gloo"  # another process group: its own connections and thread
+
     def _raw_allreduce(self, values, op):
         # The backend's own algorithm (gloo: ring or halving-doubling by size; NCCL's on CUDA
         # buffers). A collective cannot tell which peer is late, so a failure names every other rank.
