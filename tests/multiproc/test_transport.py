@@ -125,6 +125,7 @@ def test_gloo_all_operations(n, launch, hosts):
     res = _assert_all_ok(n, rcs, outs, "torch/gloo")
     assert {d["launcher"] for d in res.values()} == {{"torchrun": "torchrun", "explicit": "explicit",
                                                       "horovod": "horovod-gloo"}[launch]}
+    assert {d["control"] for d in res.values()} == {"concurrent"}  # another gloo group beside the world's
     if launch == "horovod":
         assert server.puts == 1, "rank 0 publishes its store address once"
 
@@ -212,6 +213,7 @@ def test_mpi_all_operations(n, hosts, tmp_path):
     for d in res.values():
         assert d["transport"] == "mpi" and d["launcher"] == "mpi" and d["size"] == n, d
         assert "mismatch_errors" in d["checks"], d
+        assert d["control"] in ("concurrent", "none"), d  # "none": an MPI without THREAD_MULTIPLE
 
 
 # ---------------------------------------------------------------------------- failures

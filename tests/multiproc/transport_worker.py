@@ -29,6 +29,31 @@ def launch_rank():
 
 
 
+def check_control_transport(world, wt, rank, size, pattern):
+    """world.control_transport(): where the backend runs two collectives at once, small allgathers
+    on it complete while another thread's allreduce is in flight on the world transport, both
+    exact; elsewhere None. Returns 'concurrent' or 'none'."""
+    import torch
+
+    ctl = world.control_transport()
+    if not wt.concurrent_splits:
+        assert ctl is None, ctl
+        return "none"
+    assert ctl is not None and ctl is not wt and (ctl.rank, ctl.size) == (rank, size), ctl
+    assert world.control_transport() is ctl  # made once
+    big = torch.full((1 << 22,), float(rank + 1))
+    busy = threading.Thread(target=wt.allreduce, args=(big,))
+    busy.start()
+    for i in range(20):
+        table = torch.empty(4 * size, dtype=torch.uint8)
+        ctl.allgather(pattern(rank * 100 + i, 4), table, sizes_agreed=True)
+        for q in range(size):
+            assert torch.equal(table[4 * q:4 * q + 4], pattern(q * 100 + i, 4)), (i, q)
+    busy.join(60)
+    assert not busy.is_alive() and torch.equal(big, torch.full_like(big, size * (size + 1) / 2))
+    return "concurrent"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="checks", choices=["checks", "kill", "hang"])
@@ -84,6 +109,7 @@ def main():
         wt.barrier()
         out["cross_checks"] = run_checks(cross, ["alltoallv", "sendrecv_ring"])
         wt.barrier()
+        out["control"] = check_control_transport(world, wt, rank, size, pattern)
         world.shutdown()
         emit(out)
         return 0

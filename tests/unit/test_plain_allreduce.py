@@ -356,6 +356,32 @@ def test_make_sync_sends_uncompressed_gradients_through_the_allreduce_where_it_c
         assert got == ("allreduce", "allreduce", "ring", "ring")
 
 
+@pytest.mark.parametrize("coordinated", [False, True])
+def test_gather_rows_gives_every_rank_every_row_in_order(coordinated):
+    """The optimizer's per-step agreement where the backend has no control transport: queued on
+    the comm chain (direct) or planned by the coordinator, twice in a row (a step after a step)."""
+    def body(tr):
+        eng = Engine()
+        executor = Executor(tr.split(0, key=tr.rank), batch_bytes=1 << 12) if coordinated else None
+        try:
+            ex = _exchanges(eng, tr, executor).world
+            tables = []
+            for step in range(2):
+                row = torch.tensor([tr.rank, step, 7, 100 + tr.rank], dtype=torch.uint8)
+                table = torch.empty(tr.size * 4, dtype=torch.uint8)
+                ex.gather_rows("step agreement", row, table).result(timeout=30)
+                tables.append(table.view(tr.size, 4).tolist())
+            return tables
+        finally:
+            if executor is not None:
+                executor.close()
+            eng.shutdown()
+
+    for tables in loopback.spawn(3, body, timeout_s=60):
+        for step, table in enumerate(tables):
+            assert table == [[r, step, 7, 100 + r] for r in range(3)]
+
+
 def test_local_aggregation_sums_the_host_with_the_allreduce():
     """4 ranks on 2 "hosts": the host phase is an allreduce; uncompressed across hosts too."""
     n = 4
