@@ -684,7 +684,7 @@ class _HipressOptimizer:
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
         # compared by the step's first allreduce, so that its later ones skip their check (_hp_submit)
         self._hp_layout_digest = zlib.crc32(";".join(f"{b.name}:{b.numel}" for b in self._hp_buckets).encode())
-        self._hp_layout_agreed = False
+        self._hp_layout_check = "open"
         mc = self._hp_momentum
         self._hp_check_per_bucket = set() if (not self._hp_guard or self._hp_transport.size == 1
                                               or self._hp_dear is not None
@@ -887,6 +887,18 @@ class _HipressOptimizer:
             return sync, entry.bounds(bucket.numel)
         return self._hp_compressed, bucket_bounds(bucket, self._hp_partition_bytes, self._hp_split_tensors)
 
+    def _hp_layout_kw(self, sync) -> dict:
+        """The checking round of the step's next sync. The step's first one, where it is the
+        backend's allreduce, compares the digest of every bucket's name and size (agree_on), so
+        the step's later allreduces skip their round (sizes_agreed): one round trip less at the
+        tail of the step. Where the first is another strategy's, every sync keeps its own checks.
+        Every rank decides the same: the order of syncs and their strategies are the same."""
+        plain = sync.strategy.writes_into  # the backend's allreduce
+        if self._hp_layout_check == "open":
+            self._hp_layout_check = "compared" if plain else "unchecked"
+            return {"agree_on": self._hp_layout_digest} if plain else {}
+        return {"sizes_agreed": True} if plain and self._hp_layout_check == "compared" else {}
+
     def _hp_submit(self, bucket: "_Bucket"):
         if self._hp_transport.size == 1:
             self._hp_handles[bucket.name] = None
@@ -898,27 +910,19 @@ class _HipressOptimizer:
         if self._hp_dear is not None:  # the all-gather waits for step() (hipress/torch/dear.py)
             self._hp_handles[bucket.name] = sync.reduce_scatter(bucket.name, flat, bounds)
             return
-        first = not self._hp_handles  # the step's first sync, the same bucket on every rank
         units = self._hp_covap.select(bucket.name, flat) if self._hp_covap is not None else None
-        layout = {}
-        if self._hp_covap is None and sync.strategy.writes_into:  # the backend's allreduce
-            # The step's first sync compares the layout of every bucket, so a later allreduce of
-            # the step needs no check of its own: one round trip less at the tail of the step.
-            # Every rank decides the same: which bucket comes first and its strategy are the same.
-            layout = {"agree_on": self._hp_layout_digest} if first else {"sizes_agreed": self._hp_layout_agreed}
-        if first:
-            self._hp_layout_agreed = "agree_on" in layout
-        into = bucket.into() if layout else None
+        into = bucket.into() if units is None and sync.strategy.writes_into else None
         if into is not None:  # the backend's allreduce writes the average straight into the gradients
-            self._hp_handles[bucket.name] = sync.build(bucket.name, flat, bounds, into=into, **layout)
+            self._hp_handles[bucket.name] = sync.build(bucket.name, flat, bounds, into=into,
+                                                       **self._hp_layout_kw(sync))
             return
         if units is None:
-            handles = [sync.build(bucket.name, flat, bounds, segments=bucket.segments, **layout)]
+            handles = [sync.build(bucket.name, flat, bounds, segments=bucket.segments, **self._hp_layout_kw(sync))]
             if self._hp_covap is not None:  # profiling: time it
                 self._hp_covap.submitted(bucket.name, _C.now_ns() * 1e-9)
                 handles[0].add_done_callback(lambda h, n=bucket.name: self._hp_covap.completed(n, _C.now_ns() * 1e-9))
         else:  # COVAP: only the selected units, each a sync (and compressor state) of its own
-            handles = [sync.build(f"{bucket.name}/u{t}", flat, [r]) for t, r in units]
+            handles = [sync.build(f"{bucket.name}/u{t}", flat, [r], **self._hp_layout_kw(sync)) for t, r in units]
         if bucket.in_place and len(handles) == 1:
             self._hp_handles[bucket.name] = handles[0]
         elif not bucket.in_place or handles:
@@ -1022,6 +1026,7 @@ class _HipressOptimizer:
             shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
             raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(shown))
         self._hp_handles.clear()
+        self._hp_layout_check = "open"
         self._hp_finish_gradients()
         self._hp_steps += 1
         if not self._hp_guard:  # nothing is undone: the step is kept
@@ -1237,6 +1242,7 @@ class _HipressOptimizer:
                 raise RuntimeError(f"hipress reset(): task '{h.name}' still runs after {deadline:g} s "
                                    f"(HIPRESS_TIMEOUT_S); {self._hp_waiting_for()}")
         self._hp_handles.clear()
+        self._hp_layout_check = "open"
         self._hp_counts.clear()
         self._hp_taken.clear()
         self._hp_filled.clear()
