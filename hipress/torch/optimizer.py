@@ -911,7 +911,8 @@ class _HipressOptimizer:
             self._hp_handles[bucket.name] = sync.reduce_scatter(bucket.name, flat, bounds)
             return
         units = self._hp_covap.select(bucket.name, flat) if self._hp_covap is not None else None
-        into = bucket.into() if units is None and sync.strategy.writes_into else None
+        # (not under COVAP: its profiler times the sync below, and its filter reads the bucket)
+        into = bucket.into() if self._hp_covap is None and sync.strategy.writes_into else None
         if into is not None:  # the backend's allreduce writes the average straight into the gradients
             self._hp_handles[bucket.name] = sync.build(bucket.name, flat, bounds, into=into,
                                                        **self._hp_layout_kw(sync))

@@ -4,7 +4,7 @@
 
 Run A: compression="covap" with a fixed interval 2 (and sharding: bucket_bytes=0 makes each
 parameter a bucket, the large weight splits) for STEPS steps; the final parameters go to
-OUT_DIR/fixed-rank{r}.pt. Run B: interval "auto" with 2 profiled steps; its profile and the
+OUT_DIR/fixed-rank{r}.pt. Run B (one fused bucket): interval "auto" with 2 profiled steps; its profile and the
 steps it took go to OUT_DIR/auto-rank{r}.pt.
 """
 import os
@@ -41,7 +41,7 @@ def main(out):
     model = make_model()
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters(), compression="covap",
-                                       profile_steps=2, bucket_bytes=0)
+                                       profile_steps=2, bucket_bytes=1 << 20)  # fused: not synced in place
     train(opt, model, rank, 2)
     before = opt.covap_profile
     train(opt, model, rank, 2)

@@ -69,7 +69,7 @@ def test_profiler_agrees_across_ranks(out):
     for r in res:
         assert r["before"] is None, "profiled before its 1 warm-up + 2 timed steps were over"
         p = r["after"]
-        assert p is not None and p.t_comp > 0 and p.t_comm >= 0
+        assert p is not None and p.t_comp > 0 and p.t_comm > 0  # the profiler timed the syncs
         assert p.interval == min(covap.interval_from_ccr(p.ccr), covap.MAX_INTERVAL)
     assert res[0]["after"] == res[1]["after"], "ranks computed different profiles"
     assert res[0]["state"]["filter"]["interval"] == res[0]["after"].interval
