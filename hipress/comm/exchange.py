@@ -14,6 +14,8 @@ are callables) and handed to ``sinks`` when they arrive.
                                                  sizes_agreed / agree_on skip or extend its check
     gather_rows(name, row, table, deps)          every rank's row of a fixed size into every
                                                  rank's table (a few bytes of per-step control)
+    alltoallv(name, send, sc, recv, rc, deps)    the transport's alltoallv / allgatherv, sizes
+    allgatherv(name, send, recv, rc, deps)       known on both sides (has_allreduce: direct only)
 
 ``max_bytes`` (sendrecv, bulk, allgather): the most bytes this rank accepts from a source,
 from what it knows itself (the compressor's ``max_encoded_bytes`` of the payloads it
@@ -106,6 +108,18 @@ class Exchange(abc.ABC):
         becomes the sum over the group's ranks. ``sizes_agreed``, ``agree_on``: as the
         transport's (Transport.allreduce)."""
         raise NotImplementedError(f"{type(self).__name__} has no allreduce (see has_allreduce)")
+
+    def alltoallv(self, name: str, send: torch.Tensor, send_counts: Sequence[int], recv: torch.Tensor,
+                  recv_counts: Sequence[int], deps: Sequence[Handle] = ()) -> Handle:
+        """The transport's alltoallv of uint8 buffers whose sizes both sides know (the native
+        reduce-scatter of uncompressed gradients, hipress.sync.allreduce; where has_allreduce)."""
+        raise NotImplementedError(f"{type(self).__name__} has no native alltoallv (see has_allreduce)")
+
+    def allgatherv(self, name: str, send: torch.Tensor, recv: torch.Tensor, recv_counts: Sequence[int],
+                   deps: Sequence[Handle] = ()) -> Handle:
+        """The transport's allgatherv of uint8 buffers (the native all-gather of uncompressed
+        gradients; where has_allreduce)."""
+        raise NotImplementedError(f"{type(self).__name__} has no native allgatherv (see has_allreduce)")
 
     def gather_rows(self, name: str, row: torch.Tensor, table: torch.Tensor, deps: Sequence[Handle] = ()) -> Handle:
         """``table`` (uint8, ``size`` rows of ``row.numel()`` bytes) gets every rank's ``row`` (uint8),
@@ -212,32 +226,34 @@ class DirectExchange(Exchange):
         return self._comm(name, run, deps)
 
     def gather_rows(self, name, row, table, deps=()):
-        tr = self.transport
-        waits_for = [m for i, m in enumerate(self.members) if i != self.rank]
-
-        def run():
-            self.chain.in_flight = (name, waits_for, tr, self.members)
-            tr.allgather(row, table, sizes_agreed=True)  # one collective, no checking round
-            self.chain.in_flight = None
-
-        return self._comm(name, run, deps)
+        # one collective, no checking round
+        return self._native(name, deps, lambda tr: tr.allgather(row, table, sizes_agreed=True))
 
     @property
     def has_allreduce(self) -> bool:
         return self.transport.has_allreduce
 
-    def allreduce(self, name, values, deps=(), sizes_agreed=False, agree_on=None):
-        if not self.has_allreduce:
-            return super().allreduce(name, values, deps)
+    def alltoallv(self, name, send, send_counts, recv, recv_counts, deps=()):
+        return self._native(name, deps, lambda tr: tr.alltoallv(send, send_counts, recv, recv_counts))
+
+    def allgatherv(self, name, send, recv, recv_counts, deps=()):
+        return self._native(name, deps, lambda tr: tr.allgatherv(send, recv, recv_counts))
+
+    def _native(self, name, deps, call) -> Handle:
         tr = self.transport
         waits_for = [m for i, m in enumerate(self.members) if i != self.rank]
 
         def run():
             self.chain.in_flight = (name, waits_for, tr, self.members)
-            tr.allreduce(values, sizes_agreed, agree_on)
+            call(tr)
             self.chain.in_flight = None
 
         return self._comm(name, run, deps)
+
+    def allreduce(self, name, values, deps=(), sizes_agreed=False, agree_on=None):
+        if not self.has_allreduce:
+            return super().allreduce(name, values, deps)
+        return self._native(name, deps, lambda tr: tr.allreduce(values, sizes_agreed, agree_on))
 
 
 class CoordinatedExchange(Exchange):

@@ -33,6 +33,7 @@ import torch
 
 from hipress import _C
 from hipress.engine import Handle
+from hipress.planner.plan import chunk_bounds
 from hipress.sync.base import Strategy, SyncContext
 
 
@@ -118,3 +119,57 @@ class AllreduceStrategy(Strategy):
                     flat[s:e].div_(n)
 
         return ctx.compute(f"average.{tensor_name}", finish, sums, nbytes=nbytes)
+
+    # The two phases apart (strategy "dear": the reduce-scatter in backward, the all-gather before
+    # the next forward), each one native collective per contiguous span: chunk j of the span
+    # belongs to rank j (chunk_bounds), as the pair below agrees; not the ring's 2(N-1) steps.
+    def reduce_scatter(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
+                       bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
+        """One alltoallv sends chunk j of each span to rank j; this rank sums the n chunks it got
+        (in rank order) into its own chunk: it holds the sum over ranks (not yet averaged)."""
+        return self._each_span(ctx, tensor_name, flat, bounds, deps, self._reduce_scatter)
+
+    def all_gather(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
+                   bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
+        """This rank's chunk of each span averaged, then one allgatherv of the chunks: afterwards
+        every rank's ``flat`` holds the same average."""
+        return self._each_span(ctx, tensor_name, flat, bounds, deps, self._all_gather)
+
+    @staticmethod
+    def _each_span(ctx, tensor_name, flat, bounds, deps, phase) -> Handle:
+        if ctx.size == 1:
+            return ctx.compute(f"done.{tensor_name}", lambda: None, list(deps))
+        spans = contiguous_spans(bounds)
+        finals = [phase(ctx, f"{tensor_name}/s{i}", flat[s:e], deps) for i, (s, e) in enumerate(spans)]
+        if len(finals) == 1:
+            return finals[0]
+        return ctx.compute(f"done.{tensor_name}", lambda: None, deps=finals or list(deps))
+
+    @staticmethod
+    def _chunks(ctx, x: torch.Tensor):
+        cb = chunk_bounds(x.numel(), ctx.size)
+        return cb, [4 * (e - s) for s, e in cb]
+
+    def _reduce_scatter(self, ctx, key, x, deps) -> Handle:
+        n, r = ctx.size, ctx.rank
+        cb, counts = self._chunks(ctx, x)
+        mine = x[cb[r][0]:cb[r][1]]
+        got = torch.empty(n * mine.numel(), dtype=torch.float32)
+        moved = ctx.exchange.alltoallv(f"alltoallv.{key}", x.view(torch.uint8), counts, got.view(torch.uint8),
+                                       [counts[r]] * n, deps)
+        return ctx.compute(f"reduce.{key}", lambda: torch.sum(got.view(n, -1), 0, out=mine), [moved],
+                           nbytes=4 * got.numel())
+
+    def _all_gather(self, ctx, key, x, deps) -> Handle:
+        n, r = ctx.size, ctx.rank
+        cb, counts = self._chunks(ctx, x)
+        mine = x[cb[r][0]:cb[r][1]]
+        send = torch.empty_like(mine)  # the average travels, so every rank ends with the owner's bits
+
+        def average():
+            torch.div(mine, n, out=send) if self.average else send.copy_(mine)
+
+        ready = ctx.compute(f"average.{key}", average, list(deps), nbytes=4 * mine.numel())
+        return ctx.exchange.allgatherv(f"allgatherv.{key}", send.view(torch.uint8), x.view(torch.uint8), counts,
+                                       [ready])
+

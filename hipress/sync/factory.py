@@ -87,7 +87,8 @@ class Sync:
     def forget_layout(self) -> None:
         self.strategy.forget_layout()
 
-    # The ring's two phases, apart (only RingStrategy has them; strategy "dear" uses them).
+    # The two phases, apart (RingStrategy's, and AllreduceStrategy's over the backend's collectives;
+    # strategy "dear" uses them).
     def reduce_scatter(self, name: str, flat: torch.Tensor, bounds: Sequence[Tuple[int, int]]) -> Handle:
         return self.strategy.reduce_scatter(self.ctx, name, flat, bounds)
 

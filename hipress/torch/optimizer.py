@@ -466,11 +466,11 @@ class _HipressOptimizer:
         self._hp_control = world.control_transport() if self._hp_guard else None
         self.last_nonfinite: Dict[str, List[int]] = {}
 
-        def sync_for(compressor, wire=torch.float32):  # uncompressed: the backend's allreduce, except under
-            # dear (the ring's phases); wire: the dtype uncompressed gradients travel in
+        def sync_for(compressor, wire=torch.float32):  # uncompressed: the backend's collectives (under dear
+            # its alltoallv and allgatherv as the two phases); wire: the dtype uncompressed gradients travel in
             return make_sync(engine, exchanges, compressor, self._hp_strategy_name, self._hp_states,
                              self._hp_average, self._hp_hierarchical, world.size(), world.local_rank() == 0,
-                             plain_allreduce=not options.dear, wire=wire)
+                             wire=wire)
 
         self._hp_split_tensors = splits_tensors(self._hp_compressor, self._hp_strategy_name)
         # Compressed and plain gradients share the exchanges, so communication keeps one order per rank.

@@ -263,6 +263,40 @@ def test_into_writes_the_result_into_the_gradients_themselves(wire, average):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("average", [True, False])
+def test_phases_apart_are_the_exact_sum_identical_on_every_rank(n, average):
+    """strategy "dear"'s two phases over the backend's collectives: after the reduce-scatter each
+    rank's chunk of each span holds the sum; after the all-gather every rank holds the same
+    average (or sum), with a gap in the partitions left untouched and chunks of unequal sizes."""
+    numel = 1003
+    grads = grads_for(n, numel, seed=11 + n)
+    bounds = [(0, 500), (500, 500), (600, 1003)]  # elements 500..599 are not synced
+
+    def body(tr):
+        eng = Engine()
+        try:
+            ctx = SyncContext(eng, DirectExchange(eng, tr, CommChain()), NoneCompressor(), StateStore(tr.rank))
+            strat = AllreduceStrategy(average=average)
+            flat = grads[tr.rank].clone()
+            strat.reduce_scatter(ctx, "w", flat, bounds).result(timeout=30)
+            reduced = flat.clone()
+            strat.all_gather(ctx, "w", flat, bounds).result(timeout=30)
+            return reduced, flat
+        finally:
+            eng.shutdown()
+
+    out = loopback.spawn(n, body, timeout_s=60)
+    exact = torch.stack(grads).double().sum(0).float()
+    for r, (reduced, flat) in enumerate(out):
+        for s, e in [(0, 500), (600, 1003)]:
+            cs, ce = chunk_bounds(e - s, n)[r]
+            torch.testing.assert_close(reduced[s + cs:s + ce], exact[s + cs:s + ce], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(flat[s:e], exact[s:e] / (n if average else 1), rtol=1e-6, atol=1e-6)
+            assert torch.equal(flat[s:e], out[0][1][s:e])  # the owner's bits on every rank
+        assert torch.equal(flat[500:600], grads[r][500:600])
+
+
 def test_into_refuses_what_its_native_pass_cannot_write():
     eng = Engine()
     try:
