@@ -58,9 +58,10 @@ from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWar
 Average = "average"
 Sum = "sum"
 # Tensor fusion's bucket size (bucket_bytes="auto"). Uncompressed buckets go through the backend's
-# allreduce, one engine task and one call each, so fewer, larger ones win: DDP's 25 MiB
+# collectives, one engine task and one call each, so fewer, larger ones win: DDP's 25 MiB
 # (docs/benchmarks.md: uncompressed hipress at 10 Gbit/s, 0.79-0.82x DDP with 1 MiB buckets,
-# 0.93-0.98x with 25 MiB). Compressed buckets stay small, so encoding starts early in backward.
+# 0.93-0.98x with 25 MiB; uncompressed dear, docs/dear.md: 0.79x with 1 MiB, 1.02x with 25 MiB).
+# Compressed buckets stay small, so encoding starts early in backward.
 PLAIN_BUCKET_BYTES = 25 << 20
 BUCKET_BYTES = 1 << 20
 
@@ -69,7 +70,8 @@ def auto_bucket_bytes(compression, plain_path: bool = True) -> Tuple[int, Option
     """bucket_bytes="auto": (bucket size, size of the first bucket of backward or None: as the
     others). DDP's rule, PLAIN_BUCKET_BYTES after a first bucket of BUCKET_BYTES (so the
     allreduce starts early in backward), for an uncompressed algorithm on the plain path (no
-    plan, dear or coordinator; COVAP with "none" inside too); else BUCKET_BYTES throughout."""
+    plan or coordinator; dear's phases and COVAP with "none" inside too); else BUCKET_BYTES
+    throughout."""
     if plain_path and getattr(compression, "name", compression) == "none":
         return PLAIN_BUCKET_BYTES, BUCKET_BYTES
     return BUCKET_BYTES, None
@@ -394,7 +396,7 @@ class Options:
         if self.bucket_bytes == "auto":
             # COVAP (its compression is now the inner algorithm) filters fused buckets: with "none" inside,
             # DDP's buckets, as in its paper (units are those buckets, sharded by the median rule)
-            plain = self.plan is None and not self.dear and not self.coordinator
+            plain = self.plan is None and not self.coordinator
             size, first = auto_bucket_bytes(self.compression, plain)
             object.__setattr__(self, "bucket_bytes", size)
             object.__setattr__(self, "first_bucket_bytes", first)

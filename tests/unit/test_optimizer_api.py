@@ -308,3 +308,20 @@ def test_a_plan_corrects_momentum_only_where_it_compresses(model):
                plan=plan, bucket_bytes=1)
     assert {n for n, p in model.named_parameters() if opt._hp_momentum.corrects(p)} == {"0.weight", "0.bias"}
     assert opt._hp_clip_for(opt._hp_bucket_of[id(model[2].weight)]) is None
+
+
+@pytest.mark.parametrize("kw,want", [
+    (dict(), (25 << 20, 1 << 20)),                                   # the backend's allreduce: DDP's rule
+    (dict(strategy="dear"), (25 << 20, 1 << 20)),                    # dear's native phases too
+    (dict(compression="covap"), (25 << 20, 1 << 20)),                # COVAP with "none" inside
+    (dict(compression="terngrad"), (1 << 20, None)),                 # compressed: small, early encodes
+    (dict(strategy="dear", compression="onebit"), (1 << 20, None)),
+    (dict(plan="auto", compression="terngrad"), (1 << 20, None)),    # a plan fuses its plain runs itself
+    (dict(coordinator=True), (1 << 20, None)),                       # the coordinator: hipress's ring
+])
+def test_auto_bucket_bytes_follow_the_path_a_bucket_takes(kw, want):
+    from hipress.torch.optimizer import Options
+
+    o = Options(**kw)
+    assert (o.bucket_bytes, o.first_bucket_bytes) == want
+
