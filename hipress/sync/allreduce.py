@@ -135,15 +135,10 @@ class AllreduceStrategy(Strategy):
         every rank's ``flat`` holds the same average."""
         return self._each_span(ctx, tensor_name, flat, bounds, deps, self._all_gather)
 
-    @staticmethod
-    def _each_span(ctx, tensor_name, flat, bounds, deps, phase) -> Handle:
+    def _each_span(self, ctx, tensor_name, flat, bounds, deps, phase) -> Handle:
         if ctx.size == 1:
             return ctx.compute(f"done.{tensor_name}", lambda: None, list(deps))
-        spans = contiguous_spans(bounds)
-        finals = [phase(ctx, f"{tensor_name}/s{i}", flat[s:e], deps) for i, (s, e) in enumerate(spans)]
-        if len(finals) == 1:
-            return finals[0]
-        return ctx.compute(f"done.{tensor_name}", lambda: None, deps=finals or list(deps))
+        return self._each_range(ctx, tensor_name, flat, contiguous_spans(bounds), deps, phase, "s")
 
     @staticmethod
     def _chunks(ctx, x: torch.Tensor):

@@ -249,6 +249,16 @@ class Strategy:
         ``segments``, the (offset, numel, shape) of each matrix of a fused buffer)."""
         raise NotImplementedError
 
+    @staticmethod
+    def _each_range(ctx: SyncContext, tensor_name: str, flat: torch.Tensor, ranges: Sequence[Tuple[int, int]],
+                    deps: Sequence[Handle], phase, tag: str) -> Handle:
+        """``phase(ctx, key, flat[s:e], deps)`` on each non-empty range (keys ``{tensor_name}/{tag}{i}``),
+        joined into one handle: a strategy's phases run per partition (ring) or per span (allreduce)."""
+        finals = [phase(ctx, f"{tensor_name}/{tag}{i}", flat[s:e], deps) for i, (s, e) in enumerate(ranges) if e > s]
+        if len(finals) == 1:
+            return finals[0]
+        return ctx.compute(f"done.{tensor_name}", lambda: None, deps=finals or list(deps))
+
     def reserve(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]) -> None:
         """Declares a gradient's partitions before its first build. A strategy whose
         per-partition choices depend on the order partitions first appear in (PS: which rank

@@ -45,7 +45,7 @@ class RingStrategy(Strategy):
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
         def both(ctx, key, x, deps):  # each partition pipelines on its own
             return self._all_gather(ctx, key, x, [self._reduce_scatter(ctx, key, x, deps)])
-        return self._each_partition(ctx, tensor_name, flat, bounds, deps, both)
+        return self._each_range(ctx, tensor_name, flat, bounds, deps, both, "p")
 
     # The two phases are separate builds so that a schedule may run them apart (strategy
     # "dear": reduce-scatter in backward, all-gather before the next forward). Between them
@@ -54,13 +54,13 @@ class RingStrategy(Strategy):
                        bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
         """Reduce-scatter of every partition: afterwards this rank holds, in ``flat``, the sum
         over all ranks of chunk (rank + 1) mod N of each partition (not yet averaged)."""
-        return self._each_partition(ctx, tensor_name, flat, bounds, deps, self._reduce_scatter)
+        return self._each_range(ctx, tensor_name, flat, bounds, deps, self._reduce_scatter, "p")
 
     def all_gather(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
                    bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
         """All-gather of the chunks :meth:`reduce_scatter` left on each rank (same name and
         bounds), then the average: afterwards ``flat`` is the synchronized gradient."""
-        return self._each_partition(ctx, tensor_name, flat, bounds, deps, self._all_gather)
+        return self._each_range(ctx, tensor_name, flat, bounds, deps, self._all_gather, "p")
 
     def state_spans(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]):
         """One state per chunk of each partition (encode_chunk's ``{key}/c{chunk}``): on each rank
@@ -68,14 +68,6 @@ class RingStrategy(Strategy):
         return [(f"{tensor_name}/p{i}/c{c}", s + cs, s + ce)
                 for i, (s, e) in enumerate(bounds) if e > s
                 for c, (cs, ce) in enumerate(chunk_bounds(e - s, ctx.size))]
-
-    @staticmethod
-    def _each_partition(ctx, tensor_name, flat, bounds, deps, phase) -> Handle:
-        finals = [phase(ctx, f"{tensor_name}/p{i}", flat[s:e], deps)
-                  for i, (s, e) in enumerate(bounds) if e > s]
-        if len(finals) == 1:
-            return finals[0]
-        return ctx.compute(f"done.{tensor_name}", lambda: None, deps=finals or list(deps))
 
     @staticmethod
     def _views(ctx: SyncContext, x: torch.Tensor):
