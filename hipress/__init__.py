@@ -92,6 +92,7 @@ _EXPORTS = {
     "ddp": ("hipress.ddp", None),  # the DDP communication hook (a module; hipress/torch/ddp.py)
     "fsdp": ("hipress.fsdp", None),  # FSDP2's reduce-scatter (a module; hipress/torch/fsdp.py)
     "grace": ("hipress.compression.grace_api", None),  # GRACE's API as a porting layer (a module)
+    "clipping": ("hipress.torch.clipping", None),  # grad_clip= values: sigma(c), PAPER (a module)
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -96,8 +96,27 @@ def tbq_var(kind):
         return enc, (lambda y, n: y)
     return make
 
+def terngrad_var(kind):
+    """rows[-MIN]: min/max per row of each weight matrix, for rows of at least MIN elements."""
+    min_row = int(kind.partition("-")[2] or 0)
+    def make(p, n, counter):
+        L = ROWLEN.get(n, 0)
+        if L < min_row: L = 0
+        st = [counter]
+        def enc(x):
+            x = np.asarray(x, np.float32)
+            b = blocks(x, L); out = np.empty_like(b)
+            for i in range(b.shape[0]):
+                out[i] = ref.terngrad_decode(ref.terngrad_encode(b[i], int(p["bitwidth"]), int(p["seed"]), st[0] + i * b.shape[1]), b.shape[1])
+            st[0] += n
+            return out.reshape(-1)
+        return enc, (lambda y, n: y)
+    return make
+
 if a.algo == "onebit":
     simulate.SINGLE_ROUND["onebit"] = (set(), set(), onebit_var(a.variant))
+elif a.algo == "terngrad":
+    simulate.SINGLE_ROUND["terngrad"] = ({"bitwidth", "seed"}, set(), terngrad_var(a.variant))
 else:
     simulate.SINGLE_ROUND["tbq"] = ({"threshold", "relative"}, set(), tbq_var(a.variant))
 

@@ -9,8 +9,8 @@ hyper-parameters as hipress's ranks (hipress/bench/tasks.py):
   1. every worker computes its gradient on its own batch (one model: under allgather
      semantics every rank holds bit-identical parameters, so one copy stands for all);
   2. each worker's gradient is treated as ``hipress.DistributedOptimizer``'s defaults treat
-     it, per parameter, before compression: clipped (``grad_clip="auto"``,
-     hipress/torch/clipping.py; TernGrad: 2.5 sigma), then turned into the worker's own
+     it, per parameter, before compression: clipped if asked (``grad_clip``,
+     hipress/torch/clipping.py; the default clips nothing), then turned into the worker's own
      velocity (``momentum_correction="auto"``, hipress/torch/momentum.py: single-round
      algorithms with a momentum SGD, which then steps without momentum);
   3. the gradients are fused into the buckets and partitions hipress syncs with the

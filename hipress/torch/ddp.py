@@ -16,8 +16,8 @@ completes when the engine's last task of that sync does. Errors of the sync beco
 future's exception, so ``backward()`` raises; a sync that does not finish within
 ``HIPRESS_TIMEOUT_S`` fails the future with a ``TimeoutError``.
 
-What the optimizer does and the hook does too: the algorithm's clipping (``grad_clip="auto"``:
-TernGrad's 2.5 sigma per tensor), compressor state per rank (``state.state_dict()``),
+What the optimizer does and the hook does too: the clipping (``grad_clip="paper"``:
+TernGrad's 2.5 sigma per tensor; ``"auto"`` clips nothing), compressor state per rank (``state.state_dict()``),
 averaging, and momentum correction, but not by itself: a hook cannot change the optimizer's
 step, so the user moves SGD's momentum into the hook (``momentum_correction=0.9`` and an SGD
 with ``momentum=0``; the optimizer's ``"auto"`` applies it to single-round algorithms).

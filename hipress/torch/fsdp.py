@@ -92,8 +92,8 @@ class FsdpState:
     compression: an algorithm name (with its keyword arguments) or a Compressor, single-round.
     partition_bytes: the ring runs on column partitions of FSDP's buffer of at most this many bytes
     (over all N rows), each its own chain of hops, so encoding one overlaps sending another.
-    grad_clip: as for ``hipress.DistributedOptimizer`` ("auto": TernGrad's 2.5 sigma per
-    parameter), applied to each parameter's whole unsharded gradient on each rank before
+    grad_clip: as for ``hipress.DistributedOptimizer`` ("paper": TernGrad's 2.5 sigma per
+    parameter; "auto": none), applied to each parameter's whole unsharded gradient on each rank before
     compression. timeout_s: how long one reduce-scatter may take (default ``HIPRESS_TIMEOUT_S``).
     Nothing connects or allocates until the first reduce-scatter.
     """

@@ -335,7 +335,7 @@ class Options:
     plan: object = None
     coordinator: Optional[bool] = None    # None: HIPRESS_COORDINATOR
     bucket_bytes: object = "auto"          # an int, None, "auto" (PLAIN_BUCKET_BYTES / BUCKET_BYTES) or "tune"
-    grad_clip: object = "auto"            # hipress.torch.clipping: "auto" (the paper's), None or a callable
+    grad_clip: object = "auto"            # hipress.torch.clipping: "auto" (none), "paper", None or a callable
     momentum_correction: object = "auto"  # hipress.torch.momentum: "auto", True or False
     covap: Optional[dict] = None          # compression="covap": hipress.torch.covap.Run's arguments
     nonfinite: str = "skip"               # hipress.torch.nonfinite: "skip", "raise" or "off"
@@ -1457,8 +1457,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     gradients), start_bytes=25 MiB, startup_trials=3 (random trials before the GP proposes),
     seed=0, clock=None (a callable giving seconds; default time.perf_counter), verbose=True.
     grad_clip: clipping of each gradient before it is compressed (hipress.torch.clipping):
-    "auto" (default) applies what the algorithm's paper prescribes (TernGrad: 2.5 sigma per
-    layer) and nothing for the others; None turns it off; a callable (name, grad) is yours.
+    "auto" (default) clips nothing (what measured best, docs/convergence.md cause 15); "paper"
+    applies what the algorithm's paper prescribes (TernGrad: 2.5 sigma per layer) and nothing
+    for the others; None turns it off; a callable (name, grad) is yours.
     momentum_correction: with a torch.optim.SGD with momentum, each rank applies the
     momentum (and weight decay) to its own gradient before compression and the SGD steps
     without them (hipress.torch.momentum; DGC's momentum correction, for every algorithm).

@@ -192,8 +192,9 @@ def test_transport_that_cannot_carry_cpu_payloads_is_refused(model):
 
 
 def test_gradient_clipping_before_compression(model):
-    """grad_clip runs on every final gradient (by name) before the step uses it; "auto" is the
-    paper's for TernGrad (2.5 sigma per layer) and nothing for an algorithm without one."""
+    """grad_clip runs on every final gradient (by name) before the step uses it; "paper" is the
+    paper's for TernGrad (2.5 sigma per layer) and nothing for an algorithm without one; "auto"
+    (the default) is nothing."""
     from hipress.torch import clipping
 
     seen = []
@@ -223,8 +224,9 @@ def test_gradient_clipping_before_compression(model):
     clipping.sigma(2.5)("w", g)
     assert float(g[0]) == pytest.approx(bound) and float(g.abs().max()) <= bound * (1 + 1e-6)
     assert torch.equal(g[inside], before[inside])  # elements within the bound are untouched
-    assert clipping.resolve("auto", "terngrad") is clipping.PAPER["terngrad"]
-    assert clipping.resolve("auto", "tbq") is None and clipping.resolve(None, "terngrad") is None
+    assert clipping.resolve("paper", "terngrad") is clipping.PAPER["terngrad"]
+    assert clipping.resolve("paper", "tbq") is None and clipping.resolve(None, "terngrad") is None
+    assert clipping.resolve("auto", "terngrad") is None
     with pytest.raises(ValueError, match="grad_clip must be"):
         wrap(nn.Linear(2, 2), grad_clip="sometimes")
     with pytest.raises(ValueError, match="c > 0"):
@@ -304,9 +306,11 @@ def test_a_plan_corrects_momentum_only_where_it_compresses(model):
     cost = CostModel(AffineCurve(10, 1), AffineCurve(3, 0.5), AffineCurve(2, 0.25), 2, "ring", "quantization", 0.25)
     plan = make_plan([(n, 4 * p.numel()) for n, p in reversed(list(model.named_parameters()))], cost,
                      Overrides(force={n: n.startswith("0.") for n in names}))
+    clip = hipress.clipping.sigma(2.5)
     opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), compression="tbq",
-               plan=plan, bucket_bytes=1)
+               plan=plan, bucket_bytes=1, grad_clip=clip)
     assert {n for n, p in model.named_parameters() if opt._hp_momentum.corrects(p)} == {"0.weight", "0.bias"}
+    assert opt._hp_clip_for(opt._hp_bucket_of[id(model[0].weight)]) is clip
     assert opt._hp_clip_for(opt._hp_bucket_of[id(model[2].weight)]) is None
 
 
