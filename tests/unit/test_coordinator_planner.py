@@ -52,6 +52,34 @@ def test_slots_are_matchings_fifo_and_complete(args):
         assert [k for s, d, k in scheduled if (s, d) == link] == order, "per-link order broken"
 
 
+def test_batches_are_the_longest_fifo_prefix_within_the_cap_on_long_queues():
+    """A link's batch is a prefix of its queue that only stops where the next message would take
+    it over the cap (at least one message), over thousands of messages per link, so the queue drops what left many times."""
+    import random
+
+    rng = random.Random(3)
+    sizes = {(s, d): [rng.choice([0, 1, 7, 300, 5000]) for _ in range(3000)] for s, d in ((0, 1), (1, 2), (2, 0))}
+    p = SlotPlanner(3, batch_bytes=2000)
+    key, queues = 0, {}
+    for link, sz in sizes.items():
+        msgs = [Msg(key + i, link[0], link[1], b) for i, b in enumerate(sz)]
+        key += len(msgs)
+        queues[link] = msgs
+        p.add(msgs)
+    while p.pending():
+        slot = p.plan()
+        cap = max([2000] + [sum(m.nbytes for m in b) for b in slot.batches.values()])
+        for link, batch in slot.batches.items():
+            q = queues[link]
+            assert batch == q[:len(batch)], "not the queue's head, in order"
+            del q[:len(batch)]
+            size = sum(m.nbytes for m in batch)
+            assert len(batch) == 1 or size <= cap
+            # the running cap is at least batch_bytes, so a batch that stops early is over it
+            assert not q or size + q[0].nbytes > 2000, "batch cut short"
+    assert all(not q for q in queues.values())
+
+
 def test_oldest_link_first_and_starvation_free():
     p = SlotPlanner(3, batch_bytes=10)
     p.add([Msg(0, 0, 1, 5)])

@@ -19,9 +19,9 @@ fill up to it (balanced batches, more useful bytes per slot).
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,39 @@ class Msg:
 
 @dataclass
 class _Link:
-    queue: Deque[Tuple[Msg, int]] = field(default_factory=deque)  # (msg, slot it arrived in)
-    nbytes: int = 0
+    """A link's FIFO queue as lists with a head index, so that a batch is one bisect over the
+    running byte sums and one slice (per-message Python work made planning 1-1.6 ms per slot
+    at 128 ranks)."""
+    msgs: List[Msg] = field(default_factory=list)
+    arrived: List[int] = field(default_factory=list)  # the slot each message arrived in
+    ends: List[int] = field(default_factory=list)     # bytes of msgs[:i + 1], counted from the link's start
+    head: int = 0                                     # msgs[head:] are queued
+    sent: int = 0                                     # bytes of msgs[:head]
+
+    @property
+    def nbytes(self) -> int:
+        return self.ends[-1] - self.sent if self.ends else 0
+
+    def append(self, m: Msg, slot: int) -> None:
+        self.msgs.append(m)
+        self.arrived.append(slot)
+        self.ends.append((self.ends[-1] if self.ends else 0) + m.nbytes)
+
+    def take(self, cap: int) -> Tuple[List[Msg], int]:
+        """The head's FIFO batch: at least one message, then more while the batch stays within
+        ``cap`` bytes; returns it and its bytes."""
+        end = max(self.head + 1, bisect_right(self.ends, self.sent + cap, self.head))
+        batch = self.msgs[self.head:end]
+        size = self.ends[end - 1] - self.sent
+        self.head, self.sent = end, self.ends[end - 1]
+        if self.head > 64 and 2 * self.head > len(self.msgs):  # drop what left (ends stay absolute)
+            del self.msgs[:self.head], self.arrived[:self.head], self.ends[:self.head]
+            self.head = 0
+        return batch, size
+
+    @property
+    def empty(self) -> bool:
+        return self.head == len(self.msgs)
 
 
 @dataclass
@@ -75,10 +106,9 @@ class SlotPlanner:
             link = self.links.get((m.src, m.dst))
             if link is None:
                 link = self.links[(m.src, m.dst)] = _Link()
-            if not link.queue:
+            if link.empty:
                 heapq.heappush(self._out[m.src], (self.slot, -m.nbytes, m.dst))
-            link.queue.append((m, self.slot))
-            link.nbytes += m.nbytes
+            link.append(m, self.slot)
             self._out_bytes[m.src] += m.nbytes
             self.queued += 1
 
@@ -117,18 +147,13 @@ class SlotPlanner:
                 continue
             d, link = chosen
             busy_down.add(d)
-            batch, size = [], 0
-            while link.queue and (not batch or size + link.queue[0][0].nbytes <= cap):
-                m, _ = link.queue.popleft()
-                batch.append(m)
-                size += m.nbytes
+            batch, size = link.take(cap)
             cap = max(cap, size)
-            link.nbytes -= size
             self._out_bytes[s] -= size
             self.queued -= len(batch)
             slot.batches[(s, d)] = batch
-            if link.queue:
-                heapq.heappush(heap, (link.queue[0][1], -link.nbytes, d))
+            if not link.empty:
+                heapq.heappush(heap, (link.arrived[link.head], -link.nbytes, d))
             else:
                 del self.links[(s, d)]  # only non-empty links are kept
         self.slot += 1
