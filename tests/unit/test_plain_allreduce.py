@@ -198,7 +198,7 @@ def test_bf16_on_the_wire_is_the_sum_of_bf16_roundings(n, average):
         assert torch.equal(flat[:1000], want[:1000]) and torch.equal(flat[1200:], want[1200:])
         assert torch.equal(flat[1000:1200], grads[r][1000:1200])  # outside the partitions: untouched
         assert torch.equal(steps[0], steps[1])  # the reused bf16 buffer carries nothing over
-        assert len(strat._wire_buffers) == 1
+        assert len(strat._scratch) == 1
         # within bf16's rounding of the exact average (2^-8 relative per value, n values)
         exact = torch.stack(grads).double().sum(0).float() / (n if average else 1)
         torch.testing.assert_close(flat[1200:], exact[1200:], rtol=0, atol=n * 2 ** -8 * 4)
@@ -268,9 +268,10 @@ def test_into_writes_the_result_into_the_gradients_themselves(wire, average):
 def test_phases_apart_are_the_exact_sum_identical_on_every_rank(n, average):
     """strategy "dear"'s two phases over the backend's collectives: after the reduce-scatter each
     rank's chunk of each span holds the sum; after the all-gather every rank holds the same
-    average (or sum), with a gap in the partitions left untouched and chunks of unequal sizes."""
+    average (or sum), with a gap in the partitions left untouched and chunks of unequal sizes.
+    Two steps with other gradients: the scratch kept between steps carries nothing over."""
     numel = 1003
-    grads = grads_for(n, numel, seed=11 + n)
+    steps = [grads_for(n, numel, seed=11 + n), grads_for(n, numel, seed=211 + n)]
     bounds = [(0, 500), (500, 500), (600, 1003)]  # elements 500..599 are not synced
 
     def body(tr):
@@ -278,23 +279,56 @@ def test_phases_apart_are_the_exact_sum_identical_on_every_rank(n, average):
         try:
             ctx = SyncContext(eng, DirectExchange(eng, tr, CommChain()), NoneCompressor(), StateStore(tr.rank))
             strat = AllreduceStrategy(average=average)
-            flat = grads[tr.rank].clone()
-            strat.reduce_scatter(ctx, "w", flat, bounds).result(timeout=30)
-            reduced = flat.clone()
-            strat.all_gather(ctx, "w", flat, bounds).result(timeout=30)
-            return reduced, flat
+            out = []
+            for grads in steps:
+                flat = grads[tr.rank].clone()
+                strat.reduce_scatter(ctx, "w", flat, bounds).result(timeout=30)
+                reduced = flat.clone()
+                strat.all_gather(ctx, "w", flat, bounds).result(timeout=30)
+                out.append((reduced, flat))
+            return out
         finally:
             eng.shutdown()
 
     out = loopback.spawn(n, body, timeout_s=60)
-    exact = torch.stack(grads).double().sum(0).float()
-    for r, (reduced, flat) in enumerate(out):
-        for s, e in [(0, 500), (600, 1003)]:
-            cs, ce = chunk_bounds(e - s, n)[r]
-            torch.testing.assert_close(reduced[s + cs:s + ce], exact[s + cs:s + ce], rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(flat[s:e], exact[s:e] / (n if average else 1), rtol=1e-6, atol=1e-6)
-            assert torch.equal(flat[s:e], out[0][1][s:e])  # the owner's bits on every rank
-        assert torch.equal(flat[500:600], grads[r][500:600])
+    for step, grads in enumerate(steps):
+        exact = torch.stack(grads).double().sum(0).float()
+        for r, per_step in enumerate(out):
+            reduced, flat = per_step[step]
+            for s, e in [(0, 500), (600, 1003)]:
+                cs, ce = chunk_bounds(e - s, n)[r]
+                torch.testing.assert_close(reduced[s + cs:s + ce], exact[s + cs:s + ce], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(flat[s:e], exact[s:e] / (n if average else 1), rtol=1e-6, atol=1e-6)
+                assert torch.equal(flat[s:e], out[0][step][1][s:e])  # the owner's bits on every rank
+            assert torch.equal(flat[500:600], grads[r][500:600])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("large", [True, False])
+def test_phases_apart_keep_large_scratch_between_steps(n, large):
+    """dear's receive and send chunks are allocated once per gradient where they are as large as
+    malloc maps afresh each call (MMAP_BYTES, lowered here), and per step below it."""
+    grads = grads_for(n, 1003, seed=5)
+
+    def body(tr):
+        eng = Engine()
+        try:
+            ctx = SyncContext(eng, DirectExchange(eng, tr, CommChain()), NoneCompressor(), StateStore(tr.rank))
+            strat = AllreduceStrategy()
+            if large:
+                strat.MMAP_BYTES = 4 * 300  # every chunk here has at least 334 elements
+            ptrs = []
+            for _ in range(2):
+                flat = grads[tr.rank].clone()
+                strat.reduce_scatter(ctx, "w", flat, [(0, 1003)]).result(timeout=30)
+                strat.all_gather(ctx, "w", flat, [(0, 1003)]).result(timeout=30)
+                ptrs.append(sorted(t.data_ptr() for t in strat._scratch.values()))
+            return ptrs
+        finally:
+            eng.shutdown()
+
+    for first, second in loopback.spawn(n, body, timeout_s=60):
+        assert first == second and len(first) == (2 if large else 0)
 
 
 def test_into_refuses_what_its_native_pass_cannot_write():
