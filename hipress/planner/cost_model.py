@@ -386,6 +386,13 @@ class CostModel:
           graph: their time is :func:`executed_allreduce`.
       plain16: that allreduce also sums bf16, so an uncompressed gradient may travel as bf16
           where :func:`executed_allreduce16` beats it (``decide(allow_16bit=True)``).
+      plain_fusion_bytes: runs of buckets the plan leaves uncompressed are fused up to this many
+          bytes before they are sent (the optimizer's ``fuse_uncompressed``), so the plain branch
+          of a smaller bucket is priced as its share of one allreduce of that size, m / F times
+          T(F): priced alone, a 1 MiB bucket paid the allreduce's fixed costs by itself, and the
+          plan compressed every bucket of a model whose fused fp32 sync was faster (BERT-like,
+          docs/benchmarks.md). 0: each bucket alone. Optimistic for a lone uncompressed bucket
+          between compressed ones, which is sent by itself.
     Curves left out (profiles measured before they existed) cost nothing; send_one
     defaults to send.
     """
@@ -403,6 +410,7 @@ class CostModel:
     send_one: Optional[Curve] = None
     plain_allreduce: bool = False
     plain16: bool = False
+    plain_fusion_bytes: float = 0.0
 
     def __post_init__(self):
         if self.strategy in EXECUTED_STRATEGIES:
@@ -416,6 +424,8 @@ class CostModel:
             raise ValueError(f"rate must be a positive finite number, got {self.rate}")
         if not (math.isfinite(self.task_s) and self.task_s >= 0):
             raise ValueError(f"task_s must be a finite number >= 0, got {self.task_s}")
+        if not (math.isfinite(self.plain_fusion_bytes) and self.plain_fusion_bytes >= 0):
+            raise ValueError(f"plain_fusion_bytes must be a finite number >= 0, got {self.plain_fusion_bytes}")
 
     def params(self, k: int) -> SyncParams:
         return sync_params(self.strategy, self.category, self.n, k)
@@ -434,14 +444,19 @@ class CostModel:
             total += p.alpha * self.send(r * part) + p.beta * self.enc(part) + p.gamma * self.dec(r * part)
         return total
 
-    def t_sync(self, m: float, compress: bool, k: int) -> float:
-        """Predicted time of m bytes synchronized (compressed or not) in K partitions: the
-        executed graph for "ring" / "ps", equation 1 or 2 for the paper's rows."""
+    def t_sync(self, m: float, compress: bool, k: int, bf16: bool = False) -> float:
+        """Predicted time of m bytes synchronized (compressed or not; uncompressed as bf16 with
+        ``bf16``) in K partitions: the executed graph for "ring" / "ps", equation 1 or 2 for the
+        paper's rows."""
         if self.strategy not in EXECUTED_STRATEGIES:
             return self.t_cpr(m, k) if compress else self.t_orig(m, k)
         copy, one = self.dec_plain or _zero, self.send_one or self.send
         if not compress and self.plain_allreduce:
-            return executed_allreduce(self.send, copy, self.task_s, m, self.n)
+            run = executed_allreduce16 if bf16 else executed_allreduce
+            f = self.plain_fusion_bytes
+            if f and m < f:
+                return m / f * run(self.send, copy, self.task_s, f, self.n)
+            return run(self.send, copy, self.task_s, m, self.n)
         if compress:
             op = ExecutedOps(self.send, one, self.enc, self.dec, copy, self.task_s, self.rate)
         else:
@@ -470,7 +485,7 @@ class CostModel:
                     raise ValueError("bf16=True needs a backend whose allreduce sums bf16 (CostModel.plain16)")
                 bf16 = False
             else:
-                t16 = executed_allreduce16(self.send, self.dec_plain or _zero, self.task_s, m, self.n)
+                t16 = self.t_sync(m, False, k_o, bf16=True)
                 bf16 = bool(bf16) or t16 < t_o
                 if bf16:
                     t_o = t16  # K: as fp32's (the partitions of a bucket are one collective)

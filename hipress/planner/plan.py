@@ -175,7 +175,8 @@ class Plan:
         if self.entries[at:at + len(old)] != old:
             raise ValueError(f"merge_uncompressed: {list(names)} are not consecutive in the plan")
         pinned = dataclasses.replace(self.overrides, force={name: (False, 1)})
-        merged = dataclasses.replace(plan_one(name, sum(e.nbytes for e in old), self.model, pinned),
+        alone = dataclasses.replace(self.model, plain_fusion_bytes=0.0)  # the fused bucket is sent as it is
+        merged = dataclasses.replace(plan_one(name, sum(e.nbytes for e in old), alone, pinned),
                                      reason=f"fused: {len(old)} uncompressed")
         self.entries[at:at + len(old)] = [merged]
         for n in names:

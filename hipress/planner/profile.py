@@ -185,13 +185,14 @@ class Profile:
         return {"n": self.n, "strategy": self.strategy, "device": self.device, "algorithm": self.algorithm}
 
     def cost_model(self, strategy: Optional[str] = None, n: Optional[int] = None,
-                   plain_allreduce: bool = False, plain16: bool = False) -> CostModel:
+                   plain_allreduce: bool = False, plain16: bool = False,
+                   plain_fusion_bytes: float = 0.0) -> CostModel:
         """The model of this profile's strategy (or another one, on the same curves);
         plain_allreduce: uncompressed gradients priced as the backend's allreduce; plain16: which
-        also sums bf16 (CostModel.plain16)."""
+        also sums bf16; plain_fusion_bytes: the size uncompressed runs are fused to (CostModel)."""
         return CostModel(self.send, self.enc, self.dec, int(n or self.n), strategy or self.strategy,
                          self.category, self.rate, self.enc_plain, self.dec_plain, self.task_s, self.send_one,
-                         plain_allreduce, plain16)
+                         plain_allreduce, plain16, plain_fusion_bytes)
 
     def curves(self) -> Dict[str, object]:
         return {k: getattr(self, k) for k in CURVES if getattr(self, k) is not None}

@@ -482,7 +482,7 @@ class _HipressOptimizer:
         self._hp_predivide = float(options.gradient_predivide_factor)
         self._hp_sparse_as_dense = options.sparse_as_dense
         self._hp_densified: set = set()  # ids of parameters whose sparse gradient was made dense this step
-        self._hp_plan = self._hp_make_plan(options.plan) if options.plan is not None else None
+        self._hp_plan = self._hp_make_plan(options.plan, options.plain_fusion_bytes) if options.plan is not None else None
         if self._hp_plan is not None and options.plain_fusion_bytes:
             self._hp_buckets = fuse_uncompressed(self._hp_buckets, self._hp_plan, options.plain_fusion_bytes)
         if self._hp_plan is not None and self._hp_momentum is not None:
@@ -550,9 +550,10 @@ class _HipressOptimizer:
         step of the slowest rank), ``best``, ``summary()``); None otherwise."""
         return self._hp_tuner
 
-    def _hp_make_plan(self, plan):
+    def _hp_make_plan(self, plan, fusion_bytes: int = 0):
         """plan: a Plan, "auto" (profile now, collectively), an Overrides, or a dict of Overrides'
-        fields (as from JSON)."""
+        fields (as from JSON). fusion_bytes: what runs of uncompressed buckets are fused to, which
+        the model prices them at (CostModel.plain_fusion_bytes), at most all the buckets' bytes."""
         if isinstance(plan, Plan):
             return plan
         if isinstance(plan, dict):
@@ -570,8 +571,11 @@ class _HipressOptimizer:
         prof = profile_online(self._hp_compressor, self._hp_transport, self._hp_strategy_name)
         n_sync = len(set(world.hostnames())) if self._hp_hierarchical else world.size()
         plain = getattr(self._hp_plain.strategy, "cross", self._hp_plain.strategy)  # across hosts, if hierarchical
-        model = prof.cost_model(n=n_sync, plain_allreduce=plain.name == "allreduce",
-                                plain16=torch.bfloat16 in self._hp_transport.allreduce_dtypes)
+        plain_allreduce = plain.name == "allreduce"
+        model = prof.cost_model(n=n_sync, plain_allreduce=plain_allreduce,
+                                plain16=torch.bfloat16 in self._hp_transport.allreduce_dtypes,
+                                plain_fusion_bytes=min(fusion_bytes, sum(4 * b.numel for b in self._hp_buckets))
+                                if plain_allreduce else 0)
         return make_plan([(b.name, 4 * b.numel) for b in self._hp_buckets], model, overrides)
 
     def _hp_make_covap(self, args) -> "covap.Run":

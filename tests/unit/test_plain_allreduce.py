@@ -1,6 +1,8 @@
 """Uncompressed gradients through the transport's own allreduce (issue 21): the transport
 operation, the sync strategy, how make_sync chooses it, and the planner's price of it.
 Ranks are threads over the loopback transport."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -494,6 +496,31 @@ def test_planner_prices_the_plain_path_as_one_collective():
     d = model.decide(m)
     assert d.t_orig == pytest.approx(want) and d.k_orig == 1
     assert model.t_sync(m, True, 2) == _model().t_sync(m, True, 2)  # the compressed branch is unchanged
+
+
+def test_planner_prices_a_small_plain_bucket_as_its_share_of_a_fused_one():
+    """With plain_fusion_bytes F, an uncompressed bucket of m < F bytes costs m / F of one
+    allreduce of F (runs of them are fused before they are sent), so the allreduce's fixed
+    costs no longer push small buckets into compression; at F and above, and for the fused
+    bucket itself (Plan.merge_uncompressed), the bucket is priced alone."""
+    from hipress.planner.plan import Overrides, make_plan
+
+    f = 25 << 20
+    alone, fused = _model(plain_allreduce=True), _model(plain_allreduce=True, plain_fusion_bytes=f)
+    for m in (1 << 10, 1 << 20):
+        assert fused.t_sync(m, False, 1) == pytest.approx(m / f * alone.t_sync(f, False, 1))
+        assert fused.t_sync(m, True, 2) == alone.t_sync(m, True, 2)  # the compressed branch is unchanged
+    assert fused.t_sync(f, False, 1) == alone.t_sync(f, False, 1)
+    assert fused.t_sync(2 * f, False, 1) == alone.t_sync(2 * f, False, 1)
+    m = 1 << 20  # with 1 ms per transfer and 1 GB/s, one MiB alone is cheaper compressed
+    slow = dict(send=AffineCurve(1e-3, 1e-9), plain_allreduce=True)
+    alone, fused = (dataclasses.replace(_model(), **slow, plain_fusion_bytes=b) for b in (0, f))
+    assert alone.decide(m).compress and not fused.decide(m).compress
+    plan = make_plan([("a", m), ("b", m)], fused, Overrides())
+    merged = plan.merge_uncompressed(["a", "b"], "ab")
+    assert merged.t_pred == pytest.approx(alone.t_sync(2 * m, False, 1))
+    with pytest.raises(ValueError, match="plain_fusion_bytes"):
+        _model(plain_allreduce=True, plain_fusion_bytes=-1)
 
 
 def test_planner_compresses_less_when_the_plain_path_is_cheaper():
