@@ -917,11 +917,13 @@ class _HipressOptimizer:
             self._hp_handles[bucket.name] = sync.reduce_scatter(bucket.name, flat, bounds)
             return
         units = self._hp_covap.select(bucket.name, flat) if self._hp_covap is not None else None
-        # (not under COVAP: its profiler times the sync below, and its filter reads the bucket)
-        into = bucket.into() if self._hp_covap is None and sync.strategy.writes_into else None
+        # Under COVAP only where its filter sends the bucket whole as one unit (interval 1, or a
+        # bucket of one unit in its step): while profiling it times the sync below instead.
+        whole = units is not None and len(units) == 1 and units[0][1] == (0, flat.numel())
+        into = bucket.into() if (self._hp_covap is None or whole) and sync.strategy.writes_into else None
         if into is not None:  # the backend's allreduce writes the average straight into the gradients
-            self._hp_handles[bucket.name] = sync.build(bucket.name, flat, bounds, into=into,
-                                                       **self._hp_layout_kw(sync))
+            name, spans = (f"{bucket.name}/u{units[0][0]}", [units[0][1]]) if whole else (bucket.name, bounds)
+            self._hp_handles[bucket.name] = sync.build(name, flat, spans, into=into, **self._hp_layout_kw(sync))
             return
         if units is None:
             handles = [sync.build(bucket.name, flat, bounds, segments=bucket.segments, **self._hp_layout_kw(sync))]
