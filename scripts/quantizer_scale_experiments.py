@@ -1,10 +1,10 @@
-"""The experiments of docs/convergence.md's cause 10 and its "Open" onebit entry: onebit and TBQ
-with other scales, in the reference simulator (hipress/bench/simulate.py), the variant patched
+"""The experiments of docs/convergence.md's causes 10 and 15 and its "Open" onebit entry: onebit,
+TBQ and TernGrad with other scales, in the reference simulator (hipress/bench/simulate.py), the variant patched
 over the algorithm's reference encode. An experiment tool, not part of hipress: the variants are
 computed in double and decoded in-process (no payload bytes), so figures differ in the last bits
 from a kernel's and, in a chaotic run, can part from them.
 
-    PYTHONPATH=. python scripts/quantizer_scale_experiments.py [--task digits|charlm] [--algo onebit|tbq]
+    PYTHONPATH=. python scripts/quantizer_scale_experiments.py [--task digits|charlm] [--algo onebit|tbq|terngrad]
         [--variant V] [--seeds 42,1,2] [--lr LR] [--warmup STEPS]
 
 onebit variants: SCALE[-GRAIN] with SCALE base (Seide's two means), rms (per-sign root mean
@@ -12,7 +12,9 @@ square), rms1 (one scale ||x||_2 / sqrt(n), hipress's onebit now); GRAIN rows (a
 of each weight matrix; env ROWSEL=name,name limits it to parameters whose names contain one) or
 gates (a third of each GRU matrix); ef21 (an EF21-style estimate, Seide's means); none (no
 compression). TBQ variants: mean (the mean magnitude of the sent elements, before cause 10),
-rms (their root mean square), rows, signscale. --warmup: that many uncompressed steps first.
+rms (their root mean square), rows, signscale. TernGrad variants: rows[-MIN] (min/max per row of
+each weight matrix with rows of at least MIN elements; cause 15). --warmup (onebit, TBQ): that
+many uncompressed steps first.
 Prints the final metric per seed and the mean.
 """
 import argparse
