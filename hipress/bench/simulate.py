@@ -338,7 +338,8 @@ class Reference:
                 params = self.params
                 if hasattr(self.inner, "row_length"):  # onebit: per-row scales of the partition's shape
                     params = {**params, "row": self.inner.row_length(e - s, partition_shape(bucket.segments, s, e))}
-                self._states[key] = [_Worker(*self._make(params, e - s, rng_stream_start(r, key)), e - s,
+                self._states[key] = [_Worker(*self._make(params, e - s, rng_stream_start(  # as StateStore
+                                             0 if self.inner.shared_rng else r, key)), e - s,
                                              self.ef) for r in range(self.size)]
             acc = np.zeros(e - s, np.float32)
             for r, worker in enumerate(self._states[key]):  # rank order, as every rank adds them

@@ -180,6 +180,10 @@ class Compressor:
     category: str = "quantization"
     rate: float = 1.0
     aggregatable: bool = False
+    # Every rank draws the same random numbers for a tensor in a step (its RNG counter starts
+    # at the same place on every rank, hipress/sync/base.py StateStore), as aggregatable
+    # compressors must. Otherwise each rank has its own stream.
+    shared_rng: bool = False
     rounds: int = 1
     # The one strategy this compressor syncs with (None: any). A ported GRACE compressor
     # (hipress/compression/grace_api.py) has "allgather": its communicator's reduction runs

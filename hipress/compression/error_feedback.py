@@ -30,7 +30,7 @@ class ErrorFeedback(Compressor):
         self.beta, self.gamma = float(beta), float(gamma)
         self.name = inner.name
         self.category, self.rate = inner.category, inner.rate
-        self.aggregatable, self.rounds = inner.aggregatable, inner.rounds
+        self.aggregatable, self.rounds, self.shared_rng = inner.aggregatable, inner.rounds, inner.shared_rng
         self._native = (_C.compress_error_feedback(inner._c, self.beta, self.gamma)
                         if isinstance(inner, NativeCompressor) else None)
 

@@ -389,11 +389,15 @@ class BF16(NativeCompressor):
 
 
 class RandomK(NativeCompressor):
-    """Random-k (GRACE's ``randomk``): k = max(1, floor(ratio n)) distinct random positions per
-    rank (counter-based RNG, each rank its own stream), sent as index + value; residual memory
-    (ErrorFeedback) by default."""
+    """Random-k (GRACE's ``randomk``): k = max(1, floor(ratio n)) distinct random positions,
+    the same on every rank for a tensor in a step (``shared_rng``: GRACE seeds its draw with the
+    tensor's name and the step), sent as index + value; residual memory (ErrorFeedback) by
+    default. Shared positions train better than a stream per rank (digits, reference simulator,
+    ratio 0.5, seeds 42/1/2: 2 ranks 97.6/98.3/98.3 against 95.6/98.7/98.3, 4 ranks
+    87.9/85.5/87.9 against 77.8/89.6/70.4; docs/grace.md)."""
 
     density_param = "ratio"
+    shared_rng = True
 
     def __init__(self, ratio: float = 0.01, seed: int = 0):
         super().__init__("randomk", ratio=ratio, seed=seed)

@@ -115,7 +115,9 @@ class StateStore:
     Keys are strings, so ``state_dict()`` is a plain dict a checkpoint can hold. A new
     state's RNG counter starts at :func:`rng_stream_start` (independent random numbers per
     rank), except for aggregatable compressors, whose payloads are combined in compressed
-    form and so must draw the same random numbers on every rank (PowerSGD's initial Q).
+    form and so must draw the same random numbers on every rank (PowerSGD's initial Q; their
+    counter starts at 0). A compressor with ``shared_rng`` (Random-k's positions, as GRACE
+    draws them) starts every rank at rank 0's place.
     """
 
     def __init__(self, rank: int = 0):
@@ -136,7 +138,7 @@ class StateStore:
             if pending is not None:
                 st.load_state_dict(pending)
             elif not compressor.aggregatable:
-                st.scalars[0] = rng_stream_start(self.rank, key)
+                st.scalars[0] = rng_stream_start(0 if compressor.shared_rng else self.rank, key)
             self._states[key] = st
             self.undo_log.created(key, pending)
         else:

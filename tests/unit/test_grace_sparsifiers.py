@@ -65,6 +65,24 @@ def test_randomk_draws_k_distinct_uniform_positions():
     assert pbytes(a) != pbytes(b)
 
 
+def test_randomk_positions_are_shared_by_ranks_and_differ_by_tensor():
+    """GRACE draws Random-k's positions from the tensor's name and the step, so every rank
+    sends the same ones; hipress's state store starts every rank's counter at rank 0's place
+    for a compressor with shared_rng (a different place per tensor), and at the rank's own
+    place otherwise."""
+    from hipress.sync import StateStore
+
+    n, g = 4096, grad(4096, 2) + 1.0
+    comp = C.get("randomk")  # error feedback around RandomK
+    assert comp.shared_rng and not C.get("qsgd").shared_rng
+    stores = [StateStore(r) for r in range(3)]
+    sent = [[pbytes(comp.encode(g, s.get(key, comp, n))) for key in ("a", "a", "b")] for s in stores]
+    assert sent[0] == sent[1] == sent[2]          # the same positions on every rank, step after step
+    assert len({sent[0][0], sent[0][1], sent[0][2]}) == 3  # a new draw each step, another per tensor
+    qsgd = C.get("qsgd")
+    assert pbytes(qsgd.encode(g, stores[0].get("q", qsgd, n))) != pbytes(qsgd.encode(g, stores[1].get("q", qsgd, n)))
+
+
 def test_randomk_zero_values_are_not_sent():
     g = torch.zeros(1000)
     p = C.RandomK(ratio=0.5).encode(g)
