@@ -4,7 +4,8 @@ Default suite, 2 ranks, a short seeded digits run (``python -m hipress.bench.con
 --task digits --np 2``), test accuracy at least uncompressed accuracy - 3 points: HiPress's
 six algorithms x every strategy they accept, and through DDP's comm hook under "auto"; every
 other registered algorithm (GRACE's family) under strategy "auto", the one a user gets by
-default. Slow (``-m slow``): those
+default, with its defaults or, for the four whose defaults cannot train at this run's
+learning rate, the settings in TUNED (docs/grace.md). Slow (``-m slow``): those
 others under every strategy, and 4 ranks, strategy "auto", within 1 point for all. Each run
 starts and stops its own ranks (hipress.launch, with a timeout).
 
