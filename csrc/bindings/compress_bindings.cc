@@ -168,6 +168,8 @@ HIPRESS_BINDINGS(compress, m) {
     return ops::sampled_threshold(P<const float>(in), n, keep, sample, rng_key(seed), counter); }, Release());
   m.def("ops_matmul_nn", [](uintptr_t A, uintptr_t B, uintptr_t C, size_t mm, size_t k, size_t n) {
     ops::matmul_nn(P<const float>(A), P<const float>(B), P<float>(C), mm, k, n); }, Release());
+  m.def("ops_add_matmul_nn", [](uintptr_t A, uintptr_t X, uintptr_t B, uintptr_t C, size_t mm, size_t k, size_t n) {
+    ops::add_matmul_nn(P<float>(A), P<const float>(X), P<const float>(B), P<float>(C), mm, k, n); }, Release());
   m.def("ops_matmul_tn", [](uintptr_t A, uintptr_t B, uintptr_t C, size_t mm, size_t k, size_t n) {
     ops::matmul_tn(P<const float>(A), P<const float>(B), P<float>(C), mm, k, n); }, Release());
   m.def("ops_matmul_nt", [](uintptr_t A, uintptr_t B, uintptr_t C, size_t mm, size_t r, size_t n, float alpha, bool add) {

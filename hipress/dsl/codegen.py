@@ -24,6 +24,7 @@ import os
 from typing import List, Optional
 
 from hipress.dsl import ast as A
+from hipress.dsl.idioms import is_sum
 from hipress.dsl.types import UINTS, Arr, Spec, is_arr, returns
 from hipress.dsl.errors import DSLError
 
@@ -492,8 +493,49 @@ class Generator:
         self.emit("}", 0)
 
     def stmts(self, stmts, env, ind):
-        for st in stmts:
-            self.stmt(st, env, ind)
+        i = 0
+        while i < len(stmts):
+            if i + 1 < len(stmts) and self.s.view is not None and self.add_matmul(stmts[i], stmts[i + 1], env, ind):
+                i += 2
+                continue
+            self.stmt(stmts[i], env, ind)
+            i += 1
+
+    def add_matmul(self, first, then, env, ind) -> bool:
+        """``X = map(X, Y, a + b);`` followed by ``Z = matmul(X, W);`` (or ``float* Z = matmul(X, W);``),
+        X a state matrix: both in one pass over X (ops::add_matmul_nn, the same floats as the two
+        statements). PowerSGD's error feedback and first product read the matrix once instead of twice."""
+        if not (isinstance(first, A.Assign) and first.op == "=" and not getattr(first, "accumulate", False)):
+            return False
+        sym, call = first.target.sym, first.value
+        if not (sym.state and is_arr(sym.ty) and isinstance(call, A.Call) and call.kind == "op" and call.func == "map"
+                and getattr(call, "zip", False)):
+            return False
+        a, b, fn = call.args
+        if not (isinstance(a, A.Name) and a.id == sym.name and is_sum(self.s.udfs[fn.id])):
+            return False
+        if isinstance(then, A.Assign) and then.op == "=" and not getattr(then, "accumulate", False):
+            tsym, mm = then.target.sym, then.value
+            decl = None
+        elif isinstance(then, A.Decl) and len(then.names) == 1 and then.names[0][1] is not None:
+            tsym, mm = then.syms[0], then.names[0][1]
+            decl = then.names[0][0]
+        else:
+            return False
+        if not (isinstance(mm, A.Call) and mm.kind == "op" and mm.func == "matmul" and not any(mm.trans)
+                and isinstance(mm.args[0], A.Name) and mm.args[0].id == sym.name and is_arr(tsym.ty)
+                and tsym.kind != "output" and tsym.name != sym.name and getattr(mm.args[1], "id", None) != sym.name):
+            return False
+        self.idioms.append("map(X, Y, a + b); matmul(X, W) -> ops::add_matmul_nn")
+        xc, yc = self.array_code(a, env), self.array_code(b, env)
+        self.emit(f"if ({xc}.n != {yc}.n) throw std::logic_error(\"map: array lengths differ\");", ind)
+        if decl is not None:
+            self.emit(f"{cxx_var_type(tsym.ty)} l_{decl};", ind)
+            tgt = f"l_{decl}"
+        else:
+            tgt = env.name(then.target)
+        self.t.lowrank.matmul_op(tgt, tsym, mm, env, ind, add_first=yc)
+        return True
 
     def stmt(self, st, env, ind):
         if isinstance(st, A.Decl):

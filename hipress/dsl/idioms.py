@@ -43,6 +43,15 @@ def abs_ge_threshold(u) -> Optional[A.Expr]:
     return ge.right
 
 
+def is_sum(u) -> bool:
+    """Whether the two-argument UDF is exactly a + b (or b + a) on floats."""
+    e = flatten(u)
+    if e is None or not isinstance(e, A.Binary) or e.op != "+" or e.ty != "float":
+        return False
+    x, y = u.args[0][0], u.args[1][0]
+    return is_name(e.left, x) and is_name(e.right, y) or is_name(e.left, y) and is_name(e.right, x)
+
+
 def is_name(e, name) -> bool:
     return isinstance(e, A.Name) and e.id == name and getattr(e, "sym", None) is not None and e.sym.kind == "arg"
 

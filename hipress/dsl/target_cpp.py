@@ -12,8 +12,8 @@ import os
 
 from hipress.dsl import ast as A
 from hipress.dsl.codegen import UdfEnv, read_text
-from hipress.dsl.idioms import abs_ge_threshold, flatten, has_udf_call, is_name, is_unit_random, mentions, num, \
-    sign_pred
+from hipress.dsl.idioms import abs_ge_threshold, flatten, has_udf_call, is_name, is_sum, is_unit_random, mentions, \
+    num, sign_pred
 from hipress.dsl.target_lowrank import LowRank
 
 PRELUDE = read_text("prelude.h.txt")
@@ -303,7 +303,7 @@ class CppTarget:
         if e is None or not isinstance(e, A.Binary) or e.op != "+" or e.ty != "float":
             return False
         x, y = u.args[0][0], u.args[1][0]
-        if is_name(e.left, x) and is_name(e.right, y) or is_name(e.left, y) and is_name(e.right, x):
+        if is_sum(u):
             g.idioms.append("map(A, B, a + b) -> ops::add")
             g.emit(f"{OPS}add(dst, {bc}.p, {ac}.n);", ind)
             return True

@@ -54,10 +54,11 @@ class LowRank:
                       f"{tgt}.p = {tgt}.own.data(); }}", ind)
         return f"const_cast<float*>({tgt}.p)"
 
-    def matmul_op(self, tgt, sym, call, env, ind, acc=None, to_out=False):
+    def matmul_op(self, tgt, sym, call, env, ind, acc=None, to_out=False, add_first=None):
         """matmul(A, B), matmul(A.T, B), matmul(A, B.T) -> ops::matmul_nn / matmul_tn / matmul_nt (the
         hand-written kernels' operators); 'X -= matmul(A, B.T)' and the decoded gradient use matmul_nt's
-        fused alpha/add."""
+        fused alpha/add. add_first (matmul(A, B) only): the code of an array added into A (a state)
+        first, in the same pass (ops::add_matmul_nn; codegen's add_matmul)."""
         a, b = call.args
         ta, tb = call.trans
         an, bn = (a.obj if ta else a), (b.obj if tb else b)
@@ -101,7 +102,7 @@ class LowRank:
                 self.g.emit(f"hipress::compress::ops::matmul_nt({ac}.p, {bc}.p, {dst}, {a0}, {a1}, {b0}, 1.0f, false);",
                           i2)
             else:
-                self.g.emit(f"hipress::compress::ops::matmul_nn({ac}.p, {bc}.p, {dst}, {a0}, {a1}, {b1});", i2)
+                self.g.emit(self.nn(ac, bc, dst, a0, a1, b1, add_first), i2)
             self.g.emit("}", ind)
             return
         self.g.emit(f"std::vector<float> res({size});", i2)
@@ -111,7 +112,7 @@ class LowRank:
             self.g.emit(f"hipress::compress::ops::matmul_nt({ac}.p, {bc}.p, res.data(), {a0}, {a1}, {b0}, 1.0f, "
                       f"false);", i2)
         else:
-            self.g.emit(f"hipress::compress::ops::matmul_nn({ac}.p, {bc}.p, res.data(), {a0}, {a1}, {b1});", i2)
+            self.g.emit(self.nn(ac, bc, "res.data()", a0, a1, b1, add_first), i2)
         if to_out:
             self.g.emit("if (res.size() != n) throw std::logic_error(\"matmul: the product is not the gradient's "
                       "size\");", i2)
@@ -127,6 +128,13 @@ class LowRank:
         else:
             self.g.emit(f"{tgt}.own = std::move(res); {tgt}.p = {tgt}.own.data(); {tgt}.n = {tgt}.own.size();", i2)
         self.g.emit("}", ind)
+
+    @staticmethod
+    def nn(ac, bc, dst, m, k, n, add_first) -> str:
+        if add_first is None:
+            return f"hipress::compress::ops::matmul_nn({ac}.p, {bc}.p, {dst}, {m}, {k}, {n});"
+        return (f"hipress::compress::ops::add_matmul_nn(const_cast<float*>({ac}.p), {add_first}.p, {bc}.p, {dst}, "
+                f"{m}, {k}, {n});")
 
     def decomp_op(self, tgt, sym, call, env, ind):
         """decomp(P): ops::orthogonalize (the hand-written PowerSGD's Gram-Schmidt), in place when P = decomp(P)."""

@@ -126,6 +126,23 @@ def test_matmul_variants(m, k, n, threads):
     np.testing.assert_allclose(D, 1 - Ar @ Bk.T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (7, 5, 3), (130, 257, 4), (64, 1000, 8), (65, 33, 5)])
+def test_add_matmul_nn_is_add_then_matmul_nn_bit_for_bit(m, k, n, threads):
+    """The fused pass (PowerSGD's error feedback and first product) gives the same floats as the
+    two operators one after the other: the matrix after the add, and the product."""
+    rng = np.random.default_rng(m + k + n)
+    A = rng.standard_normal((m, k)).astype(np.float32)
+    X = rng.standard_normal((m, k)).astype(np.float32)
+    B = rng.standard_normal((k, n)).astype(np.float32)
+    A1, C1 = A + X, np.zeros((m, n), np.float32)  # float32 adds, as ops::add's
+    _C.ops_matmul_nn(ptr(A1), ptr(B), ptr(C1), m, k, n)
+    A2, C2 = A.copy(), np.zeros((m, n), np.float32)
+    _C.ops_add_matmul_nn(ptr(A2), ptr(X), ptr(B), ptr(C2), m, k, n)
+    np.testing.assert_array_equal(A2, A1)
+    np.testing.assert_array_equal(C2, C1)
+    np.testing.assert_allclose(C2, (A + X) @ B, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("rows,r", [(1, 1), (50, 4), (1000, 8)])
 def test_orthogonalize(rows, r):
     P = np.random.default_rng(rows).standard_normal((rows, r)).astype(np.float32)

@@ -1,8 +1,8 @@
-"""PowerSGD written in the DSL (hipress/dsl/specs/powersgd.cll) against the hand-written kernel
-(csrc/compress/algo_powersgd.cc): same payload bytes, same state, same decoded gradients, in a single
-process (encode/decode) and through the multi-round API (encode_round/combine/finish) and the low-rank
-strategy on 3 ranks. Both run the same operators (ops::matmul_*, ops::orthogonalize) in the same order,
-so the comparison is bitwise: no tolerance."""
+"""PowerSGD written in the DSL (hipress/dsl/specs/powersgd.cll), compiled at run time, against the
+built-in generated from the same spec (hipress.compression.native.PowerSGD): same payload bytes, same
+state, same decoded gradients, in a single process (encode/decode) and through the multi-round API
+(encode_round/combine/finish) and the low-rank strategy on 3 ranks. Both run the same operators
+(ops::matmul_*, ops::orthogonalize) in the same order, so the comparison is bitwise: no tolerance."""
 import pytest
 import torch
 
@@ -44,6 +44,12 @@ def test_multi_round_identical(gen, threads, rank):
     g_c, h_c = pair(gen, rank)
     assert (g_c.rounds, g_c.aggregatable, g_c.category) == (h_c.rounds, h_c.aggregatable, h_c.category) == \
         (2, True, "lowrank")
+    same_rounds(g_c, h_c, f"rank {rank}")
+
+
+def same_rounds(g_c, h_c, what):
+    """Two workers through encode_round / combine / finish, two steps, with each compressor: the
+    same bytes, sums, states and outputs."""
     for shape in SHAPES:
         n = int(torch.tensor(shape).prod()) if shape else 0
         m = (shape[0], n // shape[0]) if len(shape) > 1 else (n, 1)
@@ -60,12 +66,12 @@ def test_multi_round_identical(gen, threads, rank):
                 for r in range(2):
                     c.finish(qs, sts[r], outs[r])
                 sums.append((p, ps, q, qs, outs))
-            for x, y, what in zip(sums[0], sums[1], ("round 0", "sum P", "round 1", "sum Q", "finish")):
+            for x, y, part in zip(sums[0], sums[1], ("round 0", "sum P", "round 1", "sum Q", "finish")):
                 xs, ys = (x, y) if isinstance(x, list) else ([x], [y])
                 for u, v in zip(xs, ys):
-                    assert torch.equal(u, v), f"rank {rank} shape {shape} step {step}: {what} differs"
+                    assert torch.equal(u, v), f"{what} shape {shape} step {step}: {part} differs"
             for r in range(2):
-                same_state(states[0][r], states[1][r], f"rank {rank} shape {shape} step {step} worker {r}")
+                same_state(states[0][r], states[1][r], f"{what} shape {shape} step {step} worker {r}")
         out = torch.ones(n)
         g_c.finish(sums[0][3], states[0][0], out, add=True)
         o2 = torch.ones(n)
@@ -160,3 +166,27 @@ def test_errors(gen):
     c.decode(full, o1)
     PowerSGD(rank=2).decode(full, o2)
     assert torch.equal(o1, o2) and o1.abs().sum() > 0
+
+
+def test_fused_error_feedback_pass_equals_the_two_statements(threads):
+    """The spec's error-feedback add right before the first product is generated as one pass over
+    the matrix (ops::add_matmul_nn, codegen's add_matmul). The same spec with a statement between
+    them is generated as the two operators, and both give the same payload bytes and state, bit for
+    bit, in one process and through the two rounds."""
+    src, _ = compll.read("powersgd")
+    unfused = src
+    for product in ("p = matmul(matrix, q); }", "P = matmul(matrix, q); }"):  # encode, encode_round0
+        line = "if (params.error_feedback) { matrix = map(matrix, gradient, add); " + product
+        assert line in src
+        # the same computation with an unrelated statement between the add and the product
+        unfused = unfused.replace(line, line.replace("add); ", "add); step = step; "))
+    assert compll.generate("powersgd", source=src).count("add_matmul_nn(") == 2
+    assert "add_matmul_nn(" not in compll.generate("powersgd_unfused.cll", source=unfused, name="powersgd_unfused")
+    two = compll.load("powersgd_unfused.cll", source=unfused, name="powersgd_unfused", register=False)
+    for rank in RANKS:
+        a, b = two(rank=rank), PowerSGD(rank=rank)
+        for shape in SHAPES:
+            n = int(torch.tensor(shape).prod()) if shape else 0
+            same_codec(a, b, [grad(shape, seed=step + 10 * n) for step in range(2)], n, shape,
+                       what=f"unfused vs fused, rank {rank} shape {shape}")
+        same_rounds(two(rank=rank), PowerSGD(rank=rank), f"unfused vs fused, rank {rank}")
