@@ -888,6 +888,16 @@ inline void dot_lanes_block(float* a, const float* x, const float* const* b, siz
   for (size_t g = 0; g < G; ++g)
     for (size_t q = 0; q < P; ++q) vstore(acc[g] + q * V, s[g][q]);
 }
+// dot_lanes_block for G = 1..kGroup outputs, chosen at run time
+template <bool ADD>
+inline void dot_lanes(size_t G, float* a, const float* x, const float* const* b, size_t len, float (*acc)[kLanes]) {
+  switch (G) {
+    case 4: return dot_lanes_block<4, ADD>(a, x, b, len, acc);
+    case 3: return dot_lanes_block<3, ADD>(a, x, b, len, acc);
+    case 2: return dot_lanes_block<2, ADD>(a, x, b, len, acc);
+    default: return dot_lanes_block<1, ADD>(a, x, b, len, acc);
+  }
+}
 // Row stride of a scratch matrix of `cols` floats: off a multiple of 4 KiB, so that rows updated
 // together do not falsely wait on each other's stores (4K aliasing).
 inline size_t padded_stride(size_t cols) { return (cols * sizeof(float)) % 4096 == 0 ? cols + 16 : cols; }
@@ -918,22 +928,10 @@ void matmul_nn_impl(float* A, const float* X, const float* B, float* C, size_t m
         for (size_t g = 0; g < G; ++g) bt[g] = BT.data() + (j + g) * k + cb;
         for (size_t i = b; i < e; ++i) {
           float* a = A + i * k + cb;
-          if (X && j == 0) {
-            const float* x = X + i * k + cb;
-            switch (G) {
-              case 4: dot_lanes_block<4, true>(a, x, bt, len, acc[i - b]); break;
-              case 3: dot_lanes_block<3, true>(a, x, bt, len, acc[i - b]); break;
-              case 2: dot_lanes_block<2, true>(a, x, bt, len, acc[i - b]); break;
-              default: dot_lanes_block<1, true>(a, x, bt, len, acc[i - b]); break;
-            }
-            continue;
-          }
-          switch (G) {
-            case 4: dot_lanes_block<4, false>(a, nullptr, bt, len, acc[i - b]); break;
-            case 3: dot_lanes_block<3, false>(a, nullptr, bt, len, acc[i - b]); break;
-            case 2: dot_lanes_block<2, false>(a, nullptr, bt, len, acc[i - b]); break;
-            default: dot_lanes_block<1, false>(a, nullptr, bt, len, acc[i - b]); break;
-          }
+          if (X && j == 0)  // the first group's pass adds X
+            dot_lanes<true>(G, a, X + i * k + cb, bt, len, acc[i - b]);
+          else
+            dot_lanes<false>(G, a, nullptr, bt, len, acc[i - b]);
         }
       }
       for (size_t i = b; i < e; ++i)
@@ -963,9 +961,10 @@ void add_matmul_nn(float* A, const float* X, const float* B, float* C, size_t m,
 void matmul_tn(const float* A, const float* B, float* C, size_t m_, size_t k_, size_t n_) {
   // CT (n x k): CT[j, :] += B[i, j] * A[i, :] for i in order; threads own disjoint column tiles. Each
   // A element read serves kGroup outputs, and the kGroup accumulators of a column vector stay in
-  // registers over kRowBlock rows of A (one load and store of CT per block instead of per row).
-  // 4 rows rather than 8: fewer pieces of A in flight at once (4096 x 4096, rank 4, with the prefetch
-  // below: 8 rows 4.1-4.4 ms, 4 rows 3.5-3.7 ms).
+  // registers over kRowBlock rows of A (one load and store of CT per block instead of per row). A
+  // tile's rows are pieces of its width, k floats apart: a stride the hardware prefetchers do not
+  // follow, so each vector's column is prefetched for the next block's rows, and a block is 4 rows
+  // (fewer pieces in flight). 4096 x 4096, rank 4: 4.1-4.4 ms before, 3.5-3.7 ms with both.
   const size_t ld_ = padded_stride(k_);
   std::vector<float> CT(n_ * ld_, 0.0f);
   const size_t cgrain = 512;
@@ -984,9 +983,6 @@ void matmul_tn(const float* A, const float* B, float* C, size_t m_, size_t k_, s
         for (size_t ii = 0; ii < rows; ++ii)
           for (size_t g = 0; g < kGroup; ++g) bv[ii][g] = B[(i0 + ii) * n + j + g];
         const float* a = A + i0 * k + cb;
-        // The tile's rows are pieces of w floats k apart, a stride the hardware prefetchers do not
-        // follow: each vector's column is fetched for the next block's rows (4096 x 4096, rank 4, 8
-        // rows a block: 3.9 -> 3.3 ms).
         const bool ahead = i0 + 2 * kRowBlock <= m;
         size_t c = 0;
         for (; c < wv; c += V) {
