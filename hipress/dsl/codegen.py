@@ -524,7 +524,8 @@ class Generator:
             return False
         if not (isinstance(mm, A.Call) and mm.kind == "op" and mm.func == "matmul" and not any(mm.trans)
                 and isinstance(mm.args[0], A.Name) and mm.args[0].id == sym.name and is_arr(tsym.ty)
-                and tsym.kind != "output" and tsym.name != sym.name and getattr(mm.args[1], "id", None) != sym.name):
+                and tsym.kind != "output" and tsym.name != sym.name and getattr(mm.args[1], "id", None) != sym.name
+                and getattr(b, "id", None) != tsym.name):  # the product must not overwrite what is added
             return False
         self.idioms.append("map(X, Y, a + b); matmul(X, W) -> ops::add_matmul_nn")
         xc, yc = self.array_code(a, env), self.array_code(b, env)
