@@ -198,7 +198,8 @@ def main(argv=None) -> dict:
         raise SystemExit("--blocks and --steps must be >= 1")
     out = os.path.join("/tmp", f"hipress-overhead-{os.getpid()}.json")
     # the ranks see this environment (HIPRESS_TIMELINE, ...), as hipress.bench.compare's do
-    env = {**os.environ, "PYTHONPATH": REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    env = {**os.environ,
+           "PYTHONPATH": REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
     cmd = [sys.executable, "-m", "hipress.bench.overhead", "--worker", a.model, ",".join(systems), str(a.blocks),
            str(a.steps), out]
     if a.bandwidth == "none":
