@@ -140,10 +140,7 @@ VARIABLES: Sequence[Var] = (
        "per-job secret: the ranks check that the rendezvous store is their job's (an HMAC, not access "
        "control; `docs/security.md`)", shown_default="set afresh by `hipress.launch`, else off"),
     _V("HIPRESS_COORDINATOR", _bool, False,
-       "route all gradient communication through the global coordinator on rank 0 (`docs/coordinator.md`)"),
-    _V("HIPRESS_BATCH_BYTES", _nonneg_int, 4 << 20, "coordinator: bytes per link and slot",
-       shown_default="4194304 (4 MiB)"),
-    _V("HIPRESS_BATCH_TIMEOUT_MS", _nonneg_float, 0.0, "coordinator: how long a small batch may wait"),
+       "route all gradient communication through the global coordinator (`docs/coordinator.md`)"),
     _V("HIPRESS_BATCH_COMPUTE_BYTES", _nonneg_int, 256 << 10,
        "partitions up to this size run their encode/merge/decode tasks in batches",
        shown_default="262144 (256 KiB)"),

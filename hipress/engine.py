@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from hipress import _C, config
 
@@ -41,11 +41,15 @@ _NOT_SET = object()
 class Handle:
     """Returned by :meth:`Engine.submit` at once; poll, wait or get a future."""
 
-    __slots__ = ("_task", "_box")
+    __slots__ = ("_task", "_box", "waits_on", "exchange_key")
 
-    def __init__(self, task: "_C.TaskHandle", box: list):
+    def __init__(self, task: "_C.TaskHandle", box: list, waits_on: tuple = ()):
         self._task = task
         self._box = box  # [return value of a Python task], filled by the task itself
+        # The unfinished coordinated exchanges this task waits on, directly or through other
+        # tasks (the global coordinator plans a message only after them; empty without it).
+        self.waits_on = waits_on
+        self.exchange_key: Optional[int] = None  # set on a coordinated exchange's own handle
 
     @property
     def name(self) -> str:
@@ -105,6 +109,17 @@ class Handle:
         return f"<hipress task {self.name!r} {self.state}>"
 
 
+def exchanges_waited_on(deps: Sequence[Handle]) -> tuple:
+    """The unfinished coordinated exchanges that tasks waiting on ``deps`` wait on. A finished
+    one is left out: its messages have moved, so they were planned long ago."""
+    out: list = []
+    for d in deps:
+        for h in d.waits_on:
+            if h not in out and not h._task.finished:
+                out.append(h)
+    return tuple(out)
+
+
 def _batch_key(name: str) -> int:
     import zlib
     return zlib.crc32(name.encode()) or 1
@@ -155,13 +170,13 @@ class Engine:
                 box[0] = work()
         else:
             raise TypeError(f"task work must be callable or a hipress._C.NativeWork, got {type(work).__name__}")
-        native_deps = []
+        deps = list(deps)
         for d in deps:
             if not isinstance(d, Handle):
                 raise TypeError(f"dependencies of task {name!r} must be Handles, got {type(d).__name__}")
-            native_deps.append(d._task)
         key = _batch_key(batch) if batch else 0
-        return Handle(self._engine.submit(name, QUEUES[queue], body, native_deps, key), box)
+        return Handle(self._engine.submit(name, QUEUES[queue], body, [d._task for d in deps], key), box,
+                      exchanges_waited_on(deps))
 
     def submit_deferred(self, name: str, post: Callable[["Completion"], None], queue: str = "comm",
                         deps: Iterable[Handle] = ()) -> Handle:
@@ -171,10 +186,10 @@ class Engine:
         from any thread. Used by the coordinator's executor for bulk communication."""
         if queue not in QUEUES:
             raise ValueError(f"unknown queue {queue!r}; expected one of {sorted(QUEUES)}")
-        native_deps = [d._task for d in deps]
+        deps = list(deps)
         eng = self._engine
-        task = eng.submit_deferred(name, QUEUES[queue], lambda h: post(Completion(eng, h)), native_deps)
-        return Handle(task, [_NOT_SET])
+        task = eng.submit_deferred(name, QUEUES[queue], lambda h: post(Completion(eng, h)), [d._task for d in deps])
+        return Handle(task, [_NOT_SET], exchanges_waited_on(deps))
 
     def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
         self._engine.shutdown(drain, -1.0 if timeout is None else float(timeout))

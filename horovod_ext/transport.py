@@ -347,8 +347,12 @@ class HorovodTransport(Transport):
     def _raw_recv(self, buf, src, tag, op):
         self._wait(op, [self._p2p_post(op, buf, src, self._rank, tag)], [src])
 
+    @property
+    def p2p_needs_all_ranks(self) -> bool:
+        return self._p2p == "collective" and self._size > 2
+
     def _raw_sendrecv(self, send_buf, dst, recv_buf, src, op):
-        if self._p2p == "collective" and self._size > 2:
+        if self.p2p_needs_all_ranks:
             return self._sendrecv_collective(send_buf, dst, recv_buf, src, op)
         handles = []
         if recv_buf is not None:

@@ -48,7 +48,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from hipress.engine import Engine, Handle
+from hipress.comm.coordinator.executor import message_key
+from hipress.engine import Engine, Handle, exchanges_waited_on
 
 __all__ = ["Exchange", "DirectExchange", "CoordinatedExchange", "CommChain", "Exchanges", "open_exchanges",
            "transfer"]
@@ -271,18 +272,30 @@ class CoordinatedExchange(Exchange):
         self._occurrence: Dict[str, int] = {}
 
     def _exchange(self, name, sends, sinks, deps, pairwise, max_bytes=None):
-        # max_bytes is not enforced here (see the module docstring): receive sizes are planned
-        # by the coordinator from the senders' announcements.
+        # max_bytes is not enforced here (see the module docstring): the receiver learns each
+        # payload's size from its sender's batch.
         occ = self._occurrence.get(name, 0)  # the same sequence of names on every rank of the group
         self._occurrence[name] = occ + 1
         key_name = f"{name}#{occ}"
-        ex, world = self.executor, self.members
+        ex, world, me = self.executor, self.members, self.executor.rank
+        key = message_key(key_name)
+        deps = list(deps)
+        # Declared now, planned ahead of its payloads: after the exchanges its tasks wait on.
+        dsts, srcs = [world[d] for d in sends if world[d] != me], [world[s] for s in sinks if world[s] != me]
+        waits_on = exchanges_waited_on(deps)
+        ex.declare(key, dsts, srcs, [h.exchange_key for h in waits_on])
 
         def post(completion):
-            ex.post(key_name, {world[d]: f() for d, f in sends.items()},
+            ex.post(key_name, key, {world[d]: f() for d, f in sends.items()},
                     {world[s]: sink for s, sink in sinks.items()}, completion)
 
-        return self.engine.submit_deferred(name, post, queue="comm", deps=deps)
+        handle = self.engine.submit_deferred(name, post, queue="comm", deps=deps)
+        handle.exchange_key = key
+        # What waits on this exchange waits on its predecessors through it: its messages are
+        # planned after theirs. With nothing on the network here, it has no messages to order
+        # by, so it passes its predecessors on.
+        handle.waits_on = (handle,) if dsts or srcs else waits_on
+        return handle
 
     def broadcast(self, name, buf, root, deps=()):
         flat = buf.view(-1).view(torch.uint8)

@@ -219,7 +219,7 @@ def test_some_defaults():
     assert config.get("HIPRESS_COMPRESS_THREADS", env) == 1
     assert config.get("HIPRESS_NP", env) == 4
     assert config.get("HIPRESS_CLUSTER_DELAY", env) == "auto"
-    assert config.get("HIPRESS_BATCH_BYTES", env) == 4 << 20
+    assert config.get("HIPRESS_BATCH_COMPUTE_BYTES", env) == 256 << 10
     assert config.get("HIPRESS_MARCH", env) == "native"
     assert config.get("HIPRESS_TIMELINE", env) is None
 
@@ -245,8 +245,8 @@ def test_choices_and_numbers():
     assert config.get("HIPRESS_COMPRESS_THREADS", {"HIPRESS_COMPRESS_THREADS": "-1"}) == -1
     with pytest.raises(ConfigError, match="HIPRESS_COMPRESS_THREADS"):
         config.get("HIPRESS_COMPRESS_THREADS", {"HIPRESS_COMPRESS_THREADS": "4x"})
-    with pytest.raises(ConfigError, match="HIPRESS_BATCH_BYTES"):
-        config.get("HIPRESS_BATCH_BYTES", {"HIPRESS_BATCH_BYTES": "-1"})
+    with pytest.raises(ConfigError, match="HIPRESS_BATCH_COMPUTE_BYTES"):
+        config.get("HIPRESS_BATCH_COMPUTE_BYTES", {"HIPRESS_BATCH_COMPUTE_BYTES": "-1"})
 
 
 def test_unknown_name():

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hipress.comm.coordinator import protocol as P
-from hipress.comm.coordinator.planner import Msg, SlotPlanner
+from hipress.comm.coordinator.planner import DependencyGate, Msg, SlotPlanner
 
 msgs_strategy = st.integers(2, 9).flatmap(lambda n: st.tuples(
     st.just(n),
@@ -100,21 +100,102 @@ def test_bad_messages():
 
 
 def test_protocol_round_trip_and_validation():
-    raw = P.pack(P.META, 2, 77, 5, P.CLOSING, [(9, 1, P.SEND, 100)], 4)
-    assert len(raw) == P.frame_bytes(4)
-    assert P.unpack(raw, P.META, 77, 5, 2, 4, 3) == (P.CLOSING, [(9, 1, P.SEND, 100)])
-    for bad, what in ((raw.replace(b"HPCO", b"XXXX"), "magic"),):
-        with pytest.raises(P.ProtocolError, match=what):
-            P.unpack(bad, P.META, 77, 5, 2, 4, 3)
+    decls = [(9, [1], [0, 3], [5, 6]), (11, [], [1], [])]
+    body = P.pack_decls(decls)
+    assert len(body) == 2 * 20 + 4 * 4 + 2 * 8  # sized to its content, no padding
+    assert P.unpack_decls(body, 2, 2, 4) == decls
+    assert P.pack_decls([]) == b"" and P.unpack_decls(b"", 0, 2, 4) == []
+    head = P.pack_head(2, 77, 5, P.CLOSING, 2, len(body))
+    assert len(head) == P.HEAD_BYTES
+    assert P.unpack_head(head, 77, 5, 2) == (P.CLOSING, 2, len(body))
+    with pytest.raises(P.ProtocolError, match="magic"):
+        P.unpack_head(head.replace(b"HPCO", b"XXXX"), 77, 5, 2)
     with pytest.raises(P.ProtocolError, match="token"):
-        P.unpack(raw, P.META, 78, 5, 2, 4, 3)
-    with pytest.raises(P.ProtocolError, match="slot"):
-        P.unpack(raw, P.META, 77, 6, 2, 4, 3)
-    with pytest.raises(P.ProtocolError, match="type"):
-        P.unpack(raw, P.PLAN, 77, 5, 2, 4, 3)
-    with pytest.raises(P.ProtocolError, match="peer"):
-        P.unpack(raw, P.META, 77, 5, 2, 4, 1)
-    with pytest.raises(P.ProtocolError, match="bytes"):
-        P.unpack(raw[:-1], P.META, 77, 5, 2, 4, 3)
-    with pytest.raises(P.ProtocolError, match="fit"):
-        P.pack(P.META, 0, 1, 0, 0, [(1, 0, P.SEND, 1)] * 5, 4)
+        P.unpack_head(head, 78, 5, 2)
+    with pytest.raises(P.ProtocolError, match="round"):
+        P.unpack_head(head, 77, 6, 2)
+    with pytest.raises(P.ProtocolError, match="claims rank"):
+        P.unpack_head(head, 77, 5, 1)
+    with pytest.raises(P.ProtocolError, match="expected 40"):
+        P.unpack_head(head[:-1], 77, 5, 2)
+    with pytest.raises(P.ProtocolError, match="peer 3"):
+        P.unpack_decls(body, 2, 2, 3)  # rank 3 is outside a job of 3
+    with pytest.raises(P.ProtocolError, match="peer 1"):
+        P.unpack_decls(P.pack_decls([(9, [1], [], [])]), 1, 1, 3)  # to itself
+    with pytest.raises(P.ProtocolError, match="ends inside"):
+        P.unpack_decls(body[:-1], 2, 2, 4)
+    with pytest.raises(P.ProtocolError, match="ends inside"):
+        P.unpack_decls(body, 3, 2, 4)  # the head claims more declarations than the body holds
+    with pytest.raises(P.ProtocolError, match="holds"):
+        P.unpack_decls(body + b"\0", 2, 2, 4)
+    many = [(1, [0], [], list(range(70000)))]  # an exchange may wait on many others
+    assert P.unpack_decls(P.pack_decls(many), 1, 1, 2) == many
+
+
+# ------------------------------------------------------------------ the dependency gate
+dag_strategy = st.integers(2, 6).flatmap(lambda n: st.tuples(
+    st.just(n),
+    st.lists(st.tuples(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), min_size=1, max_size=5),
+                       st.lists(st.integers(0, 30), max_size=3)), min_size=1, max_size=25),
+    st.permutations(range(n)), st.integers(1, 4)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(dag_strategy)
+def test_gate_plans_every_message_after_what_its_ends_wait_on(args):
+    """Exchanges (each a set of messages) in submission order, each waiting on some earlier ones;
+    every rank declares its part (sends, receives, and the earlier exchanges it waits on among
+    those it takes part in), ranks' declarations arriving in rounds in any order. Every message is
+    planned exactly once, after every message that either of its ends has in the exchanges that
+    end waits on, in slots that stay matchings."""
+    n, exchanges, rank_order, rounds = args
+    exs = []  # (messages [(src, dst)], predecessor indices)
+    for links, preds in exchanges:
+        msgs = sorted({(s, d) for s, d in links if s != d})
+        exs.append((msgs, sorted({p % len(exs) for p in preds}) if exs else []))
+    part = [{r for m in msgs for r in m} for msgs, _ in exs]  # the ranks each exchange involves
+    decls = {r: [] for r in range(n)}  # rank -> its declarations in submission order
+    for q, (msgs, preds) in enumerate(exs):
+        for r in range(n):
+            if r in part[q]:
+                after = [p for p in preds if r in part[p]]
+                decls[r].append((q, [d for s, d in msgs if s == r], [s for s, d in msgs if d == r], after))
+    gate, planner = DependencyGate(), SlotPlanner(n)
+    slot_of = {}
+    pending = {r: list(d) for r, d in decls.items()}
+    for rnd in range(rounds + 1):
+        for r in rank_order:  # a prefix of each rank's declarations per round, the rest at the end
+            take = len(pending[r]) if rnd == rounds else len(pending[r]) // (rounds - rnd + 1)
+            for key, dsts, srcs, after in pending[r][:take]:
+                planner.add(gate.declare(r, key, dsts, srcs, after))
+            del pending[r][:take]
+        while planner.pending():
+            slot = planner.plan(flush=True)
+            ups = [s for s, _ in slot.batches]
+            downs = [d for _, d in slot.batches]
+            assert len(ups) == len(set(ups)) and len(downs) == len(set(downs))
+            for b in slot.batches.values():
+                for m in b:
+                    assert (m.key, m.src, m.dst) not in slot_of
+                    slot_of[(m.key, m.src, m.dst)] = slot.number
+            planner.add(gate.planned([m for b in slot.batches.values() for m in b]))
+    assert gate.waiting == 0 and planner.pending() == 0 and gate.open == {}
+    assert set(slot_of) == {(q, s, d) for q, (msgs, _) in enumerate(exs) for s, d in msgs}
+    for (q, s, d), t in slot_of.items():
+        for p in exs[q][1]:
+            for (ps, pd) in exs[p][0]:
+                if {s, d} & {ps, pd}:
+                    assert slot_of[(p, ps, pd)] < t, f"message {q}:{s}->{d} planned beside or before {p}:{ps}->{pd}"
+
+
+def test_gate_holds_a_message_until_both_ends_declared_and_the_receivers_wait_is_planned():
+    """Rank 0 pushes exchange 5 to rank 1, which waits on exchange 4 (its receive from rank 2)
+    before it takes part in 5: 5's message must come after 4's, though its sender waits on nothing."""
+    gate = DependencyGate()
+    assert gate.declare(0, 5, [1], [], []) == [] and gate.waiting == 1  # the receiver has not declared it
+    assert gate.declare(1, 4, [], [2], []) == []
+    assert gate.declare(1, 5, [], [0], [4]) == [] and gate.held == 1  # held: rank 1 waits on 4
+    four = Msg(4, 2, 1, 0)
+    assert gate.declare(2, 4, [1], [], []) == [four]
+    assert gate.planned([four]) == [Msg(5, 0, 1, 0)]
+    assert gate.waiting == 0 and gate.open == {(0, 5): 1, (1, 5): 1}

@@ -403,7 +403,7 @@ def _exchanges(eng, tr, coordinated_with=None):
 def test_make_sync_sends_uncompressed_gradients_through_the_allreduce_where_it_can(coordinated):
     def body(tr):
         eng = Engine()
-        executor = Executor(tr.split(0, key=tr.rank), batch_bytes=1 << 12) if coordinated else None
+        executor = Executor(tr.split(0, key=tr.rank)) if coordinated else None
         try:
             ex = _exchanges(eng, tr, executor)
             st = StateStore(tr.rank)
@@ -432,7 +432,7 @@ def test_gather_rows_gives_every_rank_every_row_in_order(coordinated):
     the comm chain (direct) or planned by the coordinator, twice in a row (a step after a step)."""
     def body(tr):
         eng = Engine()
-        executor = Executor(tr.split(0, key=tr.rank), batch_bytes=1 << 12) if coordinated else None
+        executor = Executor(tr.split(0, key=tr.rank)) if coordinated else None
         try:
             ex = _exchanges(eng, tr, executor).world
             tables = []

@@ -25,7 +25,10 @@ def run_strategy(strategy, comp_factory, grads, bounds, name="w", coordinator=Fa
 
     def body(tr):
         eng = Engine()
-        ex = Executor(tr.split(0, key=tr.rank), batch_bytes=1 << 12) if coordinator else None
+        ex = None
+        if coordinator:  # "one thread": a round, then its slots; "two threads": the rounds beside the data
+            data = tr.split(0, key=tr.rank)
+            ex = Executor(data, tr.split(0, key=tr.rank) if coordinator == "two threads" else None)
         try:
             st = StateStore(tr.rank)
             strat = LowRankStrategy() if strategy == "lowrank" else STRATEGIES[strategy]()
@@ -128,26 +131,28 @@ def test_chunk_bounds():
         chunk_bounds(3, 0)
 
 
+@pytest.mark.parametrize("mode", ["one thread", "two threads"])
 @pytest.mark.parametrize("strategy", ["ring", "ps", "allgather"])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_coordinator_gives_identical_results(strategy, n):
+def test_coordinator_gives_identical_results(strategy, n, mode):
     """The same sync with and without the global coordinator: bit-identical results
     (uncompressed and TBQ with error feedback, over two steps so state is exercised)."""
     grads = grads_for(n, 3001, seed=n)
     bounds = chunk_bounds(3001, 3)
     for factory in (NoneCompressor, lambda: compression.get("tbq", threshold=0.05)):
         direct, _ = run_strategy(strategy, factory, grads, bounds, steps=2)
-        coord, _ = run_strategy(strategy, factory, grads, bounds, coordinator=True, steps=2)
+        coord, _ = run_strategy(strategy, factory, grads, bounds, coordinator=mode, steps=2)
         for a, b in zip(direct, coord):
             for x, y in zip(a, b):
                 assert torch.equal(x, y)
 
 
-def test_coordinator_lowrank_identical():
+@pytest.mark.parametrize("mode", ["one thread", "two threads"])
+def test_coordinator_lowrank_identical(mode):
     grads = [g.view(-1) for g in grads_for(3, 64 * 16, seed=1)]
     factory = lambda: compression.get("powersgd", rank=2)  # noqa: E731
     direct, _ = run_strategy("lowrank", factory, grads, [(0, 1024)])
-    coord, _ = run_strategy("lowrank", factory, grads, [(0, 1024)], coordinator=True)
+    coord, _ = run_strategy("lowrank", factory, grads, [(0, 1024)], coordinator=mode)
     for a, b in zip(direct, coord):
         assert torch.equal(a, b)
 

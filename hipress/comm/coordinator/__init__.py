@@ -3,8 +3,9 @@ non-conflicting links. ``planner.py`` plans slots, ``protocol.py`` is the wire f
 ``executor.py`` runs slots on every rank with the coordinator on rank 0.
 
 The executor is a thread on every rank (on rank 0 it also hosts the coordinator's
-planning); control and data ride a private duplicate of the job's own transport, so no
-socket is opened and only ranks of this job take part.
+planning), and a second one for the data where the backend allows; control and data ride
+private duplicates of the job's own transport, so no socket is opened and only ranks of
+this job take part.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import threading
 from typing import List
 
 from hipress.comm.coordinator.executor import Executor, message_key
-from hipress.comm.coordinator.planner import Msg, Slot, SlotPlanner
+from hipress.comm.coordinator.planner import DependencyGate, Msg, Slot, SlotPlanner
 
 _lock = threading.Lock()
 _executors: List[Executor] = []
@@ -24,8 +25,10 @@ def start(world_transport, **kw) -> Executor:
     stops at ``world.shutdown()`` (before the transports close) or at exit."""
     from hipress.comm import world
 
-    private = world_transport.split(0, key=world_transport.rank)
-    ex = Executor(private, **kw)
+    data = world_transport.split(0, key=world_transport.rank)
+    # The control rounds get their own duplicate and thread where the backend can run both at once.
+    control = world_transport.split(0, key=world_transport.rank) if world_transport.concurrent_splits else None
+    ex = Executor(data, control, **kw)
     with _lock:
         if not _executors:
             world.on_shutdown(shutdown_all)
@@ -42,12 +45,13 @@ def shutdown_all(timeout: float = 30.0) -> None:
         try:
             ex.close(timeout)
         finally:
-            try:
-                ex.tr.close()
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
+            for tr in {id(ex.tr): ex.tr, id(ex.ctl): ex.ctl}.values():
+                try:
+                    tr.close()
+                except Exception:  # noqa: BLE001 - best effort at teardown
+                    pass
 
 
 atexit.register(shutdown_all, 10.0)
 
-__all__ = ["Executor", "Msg", "Slot", "SlotPlanner", "message_key", "shutdown_all", "start"]
+__all__ = ["DependencyGate", "Executor", "Msg", "Slot", "SlotPlanner", "message_key", "shutdown_all", "start"]

@@ -1,30 +1,44 @@
-"""Per-rank executor of coordinated bulk communication (paper 000 §3.2, Fig. 2 steps 4-6),
-with the coordinator on rank 0.
+"""Per-rank executor of coordinated communication (paper 000 §3.2, Fig. 2 steps 4-6), planning
+ahead of the data (§5.1: the coordination of a batch runs asynchronously with the transfers
+of the batches before it).
 
-Strategies hand the executor *exchanges*: a set of messages to send (dst -> payload) and
-to receive (src -> sink), each identified by a key both sides derive from the exchange's
-name. The exchange is a deferred engine task: it finishes when all its messages have
+Strategies hand the executor *exchanges*: messages to send (dst -> payload) and to receive
+(src -> sink), identified by a key both sides derive from the exchange's name. An exchange
+is **declared** when it is submitted: its peers, and the earlier exchanges its tasks wait on
+(``hipress.engine.Handle.waits_on``), long before its payloads exist. It is **posted** when
+its dependencies are done (a deferred engine task), and finishes when all its messages have
 moved, which releases its dependents (step 6).
 
-The executor thread of every rank runs numbered slots in lock step over a private
-duplicate of the world transport (so it never races the comm queue or user collectives):
+Control rounds, every rank in lock step over a private duplicate of the world transport
+(protocol.py): an all-gather of every rank's HEAD and, when someone declared something, an
+all-gather of the declarations. The coordinator's planning then runs on every rank over the
+same declarations in the same order, so every rank derives the same global plan and no plan
+has to travel back from rank 0 (two collectives per round instead of four; one when idle):
 
-  1. META   every rank sends rank 0 one fixed-size frame listing its sends posted since
-            the last slot (key, destination, bytes) and whether it is closing
-            (one alltoallv: a frame to rank 0, nothing to others)
-  2. plan   rank 0 adds them to per-link queues and plans the slot with SlotPlanner:
-            a matching of non-conflicting links, each with a FIFO batch (planner.py)
-  3. PLAN   rank 0 sends every rank its part: what to send to whom, what it receives
-            from whom, in which order and size (one alltoallv)
-  4. data   one alltoallv moves the slot's batches; zero counts for idle pairs
-  5.        received payloads go to their sinks (or wait, if the receive is not posted
-            yet); exchanges whose messages have all moved are completed
-A slot with nothing planned is IDLE: ranks sleep briefly (backing off up to
-``idle_max_s``) before the next one. Shutdown: a closing rank says so in its META; when
-every rank is closing and nothing is pending, rank 0 plans STOP and all leave the loop.
-A late or dead rank makes the step's collective time out (HIPRESS_TIMEOUT_S) on every
-rank; the executor then fails every pending exchange with that error.
-Self-messages (src == dst) never touch the network.
+  - DependencyGate holds each message back until both its ends have declared it and their
+    parts of the exchanges they wait on are planned;
+  - SlotPlanner plans slots of non-conflicting links, each link's queue in one batch, until
+    nothing admitted is left: a whole ring is planned in one round, its steps in
+    consecutive slots, and the steps of buckets declared together share slots.
+
+Data, every rank over another duplicate: its slots in global order, each one
+``sendrecv_alloc`` with its destination and source once the payloads it sends are posted
+(the batch carries its messages' sizes first). There is no lock step: a rank waits only for
+the peers of its own slots. Where the backend can run two transports at once
+(``concurrent_splits``) the rounds have their own thread beside the data, so planning is off
+the data's path; elsewhere one thread runs a round, then that round's slots.
+
+Why this cannot deadlock: every rank runs its slots in the same global order, and each of a
+rank's messages is planned in a slot after all of that rank's messages of the exchanges it
+waits on (and so, by induction, of everything its payload needs), so a slot's payloads are
+ready from earlier slots' data and local compute.
+
+A round where nobody declared anything is idle: ranks sleep briefly (backing off up to
+``idle_max_s``) before the next one. Shutdown: a closing rank says so in its HEAD once its
+declared exchanges are finished; when every rank says so in one round, all leave. A late or
+dead rank makes a transfer or a round time out (HIPRESS_TIMEOUT_S); the executor then fails
+every pending exchange with that error. Self-messages (src == dst) never touch the network
+and are not declared.
 """
 from __future__ import annotations
 
@@ -33,13 +47,16 @@ import queue
 import random
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hipress import config
 from hipress.comm.coordinator import protocol as P
-from hipress.comm.coordinator.planner import Msg, SlotPlanner
+from hipress.comm.coordinator.planner import DependencyGate, SlotPlanner
+
+
+# One rank's part of a slot: (slot, destination or -1, source or -1, keys sent, keys received).
+Part = Tuple[int, int, int, List[int], List[int]]
 
 
 def message_key(name: str) -> int:
@@ -47,220 +64,251 @@ def message_key(name: str) -> int:
 
 
 class PostedExchange:
-    """One posted exchange: sends {dst: payload}, receives {src: sink(payload)}."""
+    """One posted exchange: receives {src: sink(payload)}; ``left`` messages still to move."""
 
-    __slots__ = ("name", "key", "sends", "sinks", "completion", "left")
+    __slots__ = ("name", "key", "sinks", "completion", "left", "networked")
 
-    def __init__(self, name, key, sends, sinks, completion):
-        self.name, self.key, self.sends, self.sinks, self.completion = name, key, sends, sinks, completion
-        self.left = len(sends) + len(sinks)
+    def __init__(self, name, key, sinks, completion, left, networked):
+        self.name, self.key, self.sinks, self.completion = name, key, sinks, completion
+        self.left, self.networked = left, networked
 
 
 class Executor:
-    def __init__(self, transport, batch_bytes: Optional[int] = None, batch_timeout_ms: Optional[float] = None,
-                 max_entries: int = 512, idle_max_s: float = 0.002):
+    def __init__(self, transport, control=None, idle_max_s: float = float(__import__("os").environ.get("XIDLE", "0.002"))):
+        """``transport``: the data's private duplicate of the world transport; ``control``: a
+        second one for the rounds, run on their own thread (None: one thread runs both)."""
+        if transport.p2p_needs_all_ranks:
+            raise ValueError(f"the coordinator pairs a few ranks per slot, and the {transport.name} transport's "
+                             "point-to-point calls need every rank (use a backend with pairwise messages)")
         self.tr = transport
+        self.ctl = control if control is not None else transport
+        self.overlap = control is not None
         self.rank, self.n = transport.rank, transport.size
-        self.batch_bytes = int(batch_bytes if batch_bytes is not None
-                               else config.get("HIPRESS_BATCH_BYTES"))
-        timeout_ms = batch_timeout_ms if batch_timeout_ms is not None else config.get("HIPRESS_BATCH_TIMEOUT_MS")
-        self.max_entries = max_entries
         self.idle_max_s = idle_max_s
-        self.frame = P.frame_bytes(max_entries)
-        self._posted: "queue.Queue[PostedExchange]" = queue.Queue()
+        self._cv = threading.Condition()
+        self._decls: List[P.Decl] = []  # declared since the last round
+        self._unfinished = 0            # declared exchanges with messages on the network, not finished
+        self._sends: Dict[Tuple[int, int], Tuple[torch.Tensor, PostedExchange]] = {}  # (dst, key) -> posted payload
+        self._expect: Dict[Tuple[int, int], PostedExchange] = {}   # (src, key) -> exchange waiting for it
+        self._early: Dict[Tuple[int, int], torch.Tensor] = {}      # (src, key) -> payload that came first
+        self._in_flight: List[PostedExchange] = []                  # senders of the slot being moved
+        self._slots: "queue.Queue[Optional[Part]]" = queue.Queue()
         self._closing = threading.Event()
         self._error: Optional[str] = None
-        self.stats = {"slots": 0, "idle_slots": 0, "bytes": 0, "messages": 0, "plan_s": 0.0}
-        # Receiver side: (src, key) -> exchange waiting for it, and payloads that came first.
-        self._expect: Dict[Tuple[int, int], PostedExchange] = {}
-        self._early: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._outbox: List[Tuple[int, int, torch.Tensor, PostedExchange]] = []  # (key, dst, payload, ex) to report
-        self._reported: Dict[Tuple[int, int], Tuple[torch.Tensor, PostedExchange]] = {}  # (dst, key) -> payload
+        self.stats = {"rounds": 0, "idle_rounds": 0, "slots": 0, "bytes": 0, "messages": 0, "plan_s": 0.0}
         # Job token: rank 0 draws it, everyone learns it; every frame must carry it.
         tok = torch.tensor([random.getrandbits(62) if self.rank == 0 else 0], dtype=torch.int64)
-        self.tr.broadcast(tok.view(torch.uint8), 0)
+        self.ctl.broadcast(tok.view(torch.uint8), 0)
         self.token = int(tok[0])
-        if self.rank == 0:
-            # Slots are the planner's unit of time; the timeout becomes a number of slots
-            # (a slot takes at least ~0.1 ms of control traffic).
-            self.planner = SlotPlanner(self.n, self.batch_bytes, timeout_slots=int(timeout_ms / 0.1))
-            self._closing_ranks = set()
-        self._thread = threading.Thread(target=self._loop, name="hipress-executor", daemon=True)
-        self._thread.start()
+        # Every rank plans the same slots from the same declarations (see the module docstring).
+        self.planner = SlotPlanner(self.n)  # sizes are not known ahead: a link's batch is all it holds
+        self.gate = DependencyGate()
+        self._threads = [threading.Thread(target=self._control_loop, name="hipress-coordinator", daemon=True)]
+        if self.overlap:
+            self._threads.append(threading.Thread(target=self._data_loop, name="hipress-coordinated-data",
+                                                  daemon=True))
+        for t in self._threads:
+            t.start()
 
-    # ------------------------------------------------------------------ posting side
-    def post(self, name: str, sends: Dict[int, torch.Tensor], sinks: Dict[int, Callable], completion) -> None:
-        """Called on the comm queue thread by a deferred task."""
-        ex = PostedExchange(name, message_key(name), sends, sinks, completion)
-        if self._error is not None:
-            completion.fail(f"coordinated exchange '{name}' cannot run: {self._error}")
+    # ------------------------------------------------------------------ strategies' side
+    def declare(self, key: int, dsts: Sequence[int], srcs: Sequence[int], after: Sequence[int]) -> None:
+        """At submission: this rank will send exchange ``key``'s messages to ``dsts`` and hear from
+        ``srcs`` (world ranks, not this one), once the exchanges ``after`` (keys) are planned."""
+        if not dsts and not srcs:
             return
-        if ex.left == 0:
-            completion.done()
-            return
-        self._posted.put(ex)
+        with self._cv:
+            self._decls.append((key, list(dsts), list(srcs), list(after)))
+            self._unfinished += 1
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Collective: every rank closes; returns once the loop has stopped."""
-        self._closing.set()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise RuntimeError(f"coordinator executor on rank {self.rank} did not stop within {timeout} s")
-
-    # ------------------------------------------------------------------ loop
-    def _take_posted(self) -> None:
-        while True:
-            try:
-                ex = self._posted.get_nowait()
-            except queue.Empty:
+    def post(self, name: str, key: int, sends: Dict[int, torch.Tensor], sinks: Dict[int, Callable], completion) -> None:
+        """When the exchange's dependencies are done (on the comm queue's thread)."""
+        networked = any(d != self.rank for d in sends) or any(s != self.rank for s in sinks)
+        ex = PostedExchange(name, key, sinks, completion, len(sends) + len(sinks), networked)
+        now: List[Tuple[int, torch.Tensor]] = []  # deliveries to make outside the lock
+        with self._cv:
+            if self._error is not None:
+                completion.fail(f"coordinated exchange '{name}' cannot run: {self._error}")
                 return
-            for src, sink in ex.sinks.items():
-                k = (src, ex.key)
-                if k in self._expect:
-                    raise RuntimeError(f"two pending receives of '{ex.name}' from rank {src}")
-                self._expect[k] = ex
-            for dst, payload in ex.sends.items():
+            for src in sinks:
+                if src == self.rank:
+                    continue
+                if (src, key) in self._expect:
+                    raise RuntimeError(f"two pending receives of '{name}' from rank {src}")
+                early = self._early.pop((src, key), None)
+                if early is None:
+                    self._expect[(src, key)] = ex
+                else:
+                    now.append((src, early))
+            for dst, payload in sends.items():
                 payload = payload.contiguous().view(torch.uint8).view(-1)
                 if dst == self.rank:
-                    self._deliver(self.rank, ex.key, payload)
-                    self._progress(ex)
+                    now.append((dst, payload))
                 else:
-                    self._outbox.append((ex.key, dst, payload, ex))
-            for src in list(ex.sinks):  # payloads that arrived before the receive was posted
-                k = (src, ex.key)
-                if k in self._early:
-                    self._deliver(src, ex.key, self._early.pop(k))
+                    self._sends[(dst, key)] = (payload, ex)
+            self._cv.notify_all()
+        if not sends and not sinks:
+            completion.done()
+        for src, payload in now:
+            ex.sinks[src](payload)
+            self._progress(ex, 2 if src == self.rank else 1)  # a self-message is its send and its receive
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Collective: every rank closes; returns once the executor has stopped."""
+        self._closing.set()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise RuntimeError(f"coordinator executor on rank {self.rank} did not stop within {timeout} s")
+
+    # ------------------------------------------------------------------ delivery
+    def _progress(self, ex: PostedExchange, moved: int = 1) -> None:
+        with self._cv:
+            ex.left -= moved
+            finished = ex.left == 0
+            if finished and ex.networked:
+                self._unfinished -= 1
+        if finished:
+            ex.completion.done()
 
     def _deliver(self, src: int, key: int, payload: torch.Tensor) -> None:
-        ex = self._expect.pop((src, key), None)
-        if ex is None:
-            self._early[(src, key)] = payload
-            return
+        with self._cv:
+            ex = self._expect.pop((src, key), None)
+            if ex is None:
+                self._early[(src, key)] = payload
+                return
         ex.sinks[src](payload)
         self._progress(ex)
 
-    def _progress(self, ex: PostedExchange) -> None:
-        ex.left -= 1
-        if ex.left == 0:
-            ex.completion.done()
-
-    def _alltoall_frames(self, send_frames: Dict[int, bytes], recv_from: List[int]) -> Dict[int, bytes]:
-        n, f = self.n, self.frame
-        send_counts = [f if j in send_frames else 0 for j in range(n)]
-        recv_counts = [f if j in recv_from else 0 for j in range(n)]
-        sbuf = torch.frombuffer(bytearray(b"".join(send_frames[j] for j in range(n) if j in send_frames)),
-                                dtype=torch.uint8) if send_frames else torch.empty(0, dtype=torch.uint8)
-        rbuf = torch.empty(sum(recv_counts), dtype=torch.uint8)
-        self.tr.alltoallv(sbuf, send_counts, rbuf, recv_counts)
-        raw = rbuf.numpy().tobytes()
-        out, off = {}, 0
-        for j in range(n):
-            if recv_counts[j]:
-                out[j] = raw[off:off + f]
-                off += f
-        return out
-
-    def _slot(self, slot: int) -> str:
-        """Runs one slot; returns "stop" (coordinator said STOP), "idle" or "busy"."""
-        self._take_posted()
-        report, self._outbox = self._outbox[:self.max_entries], self._outbox[self.max_entries:]
-        for key, dst, payload, ex in report:
-            self._reported[(dst, key)] = (payload, ex)
-        closing = self._closing.is_set() and not self._outbox and self._posted.empty()
-        meta = P.pack(P.META, self.rank, self.token, slot, P.CLOSING if closing else 0,
-                      [(key, dst, P.SEND, payload.numel()) for key, dst, payload, _ in report], self.max_entries)
-        got = self._alltoall_frames({0: meta}, list(range(self.n)) if self.rank == 0 else [])
-        plans = {}
-        if self.rank == 0:
-            t0 = time.perf_counter()
-            for src, raw in got.items():
-                flags, entries = P.unpack(raw, P.META, self.token, slot, src, self.max_entries, self.n)
-                if flags & P.CLOSING:
-                    self._closing_ranks.add(src)
-                else:
-                    self._closing_ranks.discard(src)
-                self.planner.add([Msg(key, src, dst, nbytes) for key, dst, _, nbytes in entries])
-            planned = self.planner.plan()
-            parts: Dict[int, list] = {r: [] for r in range(self.n)}
-            for (s, d), batch in planned.batches.items():
-                for m in batch:
-                    parts[s].append((m.key, d, P.SEND, m.nbytes))
-                    parts[d].append((m.key, s, P.RECV, m.nbytes))
-            stop = len(self._closing_ranks) == self.n and self.planner.pending() == 0
-            flags = (P.STOP if stop else 0) | (P.IDLE if not planned.batches else 0)
-            for r in range(self.n):
-                if len(parts[r]) > self.max_entries:
-                    raise P.ProtocolError(f"slot part for rank {r} exceeds {self.max_entries} entries")
-                plans[r] = P.pack(P.PLAN, r, self.token, slot, flags, parts[r], self.max_entries)
-            self.stats["plan_s"] += time.perf_counter() - t0
-        got = self._alltoall_frames(plans, [0])
-        flags, entries = P.unpack(got[0], P.PLAN, self.token, slot, self.rank, self.max_entries, self.n)
-        self.stats["slots"] += 1
-        if flags & P.STOP:
-            return "stop"
-        if flags & P.IDLE:
-            self.stats["idle_slots"] += 1
-            return "idle"
-        # Data: one alltoallv with this rank's batch to its one destination, from its one source.
-        send_counts, recv_counts = [0] * self.n, [0] * self.n
-        sends, recvs = [], []
-        for key, peer, kind, nbytes in entries:
-            if kind == P.SEND:
-                payload, ex = self._reported.pop((peer, key))
-                if payload.numel() != nbytes:
-                    raise P.ProtocolError(f"planned {nbytes} bytes for '{ex.name}', payload has {payload.numel()}")
-                sends.append((peer, payload, ex))
-                send_counts[peer] += nbytes
-            else:
-                recvs.append((peer, key, nbytes))
-                recv_counts[peer] += nbytes
-        order = sorted(range(len(sends)), key=lambda i: sends[i][0])  # segments in rank order, FIFO within
-        sbuf = torch.cat([sends[i][1] for i in order]) if sends else torch.empty(0, dtype=torch.uint8)
-        rbuf = torch.empty(sum(recv_counts), dtype=torch.uint8)
-        self.tr.alltoallv(sbuf, send_counts, rbuf, recv_counts)
-        offsets, off = {}, 0
-        for j in range(self.n):
-            offsets[j] = off
-            off += recv_counts[j]
-        for src, key, nbytes in recvs:
-            o = offsets[src]
-            self._deliver(src, key, rbuf[o:o + nbytes])
-            offsets[src] = o + nbytes
-        for _, _, ex in sends:
-            self._progress(ex)
-        self.stats["bytes"] += int(sbuf.numel())
-        self.stats["messages"] += len(sends)
-        return "busy"
-
-    def _pending_exchanges(self) -> List[PostedExchange]:
-        seen = {id(e): e for e in self._expect.values()}
-        seen.update({id(e): e for _, _, _, e in self._outbox})
-        seen.update({id(e): e for _, e in self._reported.values()})
-        while True:
+    def _fail(self, message: str) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = message
+            pending = {id(e): e for e in self._expect.values()}
+            pending.update({id(e): e for _, e in self._sends.values()})
+            pending.update({id(e): e for e in self._in_flight})
+            self._expect.clear()
+            self._sends.clear()
+            self._cv.notify_all()
+        for ex in pending.values():
             try:
-                e = self._posted.get_nowait()
-            except queue.Empty:
-                break
-            seen[id(e)] = e
-        return [e for e in seen.values() if e.left > 0]
+                ex.completion.fail(self._error)
+            except Exception:  # noqa: BLE001 - already finished or cancelled
+                pass
 
-    def _loop(self) -> None:
-        slot, idle = 0, 0.0
+    # ------------------------------------------------------------------ data
+    def _run_slot(self, part: Part) -> None:
+        slot, dst, src, sent_keys, recv_keys = part
+        items: List[Tuple[torch.Tensor, PostedExchange]] = []
+        buf = None
+        if dst >= 0:
+            with self._cv:  # the payloads are posted once their tasks ran (local compute, earlier slots)
+                while not all((dst, k) in self._sends for k in sent_keys):
+                    if self._error is not None:
+                        return
+                    self._cv.wait(0.1)
+                items = [self._sends.pop((dst, k)) for k in sent_keys]
+                self._in_flight = [ex for _, ex in items]
+            sizes = torch.tensor([p.numel() for p, _ in items], dtype=torch.int64)
+            buf = torch.cat([sizes.view(torch.uint8)] + [p for p, _ in items])
+        got = self.tr.sendrecv_alloc(buf, dst if dst >= 0 else None, src if src >= 0 else None)
+        if src >= 0:
+            head = 8 * len(recv_keys)
+            sizes = got[:head].view(torch.int64).tolist() if got.numel() >= head else None
+            if sizes is None or min(sizes, default=0) < 0 or head + sum(sizes) != got.numel():
+                raise P.ProtocolError(f"slot {slot}: rank {src} sent {got.numel()} bytes that do not hold "
+                                      f"{len(recv_keys)} planned messages")
+            off = head
+            for key, size in zip(recv_keys, sizes):
+                self._deliver(src, key, got[off:off + size])
+                off += size
+        self._in_flight = []
+        for _, ex in items:
+            self._progress(ex)
+        self.stats["slots"] += 1
+        self.stats["messages"] += len(items)
+        self.stats["bytes"] += 0 if buf is None else int(buf.numel())
+
+    def _data_loop(self) -> None:
+        part = None
         try:
             while True:
-                state = self._slot(slot)
-                if state == "stop":
-                    break
-                slot += 1
-                if state == "idle" and self._posted.empty() and not self._outbox:
-                    idle = min(self.idle_max_s, idle * 2 or 5e-5)  # back off while nothing moves
-                    time.sleep(idle)
-                else:
-                    idle = 0.0
+                part = self._slots.get()
+                if part is None or self._error is not None:
+                    return
+                self._run_slot(part)
         except Exception as e:  # noqa: BLE001 - reported to every waiting exchange
-            self._error = f"coordinator slot {slot} failed on rank {self.rank}: {type(e).__name__}: {e}"
-            for ex in self._pending_exchanges():
-                try:
-                    ex.completion.fail(self._error)
-                except Exception:  # noqa: BLE001 - already finished or cancelled
-                    pass
+            self._fail(f"coordinator slot {part[0] if part else '?'} failed on rank {self.rank}: "
+                       f"{type(e).__name__}: {e}")
+
+    # ------------------------------------------------------------------ control
+    def _gather(self, rnd: int, decls: List[P.Decl], flags: int) -> Tuple[List[int], Dict[int, List[P.Decl]]]:
+        """One round's exchange: every rank's flags and, if any, every rank's declarations."""
+        body = P.pack_decls(decls)
+        heads = torch.empty(self.n * P.HEAD_BYTES, dtype=torch.uint8)
+        mine = torch.frombuffer(bytearray(P.pack_head(self.rank, self.token, rnd, flags, len(decls), len(body))),
+                                dtype=torch.uint8)
+        self.ctl.allgather(mine, heads, sizes_agreed=True)  # the HEAD's size is the protocol's
+        raw = heads.numpy().tobytes()
+        parsed = [P.unpack_head(raw[j * P.HEAD_BYTES:(j + 1) * P.HEAD_BYTES], self.token, rnd, j)
+                  for j in range(self.n)]
+        lengths = [nbytes for _, _, nbytes in parsed]
+        if not sum(lengths):
+            return [f for f, _, _ in parsed], {}
+        bodies = torch.empty(sum(lengths), dtype=torch.uint8)
+        send = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8)
+        self.ctl.allgatherv(send, bodies, lengths, sizes_agreed=True)  # every rank read them from the heads
+        raw, out, off = bodies.numpy().tobytes(), {}, 0
+        for j, (_, count, nbytes) in enumerate(parsed):
+            out[j] = P.unpack_decls(raw[off:off + nbytes], count, j, self.n)
+            off += nbytes
+        return [f for f, _, _ in parsed], out
+
+    def _plan(self, declared: Dict[int, List[P.Decl]]) -> List[Part]:
+        """Every rank: the same planning of the same declarations; returns this rank's part."""
+        t0 = time.perf_counter()
+        planner, gate = self.planner, self.gate
+        for src in range(self.n):
+            for key, dsts, srcs, after in declared.get(src, ()):
+                planner.add(gate.declare(src, key, dsts, srcs, after))
+        mine: Dict[int, list] = {}
+        while planner.pending():
+            slot = planner.plan(flush=True)
+            for (s, d), batch in slot.batches.items():
+                if self.rank in (s, d):
+                    part = mine.setdefault(slot.number, [slot.number, -1, -1, [], []])
+                    if s == self.rank:
+                        part[1], part[3] = d, [m.key for m in batch]
+                    else:
+                        part[2], part[4] = s, [m.key for m in batch]
+            planner.add(gate.planned([m for b in slot.batches.values() for m in b]))
+        self.stats["plan_s"] += time.perf_counter() - t0
+        return [tuple(p) for _, p in sorted(mine.items())]
+
+    def _control_loop(self) -> None:
+        rnd, idle = 0, 0.0
+        try:
+            while self._error is None:
+                with self._cv:
+                    decls, self._decls = self._decls, []
+                    closing = self._closing.is_set() and self._unfinished == 0 and not decls
+                flags, declared = self._gather(rnd, decls, P.CLOSING if closing else 0)
+                rnd += 1
+                self.stats["rounds"] += 1
+                if all(f & P.CLOSING for f in flags):
+                    break  # nothing of anyone's is pending
+                if not declared:
+                    self.stats["idle_rounds"] += 1
+                    idle = min(self.idle_max_s, idle * 2 or 5e-5)  # back off while nothing is declared
+                    time.sleep(idle)
+                    continue
+                idle = 0.0
+                for part in self._plan(declared):
+                    if self.overlap:
+                        self._slots.put(part)
+                    else:
+                        self._run_slot(part)
+        except Exception as e:  # noqa: BLE001 - reported to every waiting exchange
+            self._fail(f"coordinator round {rnd} failed on rank {self.rank}: {type(e).__name__}: {e}")
+        finally:
+            self._slots.put(None)  # the data thread leaves after the slots already handed to it

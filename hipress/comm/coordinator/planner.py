@@ -15,6 +15,8 @@ iteration, and larger-first among a node's links fills the slot with useful byte
 Batches are cut at ``batch_bytes``, or at the size of the slot's largest batch so far
 when that is larger: the slot lasts as long as its largest batch anyway, so the others
 fill up to it (balanced batches, more useful bytes per slot).
+
+``DependencyGate`` decides when a declared message may enter the queues at all (see it).
 """
 from __future__ import annotations
 
@@ -158,3 +160,70 @@ class SlotPlanner:
                 del self.links[(s, d)]  # only non-empty links are kept
         self.slot += 1
         return slot
+
+
+class DependencyGate:
+    """Holds a declared message back until both its ends' parts of every exchange they wait on
+    have been planned in earlier slots.
+
+    Plans are made ahead of the data, so a rank that runs its slots in order must never reach
+    a send whose payload needs data of a later slot: that would stall every rank behind it.
+    Each rank declares, with an exchange, the earlier exchanges its tasks wait on (``after``).
+    A message enters the planner once its sender and its receiver have both declared it, and
+    each one's sends and receives of its own ``after`` exchanges are in planned slots. The
+    receiver counts too: a rank that only receives in exchange q, and waits on p before it
+    (its task graph joins p's result with q's), must not see q's message before p's, or a
+    later exchange that waits on q would be planned ahead of p on that rank.
+
+    ``open[(rank, key)]`` counts the messages of exchange ``key`` that ``rank`` declared and
+    that are not planned yet; an absent entry means nothing is left to wait for."""
+
+    def __init__(self):
+        self.open: Dict[Tuple[int, int], int] = {}
+        self._half: Dict[Tuple[int, int, int], Tuple[int, list]] = {}  # (key, src, dst) -> (rank, after) declared
+        self._blocked: Dict[Tuple[int, int], List[list]] = {}          # (rank, key) -> [[msg, unmet], ...]
+        self.held = 0
+
+    def declare(self, rank: int, key: int, dsts, srcs, after) -> List[Msg]:
+        """``rank`` sends exchange ``key``'s messages to ``dsts`` and hears from ``srcs``, after its
+        exchanges ``after``; returns the messages this admits to planning."""
+        if dsts or srcs:
+            self.open[(rank, key)] = self.open.get((rank, key), 0) + len(dsts) + len(srcs)
+        ready: List[Msg] = []
+        for src, dst in [(rank, d) for d in dsts] + [(s, rank) for s in srcs]:
+            other = self._half.pop((key, src, dst), None)
+            if other is None:  # the other end has not declared it yet
+                self._half[(key, src, dst)] = (rank, after)
+                continue
+            m = Msg(key, src, dst, 0)
+            unmet = [(r, p) for r, waits in (other, (rank, after)) for p in waits if (r, p) in self.open]
+            if not unmet:
+                ready.append(m)
+                continue
+            entry = [m, len(unmet)]
+            for end in unmet:
+                self._blocked.setdefault(end, []).append(entry)
+            self.held += 1
+        return ready
+
+    def planned(self, msgs) -> List[Msg]:
+        """Takes planned messages off their ends' counts; returns the messages this releases."""
+        released: List[Msg] = []
+        for m in msgs:
+            for end in ((m.src, m.key), (m.dst, m.key)):
+                left = self.open[end] - 1
+                if left:
+                    self.open[end] = left
+                    continue
+                del self.open[end]
+                for entry in self._blocked.pop(end, ()):
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        released.append(entry[0])
+                        self.held -= 1
+        return released
+
+    @property
+    def waiting(self) -> int:
+        """Messages declared by one end only, or held: not yet plannable."""
+        return len(self._half) + self.held

@@ -1,82 +1,98 @@
-"""Wire format of the coordinator's control messages (fixed, versioned, validated).
+"""Wire format of the coordinator's control rounds (versioned, validated, sized to content).
 
-Every message is a fixed-size frame so that the gather to rank 0 and the scatter back
-are single alltoallv steps with counts known in advance:
+A round is one all-gather of every rank's HEAD (fixed, 40 bytes) and, when some rank has
+something to declare, one all-gather of the DECL bodies, each as long as what it carries
+(the HEADs give the lengths). Every rank then runs the same planner on the same
+declarations, so no plan travels.
 
-  header  <4s H H i Q Q I I>  magic b"HPCO", version, type, rank, job token, slot,
-                              flags, entry count                                (36 bytes)
-  entries <Q i I Q>           key, peer, kind, nbytes                           (24 bytes each)
-                              META (rank -> coordinator): one per newly pending send,
-                                   peer = destination, kind = SEND
-                              PLAN (coordinator -> rank): this rank's part of the slot,
-                                   kind = SEND (peer = destination) or RECV (peer = source)
-  zero padding to the frame size
+  HEAD  <4s H H i Q Q I I I>  magic b"HPCO", version, type, rank, job token, round, flags,
+                              number of declarations, body bytes                 (40 bytes)
+  DECL body: the exchanges the rank declared since the last round, in submission order, each
+          <Q I I I>  key, number of destinations, of sources, of predecessors
+          int32 x (destinations + sources)   world ranks the rank sends to / hears from
+          uint64 x predecessors              keys of the rank's earlier exchanges that the
+                                             exchange waits on (through its tasks)
 
-Flags: META: CLOSING (this rank wants to stop once nothing is pending).
-       PLAN: STOP (everyone is closing and nothing is pending: leave the loop),
-             IDLE (nothing planned this slot).
-Nothing here can carry code: only integers. A frame with a wrong magic, version, type,
-token, slot, rank or an entry count beyond the frame is rejected with ProtocolError.
+Flags: CLOSING (this rank wants to stop: nothing of its own is pending). When every HEAD of
+a round says CLOSING, every rank leaves.
+Nothing here can carry code: only integers. A HEAD with a wrong magic, version, type,
+token, round or rank, a body whose length disagrees with its entries, or a peer outside the
+job is rejected with ProtocolError.
 """
 from __future__ import annotations
 
 import struct
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 MAGIC = b"HPCO"
-VERSION = 1
-META, PLAN = 1, 2
+VERSION = 3
+HEAD = 1
 CLOSING = 1
-STOP, IDLE = 1, 2
-SEND, RECV = 0, 1
 
-_HDR = struct.Struct("<4sHHiQQII")
-_ENT = struct.Struct("<QiIQ")  # key, peer, kind (SEND/RECV), nbytes
-HEADER_BYTES = _HDR.size
-ENTRY_BYTES = _ENT.size
+_HEAD = struct.Struct("<4sHHiQQIII")
+_DECL = struct.Struct("<QIII")  # key, destinations, sources, predecessors
+HEAD_BYTES = _HEAD.size
+
+Decl = Tuple[int, List[int], List[int], List[int]]  # key, destinations, sources, predecessor keys
 
 
 class ProtocolError(RuntimeError):
     pass
 
 
-def frame_bytes(max_entries: int) -> int:
-    return HEADER_BYTES + ENTRY_BYTES * max_entries
+def pack_decls(decls: Sequence[Decl]) -> bytes:
+    body = []
+    for key, dsts, srcs, after in decls:
+        peers = list(dsts) + list(srcs)
+        body += [_DECL.pack(key, len(dsts), len(srcs), len(after)), struct.pack(f"<{len(peers)}i", *peers),
+                 struct.pack(f"<{len(after)}Q", *after)]
+    return b"".join(body)
 
 
-def pack(mtype: int, rank: int, token: int, slot: int, flags: int,
-         entries: List[Tuple[int, int, int, int]], max_entries: int) -> bytes:
-    """entries: (key, peer, kind, nbytes)."""
-    if len(entries) > max_entries:
-        raise ProtocolError(f"{len(entries)} entries do not fit a frame of {max_entries}")
-    body = b"".join(_ENT.pack(k, p, kind, n) for k, p, kind, n in entries)
-    raw = _HDR.pack(MAGIC, VERSION, mtype, rank, token, slot, flags, len(entries)) + body
-    return raw + bytes(frame_bytes(max_entries) - len(raw))
+def pack_head(rank: int, token: int, rnd: int, flags: int, count: int, body_bytes: int) -> bytes:
+    return _HEAD.pack(MAGIC, VERSION, HEAD, rank, token, rnd, flags, count, body_bytes)
 
 
-def unpack(raw: bytes, mtype: int, token: int, slot: int, rank: int, max_entries: int, n: int):
-    """Validates a frame; returns (flags, [(key, peer, kind, nbytes)])."""
-    if len(raw) != frame_bytes(max_entries):
-        raise ProtocolError(f"frame of {len(raw)} bytes, expected {frame_bytes(max_entries)}")
-    magic, ver, t, r, tok, sl, flags, count = _HDR.unpack_from(raw, 0)
+def unpack_head(raw: bytes, token: int, rnd: int, rank: int) -> Tuple[int, int, int]:
+    """Validates rank ``rank``'s HEAD of round ``rnd``; returns (flags, declarations, body bytes)."""
+    if len(raw) != HEAD_BYTES:
+        raise ProtocolError(f"head of {len(raw)} bytes, expected {HEAD_BYTES}")
+    magic, ver, t, who, tok, rd, flags, count, nbytes = _HEAD.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: not a hipress coordinator frame")
     if ver != VERSION:
         raise ProtocolError(f"protocol version {ver}, this build speaks {VERSION}")
-    if t != mtype:
-        raise ProtocolError(f"message type {t}, expected {mtype}")
+    if t != HEAD:
+        raise ProtocolError(f"message type {t}, expected {HEAD}")
     if tok != token:
         raise ProtocolError("frame from another job (token mismatch)")
-    if sl != slot:
-        raise ProtocolError(f"frame for slot {sl}, expected slot {slot}: ranks out of step")
-    if r != rank:
-        raise ProtocolError(f"frame claims rank {r}, expected {rank}")
-    if count > max_entries:
-        raise ProtocolError(f"{count} entries exceed the frame's {max_entries}")
-    out = []
-    for i in range(count):
-        key, peer, kind, nbytes = _ENT.unpack_from(raw, HEADER_BYTES + i * ENTRY_BYTES)
-        if not 0 <= peer < n or kind not in (SEND, RECV):
-            raise ProtocolError(f"entry {i}: peer {peer} / kind {kind} invalid for {n} ranks")
-        out.append((key, peer, kind, nbytes))
-    return flags, out
+    if rd != rnd:
+        raise ProtocolError(f"frame for round {rd}, expected round {rnd}: ranks out of step")
+    if who != rank:
+        raise ProtocolError(f"frame claims rank {who}, expected {rank}")
+    return flags, count, nbytes
+
+
+def unpack_decls(body: bytes, count: int, rank: int, n: int) -> List[Decl]:
+    """Validates rank ``rank``'s DECL body of ``count`` declarations in a job of ``n`` ranks."""
+    out, off = [], 0
+
+    def take(fmt: str, k: int = 1) -> tuple:
+        nonlocal off
+        s = struct.Struct(f"<{k}{fmt}" if k != 1 else f"<{fmt}")
+        if off + s.size > len(body):
+            raise ProtocolError(f"body of {len(body)} bytes ends inside declaration {len(out)} of rank {rank}")
+        got = s.unpack_from(body, off)
+        off += s.size
+        return got
+
+    for _ in range(count):
+        key, nd, ns, na = take("QIII")
+        peers = list(take("i", nd + ns)) if nd + ns else []
+        for p in peers:
+            if not 0 <= p < n or p == rank:
+                raise ProtocolError(f"peer {p} is not another rank of {n} (declared by rank {rank})")
+        out.append((key, peers[:nd], peers[nd:], list(take("Q", na)) if na else []))
+    if off != len(body):
+        raise ProtocolError(f"body of {len(body)} bytes holds {off} bytes of declarations (rank {rank})")
+    return out

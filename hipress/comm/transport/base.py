@@ -238,10 +238,15 @@ class Transport(abc.ABC):
         if ns or nr:
             self._raw_sendrecv(send_buf if ns else None, dst, recv_buf if nr else None, src, op)
 
-    def sendrecv_alloc(self, send_buf: torch.Tensor, dst: int, src: int,
-                       max_bytes: Optional[int] = None) -> torch.Tensor:
+    def sendrecv_alloc(self, send_buf: Optional[torch.Tensor], dst: Optional[int], src: Optional[int],
+                       max_bytes: Optional[int] = None) -> Optional[torch.Tensor]:
         """A ring step whose receive size is not known in advance: send ``send_buf`` to ``dst``
-        and return what ``src`` sent, in a buffer this call allocates (on ``send_buf``'s device).
+        and return what ``src`` sent, in a buffer this call allocates (on ``send_buf``'s device,
+        else on the CPU).
+
+        One leg may be left out: ``dst=None`` (and ``send_buf=None``) only receives, and
+        ``src=None`` only sends and returns None (the coordinator's slots, where a rank may
+        only send or only receive). The peer's call must have the matching leg.
 
         The sizes travel first, then the payload: two backend exchanges, with or without
         checking (a caller exchanging a byte count over checked ``sendrecv`` pays four).
@@ -255,22 +260,36 @@ class Transport(abc.ABC):
         out of step afterwards. Treat the error as fatal for the job, like a timeout."""
         op = f"sendrecv_alloc(dst={dst}, src={src})"
         self._ensure_open(op)
-        self._check_peer(op, dst, "dst")
-        self._check_peer(op, src, "src")
-        bad = self._check_buf(op, "send_buf", send_buf)
-        if bad:
-            raise self._err(op, bad, [dst, src])
-        limit = self._max_bytes(op, max_bytes, [dst, src])
-        if dst == self._rank or src == self._rank:
+        peers = [p for p in (dst, src) if p is not None]
+        if dst is None and src is None:
+            raise self._err(op, "needs a dst, a src or both")
+        if (dst is None) != (send_buf is None):
+            raise self._err(op, "send_buf and dst go together (both None to only receive)", peers)
+        if dst is not None:
+            self._check_peer(op, dst, "dst")
+            bad = self._check_buf(op, "send_buf", send_buf)
+            if bad:
+                raise self._err(op, bad, peers)
+        if src is not None:
+            self._check_peer(op, src, "src")
+        limit = self._max_bytes(op, max_bytes, peers)
+        if self._rank in (dst, src):
             if dst == src == self._rank:
                 if limit is not None and send_buf.numel() > limit:
                     raise self._err(op, f"rank {src} announced {send_buf.numel()} bytes, more than the "
                                     f"{limit} this rank accepts (max_bytes)", [src])
                 return send_buf.clone()
-            raise self._err(op, "sendrecv with self on one side only is not supported", [dst, src])
-        ns = send_buf.numel()
-        hs, hr = self._header(ns, send_buf), self._header(0, send_buf)
+            raise self._err(op, "sendrecv with self on one side only is not supported", peers)
+        ns = send_buf.numel() if send_buf is not None else 0
+        device = send_buf.device if send_buf is not None else torch.device("cpu")
+        hs = self._header(ns, send_buf) if send_buf is not None else None
+        hr = self._header(0, send_buf if send_buf is not None else torch.empty(0, dtype=torch.uint8)) \
+            if src is not None else None
         self._raw_sendrecv(hs, dst, hr, src, op)
+        if src is None:
+            if ns:
+                self._raw_sendrecv(send_buf, dst, None, src, op)
+            return None
         nr = self._header_value(hr)
         if nr < 0 or (limit is not None and nr > limit):
             if ns:  # our leg of the step, so dst is not left waiting; src's payload is refused
@@ -279,7 +298,7 @@ class Transport(abc.ABC):
                 raise self._err(op, f"rank {src} announced {nr} bytes", [src])
             raise self._err(op, f"rank {src} announced {nr} bytes, more than the {limit} this rank accepts "
                             "(max_bytes); its payload was not received", [src])
-        recv_buf = torch.empty(nr, dtype=torch.uint8, device=send_buf.device)
+        recv_buf = torch.empty(nr, dtype=torch.uint8, device=device)
         if ns or nr:
             self._raw_sendrecv(send_buf if ns else None, dst, recv_buf if nr else None, src, op)
         return recv_buf
@@ -409,8 +428,13 @@ class Transport(abc.ABC):
             return
         self._raw_allgather(send_buf, recv_buf[: m * self._size] if recv_buf.numel() != m * self._size else recv_buf, op)
 
-    def allgatherv(self, send_buf: torch.Tensor, recv_buf: torch.Tensor, recv_counts: Sequence[int]) -> None:
-        """Rank i's ``send_buf`` (``recv_counts[i]`` bytes) lands at offset ``sum(recv_counts[:i])``."""
+    def allgatherv(self, send_buf: torch.Tensor, recv_buf: torch.Tensor, recv_counts: Sequence[int],
+                   sizes_agreed: bool = False) -> None:
+        """Rank i's ``send_buf`` (``recv_counts[i]`` bytes) lands at offset ``sum(recv_counts[:i])``.
+
+        ``sizes_agreed``: every rank's ``recv_counts`` came from one exchange all ranks made (the
+        coordinator's heads), so the checking round is skipped even with ``check``, as for
+        :meth:`allgather`."""
         op = "allgatherv"
         self._ensure_open(op)
         n = self._size
@@ -427,7 +451,7 @@ class Transport(abc.ABC):
                 problems.append(f"send_buf holds {send_buf.numel()} bytes but recv_counts[{self._rank}] = {rc[self._rank]}")
         if problems:
             rc = [0] * n
-        if self.check:
+        if self.check and not sizes_agreed:
             rows = self._meta_gather(op, [0 if problems else 1, 0 if problems else send_buf.numel()] + rc)
             self._raise_local_or_remote(op, problems, rows)
             actual = [r[1] for r in rows]
@@ -473,6 +497,12 @@ class Transport(abc.ABC):
         """Whether this backend has a native sum (:meth:`allreduce`); hipress syncs uncompressed
         gradients with it where it has one, and with its own ring where not."""
         return type(self)._raw_allreduce is not Transport._raw_allreduce
+
+    @property
+    def p2p_needs_all_ranks(self) -> bool:
+        """Whether a point-to-point call only completes when every rank makes one (a backend that
+        builds it from collectives); the coordinator's slots, which pair a few ranks, need False."""
+        return False
 
     @property
     def concurrent_splits(self) -> bool:

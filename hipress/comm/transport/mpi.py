@@ -116,10 +116,12 @@ class MpiTransport(Transport):
         self._call(op, self._comm.recv, buf.data_ptr(), buf.numel(), src, tag, self.timeout_s)
 
     def _raw_sendrecv(self, send_buf, dst, recv_buf, src, op):
+        # A leg left out is a null pointer (its peer may be None): the native call skips it.
         self._call(op, self._comm.sendrecv,
-                   send_buf.data_ptr() if send_buf is not None else 0, send_buf.numel() if send_buf is not None else 0, dst,
-                   recv_buf.data_ptr() if recv_buf is not None else 0, recv_buf.numel() if recv_buf is not None else 0, src,
-                   31999, self.timeout_s)
+                   send_buf.data_ptr() if send_buf is not None else 0, send_buf.numel() if send_buf is not None else 0,
+                   -1 if send_buf is None else dst,
+                   recv_buf.data_ptr() if recv_buf is not None else 0, recv_buf.numel() if recv_buf is not None else 0,
+                   -1 if recv_buf is None else src, 31999, self.timeout_s)
 
     def _raw_alltoallv(self, send_buf, send_counts, recv_buf, recv_counts, op):
         self._call(op, self._comm.alltoallv, send_buf.data_ptr(), list(send_counts), recv_buf.data_ptr(),
