@@ -373,3 +373,28 @@ def test_state_store_discard_drops_in_use_and_restored_states():
     st.discard("b/")
     st.undo()
     assert sorted(st.state_dict()) == ["ab/p0/worker"]
+
+
+@pytest.mark.parametrize("mode", ["one thread", "two threads"])
+def test_coordinator_closes_promptly_with_a_step_given_up(mode):
+    """An exchange declared and planned, whose payload never comes (its task's dependency never
+    finishes: a step given up), does not hold the executors at shutdown."""
+    import time
+
+    def body(tr):
+        eng = Engine()
+        data = tr.split(0, key=tr.rank)
+        ex = Executor(data, tr.split(0, key=tr.rank) if mode == "two threads" else None)
+        exchange = CoordinatedExchange(eng, ex, range(tr.size))
+        never = eng.submit_deferred("never", lambda completion: None)  # nobody completes it
+        done = exchange.sendrecv("first", lambda: torch.ones(3), (tr.rank + 1) % tr.size, lambda t: None,
+                                 (tr.rank - 1) % tr.size)
+        done.result(timeout=30)
+        exchange.sendrecv("given up", lambda: torch.ones(3), (tr.rank + 1) % tr.size, lambda t: None,
+                          (tr.rank - 1) % tr.size, deps=[never])
+        t0 = time.monotonic()
+        ex.close(timeout=20)
+        return time.monotonic() - t0, ex.stats["slots"]
+
+    for took, slots in loopback.spawn(3, body, timeout_s=60):
+        assert took < 20 and slots == 1, (took, slots)
