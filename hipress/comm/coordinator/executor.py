@@ -75,7 +75,7 @@ class PostedExchange:
 
 
 class Executor:
-    def __init__(self, transport, control=None, idle_max_s: float = float(__import__("os").environ.get("XIDLE", "0.002"))):
+    def __init__(self, transport, control=None, idle_max_s: float = 0.002):
         """``transport``: the data's private duplicate of the world transport; ``control``: a
         second one for the rounds, run on their own thread (None: one thread runs both)."""
         if transport.p2p_needs_all_ranks:
@@ -95,6 +95,7 @@ class Executor:
         self._in_flight: List[PostedExchange] = []                  # senders of the slot being moved
         self._slots: "queue.Queue[Optional[Part]]" = queue.Queue()
         self._closing = threading.Event()
+        self._woken = threading.Event()  # set by a declaration: an idle control thread starts its round
         self._error: Optional[str] = None
         self.stats = {"rounds": 0, "idle_rounds": 0, "slots": 0, "bytes": 0, "messages": 0, "plan_s": 0.0}
         # Job token: rank 0 draws it, everyone learns it; every frame must carry it.
@@ -119,6 +120,7 @@ class Executor:
             return
         with self._cv:
             self._decls.append((key, list(dsts), list(srcs), list(after)))
+        self._woken.set()
 
     def post(self, name: str, key: int, sends: Dict[int, torch.Tensor], sinks: Dict[int, Callable], completion) -> None:
         """When the exchange's dependencies are done (on the comm queue's thread)."""
@@ -306,8 +308,11 @@ class Executor:
                     break  # nothing of anyone's is pending
                 if not declared:
                     self.stats["idle_rounds"] += 1
-                    idle = min(self.idle_max_s, idle * 2 or 5e-5)  # back off while nothing is declared
-                    time.sleep(idle)
+                    # Back off while nothing is declared; a declaration here ends the wait (the
+                    # other ranks, declaring the same collectives, wake the same way).
+                    idle = min(self.idle_max_s, idle * 2 or 5e-5)
+                    self._woken.wait(idle)
+                    self._woken.clear()
                     continue
                 idle = 0.0
                 for part in self._plan(declared):

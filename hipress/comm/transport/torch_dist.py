@@ -34,6 +34,9 @@ __all__ = ["TorchDistTransport"]
 _TAG_SENDRECV = 1 << 20
 _TAG_A2A = (1 << 20) + 1
 _TAG_AGV = (1 << 20) + 2
+# All-gathers up to this many bytes per rank go as pairwise messages (one round of latency)
+# instead of gloo's ring (size - 1 rounds in a row): control rows, checking rounds.
+SMALL_ALLGATHER_BYTES = 64 << 10
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -234,6 +237,9 @@ class TorchDistTransport(Transport):
         self._wait(op, works, peers)
 
     def _raw_allgather(self, send_buf, recv_buf, op):
+        if self.backend == "gloo" and send_buf.numel() <= SMALL_ALLGATHER_BYTES:
+            self._raw_allgatherv(send_buf, recv_buf, [send_buf.numel()] * self._size, op)
+            return
         self._wait(op, [self._post(op, self._others(), self.pg._allgather_base, recv_buf, send_buf)], self._others())
 
     def _raw_allgatherv(self, send_buf, recv_buf, recv_counts, op):
