@@ -5,7 +5,7 @@
     rendezvous   the torch Store for the backends that need one
     world        init / rank / size, the world, local and cross transports (host grouping)
     exchange     the Exchange interface strategies use (direct, coordinated)
-    coordinator/ the global coordinator (rank 0 plans slots over non-conflicting links)
+    coordinator/ the global coordinator (slots over non-conflicting links, planned ahead)
 
 Nothing outside this package imports a transport backend (tests/unit/test_layering.py).
 """

@@ -1470,7 +1470,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     momentum (and weight decay) to its own gradient before compression and the SGD steps
     without them (hipress.torch.momentum; DGC's momentum correction, for every algorithm).
     "auto" (default): on for single-round compressors (not "none", not PowerSGD).
-    coordinator: batch all communication through the global coordinator on rank 0
+    coordinator: batch all communication through the global coordinator
     (hipress.comm.coordinator); None reads HIPRESS_COORDINATOR (default off).
     nonfinite: what a NaN or Inf in some rank's gradient does (hipress.torch.nonfinite). Each
     gradient is checked before clipping, momentum correction and compression (one sum per

@@ -1,11 +1,11 @@
 """Global coordinator (paper 000 §3.2): compression-aware bulk synchronization over
-non-conflicting links. ``planner.py`` plans slots, ``protocol.py`` is the wire format,
-``executor.py`` runs slots on every rank with the coordinator on rank 0.
+non-conflicting links. ``planner.py`` gates and plans slots, ``protocol.py`` is the wire
+format, ``executor.py`` runs the rounds and the slots on every rank.
 
-The executor is a thread on every rank (on rank 0 it also hosts the coordinator's
-planning), and a second one for the data where the backend allows; control and data ride
-private duplicates of the job's own transport, so no socket is opened and only ranks of
-this job take part.
+Every rank's executor runs the same planning over the all-gathered declarations (so every
+rank holds the same global plan) on one thread, and its slots on a second one where the
+backend allows; control and data ride private duplicates of the job's own transport, so no
+socket is opened and only ranks of this job take part.
 """
 from __future__ import annotations
 
