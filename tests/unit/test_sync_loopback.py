@@ -378,9 +378,9 @@ def test_state_store_discard_drops_in_use_and_restored_states():
 @pytest.mark.parametrize("mode", ["one thread", "two threads"])
 def test_coordinator_closes_promptly_with_a_step_given_up(mode):
     """An exchange declared and planned, whose payload never comes (its task's dependency never
-    finishes: a step given up), does not hold the executors at shutdown."""
-    import time
-
+    finishes: a step given up), holds neither its sender nor its receiver at shutdown (close()
+    raises if the executor still runs when its timeout passes; the receiver would otherwise wait
+    in its transfer until the transport's timeout)."""
     def body(tr):
         eng = Engine()
         data = tr.split(0, key=tr.rank)
@@ -390,11 +390,10 @@ def test_coordinator_closes_promptly_with_a_step_given_up(mode):
         done = exchange.sendrecv("first", lambda: torch.ones(3), (tr.rank + 1) % tr.size, lambda t: None,
                                  (tr.rank - 1) % tr.size)
         done.result(timeout=30)
-        exchange.sendrecv("given up", lambda: torch.ones(3), (tr.rank + 1) % tr.size, lambda t: None,
-                          (tr.rank - 1) % tr.size, deps=[never])
-        t0 = time.monotonic()
+        # rank 0 -> rank 1 only: rank 1's slot only receives, from a rank that will never send
+        exchange.bulk("given up", {1: lambda: torch.ones(3)} if tr.rank == 0 else {},
+                      {0: lambda t: None} if tr.rank == 1 else {}, deps=[never] if tr.rank == 0 else [])
         ex.close(timeout=20)
-        return time.monotonic() - t0, ex.stats["slots"]
+        return ex.stats["messages"]
 
-    for took, slots in loopback.spawn(3, body, timeout_s=60):
-        assert took < 20 and slots == 1, (took, slots)
+    assert loopback.spawn(3, body, timeout_s=60) == [1, 1, 1]  # each rank's first message moved, no other

@@ -35,8 +35,9 @@ ready from earlier slots' data and local compute.
 
 A round where nobody declared anything is idle: ranks sleep briefly (backing off up to
 ``idle_max_s``) before the next one. Shutdown: a closing rank says so in its HEAD once every
-exchange it posted has finished (one declared and never posted, in a step given up, holds
-nobody); when every rank says so in one round, all leave. A late or
+exchange it posted has finished; when every rank says so in one round, all leave. A step
+given up holds nobody: after ``close()``, a slot whose payloads were never posted goes as an
+empty batch, and its receiver fails the exchange that waited for it. A late or
 dead rank makes a transfer or a round time out (HIPRESS_TIMEOUT_S); the executor then fails
 every pending exchange with that error. Self-messages (src == dst) never touch the network
 and are not declared.
@@ -93,6 +94,7 @@ class Executor:
         self._expect: Dict[Tuple[int, int], PostedExchange] = {}   # (src, key) -> exchange waiting for it
         self._early: Dict[Tuple[int, int], torch.Tensor] = {}      # (src, key) -> payload that came first
         self._in_flight: List[PostedExchange] = []                  # senders of the slot being moved
+        self._abandoned: set = set()  # (src, key) whose sender gave it up at shutdown, before it was posted
         self._slots: "queue.Queue[Optional[Part]]" = queue.Queue()
         self._closing = threading.Event()
         self._woken = threading.Event()  # set by a declaration: an idle control thread starts its round
@@ -132,8 +134,9 @@ class Executor:
                 completion.fail(f"coordinated exchange '{name}' cannot run: {self._error}")
                 return
             self._unfinished += networked
+            given_up = [src for src in sinks if (src, key) in self._abandoned]
             for src in sinks:
-                if src == self.rank:
+                if src == self.rank or src in given_up:
                     continue
                 if (src, key) in self._expect:
                     raise RuntimeError(f"two pending receives of '{name}' from rank {src}")
@@ -151,6 +154,10 @@ class Executor:
             self._cv.notify_all()
         if not sends and not sinks:
             completion.done()
+        if given_up:
+            self._abandoned.difference_update((src, key) for src in given_up)
+            self._abandon(ex, f"rank(s) {given_up} gave up their part at shutdown")
+            return
         for src, payload in now:
             ex.sinks[src](payload)
             self._progress(ex, 2 if src == self.rank else 1)  # a self-message is its send and its receive
@@ -186,6 +193,24 @@ class Executor:
         ex.sinks[src](payload)
         self._progress(ex)
 
+    def _given_up(self, src: int, key: int) -> None:
+        """``src`` will never send its message of exchange ``key``: that exchange fails here, now
+        or when it is posted, so that it does not keep this rank from closing."""
+        with self._cv:
+            ex = self._expect.pop((src, key), None)
+            if ex is None:
+                self._abandoned.add((src, key))
+                return
+        self._abandon(ex, f"rank {src} gave up its part at shutdown")
+
+    def _abandon(self, ex: PostedExchange, why: str) -> None:
+        with self._cv:
+            if ex.left <= 0:
+                return
+            ex.left = 0
+            self._unfinished -= ex.networked
+        ex.completion.fail(f"coordinated exchange '{ex.name}': {why}")
+
     def _fail(self, message: str) -> None:
         with self._cv:
             if self._error is None:
@@ -210,15 +235,24 @@ class Executor:
         if dst >= 0:
             with self._cv:  # the payloads are posted once their tasks ran (local compute, earlier slots)
                 while not all((dst, k) in self._sends for k in sent_keys):
-                    if self._error is not None or self._closing.is_set():
-                        return  # failed, or closing: nobody posted this by now (a step given up)
+                    if self._error is not None:
+                        return
+                    if self._closing.is_set():  # nobody posted this by now (a step given up): an
+                        break                   # empty batch tells dst, so no peer waits for it
                     self._cv.wait(0.1)
-                items = [self._sends.pop((dst, k)) for k in sent_keys]
-                self._in_flight = [ex for _, ex in items]
-            sizes = torch.tensor([p.numel() for p, _ in items], dtype=torch.int64)
-            buf = torch.cat([sizes.view(torch.uint8)] + [p for p, _ in items])
+                else:
+                    items = [self._sends.pop((dst, k)) for k in sent_keys]
+                    self._in_flight = [ex for _, ex in items]
+            if items:
+                sizes = torch.tensor([p.numel() for p, _ in items], dtype=torch.int64)
+                buf = torch.cat([sizes.view(torch.uint8)] + [p for p, _ in items])
+            else:
+                buf = torch.empty(0, dtype=torch.uint8)
         got = self.tr.sendrecv_alloc(buf, dst if dst >= 0 else None, src if src >= 0 else None)
-        if src >= 0:
+        if src >= 0 and got.numel() == 0:  # the sender gave these up at shutdown (a real batch holds its sizes)
+            for key in recv_keys:
+                self._given_up(src, key)
+        elif src >= 0:
             head = 8 * len(recv_keys)
             sizes = got[:head].view(torch.int64).tolist() if got.numel() >= head else None
             if sizes is None or min(sizes, default=0) < 0 or head + sum(sizes) != got.numel():
