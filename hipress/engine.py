@@ -109,7 +109,7 @@ class Handle:
         return f"<hipress task {self.name!r} {self.state}>"
 
 
-def exchanges_waited_on(deps: Sequence[Handle]) -> tuple:
+def _exchanges_waited_on(deps: Sequence[Handle]) -> tuple:
     """The unfinished coordinated exchanges that tasks waiting on ``deps`` wait on. A finished
     one is left out: its messages have moved, so they were planned long ago."""
     out: list = []
@@ -176,7 +176,7 @@ class Engine:
                 raise TypeError(f"dependencies of task {name!r} must be Handles, got {type(d).__name__}")
         key = _batch_key(batch) if batch else 0
         return Handle(self._engine.submit(name, QUEUES[queue], body, [d._task for d in deps], key), box,
-                      exchanges_waited_on(deps))
+                      _exchanges_waited_on(deps))
 
     def submit_deferred(self, name: str, post: Callable[["Completion"], None], queue: str = "comm",
                         deps: Iterable[Handle] = ()) -> Handle:
@@ -189,7 +189,7 @@ class Engine:
         deps = list(deps)
         eng = self._engine
         task = eng.submit_deferred(name, QUEUES[queue], lambda h: post(Completion(eng, h)), [d._task for d in deps])
-        return Handle(task, [_NOT_SET], exchanges_waited_on(deps))
+        return Handle(task, [_NOT_SET], _exchanges_waited_on(deps))
 
     def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
         self._engine.shutdown(drain, -1.0 if timeout is None else float(timeout))

@@ -49,7 +49,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from hipress.comm.coordinator.executor import message_key
-from hipress.engine import Engine, Handle, exchanges_waited_on
+from hipress.engine import Engine, Handle
 
 __all__ = ["Exchange", "DirectExchange", "CoordinatedExchange", "CommChain", "Exchanges", "open_exchanges",
            "transfer"]
@@ -279,17 +279,17 @@ class CoordinatedExchange(Exchange):
         key_name = f"{name}#{occ}"
         ex, world, me = self.executor, self.members, self.executor.rank
         key = message_key(key_name)
-        deps = list(deps)
-        # Declared now, planned ahead of its payloads: after the exchanges its tasks wait on.
-        dsts, srcs = [world[d] for d in sends if world[d] != me], [world[s] for s in sinks if world[s] != me]
-        waits_on = exchanges_waited_on(deps)
-        ex.declare(key, dsts, srcs, [h.exchange_key for h in waits_on])
 
         def post(completion):
             ex.post(key_name, key, {world[d]: f() for d, f in sends.items()},
                     {world[s]: sink for s, sink in sinks.items()}, completion)
 
         handle = self.engine.submit_deferred(name, post, queue="comm", deps=deps)
+        # Declared now (before anything submitted after it), planned ahead of its payloads: after
+        # the exchanges its tasks wait on, which the engine gave the handle.
+        waits_on = handle.waits_on
+        dsts, srcs = [world[d] for d in sends if world[d] != me], [world[s] for s in sinks if world[s] != me]
+        ex.declare(key, dsts, srcs, [h.exchange_key for h in waits_on])
         handle.exchange_key = key
         # What waits on this exchange waits on its predecessors through it: its messages are
         # planned after theirs. With nothing on the network here, it has no messages to order

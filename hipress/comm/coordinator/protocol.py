@@ -77,22 +77,21 @@ def unpack_decls(body: bytes, count: int, rank: int, n: int) -> List[Decl]:
     """Validates rank ``rank``'s DECL body of ``count`` declarations in a job of ``n`` ranks."""
     out, off = [], 0
 
-    def take(fmt: str, k: int = 1) -> tuple:
+    def take(fmt: struct.Struct) -> tuple:
         nonlocal off
-        s = struct.Struct(f"<{k}{fmt}" if k != 1 else f"<{fmt}")
-        if off + s.size > len(body):
+        if off + fmt.size > len(body):
             raise ProtocolError(f"body of {len(body)} bytes ends inside declaration {len(out)} of rank {rank}")
-        got = s.unpack_from(body, off)
-        off += s.size
+        got = fmt.unpack_from(body, off)
+        off += fmt.size
         return got
 
     for _ in range(count):
-        key, nd, ns, na = take("QIII")
-        peers = list(take("i", nd + ns)) if nd + ns else []
+        key, nd, ns, na = take(_DECL)
+        peers = list(take(struct.Struct(f"<{nd + ns}i")))
         for p in peers:
             if not 0 <= p < n or p == rank:
                 raise ProtocolError(f"peer {p} is not another rank of {n} (declared by rank {rank})")
-        out.append((key, peers[:nd], peers[nd:], list(take("Q", na)) if na else []))
+        out.append((key, peers[:nd], peers[nd:], list(take(struct.Struct(f"<{na}Q")))))
     if off != len(body):
         raise ProtocolError(f"body of {len(body)} bytes holds {off} bytes of declarations (rank {rank})")
     return out
