@@ -167,37 +167,61 @@ def split_at(bounds: List[Tuple[int, int]], cuts: Sequence[int]) -> List[Tuple[i
 
 def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False,
                    first_bucket_bytes: Optional[int] = None) -> List[_Bucket]:
-    """Tensor fusion: consecutive small gradients (in reverse parameter order, roughly
-    the order backward produces them) share one buffer, synced as one gradient, until
-    what one exchange of it sends reaches bucket_bytes; gradients of bucket_bytes or
-    more get a bucket of their own (synced in place, no copy). What is sent is the
-    gradient itself, except with a multi-round (low-rank) compressor, whose exchanges
-    carry only the factors (each matrix of the bucket is still compressed whole): a
-    ResNet50-like model's 161 gradients then make one bucket rather than 8 (4 ranks
-    on 2 cores: 0.59-0.64 s per step instead of 0.69-0.77). A function of its own because
-    the convergence bench's reference simulator (hipress/bench/simulate.py) compresses
-    the same buckets. ``own_buffers``: every bucket syncs in a buffer of its own, never in
-    the gradient (strategy "dear" keeps the reduced gradient past zero_grad()).
-    ``first_bucket_bytes``: the first bucket of backward fills only to this (DDP's small first
-    bucket)."""
+    """Tensor fusion: consecutive gradients, in reverse parameter order (roughly the order
+    backward produces them), share one buffer, synced as one gradient. Buckets keep that
+    order, so each is complete as early in backward as its gradients allow. A function of its
+    own because the convergence bench's reference simulator (hipress/bench/simulate.py)
+    compresses the same buckets. ``own_buffers``: every bucket syncs in a buffer of its own,
+    never in the gradient (strategy "dear" keeps the reduced gradient past zero_grad()).
+
+    Two rules:
+
+    * ``first_bucket_bytes`` given (uncompressed buckets through the backend's allreduce): DDP's
+      rule. A bucket closes once it holds ``first_bucket_bytes`` (the first of backward) or
+      ``bucket_bytes`` (the others) or more, the gradient that crosses the size included.
+      hipress's buckets are then DDP's, and the first one carries communication from the first
+      moments of backward: with a closed-below-the-size rule, VGG19-like's first bucket was its
+      last layer alone (22 KB) and the 8 MB layer before it waited for the convolutions, and
+      BERT-like's 17 MB went as one bucket after backward (docs/benchmarks.md, "Buckets in
+      DDP's layout").
+    * otherwise (compressed buckets: the size caps what one exchange sends, so that encoding
+      starts early in backward): gradients join a bucket while what it sends stays within
+      ``bucket_bytes``; a gradient of ``bucket_bytes`` or more gets a bucket of its own (synced
+      in place, no copy), after the bucket being filled is closed. What is sent is the gradient
+      itself, except with a multi-round (low-rank) compressor, whose exchanges carry only the
+      factors (each matrix of the bucket is still compressed whole): a ResNet50-like model's 161
+      gradients then make one bucket rather than 8 (4 ranks on 2 cores: 0.59-0.64 s per step
+      instead of 0.69-0.77)."""
     fuse = bool(bucket_bytes)
     groups, cur, cur_bytes = [], [], 0
+
+    def close():
+        nonlocal cur, cur_bytes
+        if cur:
+            groups.append(cur)
+        cur, cur_bytes = [], 0
+
     for name, p in reversed(named):
         if not p.requires_grad:
             continue
         nbytes = 4 * p.numel()
+        limit = first_bucket_bytes if first_bucket_bytes and not groups else bucket_bytes
+        if first_bucket_bytes and fuse:
+            cur.append((name, p))
+            cur_bytes += nbytes
+            if cur_bytes >= limit:
+                close()
+            continue
         if not fuse or nbytes >= bucket_bytes:
+            close()
             groups.append([(name, p)])
             continue
         sent = compressor.max_encoded_bytes(p.numel(), tuple(p.shape)) if compressor.lowrank else nbytes
-        limit = first_bucket_bytes if first_bucket_bytes and not groups else bucket_bytes
         if cur and cur_bytes + sent > limit:
-            groups.append(cur)
-            cur, cur_bytes = [], 0
+            close()
         cur.append((name, p))
         cur_bytes += sent
-    if cur:
-        groups.append(cur)
+    close()
     return [_Bucket(g, own_buffers) for g in groups]
 
 

@@ -58,6 +58,27 @@ def test_fusion_buckets_keeps_the_first_bucket_small():
     assert layout(fusion_buckets(named, NoneCompressor(), 4 * 300)) == [["p5", "p4", "p3"], ["p2", "p1", "p0"]]
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_the_plain_path_buckets_are_ddps(seed):
+    # With a first bucket size (the uncompressed path), the layout is the one torch's DDP computes
+    # for the same gradients in backward order (its Reducer's assignment, not a copy of its rule).
+    g = torch.Generator().manual_seed(seed)
+    sizes = [int(x) for x in torch.randint(1, 600, (int(torch.randint(1, 15, (1,), generator=g)),), generator=g)]
+    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+    order = list(reversed(range(len(sizes))))
+    ddp, _ = torch.distributed._compute_bucket_assignment_by_size([torch.zeros(sizes[i]) for i in order],
+                                                                   [4 * 100, 4 * 300])
+    assert layout(fusion_buckets(named, NoneCompressor(), 4 * 300, first_bucket_bytes=4 * 100)) == \
+        [[f"p{order[j]}" for j in bucket] for bucket in ddp]
+
+
+def test_a_large_gradient_closes_the_bucket_being_filled_first():
+    # Buckets keep backward's order: p3 (large, alone) comes after p4, not before a bucket that
+    # holds p4 and would only be complete once p1 is.
+    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate((50, 50, 50, 400, 50, 50))]
+    assert layout(fusion_buckets(named, NoneCompressor(), 4 * 300)) == [["p5", "p4"], ["p3"], ["p2", "p1", "p0"]]
+
+
 def test_merge_refuses_compressed_or_scattered_entries():
     buckets, plan = setup({"p0": True, "p1": False, "p2": False, "p3": False})
     with pytest.raises(ValueError, match="none compressed"):
