@@ -225,16 +225,21 @@ def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False,
     return [_Bucket(g, own_buffers) for g in groups]
 
 
-def fuse_uncompressed(buckets: List[_Bucket], plan, limit: int) -> List[_Bucket]:
-    """After planning: each run of consecutive buckets the plan leaves uncompressed becomes
-    buckets of up to ``limit`` bytes (the plan's entries merged to match), since they go through
-    the backend's allreduce, where fewer, larger calls win (PLAIN_BUCKET_BYTES). Compressed
-    buckets, uncompressed ones of ``limit`` bytes or more, and the first bucket of backward (as
-    DDP's, small so that communication starts early) stay as they are."""
-    out: List[_Bucket] = buckets[:1]
+def fuse_uncompressed(buckets: List[_Bucket], plan, limit: int, first_limit: int = BUCKET_BYTES) -> List[_Bucket]:
+    """After planning: runs of consecutive buckets the plan leaves uncompressed are merged, since
+    they go through the backend's allreduce, where fewer, larger calls win (PLAIN_BUCKET_BYTES),
+    the plan's entries merged to match. They merge as DDP's buckets fill (fusion_buckets' plain
+    rule): a merged bucket closes once it holds ``limit`` bytes or more, the first bucket of
+    backward ``first_limit``, the bucket that crosses included. So the first one carries
+    communication from early in backward (BERT-like's 4 MB output layer, where a first bucket
+    of its 32 KB bias alone left the other 17 MB to go after backward). Compressed buckets stay
+    as they are and end a run."""
+    out: List[_Bucket] = []
     run: List[_Bucket] = []
+    run_bytes = 0
 
     def flush():
+        nonlocal run_bytes
         if len(run) > 1:
             merged = _Bucket([np for b in run for np in b.params])
             plan.merge_uncompressed([b.name for b in run], merged.name)
@@ -242,15 +247,17 @@ def fuse_uncompressed(buckets: List[_Bucket], plan, limit: int) -> List[_Bucket]
         else:
             out.extend(run)
         run.clear()
+        run_bytes = 0
 
-    for b in buckets[1:]:
-        if plan.entry(b.name, b.numel).compress or 4 * b.numel >= limit:
+    for b in buckets:
+        if plan.entry(b.name, b.numel).compress:
             flush()
             out.append(b)
             continue
-        if run and 4 * (sum(r.numel for r in run) + b.numel) > limit:
-            flush()
         run.append(b)
+        run_bytes += 4 * b.numel
+        if run_bytes >= (limit if out else first_limit):
+            flush()
     flush()
     return out
 

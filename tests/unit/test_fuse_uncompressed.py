@@ -1,5 +1,5 @@
 """fuse_uncompressed: after planning, runs of buckets the plan leaves uncompressed become
-buckets of up to the plain limit (one allreduce each), and the plan's entries follow."""
+DDP-like buckets of the plain limit (one allreduce each), and the plan's entries follow."""
 import pytest
 import torch
 
@@ -26,9 +26,9 @@ def test_runs_fuse_up_to_the_limit_and_compressed_buckets_stay():
     # backward order is p5..p0; p2 compressed splits the uncompressed runs
     force = {f"p{i}": i == 2 for i in range(6)}
     buckets, plan = setup(force)
-    out = fuse_uncompressed(buckets, plan, 4 * 200)
-    # p5, the first bucket of backward, stays small (DDP's rule); p4 + p3 fit in 200 elements;
-    # p2 (compressed) stays; p1 + p0 fuse
+    out = fuse_uncompressed(buckets, plan, 4 * 200, first_limit=4 * 100)
+    # p5, the first bucket of backward, reaches its limit alone (DDP's rule); p4 + p3 reach 200
+    # elements; p2 (compressed) stays; p1 + p0 fuse
     assert layout(out) == [["p5"], ["p4", "p3"], ["p2"], ["p1", "p0"]]
     assert [plan.entry(b.name, b.numel).compress for b in out] == [False, False, True, False]
     assert [e.name for e in plan] == [b.name for b in out]   # the plan's order is the buckets'
@@ -40,13 +40,24 @@ def test_runs_fuse_up_to_the_limit_and_compressed_buckets_stay():
     assert out[0] is buckets[0] and out[2] is buckets[3]
     # a run too long for one bucket: p4 p3 | p1 p0 with p2 uncompressed too at limit 300
     buckets, plan = setup({f"p{i}": False for i in range(6)})
-    assert layout(fuse_uncompressed(buckets, plan, 4 * 300)) == [["p5"], ["p4", "p3", "p2"], ["p1", "p0"]]
+    assert layout(fuse_uncompressed(buckets, plan, 4 * 300, first_limit=4 * 100)) == \
+        [["p5"], ["p4", "p3", "p2"], ["p1", "p0"]]
+
+
+def test_the_first_bucket_takes_what_crosses_its_limit():
+    # p5 (50) is below the first limit: p4 (900) joins it, as DDP's first bucket takes the
+    # gradient that crosses 1 MiB; the rest fill the next up to the limit, the crossing one included
+    force = {f"p{i}": False for i in range(6)}
+    buckets, plan = setup(force, sizes=(100, 100, 100, 100, 900, 50))
+    assert layout(fuse_uncompressed(buckets, plan, 4 * 250, first_limit=4 * 100)) == \
+        [["p5", "p4"], ["p3", "p2", "p1"], ["p0"]]
+    assert [e.name for e in plan] == ["fused[p5..p4]", "fused[p3..p1]", "p0"]
 
 
 def test_a_bucket_at_the_limit_stays_alone_in_place():
     force = {f"p{i}": False for i in range(6)}
     buckets, plan = setup(force, sizes=(100, 100, 100, 100, 900, 50))
-    out = fuse_uncompressed(buckets, plan, 4 * 900)
+    out = fuse_uncompressed(buckets, plan, 4 * 900, first_limit=4 * 50)
     assert layout(out) == [["p5"], ["p4"], ["p3", "p2", "p1", "p0"]]
     assert out[1].in_place
 
@@ -119,6 +130,6 @@ def test_fused_entries_are_planned_for_their_size():
     plan = make_plan([(b.name, 4 * b.numel) for b in buckets], bf16_model(plain16=True),
                      Overrides(force={b.name: False for b in buckets}))
     assert not any(e.bf16 for e in plan)  # 8 bytes each: fp32
-    out = fuse_uncompressed(buckets, plan, 4 * 2000)
+    out = fuse_uncompressed(buckets, plan, 4 * 2000, first_limit=4 * 2)
     assert layout(out) == [["q2"], ["q1", "q0"]]
     assert plan[out[1].name].bf16 and plan[out[1].name].k == 1 and not plan[out[0].name].bf16  # 16 bytes: bf16
