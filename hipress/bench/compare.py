@@ -316,6 +316,7 @@ def _eq6(row: dict, workers: int) -> None:
     t_ff = row["ff_s"]
     t_bp = max(row["compute_s"] - t_ff, 0.0)
     half = row["comm_busy_s"] / 2
+    row["workers"] = workers
     row["eq6_bound"] = speedup_bound(workers, t_ff, t_bp, half, half)
     row["speedup"] = workers * row["compute_s"] / row["step_s"]
     row["of_bound"] = row["speedup"] / row["eq6_bound"]
@@ -372,6 +373,18 @@ def goals(model: str, rows: List[dict], bandwidths: Sequence[str]) -> List[dict]
     def row_of(bw, s):
         return next((r for r in rows if r["bandwidth"] == bw and r["system"] == s and r.get("throughput")), None)
 
+    for bw in bandwidths:  # issue 17: uncompressed DeAR against DDP, beside what eq. 6 allows it
+        d, r = row_of(bw, "ddp"), row_of(bw, "hipress-dear")
+        if d and r and r.get("eq6_bound") and d.get("compute_s"):
+            # DDP's speed-up over one worker, measured as dear's (workers x compute / step): the
+            # bound over it is the most x DDP any overlap of the two phases can reach here
+            ceiling = r["eq6_bound"] / (r["workers"] * d["compute_s"] / d["step_s"])
+            target = 1.10 if d["exposed_comm_s"] >= 0.05 * d["step_s"] else 0.97  # where DDP exposes communication
+            ratio = r["throughput"] / d["throughput"]
+            out.append({"goal": f"{model} @ {bw}: hipress-dear >= {target:.2f}x ddp (eq. 6 allows {ceiling:.2f}x)",
+                        "best": "hipress-dear", "ratio": ratio, "met": ratio >= target, "eq6_x_ddp": ceiling})
+            out.append({"goal": f"{model} @ {bw}: hipress-dear within 10% of its eq. 6 bound", "best": "hipress-dear",
+                        "ratio": r["of_bound"], "met": r["of_bound"] >= 0.90})
     for s in ("hipress-covap", "ddp-covap-hook"):  # COVAP's targets (issue 18)
         if model == "vgg19":
             bw = next((b for b in bandwidths if by_rate[b] == 1e9), None)

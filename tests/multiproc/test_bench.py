@@ -84,6 +84,27 @@ def test_summary_and_goal_of_bucket_tuning():
     assert not g["met"]
 
 
+def test_goals_of_dear_against_ddp_and_its_bound():
+    from hipress.bench.compare import goals, summarize
+
+    ddp = {"system": "ddp", "bandwidth": "1gbit", "np": 4, "step_s": 0.5, "compute_s": 0.25, "ff_s": 0.1,
+           "exposed_comm_s": 0.25, "throughput": 100.0}
+    # dear: forward 0.1 s, backward 0.15 s, 0.2 s on the comm queue (0.1 per phase): eq. 6's bound is
+    # 4 x 0.25 / (0.25 + 0.2 - 0.1 - 0.1) = 4.0, DDP's speed-up 4 x 0.25 / 0.5 = 2.0: at most 2.0x DDP
+    dear = {"system": "hipress-dear", "bandwidth": "1gbit", "np": 4, "step_s": 0.4, "compute_s": 0.25, "ff_s": 0.1,
+            "comm_busy_s": 0.2, "exposed_comm_s": 0.15, "throughput": 125.0}
+    rows = summarize([ddp, dear], ["1gbit"], ["ddp", "hipress-dear"])
+    vs_ddp, of_bound = goals("bert", rows, ["1gbit"])
+    assert vs_ddp["ratio"] == pytest.approx(1.25) and vs_ddp["met"] and vs_ddp["eq6_x_ddp"] == pytest.approx(2.0)
+    assert "1.10x ddp (eq. 6 allows 2.00x)" in vs_ddp["goal"]
+    assert of_bound["ratio"] == pytest.approx(2.5 / 4.0) and not of_bound["met"]
+    # where DDP hides its communication the target is not to lose (0.97x)
+    ddp.update(exposed_comm_s=0.01, step_s=0.26)
+    dear["throughput"] = 96.0
+    vs_ddp, _ = goals("bert", summarize([ddp, dear], ["1gbit"], ["ddp", "hipress-dear"]), ["1gbit"])
+    assert "0.97x ddp" in vs_ddp["goal"] and not vs_ddp["met"]
+
+
 def test_worker_runs_covap_systems(tmp_path):
     # COVAP's warm-up runs on until its filter is on (settling DDP's buckets, profiling)
     recs = _run_worker(tmp_path, ["hipress-covap", "ddp-covap-hook"], timeout=300)
