@@ -20,9 +20,12 @@ Writes, per model, into ``--out-dir`` (default ``results/``):
   compare-<model>-throughput.png   throughput versus bandwidth, one line per system
   compare-<model>-breakdown.png    stacked ms/step: compute, compression, other exposed communication
 
-Every row also gives x_compute: its throughput over the compute-only throughput (the same
-job with communication removed: world samples / compute time), and COVAP's rows the interval
-its profiler chose beside the CCR it measured. cpu_ms and cpu_compute_ms are CPU time per step
+Every row also gives x_compute: its throughput over the model's compute-only throughput (the
+same job with communication removed: world samples / compute time), and COVAP's rows the interval
+its profiler chose beside the CCR it measured. The compute time is DDP's (its model under
+``no_sync()``) where a ``ddp`` row ran on that link, one figure for every row, else the system's
+own compute-only steps (a system's own vary more: 2 steps, and hipress's skip its hooks but keep
+its threads). cpu_ms and cpu_compute_ms are CPU time per step
 of a rank's whole process (every thread; mean over ranks) in the timed and the compute-only
 steps: where ranks outnumber cores, a framework's own work (hooks, copies, engine threads,
 extra collectives) costs throughput one for one, and CPU time shows it with far less noise
@@ -279,8 +282,6 @@ def summarize(records: List[dict], bandwidths: Sequence[str], systems: Sequence[
             row["comm_stack_s"] = exposed - row["compression_stack_s"]
             if not all(r.get("loss_finite", True) for r in ok):
                 row["note"] = "loss not finite"
-            if row["compute_s"]:
-                row["x_compute"] = row["compute_s"] / row["step_s"]  # throughput / compute-only throughput
             profiles = [r["covap"]["profile"] for r in ok if (r.get("covap") or {}).get("profile")]
             if profiles:
                 row["note"] = "; ".join(f"interval {p['interval']} at CCR {p['ccr']:.2f}" for p in profiles)
@@ -301,8 +302,13 @@ def summarize(records: List[dict], bandwidths: Sequence[str], systems: Sequence[
             rows.append(row)
         base = next((r for r in rows if r["bandwidth"] == bw and r["system"] == "ddp" and r.get("throughput")), None)
         for r in rows:
-            if r["bandwidth"] == bw and base and r.get("throughput"):
+            if r["bandwidth"] != bw or not r.get("throughput"):
+                continue
+            if base:
                 r["x_ddp"] = r["throughput"] / base["throughput"]
+            compute = (base or {}).get("compute_s") or r["compute_s"]  # the model's, one figure per link
+            if compute:
+                r["x_compute"] = compute / r["step_s"]  # throughput / compute-only throughput
     return rows
 
 

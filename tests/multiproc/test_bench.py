@@ -125,7 +125,9 @@ def test_summary_reports_compute_fraction_and_covap_interval():
              "covap": {"profile": {"interval": 4, "ccr": 3.21}}}]
     rows = {r["system"]: r for r in summarize(recs, ["1gbit"], ["ddp", "hipress-covap"])}
     assert rows["ddp"]["x_compute"] == pytest.approx(0.25)
-    assert rows["hipress-covap"]["x_compute"] == pytest.approx(0.75)
+    assert rows["hipress-covap"]["x_compute"] == pytest.approx(0.5 / 0.8)  # the model's (DDP's) compute time
+    alone, = summarize(recs[1:], ["1gbit"], ["hipress-covap"])
+    assert alone["x_compute"] == pytest.approx(0.75)  # no ddp row: its own compute-only steps
     assert rows["hipress-covap"]["x_ddp"] == pytest.approx(2.5)
     assert rows["hipress-covap"]["note"] == "interval 4 at CCR 3.21"
     assert "interval 4 at CCR 3.21" in table(list(rows.values()))
