@@ -165,6 +165,22 @@ def split_at(bounds: List[Tuple[int, int]], cuts: Sequence[int]) -> List[Tuple[i
     return out
 
 
+def fill_like_ddp(items: list, nbytes, limit: int, first_limit: int) -> List[list]:
+    """``items`` in order, grouped as DDP's Reducer fills its buckets: a group closes once its
+    ``nbytes`` reach ``first_limit`` (the first group) or ``limit`` (the others), the item that
+    crosses the size included; the last group holds what is left."""
+    groups, cur, size = [], [], 0
+    for it in items:
+        cur.append(it)
+        size += nbytes(it)
+        if size >= (limit if groups else first_limit):
+            groups.append(cur)
+            cur, size = [], 0
+    if cur:
+        groups.append(cur)
+    return groups
+
+
 def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False,
                    first_bucket_bytes: Optional[int] = None) -> List[_Bucket]:
     """Tensor fusion: consecutive gradients, in reverse parameter order (roughly the order
@@ -193,6 +209,10 @@ def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False,
       gradients then make one bucket rather than 8 (4 ranks on 2 cores: 0.59-0.64 s per step
       instead of 0.69-0.77)."""
     fuse = bool(bucket_bytes)
+    order = [(name, p) for name, p in reversed(named) if p.requires_grad]
+    if first_bucket_bytes and fuse:
+        groups = fill_like_ddp(order, lambda item: 4 * item[1].numel(), bucket_bytes, first_bucket_bytes)
+        return [_Bucket(g, own_buffers) for g in groups]
     groups, cur, cur_bytes = [], [], 0
 
     def close():
@@ -201,23 +221,14 @@ def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False,
             groups.append(cur)
         cur, cur_bytes = [], 0
 
-    for name, p in reversed(named):
-        if not p.requires_grad:
-            continue
+    for name, p in order:
         nbytes = 4 * p.numel()
-        limit = first_bucket_bytes if first_bucket_bytes and not groups else bucket_bytes
-        if first_bucket_bytes and fuse:
-            cur.append((name, p))
-            cur_bytes += nbytes
-            if cur_bytes >= limit:
-                close()
-            continue
         if not fuse or nbytes >= bucket_bytes:
             close()
             groups.append([(name, p)])
             continue
         sent = compressor.max_encoded_bytes(p.numel(), tuple(p.shape)) if compressor.lowrank else nbytes
-        if cur and cur_bytes + sent > limit:
+        if cur and cur_bytes + sent > bucket_bytes:
             close()
         cur.append((name, p))
         cur_bytes += sent
@@ -229,35 +240,30 @@ def fuse_uncompressed(buckets: List[_Bucket], plan, limit: int, first_limit: int
     """After planning: runs of consecutive buckets the plan leaves uncompressed are merged, since
     they go through the backend's allreduce, where fewer, larger calls win (PLAIN_BUCKET_BYTES),
     the plan's entries merged to match. They merge as DDP's buckets fill (fusion_buckets' plain
-    rule): a merged bucket closes once it holds ``limit`` bytes or more, the first bucket of
-    backward ``first_limit``, the bucket that crosses included. So the first one carries
+    rule, fill_like_ddp): a merged bucket closes once it holds ``limit`` bytes or more, the first
+    bucket of backward ``first_limit``, the bucket that crosses included. So the first one carries
     communication from early in backward (BERT-like's 4 MB output layer, where a first bucket
     of its 32 KB bias alone left the other 17 MB to go after backward). Compressed buckets stay
     as they are and end a run."""
     out: List[_Bucket] = []
     run: List[_Bucket] = []
-    run_bytes = 0
 
     def flush():
-        nonlocal run_bytes
-        if len(run) > 1:
-            merged = _Bucket([np for b in run for np in b.params])
-            plan.merge_uncompressed([b.name for b in run], merged.name)
-            out.append(merged)
-        else:
-            out.extend(run)
+        for group in fill_like_ddp(run, lambda b: 4 * b.numel, limit, limit if out else first_limit):
+            if len(group) > 1:
+                merged = _Bucket([np for b in group for np in b.params])
+                plan.merge_uncompressed([b.name for b in group], merged.name)
+                out.append(merged)
+            else:
+                out.extend(group)
         run.clear()
-        run_bytes = 0
 
     for b in buckets:
         if plan.entry(b.name, b.numel).compress:
             flush()
             out.append(b)
-            continue
-        run.append(b)
-        run_bytes += 4 * b.numel
-        if run_bytes >= (limit if out else first_limit):
-            flush()
+        else:
+            run.append(b)
     flush()
     return out
 
