@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#ifdef __linux__
+#include <pthread.h>
+#endif
 
 #include "common/clock.h"
 
@@ -58,6 +61,11 @@ Engine::Engine(EngineOptions options) : sync_(std::make_shared<EngineSync>()) {
   }
   for (int q = 0; q < kNumQueues; ++q) {
     threads_[q] = std::thread([this, q] { worker_loop(static_cast<QueueKind>(q)); });
+#ifdef __linux__
+    // named in top -H, py-spy and /proc/<pid>/task/*/comm: where a rank's CPU goes, per queue
+    pthread_setname_np(threads_[q].native_handle(),
+                       static_cast<QueueKind>(q) == QueueKind::kCompute ? "hipress-compute" : "hipress-comm");
+#endif
   }
 }
 

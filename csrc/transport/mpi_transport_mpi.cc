@@ -320,7 +320,10 @@ void Comm::allgatherv(const void* sbuf, size_t n, void* rbuf, const std::vector<
       ird[i] = static_cast<int>(rd[i]);
     }
     Pending q{MPI_REQUEST_NULL, -1, false, 0};
-    int r = MPI_Iallgatherv(sbuf, static_cast<int>(n), MPI_BYTE, rbuf, irc.data(), ird.data(), MPI_BYTE, comm_, &q.req);
+    // A send buffer that is this rank's own segment of rbuf (dear's all-gather) must be MPI_IN_PLACE.
+    const bool in_place = sbuf == static_cast<const char*>(rbuf) + rd[rank_];
+    int r = MPI_Iallgatherv(in_place ? MPI_IN_PLACE : sbuf, static_cast<int>(n), MPI_BYTE, rbuf, irc.data(),
+                            ird.data(), MPI_BYTE, comm_, &q.req);
     if (r != MPI_SUCCESS) fail(op, "MPI_Iallgatherv: " + mpi_error_string(r), others());
     p.push_back(q);
     wait_all(op, p, timeout_s);
@@ -334,7 +337,7 @@ void Comm::allgatherv(const void* sbuf, size_t n, void* rbuf, const std::vector<
   if (n) {
     for (int k = 1; k < size_; ++k) post_send(p, sbuf, n, (rank_ + k) % size_, kTagAGV, op);
     const char* s = static_cast<const char*>(sbuf);
-    std::copy(s, s + n, r + rd[rank_]);
+    if (s != r + rd[rank_]) std::copy(s, s + n, r + rd[rank_]);
   }
   wait_all(op, p, timeout_s);
 }

@@ -111,15 +111,17 @@ class Exchange(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no allreduce (see has_allreduce)")
 
     def alltoallv(self, name: str, send: torch.Tensor, send_counts: Sequence[int], recv: torch.Tensor,
-                  recv_counts: Sequence[int], deps: Sequence[Handle] = ()) -> Handle:
+                  recv_counts: Sequence[int], deps: Sequence[Handle] = (), sizes_agreed: bool = False,
+                  agree_on: Optional[int] = None) -> Handle:
         """The transport's alltoallv of uint8 buffers whose sizes both sides know (the native
-        reduce-scatter of uncompressed gradients, hipress.sync.allreduce; where has_allreduce)."""
+        reduce-scatter of uncompressed gradients, hipress.sync.allreduce; where has_allreduce);
+        ``sizes_agreed``, ``agree_on``: its checking round, as :meth:`allreduce`'s."""
         raise NotImplementedError(f"{type(self).__name__} has no native alltoallv (see has_allreduce)")
 
     def allgatherv(self, name: str, send: torch.Tensor, recv: torch.Tensor, recv_counts: Sequence[int],
-                   deps: Sequence[Handle] = ()) -> Handle:
+                   deps: Sequence[Handle] = (), sizes_agreed: bool = False) -> Handle:
         """The transport's allgatherv of uint8 buffers (the native all-gather of uncompressed
-        gradients; where has_allreduce)."""
+        gradients; where has_allreduce); ``sizes_agreed``: skip its checking round."""
         raise NotImplementedError(f"{type(self).__name__} has no native allgatherv (see has_allreduce)")
 
     def gather_rows(self, name: str, row: torch.Tensor, table: torch.Tensor, deps: Sequence[Handle] = ()) -> Handle:
@@ -234,11 +236,12 @@ class DirectExchange(Exchange):
     def has_allreduce(self) -> bool:
         return self.transport.has_allreduce
 
-    def alltoallv(self, name, send, send_counts, recv, recv_counts, deps=()):
-        return self._native(name, deps, lambda tr: tr.alltoallv(send, send_counts, recv, recv_counts))
+    def alltoallv(self, name, send, send_counts, recv, recv_counts, deps=(), sizes_agreed=False, agree_on=None):
+        return self._native(name, deps, lambda tr: tr.alltoallv(send, send_counts, recv, recv_counts,
+                                                                sizes_agreed, agree_on))
 
-    def allgatherv(self, name, send, recv, recv_counts, deps=()):
-        return self._native(name, deps, lambda tr: tr.allgatherv(send, recv, recv_counts))
+    def allgatherv(self, name, send, recv, recv_counts, deps=(), sizes_agreed=False):
+        return self._native(name, deps, lambda tr: tr.allgatherv(send, recv, recv_counts, sizes_agreed))
 
     def _native(self, name, deps, call) -> Handle:
         tr = self.transport

@@ -136,49 +136,61 @@ class AllreduceStrategy(Strategy):
     # The two phases apart (strategy "dear": the reduce-scatter in backward, the all-gather before
     # the next forward), each one native collective per contiguous span: chunk j of the span
     # belongs to rank j (chunk_bounds), as the pair below agrees; not the ring's 2(N-1) steps.
+    # ``agree_on`` / ``sizes_agreed``: the checking rounds, as build's (the optimizer compares the
+    # layout at the step's first reduce-scatter; the rest of the step's phases skip their rounds).
     def reduce_scatter(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
-                       bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
+                       bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), sizes_agreed: bool = False,
+                       agree_on: Optional[int] = None) -> Handle:
         """One alltoallv sends chunk j of each span to rank j; this rank sums the n chunks it got
-        (in rank order) into its own chunk: it holds the sum over ranks (not yet averaged)."""
-        return self._each_span(ctx, tensor_name, flat, bounds, deps, self._reduce_scatter)
+        (in rank order) into its own chunk and averages it there (op=Average): the owner's
+        chunk is final, and the all-gather only moves it."""
+        return self._each_span(ctx, tensor_name, flat, bounds, deps, self._reduce_scatter, sizes_agreed, agree_on)
 
     def all_gather(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
-                   bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = ()) -> Handle:
-        """This rank's chunk of each span averaged, then one allgatherv of the chunks: afterwards
-        every rank's ``flat`` holds the same average."""
-        return self._each_span(ctx, tensor_name, flat, bounds, deps, self._all_gather)
+                   bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (),
+                   sizes_agreed: bool = False) -> Handle:
+        """One allgatherv of the owners' chunks of each span: afterwards every rank's ``flat``
+        holds the owners' bits, the same on every rank."""
+        return self._each_span(ctx, tensor_name, flat, bounds, deps, self._all_gather, sizes_agreed, None)
 
-    def _each_span(self, ctx, tensor_name, flat, bounds, deps, phase) -> Handle:
+    def _each_span(self, ctx, tensor_name, flat, bounds, deps, phase, sizes_agreed, agree_on) -> Handle:
+        """``phase`` on each contiguous span (keys ``{tensor_name}/s{i}``), joined into one handle;
+        the first span's round compares ``agree_on``, and the later spans' sizes follow from it."""
         if ctx.size == 1:
             return ctx.compute(f"done.{tensor_name}", lambda: None, list(deps))
-        return self._each_range(ctx, tensor_name, flat, contiguous_spans(bounds), deps, phase, "s")
+        finals = []
+        for i, (s, e) in enumerate(contiguous_spans(bounds)):
+            check = {"sizes_agreed": sizes_agreed or (i > 0 and agree_on is not None)}
+            if i == 0 and agree_on is not None:
+                check["agree_on"] = agree_on
+            finals.append(phase(ctx, f"{tensor_name}/s{i}", flat[s:e], deps, **check))
+        if len(finals) == 1:
+            return finals[0]
+        return ctx.compute(f"done.{tensor_name}", lambda: None, deps=finals or list(deps))
 
     @staticmethod
     def _chunks(ctx, x: torch.Tensor):
         cb = chunk_bounds(x.numel(), ctx.size)
         return cb, [4 * (e - s) for s, e in cb]
 
-    def _reduce_scatter(self, ctx, key, x, deps) -> Handle:
+    def _reduce_scatter(self, ctx, key, x, deps, **check) -> Handle:
         n, r = ctx.size, ctx.rank
         cb, counts = self._chunks(ctx, x)
         mine = x[cb[r][0]:cb[r][1]]
         got = self._buffer(f"recv.{key}", n * mine.numel(), torch.float32, always=False)
         moved = ctx.exchange.alltoallv(f"alltoallv.{key}", x.view(torch.uint8), counts, got.view(torch.uint8),
-                                       [counts[r]] * n, deps)
-        return ctx.compute(f"reduce.{key}", lambda: torch.sum(got.view(n, -1), 0, out=mine), [moved],
-                           nbytes=4 * got.numel())
+                                       [counts[r]] * n, deps, **check)
 
-    def _all_gather(self, ctx, key, x, deps) -> Handle:
-        n, r = ctx.size, ctx.rank
+        def reduce():
+            torch.sum(got.view(n, -1), 0, out=mine)
+            if self.average:
+                mine.div_(n)
+
+        return ctx.compute(f"reduce.{key}", reduce, [moved], nbytes=4 * got.numel())
+
+    def _all_gather(self, ctx, key, x, deps, sizes_agreed: bool = False) -> Handle:
+        r = ctx.rank
         cb, counts = self._chunks(ctx, x)
-        mine = x[cb[r][0]:cb[r][1]]
-        # the average travels, so every rank ends with the owner's bits
-        send = self._buffer(f"send.{key}", mine.numel(), torch.float32, always=False)
-
-        def average():
-            torch.div(mine, n, out=send) if self.average else send.copy_(mine)
-
-        ready = ctx.compute(f"average.{key}", average, list(deps), nbytes=4 * mine.numel())
-        return ctx.exchange.allgatherv(f"allgatherv.{key}", send.view(torch.uint8), x.view(torch.uint8), counts,
-                                       [ready])
-
+        mine = x[cb[r][0]:cb[r][1]]  # sent from where it lies: the transport skips copying it onto itself
+        return ctx.exchange.allgatherv(f"allgatherv.{key}", mine.view(torch.uint8), x.view(torch.uint8), counts,
+                                       list(deps), sizes_agreed=sizes_agreed)

@@ -89,11 +89,11 @@ class Sync:
 
     # The two phases, apart (RingStrategy's, and AllreduceStrategy's over the backend's collectives;
     # strategy "dear" uses them).
-    def reduce_scatter(self, name: str, flat: torch.Tensor, bounds: Sequence[Tuple[int, int]]) -> Handle:
-        return self.strategy.reduce_scatter(self.ctx, name, flat, bounds)
+    def reduce_scatter(self, name: str, flat: torch.Tensor, bounds: Sequence[Tuple[int, int]], **check) -> Handle:
+        return self.strategy.reduce_scatter(self.ctx, name, flat, bounds, **check)
 
-    def all_gather(self, name: str, flat: torch.Tensor, bounds: Sequence[Tuple[int, int]]) -> Handle:
-        return self.strategy.all_gather(self.ctx, name, flat, bounds)
+    def all_gather(self, name: str, flat: torch.Tensor, bounds: Sequence[Tuple[int, int]], **check) -> Handle:
+        return self.strategy.all_gather(self.ctx, name, flat, bounds, **check)
 
 
 def make_sync(engine: Engine, exchanges: Exchanges, compressor: Compressor, strategy: str, states: StateStore,

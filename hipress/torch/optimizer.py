@@ -932,9 +932,10 @@ class _HipressOptimizer:
 
     def _hp_layout_kw(self, sync) -> dict:
         """The checking round of the step's next sync. The step's first one, where it is the
-        backend's allreduce, compares the digest of every bucket's name and size (agree_on), so
-        the step's later allreduces skip their round (sizes_agreed): one round trip less at the
-        tail of the step. Where the first is another strategy's, every sync keeps its own checks.
+        backend's allreduce (or, under dear, its reduce-scatter), compares the digest of every
+        bucket's name and size (agree_on), so the step's later collectives skip their round
+        (sizes_agreed): one round trip less each. Where the first is another strategy's, every
+        sync keeps its own checks.
         Every rank decides the same: the order of syncs and their strategies are the same."""
         plain = sync.strategy.writes_into  # the backend's allreduce
         if self._hp_layout_check == "open":
@@ -951,7 +952,7 @@ class _HipressOptimizer:
         flat = bucket.flat
         sync, bounds = self._hp_route(bucket)
         if self._hp_dear is not None:  # the all-gather waits for step() (hipress/torch/dear.py)
-            self._hp_handles[bucket.name] = sync.reduce_scatter(bucket.name, flat, bounds)
+            self._hp_handles[bucket.name] = sync.reduce_scatter(bucket.name, flat, bounds, **self._hp_layout_kw(sync))
             return
         units = self._hp_covap.select(bucket.name, flat) if self._hp_covap is not None else None
         # Under COVAP only where its filter sends the bucket whole as one unit (interval 1, or a
@@ -1335,6 +1336,8 @@ class _HipressOptimizer:
         if self._hp_skip:
             raise RuntimeError("strategy='dear' has no synchronize()-then-step() form: call step() without "
                                "skip_synchronize()")
+        # the all-gathers' sizes follow from the layout this step's reduce-scatters compared
+        agreed = self._hp_layout_check == "compared"
         self._hp_wait_gradients()
         self._hp_synchronized = False
         if self._hp_skip_step:  # a rank's gradient was not finite: nothing gathered, nothing updated
@@ -1345,7 +1348,8 @@ class _HipressOptimizer:
             handle = None
             if self._hp_transport.size > 1:
                 sync, bounds = self._hp_route(bucket)
-                handle = sync.all_gather(bucket.name, bucket.flat, bounds)
+                check = {"sizes_agreed": True} if agreed and sync.strategy.writes_into else {}
+                handle = sync.all_gather(bucket.name, bucket.flat, bounds, **check)
             self._hp_dear.defer(bucket, handle, hyper)
         self._hp_mark_ns = _C.now_ns()
         return None

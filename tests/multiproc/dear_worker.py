@@ -5,7 +5,8 @@
 For every config {strategy, compression, optimizer, scheduler, steps, save_at} it trains the
 same small model on rank-specific data and records the parameters every forward used (read
 after the forward, so with "dear" they are the ones its pre-hooks had just updated) and,
-after the last step and synchronize(), the final parameters. With "save_at": k it also calls
+after the last step and synchronize(), the final parameters, and how many checking rounds
+(the transport's ``_meta_gather``, on any thread) each step's window held. With "save_at": k it also calls
 synchronize() after step k, records the parameters, saves model, optimizer and scheduler
 state, and then resumes a fresh model and optimizer from that checkpoint for the remaining
 steps, recording what the resumed run's forwards used. Saves OUT_DIR/rank{r}.pt.
@@ -19,6 +20,18 @@ import torch
 import torch.nn as nn
 
 import hipress
+from hipress.comm.transport.base import Transport
+
+ROUNDS = [0]  # checking rounds so far (every transport of this process)
+_meta_gather = Transport._meta_gather
+
+
+def _counted(self, op, values):
+    ROUNDS[0] += 1
+    return _meta_gather(self, op, values)
+
+
+Transport._meta_gather = _counted
 
 
 class Net(nn.Module):
@@ -64,9 +77,14 @@ def params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train(model, opt, sched, rank, first, last, used, on_step=None):
-    """Steps first..last-1; used[t] = the parameters forward t ran with."""
+def train(model, opt, sched, rank, first, last, used, on_step=None, rounds=None):
+    """Steps first..last-1; used[t] = the parameters forward t ran with; rounds[t] = the checking
+    rounds from forward t to forward t+1 (with dear: step t's reduce-scatters, step t-1's all-gathers)."""
     for step in range(first, last):
+        if rounds is not None and step > first:
+            rounds[step - 1] = ROUNDS[0] - rounds[step - 1]
+        if rounds is not None:
+            rounds[step] = ROUNDS[0]
         x, y = batch(rank, step)
         opt.zero_grad(set_to_none=True)
         loss = ((model(x) - y) ** 2).mean()
@@ -97,10 +115,12 @@ def main():
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
             checkpoint["bytes"] = buf.getvalue()
 
-        train(model, opt, sched, rank, 0, cfg["steps"], used, save)
+        rounds = {}
+        train(model, opt, sched, rank, 0, cfg["steps"], used, save, rounds)
+        del rounds[cfg["steps"] - 1]  # its window is still open
         if cfg["strategy"] == "dear":  # ring's parameters are current after step()
             opt.synchronize()
-        res["used"], res["final"] = used, params(model)
+        res["used"], res["final"], res["rounds"] = used, params(model), rounds
         if "bytes" in checkpoint:
             saved = torch.load(io.BytesIO(checkpoint["bytes"]), weights_only=False)
             res["saved_model"] = {n: t.clone() for n, t in saved["model"].items()}

@@ -47,6 +47,13 @@ def test_dear_matches_ring_uncompressed(tmp_path, np):
                + configs_for("adamw", "step"))
     results = launch(tmp_path, np, configs)
     check_matches_ring(results, np, [(0, 1), (2, 3), (4, 5)])
+    for r in range(np):
+        for ring, dear in [(0, 1), (2, 3), (4, 5)]:
+            # One checking round a step, as ring's: the step's first reduce-scatter compares the
+            # bucket layout, and its other reduce-scatters and all-gathers skip their rounds
+            # (several buckets here: bucket_bytes=512, partition_bytes=256 in the second pair).
+            assert list(results[r][dear]["rounds"].values()) == [1] * (STEPS - 1), results[r][dear]["rounds"]
+            assert results[r][dear]["rounds"] == results[r][ring]["rounds"]
 
 
 @pytest.mark.slow

@@ -118,6 +118,35 @@ def test_sizes_agreed_skips_the_checking_round_and_still_sums(monkeypatch):
     assert calls == ["allreduce"] * 3
 
 
+def test_phases_apart_check_once_where_the_layout_was_agreed(monkeypatch):
+    """dear's phases: a reduce-scatter with agree_on has one checking round for all its spans
+    (the later spans' sizes follow from it); with sizes_agreed, neither phase has one."""
+    calls = _counting_meta_rounds(monkeypatch)
+    bounds = [(0, 40), (50, 90)]  # two spans
+
+    def body(tr, **first):
+        eng = Engine()
+        try:
+            ctx = SyncContext(eng, DirectExchange(eng, tr, CommChain()), NoneCompressor(), StateStore(tr.rank))
+            strat, flat = AllreduceStrategy(), torch.full((90,), float(tr.rank + 1))
+            strat.reduce_scatter(ctx, "w", flat, bounds, **first).result(timeout=30)
+            strat.all_gather(ctx, "w", flat, bounds, sizes_agreed=True).result(timeout=30)
+            return tr.rank, flat
+        finally:
+            eng.shutdown()
+
+    for r, flat in loopback.spawn(3, lambda tr: body(tr, agree_on=7), timeout_s=30):
+        assert flat[:40].tolist() == [2.0] * 40 and flat[50:].tolist() == [2.0] * 40  # the mean of 1, 2, 3
+        assert flat[40:50].tolist() == [r + 1.0] * 10  # between the spans: untouched
+    assert calls == ["alltoallv"] * 3
+    calls.clear()
+    loopback.spawn(3, lambda tr: body(tr, sizes_agreed=True), timeout_s=30)
+    assert calls == []
+    calls.clear()
+    loopback.spawn(3, body, timeout_s=30)  # nothing agreed: each span of the reduce-scatter checks
+    assert calls == ["alltoallv"] * 6
+
+
 def test_agree_on_that_differs_is_refused_on_every_rank_before_data_moves():
     def body(tr):
         x = torch.ones(4)
@@ -130,6 +159,20 @@ def test_agree_on_that_differs_is_refused_on_every_rank_before_data_moves():
     for msg, peers, x in loopback.spawn(3, body, timeout_s=30):
         assert "ranks disagree on what the sizes follow from (agree_on): [111, 222, 111]" in msg and 1 in peers
         assert x == [1.0] * 4  # nothing was summed
+
+
+def test_alltoallv_agree_on_that_differs_is_refused_on_every_rank():
+    def body(tr):
+        recv = torch.zeros(3 * 4, dtype=torch.uint8)
+        try:
+            tr.alltoallv(torch.ones(3 * 4, dtype=torch.uint8), [4] * 3, recv, [4] * 3, agree_on=5 + (tr.rank == 2))
+        except TransportError as e:
+            return str(e), e.peers, recv.tolist()
+        return None
+
+    for msg, peers, recv in loopback.spawn(3, body, timeout_s=30):
+        assert "ranks disagree on what the sizes follow from (agree_on): [5, 5, 6]" in msg and 2 in peers
+        assert recv == [0] * 12  # nothing moved
 
 
 def test_a_rank_that_never_arrives_is_named():
@@ -269,8 +312,8 @@ def test_into_writes_the_result_into_the_gradients_themselves(wire, average):
 @pytest.mark.parametrize("average", [True, False])
 def test_phases_apart_are_the_exact_sum_identical_on_every_rank(n, average):
     """strategy "dear"'s two phases over the backend's collectives: after the reduce-scatter each
-    rank's chunk of each span holds the sum; after the all-gather every rank holds the same
-    average (or sum), with a gap in the partitions left untouched and chunks of unequal sizes.
+    rank's chunk of each span holds the average (or sum); after the all-gather every rank holds
+    the owners' bits, with a gap in the partitions left untouched and chunks of unequal sizes.
     Two steps with other gradients: the scratch kept between steps carries nothing over."""
     numel = 1003
     steps = [grads_for(n, numel, seed=11 + n), grads_for(n, numel, seed=211 + n)]
@@ -299,8 +342,10 @@ def test_phases_apart_are_the_exact_sum_identical_on_every_rank(n, average):
             reduced, flat = per_step[step]
             for s, e in [(0, 500), (600, 1003)]:
                 cs, ce = chunk_bounds(e - s, n)[r]
-                torch.testing.assert_close(reduced[s + cs:s + ce], exact[s + cs:s + ce], rtol=1e-6, atol=1e-6)
-                torch.testing.assert_close(flat[s:e], exact[s:e] / (n if average else 1), rtol=1e-6, atol=1e-6)
+                want = exact[s:e] / (n if average else 1)
+                torch.testing.assert_close(reduced[s + cs:s + ce], want[cs:ce], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(flat[s:e], want, rtol=1e-6, atol=1e-6)
+                assert torch.equal(flat[s + cs:s + ce], reduced[s + cs:s + ce])  # sent as the owner holds it
                 assert torch.equal(flat[s:e], out[0][step][1][s:e])  # the owner's bits on every rank
             assert torch.equal(flat[500:600], grads[r][500:600])
 
@@ -308,8 +353,9 @@ def test_phases_apart_are_the_exact_sum_identical_on_every_rank(n, average):
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("large", [True, False])
 def test_phases_apart_keep_large_scratch_between_steps(n, large):
-    """dear's receive and send chunks are allocated once per gradient where they are as large as
-    malloc maps afresh each call (MMAP_BYTES, lowered here), and per step below it."""
+    """dear's receive buffer is allocated once per gradient where it is as large as malloc maps
+    afresh each call (MMAP_BYTES, lowered here), and per step below it; the all-gather sends the
+    owner's chunk from its place, without a buffer."""
     grads = grads_for(n, 1003, seed=5)
 
     def body(tr):
@@ -330,7 +376,7 @@ def test_phases_apart_keep_large_scratch_between_steps(n, large):
             eng.shutdown()
 
     for first, second in loopback.spawn(n, body, timeout_s=60):
-        assert first == second and len(first) == (2 if large else 0)
+        assert first == second and len(first) == (1 if large else 0)
 
 
 def test_into_refuses_what_its_native_pass_cannot_write():

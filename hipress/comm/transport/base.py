@@ -310,6 +310,12 @@ class Transport(abc.ABC):
             raise self._err(op, f"max_bytes must be None or an int >= 0, got {max_bytes!r}", peers)
         return max_bytes
 
+    def _raise_unless_agreed(self, op: str, agreed: List[int]) -> None:
+        """Every rank's ``agree_on`` digest (0: none) from the checking round must be the same."""
+        if len(set(agreed)) != 1:
+            raise self._err(op, f"ranks disagree on what the sizes follow from (agree_on): {agreed}",
+                            [i for i, a in enumerate(agreed) if a != agreed[0]] + [0])
+
     def _header(self, n: int, like: torch.Tensor) -> torch.Tensor:
         h = torch.frombuffer(bytearray(_HDR.pack(n)), dtype=torch.uint8).clone()
         return h.to(like.device) if like.device.type != "cpu" else h
@@ -320,8 +326,12 @@ class Transport(abc.ABC):
 
     # ------------------------------------------------------------------ collectives
     def alltoallv(self, send_buf: torch.Tensor, send_counts: Sequence[int],
-                  recv_buf: torch.Tensor, recv_counts: Sequence[int]) -> None:
-        """Rank i sends ``send_counts[j]`` bytes to each rank j (segments in rank order)."""
+                  recv_buf: torch.Tensor, recv_counts: Sequence[int], sizes_agreed: bool = False,
+                  agree_on: Optional[int] = None) -> None:
+        """Rank i sends ``send_counts[j]`` bytes to each rank j (segments in rank order).
+
+        ``agree_on`` and ``sizes_agreed`` as for :meth:`allreduce`: a digest compared in the
+        checking round, and the round skipped where an earlier comparison fixed the counts."""
         op = "alltoallv"
         self._ensure_open(op)
         n = self._size
@@ -330,9 +340,10 @@ class Transport(abc.ABC):
         rc = self._segments(op, "recv", recv_buf, recv_counts, problems)
         if problems:
             sc = rc = [0] * n
-        if self.check:
-            rows = self._meta_gather(op, [0 if problems else 1] + sc + rc)
+        if self.check and not sizes_agreed:
+            rows = self._meta_gather(op, [0 if problems else 1] + sc + rc + [0 if agree_on is None else int(agree_on)])
             self._raise_local_or_remote(op, problems, rows)
+            self._raise_unless_agreed(op, [r[-1] for r in rows])
             bad_links = [(i, j, rows[i][1 + j], rows[j][1 + n + i])
                          for i in range(n) for j in range(n) if rows[i][1 + j] != rows[j][1 + n + i]]
             if bad_links:
@@ -431,6 +442,7 @@ class Transport(abc.ABC):
     def allgatherv(self, send_buf: torch.Tensor, recv_buf: torch.Tensor, recv_counts: Sequence[int],
                    sizes_agreed: bool = False) -> None:
         """Rank i's ``send_buf`` (``recv_counts[i]`` bytes) lands at offset ``sum(recv_counts[:i])``.
+        ``send_buf`` may be that very segment of ``recv_buf`` (in place).
 
         ``sizes_agreed``: every rank's ``recv_counts`` came from one exchange all ranks made (the
         coordinator's heads), so the checking round is skipped even with ``check``, as for
@@ -549,10 +561,7 @@ class Transport(abc.ABC):
             if len(set(sizes)) != 1:
                 raise self._err(op, f"element counts differ between ranks: {sizes}",
                                 [i for i, s in enumerate(sizes) if s != sizes[0]] + [0])
-            agreed = [r[2] for r in rows]
-            if len(set(agreed)) != 1:
-                raise self._err(op, f"ranks disagree on what the sizes follow from (agree_on): {agreed}",
-                                [i for i, a in enumerate(agreed) if a != agreed[0]] + [0])
+            self._raise_unless_agreed(op, [r[2] for r in rows])
         elif problems:
             raise self._err(op, "; ".join(problems))
         if self._size == 1 or n == 0:

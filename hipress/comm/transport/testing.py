@@ -117,6 +117,13 @@ def check_allgatherv(t: Transport) -> None:
             recv = torch.full((sum(rc),), 255, dtype=torch.uint8)
             t.allgatherv(pattern(900 + r + scale, rc[r]), recv, rc)
             _eq(f"allgatherv counts {rc}", t, recv, torch.cat([pattern(900 + i + scale, rc[i]) for i in range(n)]))
+            # in place: this rank's part sent from its own place in recv_buf (dear's all-gather)
+            want = torch.cat([pattern(950 + i + scale, rc[i]) for i in range(n)])
+            recv = torch.full((sum(rc),), 255, dtype=torch.uint8)
+            at = sum(rc[:r])
+            recv[at:at + rc[r]] = want[at:at + rc[r]]
+            t.allgatherv(recv[at:at + rc[r]], recv, rc)
+            _eq(f"allgatherv in place, counts {rc}", t, recv, want)
 
 
 def check_broadcast(t: Transport) -> None:

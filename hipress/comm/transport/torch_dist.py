@@ -251,7 +251,9 @@ class TorchDistTransport(Transport):
             for k in range(1, n):
                 dst = (r + k) % n
                 self._post_p2p(op, works, peers, self.pg.send, send_buf, dst, _TAG_AGV)
-            recv_buf[rd[r]:rd[r] + recv_counts[r]].copy_(send_buf)
+            own = recv_buf[rd[r]:rd[r] + recv_counts[r]]
+            if own.data_ptr() != send_buf.data_ptr():  # not sent from its place in recv_buf
+                own.copy_(send_buf)
         self._wait(op, works, peers)
 
     def _raw_broadcast(self, buf, root, op):
