@@ -57,8 +57,8 @@ class AllreduceStrategy(Strategy):
     def __init__(self, average: bool = True, wire: torch.dtype = torch.float32):
         self.average = average
         self.wire = wire
-        # Scratch kept from step to step (a bucket's bf16 copy; dear's receive and send chunks where
-        # they are large, below). A step's tasks on a gradient finish before its next sync.
+        # Scratch kept from step to step (a bucket's bf16 copy; dear's receive buffer where it is
+        # large, below). A step's tasks on a gradient finish before its next sync.
         self._scratch: Dict[str, torch.Tensor] = {}
 
     # glibc's malloc maps a block this large (M_MMAP_THRESHOLD's ceiling on 64-bit) afresh on every
