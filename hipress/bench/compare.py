@@ -186,7 +186,7 @@ def _watch(progress_path: str, prog: Progress, per_system: int, stop: threading.
 
 def _groups(systems: Sequence[str]) -> List[List[str]]:
     """Every system in a launch of its own: fresh processes, so none inherits another's threads,
-    process groups and heap. In one launch, a system ran up to 15% slower or faster by the
+    process groups and heap. In one launch, a system ran up to 20% slower or faster by the
     systems before it (VGG19-like at 10 Gbit/s: uncompressed ring 270 ms per step second,
     324 ms third after dear; docs/benchmarks.md, "One launch per system")."""
     return [[s] for s in systems]

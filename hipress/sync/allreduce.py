@@ -154,32 +154,28 @@ class AllreduceStrategy(Strategy):
         return self._each_span(ctx, tensor_name, flat, bounds, deps, self._all_gather, sizes_agreed, None)
 
     def _each_span(self, ctx, tensor_name, flat, bounds, deps, phase, sizes_agreed, agree_on) -> Handle:
-        """``phase`` on each contiguous span (keys ``{tensor_name}/s{i}``), joined into one handle;
-        the first span's round compares ``agree_on``, and the later spans' sizes follow from it."""
         if ctx.size == 1:
             return ctx.compute(f"done.{tensor_name}", lambda: None, list(deps))
-        finals = []
-        for i, (s, e) in enumerate(contiguous_spans(bounds)):
-            check = {"sizes_agreed": sizes_agreed or (i > 0 and agree_on is not None)}
-            if i == 0 and agree_on is not None:
-                check["agree_on"] = agree_on
-            finals.append(phase(ctx, f"{tensor_name}/s{i}", flat[s:e], deps, **check))
-        if len(finals) == 1:
-            return finals[0]
-        return ctx.compute(f"done.{tensor_name}", lambda: None, deps=finals or list(deps))
+
+        def check(i):  # the first span's round compares agree_on; the later spans' sizes follow from it
+            if agree_on is None:
+                return {"sizes_agreed": sizes_agreed}
+            return {"sizes_agreed": sizes_agreed, "agree_on": agree_on} if i == 0 else {"sizes_agreed": True}
+
+        return self._each_range(ctx, tensor_name, flat, contiguous_spans(bounds), deps, phase, "s", check)
 
     @staticmethod
     def _chunks(ctx, x: torch.Tensor):
         cb = chunk_bounds(x.numel(), ctx.size)
         return cb, [4 * (e - s) for s, e in cb]
 
-    def _reduce_scatter(self, ctx, key, x, deps, **check) -> Handle:
+    def _reduce_scatter(self, ctx, key, x, deps, sizes_agreed: bool = False, agree_on: Optional[int] = None) -> Handle:
         n, r = ctx.size, ctx.rank
         cb, counts = self._chunks(ctx, x)
         mine = x[cb[r][0]:cb[r][1]]
         got = self._buffer(f"recv.{key}", n * mine.numel(), torch.float32, always=False)
         moved = ctx.exchange.alltoallv(f"alltoallv.{key}", x.view(torch.uint8), counts, got.view(torch.uint8),
-                                       [counts[r]] * n, deps, **check)
+                                       [counts[r]] * n, deps, sizes_agreed, agree_on)
 
         def reduce():
             torch.sum(got.view(n, -1), 0, out=mine)

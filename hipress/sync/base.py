@@ -253,10 +253,12 @@ class Strategy:
 
     @staticmethod
     def _each_range(ctx: SyncContext, tensor_name: str, flat: torch.Tensor, ranges: Sequence[Tuple[int, int]],
-                    deps: Sequence[Handle], phase, tag: str) -> Handle:
-        """``phase(ctx, key, flat[s:e], deps)`` on each non-empty range (keys ``{tensor_name}/{tag}{i}``),
-        joined into one handle: a strategy's phases run per partition (ring) or per span (allreduce)."""
-        finals = [phase(ctx, f"{tensor_name}/{tag}{i}", flat[s:e], deps) for i, (s, e) in enumerate(ranges) if e > s]
+                    deps: Sequence[Handle], phase, tag: str, kw=None) -> Handle:
+        """``phase(ctx, key, flat[s:e], deps, **kw(i))`` on each non-empty range i (keys
+        ``{tensor_name}/{tag}{i}``; no keywords without ``kw``), joined into one handle: a strategy's
+        phases run per partition (ring) or per span (allreduce)."""
+        finals = [phase(ctx, f"{tensor_name}/{tag}{i}", flat[s:e], deps, **(kw(i) if kw else {}))
+                  for i, (s, e) in enumerate(ranges) if e > s]
         if len(finals) == 1:
             return finals[0]
         return ctx.compute(f"done.{tensor_name}", lambda: None, deps=finals or list(deps))

@@ -77,14 +77,12 @@ def params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train(model, opt, sched, rank, first, last, used, on_step=None, rounds=None):
-    """Steps first..last-1; used[t] = the parameters forward t ran with; rounds[t] = the checking
-    rounds from forward t to forward t+1 (with dear: step t's reduce-scatters, step t-1's all-gathers)."""
+def train(model, opt, sched, rank, first, last, used, on_step=None, rounds_at=None):
+    """Steps first..last-1; used[t] = the parameters forward t ran with; rounds_at[t] = the checking
+    rounds so far when forward t started."""
     for step in range(first, last):
-        if rounds is not None and step > first:
-            rounds[step - 1] = ROUNDS[0] - rounds[step - 1]
-        if rounds is not None:
-            rounds[step] = ROUNDS[0]
+        if rounds_at is not None:
+            rounds_at[step] = ROUNDS[0]
         x, y = batch(rank, step)
         opt.zero_grad(set_to_none=True)
         loss = ((model(x) - y) ** 2).mean()
@@ -115,9 +113,10 @@ def main():
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
             checkpoint["bytes"] = buf.getvalue()
 
-        rounds = {}
-        train(model, opt, sched, rank, 0, cfg["steps"], used, save, rounds)
-        del rounds[cfg["steps"] - 1]  # its window is still open
+        rounds_at = {}
+        train(model, opt, sched, rank, 0, cfg["steps"], used, save, rounds_at)
+        # from forward t to forward t+1 (with dear: step t's reduce-scatters, step t-1's all-gathers)
+        rounds = {t: rounds_at[t + 1] - rounds_at[t] for t in range(cfg["steps"] - 1)}
         if cfg["strategy"] == "dear":  # ring's parameters are current after step()
             opt.synchronize()
         res["used"], res["final"], res["rounds"] = used, params(model), rounds
