@@ -30,6 +30,7 @@ difference to no compression) and convergence-<task>.png (metric versus training
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -66,11 +67,13 @@ def worker(a) -> None:
     opt = tasks.optimizer(model, a.lr)
     if a.ddp:
         from hipress import compression
-        from hipress.torch import momentum
+        from hipress.torch import covap, momentum
 
         kw = json.loads(a.algo_kwargs or "{}")
         mc = None  # momentum correction where the optimizer's "auto" applies it: in the hook, the SGD without
-        if momentum.resolve("auto", opt, compression.get(a.algo, **kw)):
+        # compression="covap": the inner algorithm decides, as in the optimizer
+        inner, inner_kw = covap.split_options(kw)[1:] if a.algo == "covap" else (a.algo, kw)
+        if momentum.resolve("auto", opt, compression.get(inner, **inner_kw)):
             mc = opt.param_groups[0]["momentum"]
             opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.0)
         net = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's parameters
@@ -84,6 +87,10 @@ def worker(a) -> None:
         opt = hipress.DistributedOptimizer(opt, compression=a.algo, strategy=a.strategy, **extra,
                                            **json.loads(a.algo_kwargs or "{}"))
         hipress.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    if a.algo == "covap":  # its local mode: every rank holds the same model when it is evaluated
+        flush, evaluate = (state if a.ddp else opt).synchronize, task.evaluate
+        task = dataclasses.replace(task, evaluate=lambda: (flush(), evaluate())[1])
 
     def step(epoch, i):
         x, y = task.batch(rank, size, epoch, i)
@@ -100,8 +107,9 @@ def worker(a) -> None:
             comp, name = (state.compressor, state.strategy) if a.ddp else (opt._hp_compressor, opt._hp_strategy_name)
             name = "dear" if a.strategy == "dear" else name  # dear syncs with the ring's phases
             strategy = ("lowrank" if comp.lowrank else name) + (" (DDP hook)" if a.ddp else "")
+            profile = (state if a.ddp else opt).covap_profile if a.algo == "covap" else None  # interval "auto"
             json.dump({"algo": a.algo, "points": points, "steps_per_epoch": task.steps_per_epoch(size),
-                       "strategy": strategy}, f)
+                       "strategy": strategy, "covap_profile": profile and dataclasses.asdict(profile)}, f)
 
 
 # ------------------------------------------------------------------ driver

@@ -148,6 +148,10 @@ class Filter:
     def coefficient(self) -> float:
         return ef_coefficient(self.step, *self.ef)
 
+    def selected_units(self, name: str) -> List[Tuple[int, Tuple[int, int]]]:
+        """The units (index, range) of bucket ``name`` selected this step."""
+        return [(t, r) for t, r in self.units[name] if r[1] > r[0] and selected(t, self.step, self.interval)]
+
     def apply(self, name: str, flat: torch.Tensor) -> List[Tuple[int, int]]:
         if self.interval == 1:  # every unit sent every step: no residual ever (a fast link, CCR <= 1)
             return [r for _, r in self.units[name] if r[1] > r[0]]
@@ -200,7 +204,16 @@ def check_interval(interval) -> Optional[int]:
 
 # ---------------------------------------------------------------- the optimizer's side
 
-PARAMS = ("interval", "max_interval", "ef_init", "ascend_steps", "ascend_range", "shard", "inner", "profile_steps")
+PARAMS = ("interval", "max_interval", "mode", "ef_init", "ascend_steps", "ascend_range", "shard", "inner",
+          "profile_steps")
+# What a unit does on the steps it is not selected (docs/covap.md, "Local updates"):
+#   "local": every rank applies its own gradient to it at once, and a selected unit's
+#            parameters are averaged across ranks (each unit is a local-SGD replica with
+#            period I, the units staggered). Every unit moves every step.
+#   "paper": the paper's Algorithm 1: the gradient waits in the residual and the unit does
+#            not move; a selected unit's gradient (with the residual) is averaged.
+# At interval 1 both are plain gradient averaging.
+MODES = ("local", "paper")
 
 
 def split_options(kwargs: dict) -> Tuple[dict, str, dict]:
@@ -209,7 +222,14 @@ def split_options(kwargs: dict) -> Tuple[dict, str, dict]:
     rest = {k: v for k, v in kwargs.items() if k not in PARAMS}
     inner = mine.pop("inner", "none")
     check_interval(mine.get("interval", "auto"))
-    for key, default in (("profile_steps", PROFILE_STEPS), ("max_interval", MAX_INTERVAL)):
+    mode = mine.setdefault("mode", "local")
+    if mode not in MODES:
+        raise ValueError(f"COVAP: mode must be one of {MODES}, got {mode!r}")
+    if mode == "local" and inner != "none":
+        raise ValueError(f"COVAP: mode='local' averages the selected units' parameters, which are not compressed; "
+                         f"pass mode='paper' to send the selected units' gradients compressed with {inner!r}")
+    mine.setdefault("max_interval", MAX_INTERVAL[mode])
+    for key, default in (("profile_steps", PROFILE_STEPS), ("max_interval", None)):
         v = mine.get(key, default)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"COVAP: {key} must be an int >= 1, got {v!r}")
@@ -217,11 +237,13 @@ def split_options(kwargs: dict) -> Tuple[dict, str, dict]:
 
 
 PROFILE_STEPS = 5  # steps timed after one warm-up step (the paper profiles one iteration)
-# hipress's cap on the profiled interval (not the paper's): every unit then still moves at
-# least every 4th step. The paper's CCRs were 2.1-4.0 and its speed-up stopped growing past
-# I = 4 (Fig. 5); on a slow link a small model can measure CCR 15 (digits over loopback
-# gloo), and I = 16 does not train (docs/covap.md). An int interval is used as given.
-MAX_INTERVAL = 4
+# hipress's cap on the profiled interval, per mode (not the paper's; an int interval is used
+# as given). On a slow link a small model can measure CCR 15 (digits over loopback gloo).
+# "paper": every unit still moves at least every 4th step. The paper's CCRs were 2.1-4.0 and
+# its speed-up stopped growing past I = 4 (Fig. 5); the digits run does not train at I = 3.
+# "local": every unit moves every step; its parameters are averaged at least every 8th. The
+# digits run keeps its accuracy up to I = 8 there (docs/covap.md, "Local updates").
+MAX_INTERVAL = {"local": 8, "paper": 4}
 
 
 class Run:
@@ -233,15 +255,16 @@ class Run:
     figures (``gather``: an allgather of a float64 vector, the same result on every rank)
     and builds the filter."""
 
-    def __init__(self, bucket_sizes: Dict[str, int], interval="auto", max_interval: int = MAX_INTERVAL,
-                 ef_init: float = EF_INIT,
+    def __init__(self, bucket_sizes: Dict[str, int], interval="auto", max_interval: Optional[int] = None,
+                 mode: str = "local", ef_init: float = EF_INIT,
                  ascend_steps: int = ASCEND_STEPS, ascend_range: float = ASCEND_RANGE, shard: bool = True,
                  profile_steps: int = PROFILE_STEPS):
         self.sizes = dict(bucket_sizes)
         self.filter_args = dict(shard=bool(shard), ef_init=ef_init, ascend_steps=ascend_steps,
                                 ascend_range=ascend_range)
         self.profile_steps = profile_steps
-        self.max_interval = max_interval
+        self.max_interval = MAX_INTERVAL[mode] if max_interval is None else max_interval
+        self.mode = mode
         self.profile: Optional[Profile] = None
         self._keep: Optional[Filter] = None  # the filter being re-profiled
         self.on_filter = None  # called with each filter made after profiling (the optimizer declares its units)
@@ -264,6 +287,11 @@ class Run:
     def profiling(self) -> bool:
         return self.filter is None
 
+    @property
+    def local(self) -> bool:
+        """This step averages the selected units' parameters, and every gradient stays local."""
+        return self.mode == "local" and self.filter is not None and self.filter.interval > 1
+
     # timing hooks (profiling only)
     def grad_ready(self, now: float) -> None:
         c = self._cur
@@ -282,9 +310,12 @@ class Run:
 
     def select(self, name: str, flat: torch.Tensor) -> Optional[List[Tuple[int, Tuple[int, int]]]]:
         """None while profiling (sync all of ``flat``); else the selected units (index,
-        range), ``flat`` now holding what to send."""
+        range): with :attr:`local`, the units whose parameters to average (``flat``, the
+        gradient, stays as it is); otherwise ``flat`` now holds what to send."""
         if self.filter is None:
             return None
+        if self.local:
+            return self.filter.selected_units(name)
         ranges = self.filter.apply(name, flat)
         return [(t, r) for t, r in self.filter.units[name] if r in ranges]
 

@@ -346,11 +346,29 @@ class HookState:
             if cv.profiling:
                 cv.submitted(lay.name, now)
                 handles[0].add_done_callback(lambda h, n=lay.name: cv.completed(n, time.perf_counter()))
+        elif cv.run.local:  # the gradient stays this rank's own; the selected units' parameters are averaged
+            handles = self._covap_average_params(lay, units)
         else:
             handles = [self._sync.build(f"{lay.name}/u{t}", flat, [r]) for t, r in units]
         if last:
             cv.end_step()
         return handles
+
+    def _covap_average_params(self, lay: _Layout, units) -> list:
+        """COVAP's local mode (hipress/torch/covap.py, MODES): the average across ranks of the
+        selected units' parameters, written to them once it is in, during the backward: DDP
+        hands out a bucket when every gradient of its parameters is final, so the rest of the
+        backward does not read them, and the optimizer's step comes after every bucket's future."""
+        if not units:
+            return []
+        hb = lay.bucket
+        averages = [(s, hb.param_values(s, e)) for _, (s, e) in units]
+        syncs = [self._sync.build(f"{lay.name}/u{t}", v, [(0, v.numel())]) for (t, _), (_, v) in zip(units, averages)]
+
+        def write():
+            for s, v in averages:
+                hb.write_params(s, v)
+        return [self._sync.ctx.compute(f"params.ddp.{lay.name}", write, syncs)]
 
     def _covap_begin(self, now: float) -> None:
         profile = self.covap.begin(now, lambda v: covap.gather_rows(world.transport(), v))
@@ -376,6 +394,27 @@ class HookState:
             raise RuntimeError("covap_reprofile() needs compression='covap'")
         if self.covap.run is not None:  # else the first profile has not started yet
             self.covap.run.reprofile()
+
+    def synchronize(self) -> None:
+        """``compression="covap"`` in its local mode: each rank's parameters move on its own
+        gradients between averages. This averages every parameter of the hook's buckets across
+        ranks now, so every rank holds the same model: call it on every rank between steps,
+        before evaluation or a checkpoint. Nothing to do otherwise."""
+        run = self.covap.run if self.covap is not None else None
+        if run is None or not run.local or self._size == 1:
+            return
+        lays = {lay.name: lay for lay in self._layouts.values()}
+        handles = [h for name in run.sizes
+                   for h in self._covap_average_params(lays[name], [("all", (0, lays[name].bucket.numel))])]
+        timeout = config.get("HIPRESS_TIMEOUT_S") if self.timeout_s is None else float(self.timeout_s)
+        end = time.monotonic() + timeout
+        for h in handles:
+            if not h.wait(max(0.0, end - time.monotonic())):
+                raise TimeoutError(f"hipress: averaging the parameters took more than {timeout:g} s; "
+                                   f"{waiting_words(self._world_exchange)}")
+            err = h.exception(0)
+            if err is not None:
+                raise RuntimeError(f"hipress: averaging the parameters failed: {err}")
 
     @staticmethod
     def _unpack(lay: _Layout, flat: torch.Tensor, buf: torch.Tensor, in_place: bool) -> None:

@@ -128,6 +128,31 @@ class _Bucket:
         for _, p in self.params:
             p.grad.copy_(self._views[id(p)])
 
+    def _spans(self, s: int, e: int):
+        """(parameter, its first element, the bucket's first element) of each piece of [s, e)."""
+        for (off, n, _), (_, p) in zip(self.segments, self.params):
+            lo, hi = max(s, off), min(e, off + n)
+            if lo < hi:
+                yield p, lo - off, hi - off, lo - s
+
+    def param_values(self, s: int, e: int) -> torch.Tensor:
+        """Elements [s, e) of the bucket's parameters (not gradients), as a new fp32 CPU tensor."""
+        out = torch.empty(e - s, dtype=torch.float32)
+        for p, lo, hi, at in self._spans(s, e):
+            out[at:at + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
+        return out
+
+    def write_params(self, s: int, values: torch.Tensor) -> None:
+        """Parameters' elements [s, s + len(values)) of the bucket := ``values``."""
+        with torch.no_grad():
+            for p, lo, hi, at in self._spans(s, s + values.numel()):
+                if p.is_contiguous():
+                    p.view(-1)[lo:hi].copy_(values[at:at + hi - lo])
+                else:
+                    flat = p.reshape(-1).clone()
+                    flat[lo:hi].copy_(values[at:at + hi - lo])
+                    p.copy_(flat.view_as(p))
+
     def into(self) -> Optional[List[Tuple[int, torch.Tensor]]]:
         """(offset, gradient) of each parameter, for a sync that writes its result into the
         gradients themselves (hipress.sync.allreduce: no unpack); None for a bucket synced in
@@ -537,6 +562,7 @@ class _HipressOptimizer:
         self._hp_counts: Dict[int, int] = {}
         self._hp_taken: set = set()  # ids of parameters whose gradient is in a bucket this step
         self._hp_handles: Dict[str, Handle] = {}
+        self._hp_param_avgs: List[Tuple["_Bucket", int, torch.Tensor]] = []  # COVAP local: (bucket, start, average)
         self._hp_skip = False
         self._hp_synchronized = False
         # Timeline row 2 shows when each gradient became ready, next to the queues.
@@ -955,6 +981,9 @@ class _HipressOptimizer:
             self._hp_handles[bucket.name] = sync.reduce_scatter(bucket.name, flat, bounds, **self._hp_layout_kw(sync))
             return
         units = self._hp_covap.select(bucket.name, flat) if self._hp_covap is not None else None
+        if units is not None and self._hp_covap.local:  # COVAP's local mode: the gradient stays as it is
+            self._hp_handles[bucket.name] = self._hp_average_params(bucket, sync, units)
+            return
         # Under COVAP only where its filter sends the bucket whole as one unit (interval 1, or a
         # bucket of one unit in its step): while profiling it times the sync below instead.
         whole = units is not None and len(units) == 1 and units[0][1] == (0, flat.numel())
@@ -979,6 +1008,40 @@ class _HipressOptimizer:
         else:
             self._hp_handles[bucket.name] = None  # nothing sent: the gradient (zeros) is already in place
 
+    def _hp_average_params(self, bucket: "_Bucket", sync, units) -> Optional[Handle]:
+        """COVAP's local mode (hipress/torch/covap.py, MODES): the average across ranks of the
+        parameters of the selected ``units`` of ``bucket``, each into a buffer of its own, which
+        _hp_finish_step writes to the parameters once the step is agreed (not on a skipped step).
+        The bucket's parameters are not read by the rest of the backward, and the gradients, each
+        rank's own, go to the wrapped optimizer as they are."""
+        handles = []
+        for t, (s, e) in units:
+            values = bucket.param_values(s, e)
+            handles.append(sync.build(f"{bucket.name}/u{t}", values, [(0, e - s)], **self._hp_layout_kw(sync)))
+            self._hp_param_avgs.append((bucket, s, values))
+        if len(handles) <= 1:
+            return handles[0] if handles else None
+        return sync.ctx.compute(f"params.{bucket.name}", lambda: None, handles)
+
+    def _hp_average_all_params(self) -> None:
+        """COVAP's local mode, between steps (synchronize()): every parameter averaged across ranks
+        now, so that every rank holds the same model."""
+        self._hp_check_usable()
+        if self._hp_transport.size == 1:
+            return
+        for bucket in self._hp_buckets:
+            sync = self._hp_route(bucket)[0]
+            self._hp_handles[bucket.name] = self._hp_average_params(bucket, sync, [("all", (0, bucket.numel))])
+        errors = self._hp_wait_all()
+        averaged, self._hp_param_avgs = self._hp_param_avgs, []
+        self._hp_handles.clear()
+        self._hp_layout_check = "open"
+        if errors:
+            self._hp_failure = errors[0].splitlines()[0][:300]
+            raise RuntimeError("hipress: averaging the parameters failed:\n  " + "\n  ".join(errors[:3]))
+        for bucket, s, values in averaged:
+            bucket.write_params(s, values)
+
     # ------------------------------------------------------------------ public API
     def synchronize(self):
         """Waits until every gradient is synchronized (submitting unused ones first).
@@ -988,6 +1051,11 @@ class _HipressOptimizer:
         before evaluation or a checkpoint (``state_dict()`` and the model's ``state_dict()``
         do it themselves). Gradients are averaged only bucket by bucket in the next forward
         there, so calling it between backward and step() is an error.
+
+        With ``compression="covap"`` in its local mode (the default), each rank's parameters move
+        on its own gradients between averages. Called between steps (after step(), before the
+        next backward), it averages every parameter across ranks, so every rank holds the same
+        model: call it on every rank before evaluation or a checkpoint.
 
         With ``nonfinite="skip"`` (default), if any rank's gradient of some parameter was NaN
         or Inf, every rank warns (:class:`NonFiniteGradientWarning`), every compressor and
@@ -1001,6 +1069,11 @@ class _HipressOptimizer:
         bad payload) raises RuntimeError naming the gradient and the peer(s); the optimizer then
         refuses to synchronize until :meth:`reset` (docs/reliability.md)."""
         if self._hp_dear is None:
+            between_steps = not self._hp_handles and not self._hp_counts
+            if self._hp_covap is not None and self._hp_covap.mode == "local" and between_steps:
+                if self._hp_covap.local:  # else every rank holds the same model already
+                    self._hp_average_all_params()
+                return
             self._hp_wait_gradients()
             return
         if self._hp_handles or self._hp_counts:
@@ -1063,6 +1136,7 @@ class _HipressOptimizer:
             except TransportError as e:  # on the control channel: a peer that died or stalled
                 errors.append(f"the step's agreement (non-finite gradients, trainable set) failed: {e}")
         errors = self._hp_wait_all() + errors
+        averaged, self._hp_param_avgs = self._hp_param_avgs, []
         self._hp_counts.clear()
         self._hp_taken.clear()
         self._hp_filled.clear()
@@ -1078,9 +1152,14 @@ class _HipressOptimizer:
         self._hp_steps += 1
         if not self._hp_guard:  # nothing is undone: the step is kept
             self._hp_carry_committed()
-            return False
-        self._hp_check_same_trainable(table)
-        return self._hp_decide_nonfinite(table[:, _AGREE_HEADER:])
+            skipped = False
+        else:
+            self._hp_check_same_trainable(table)
+            skipped = self._hp_decide_nonfinite(table[:, _AGREE_HEADER:])
+        if not skipped:
+            for bucket, s, values in averaged:
+                bucket.write_params(s, values)
+        return skipped
 
     def _hp_agree(self, bad: set) -> torch.Tensor:
         """Every rank's row: [4 bytes of the trainable set's digest, one byte per parameter (not
@@ -1289,6 +1368,7 @@ class _HipressOptimizer:
                 raise RuntimeError(f"hipress reset(): task '{h.name}' still runs after {deadline:g} s "
                                    f"(HIPRESS_TIMEOUT_S); {self._hp_waiting_for()}")
         self._hp_handles.clear()
+        self._hp_param_avgs = []
         self._hp_layout_check = "open"
         self._hp_counts.clear()
         self._hp_taken.clear()

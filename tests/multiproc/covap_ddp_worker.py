@@ -3,11 +3,11 @@
     python covap_ddp_worker.py OUT_DIR
 
 Run A: DDP with buckets of one parameter each (after DDP's first step; its first step has one
-bucket of all), compression="covap", interval 2, a momentum SGD, STEPS steps: the final
-parameters, the filter's buckets (names, their parameters in the hook's order) and how many
-steps the filter ran. Run B: one DDP bucket, COVAP around TBQ, interval 2: STEPS steps
+bucket of all), compression="covap", interval 2, a momentum SGD, STEPS steps, in mode "paper"
+and in mode "local": the final parameters, the filter's buckets (names, their parameters in
+the hook's order) and how many steps the filter ran. Run B: one DDP bucket, COVAP around TBQ, interval 2: STEPS steps
 uninterrupted against K steps, a checkpoint (model, SGD, hook state through torch.save), fresh
-objects loading it and the rest. Run C: interval "auto" (2 profiled steps): the profile.
+objects loading it and the rest. Run C: interval "auto" (2 profiled steps, mode "paper"): the profile.
 Results go to OUT_DIR/rank{r}.pt.
 """
 import io
@@ -43,9 +43,9 @@ def setup(model, ddp_kw, **covap_kw):
     return ddp, opt, state
 
 
-def run_fixed(rank):
+def run_fixed(rank, mode):
     model = make_model()
-    ddp, opt, state = setup(model, {"bucket_cap_mb": 1e-5}, interval=2)
+    ddp, opt, state = setup(model, {"bucket_cap_mb": 1e-5}, interval=2, mode=mode)
     train(ddp, opt, rank, 0, STEPS)
     run = state.covap.run
     lays = {lay.name: [n for n, _ in lay.bucket.params] for lay in state._layouts.values()}
@@ -54,7 +54,7 @@ def run_fixed(rank):
 
 
 def run_resume(rank):
-    kw = dict(interval=2, inner="tbq", threshold=0.01)
+    kw = dict(interval=2, mode="paper", inner="tbq", threshold=0.01)
     model = make_model()
     ddp, opt, _ = setup(model, {}, **kw)
     train(ddp, opt, rank, 0, STEPS)
@@ -78,7 +78,7 @@ def run_resume(rank):
 
 def run_auto(rank):
     model = make_model()
-    ddp, opt, state = setup(model, {"bucket_cap_mb": 1e-5}, profile_steps=2)
+    ddp, opt, state = setup(model, {"bucket_cap_mb": 1e-5}, profile_steps=2, mode="paper")
     train(ddp, opt, rank, 0, 4)
     before = state.covap_profile
     train(ddp, opt, rank, 4, 8)
@@ -90,7 +90,7 @@ def main(out_dir):
     dist.init_process_group("gloo")
     hipress.ddp.init()
     rank = hipress.rank()
-    res = {"fixed": run_fixed(rank), "resume": run_resume(rank), "auto": run_auto(rank)}
+    res = {"fixed": run_fixed(rank, "paper"), "local": run_fixed(rank, "local"), "resume": run_resume(rank), "auto": run_auto(rank)}
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     hipress.shutdown()
     dist.destroy_process_group()

@@ -3,9 +3,9 @@
     python covap_worker.py OUT_DIR
 
 Run A: compression="covap" with a fixed interval 2 (and sharding: bucket_bytes=0 makes each
-parameter a bucket, the large weight splits) for STEPS steps; the final parameters go to
-OUT_DIR/fixed-rank{r}.pt. Run B (one fused bucket): interval "auto" with 2 profiled steps; its profile and the
-steps it took go to OUT_DIR/auto-rank{r}.pt.
+parameter a bucket, the large weight splits) for STEPS steps, in each mode; the final parameters
+go to OUT_DIR/fixed-{mode}-rank{r}.pt. Run B (one fused bucket, mode "paper"): interval "auto"
+with 2 profiled steps; its profile and the steps it took go to OUT_DIR/auto-rank{r}.pt.
 """
 import os
 import sys
@@ -31,17 +31,18 @@ def train(opt, model, rank, steps):
 def main(out):
     hipress.init()
     rank = hipress.rank()
-    model = make_model()
-    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                       named_parameters=model.named_parameters(), compression="covap",
-                                       interval=2, bucket_bytes=0)
-    train(opt, model, rank, STEPS)
-    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/fixed-rank{rank}.pt")
+    for mode in ("paper", "local"):
+        model = make_model()
+        opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                           named_parameters=model.named_parameters(), compression="covap",
+                                           interval=2, mode=mode, bucket_bytes=0)
+        train(opt, model, rank, STEPS)
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/fixed-{mode}-rank{rank}.pt")
 
     model = make_model()
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters(), compression="covap",
-                                       profile_steps=2, bucket_bytes=1 << 20)  # fused: not synced in place
+                                       profile_steps=2, mode="paper", bucket_bytes=1 << 20)  # fused: not synced in place
     train(opt, model, rank, 2)
     before = opt.covap_profile
     train(opt, model, rank, 2)

@@ -114,7 +114,7 @@ def test_worker_runs_covap_systems(tmp_path):
         cv = r["covap"]
         assert cv["filter_on"] and cv["warmup_steps"] > PROFILE_STEPS, cv
         p = cv["profile"]
-        assert p["t_comp"] > 0 and p["interval"] == min(interval_from_ccr(p["ccr"]), MAX_INTERVAL)
+        assert p["t_comp"] > 0 and p["interval"] == min(interval_from_ccr(p["ccr"]), MAX_INTERVAL["local"])
 
 
 def test_summary_reports_compute_fraction_and_covap_interval():

@@ -13,6 +13,7 @@ from hipress.torch import covap
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import covap_ddp_worker as W  # noqa: E402
+from covap_replica import local_replicas  # noqa: E402
 from ddp_hook_worker import batch, make_model  # noqa: E402
 
 NP = 2
@@ -77,6 +78,20 @@ def test_hook_equals_the_rule(results):
     assert any(not torch.allclose(plain[n], want[n], atol=1e-4) for n in want), "the filter changed nothing"
 
 
+def test_local_mode_equals_local_replicas(results):
+    """mode="local" in the hook: each rank steps on its own gradient, the selected units'
+    parameters averaged during the backward (written before the step)."""
+    got = [results[r]["local"] for r in range(NP)]
+    buckets = [(name, [n.removeprefix("module.") for n in members]) for name, members in got[0]["buckets"]]
+    assert got[0]["filtered_steps"] == W.STEPS - 3
+    want, filt = local_replicas(make_model, batch, buckets, 2, W.STEPS - got[0]["filtered_steps"], W.STEPS)
+    assert filt.units == got[0]["units"]
+    for r in range(NP):
+        for n in want[r]:
+            torch.testing.assert_close(got[r]["params"][n], want[r][n], rtol=1e-5, atol=1e-6, msg=f"rank {r} {n}")
+    assert any(not torch.allclose(got[0]["params"][n], got[1]["params"][n], atol=1e-4) for n in want[0])
+
+
 def test_resume_is_bit_identical(results):
     for r in range(NP):
         res = results[r]["resume"]
@@ -94,7 +109,7 @@ def test_profiler_agrees_across_ranks(results):
         assert a["before"] is None
         p = a["after"]
         assert p is not None and p.t_comp > 0 and p.t_comm > 0
-        assert p.interval == min(covap.interval_from_ccr(p.ccr), covap.MAX_INTERVAL)
+        assert p.interval == min(covap.interval_from_ccr(p.ccr), covap.MAX_INTERVAL["paper"])
         assert a["state"]["run"]["filter"]["interval"] == p.interval
     assert res[0]["after"] == res[1]["after"], "ranks computed different profiles"
     for n in res[0]["params"]:
@@ -107,6 +122,10 @@ def test_bad_options():
     with pytest.raises(ValueError, match="interval"):
         hipress.ddp.HookState("covap", interval=0)
     with pytest.raises(ValueError, match="single-round"):
-        hipress.ddp.HookState("covap", inner="powersgd")
+        hipress.ddp.HookState("covap", inner="powersgd", mode="paper")
+    with pytest.raises(ValueError, match="mode='paper'"):  # local mode averages uncompressed parameters
+        hipress.ddp.HookState("covap", inner="tbq")
+    with pytest.raises(ValueError, match="mode must be"):
+        hipress.ddp.HookState("covap", mode="residual")
     with pytest.raises(ValueError, match="no COVAP state"):
         hipress.ddp.HookState("covap", interval=2).load_state_dict({"compressor_state": {}})

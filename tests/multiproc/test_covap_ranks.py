@@ -1,6 +1,6 @@
 """compression="covap" (hipress/torch/covap.py) with real ranks: the optimizer's result
-equals COVAP's rule applied in one process, and the profiler gives every rank the same
-interval. Two ranks over gloo, one launch with a timeout."""
+equals COVAP's rule applied in one process, in both modes, and the profiler gives every rank
+the same interval. Two ranks over gloo, one launch with a timeout."""
 import os
 import sys
 
@@ -15,6 +15,7 @@ from hipress.torch.optimizer import fusion_buckets
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import covap_worker as W  # noqa: E402
+from covap_replica import local_replicas  # noqa: E402
 
 NP = 2
 
@@ -56,7 +57,7 @@ def test_fixed_interval_equals_the_rule(out):
     want, filt = replica(2, W.STEPS)
     assert sum(len(u) for u in filt.units.values()) > len(filt.units), "the large weight was not sharded"
     for r in range(NP):
-        got = torch.load(out / f"fixed-rank{r}.pt")
+        got = torch.load(out / f"fixed-paper-rank{r}.pt")
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=f"rank {r} {n}")
     # the filter mattered: the uncompressed run ends elsewhere
@@ -70,8 +71,25 @@ def test_profiler_agrees_across_ranks(out):
         assert r["before"] is None, "profiled before its 1 warm-up + 2 timed steps were over"
         p = r["after"]
         assert p is not None and p.t_comp > 0 and p.t_comm > 0  # the profiler timed the syncs
-        assert p.interval == min(covap.interval_from_ccr(p.ccr), covap.MAX_INTERVAL)
+        assert p.interval == min(covap.interval_from_ccr(p.ccr), covap.MAX_INTERVAL["paper"])
     assert res[0]["after"] == res[1]["after"], "ranks computed different profiles"
     assert res[0]["state"]["filter"]["interval"] == res[0]["after"].interval
     for n in res[0]["params"]:
         assert torch.equal(res[0]["params"][n], res[1]["params"][n])
+
+
+def test_local_mode_equals_local_replicas(out):
+    """mode="local": each rank steps on its own gradient, the selected units' parameters averaged
+    before the step. The ranks differ between averages, each equal to its replica."""
+    buckets = [(b.name, [n for n, _ in b.params]) for b in fusion_buckets(list(W.make_model().named_parameters()),
+                                                                         NoneCompressor(), 0)]
+    want, filt = local_replicas(W.make_model, W.batch, buckets, 2, 0, W.STEPS)
+    assert sum(len(u) for u in filt.units.values()) > len(filt.units), "the large weight was not sharded"
+    got = [torch.load(out / f"fixed-local-rank{r}.pt") for r in range(NP)]
+    for r in range(NP):
+        for n in want[r]:
+            torch.testing.assert_close(got[r][n], want[r][n], rtol=1e-5, atol=1e-6, msg=f"rank {r} {n}")
+    # the ranks are replicas of their own (their last steps were local), and not the paper's run
+    assert any(not torch.allclose(got[0][n], got[1][n], atol=1e-4) for n in got[0])
+    paper = torch.load(out / "fixed-paper-rank0.pt")
+    assert any(not torch.allclose(got[0][n], paper[n], atol=1e-4) for n in paper)

@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 NP, K, T = 2, 2, 5
 POISONED = "0.weight"
 ALGORITHMS = compression.available() + ["covap"]
-KWARGS = {"dgc": {"warmup_steps": 4}, "covap": {"interval": 2, "inner": "tbq"}}
+KWARGS = {"dgc": {"warmup_steps": 4}, "covap": {"interval": 2, "mode": "paper", "inner": "tbq"}}
 AMP = {("none", "ring"), ("terngrad", "allgather"), ("powersgd", "ring")}
 
 

@@ -34,7 +34,7 @@ ALGORITHMS = compression.available() + ["covap"]
 # of 4: a step lost at the checkpoint would restart at the 25% density of step 0).
 # COVAP: a fixed interval (the profiled one depends on timing) around TBQ, whose residuals
 # make the compressor state non-empty.
-KWARGS = {"dgc": {"warmup_steps": 4}, "graddrop": {"warmup_steps": 4}, "covap": {"interval": 2, "inner": "tbq"}}
+KWARGS = {"dgc": {"warmup_steps": 4}, "graddrop": {"warmup_steps": 4}, "covap": {"interval": 2, "mode": "paper", "inner": "tbq"}}
 
 
 def strategies(algorithm):
