@@ -1055,7 +1055,8 @@ class _HipressOptimizer:
         With ``compression="covap"`` in its local mode (the default), each rank's parameters move
         on its own gradients between averages. Called between steps (after step(), before the
         next backward), it averages every parameter across ranks, so every rank holds the same
-        model: call it on every rank before evaluation or a checkpoint.
+        model: call it on every rank before evaluation or a checkpoint. (In mode "paper", and
+        while the profiler runs, the ranks hold the same model already: it returns.)
 
         With ``nonfinite="skip"`` (default), if any rank's gradient of some parameter was NaN
         or Inf, every rank warns (:class:`NonFiniteGradientWarning`), every compressor and
@@ -1070,7 +1071,7 @@ class _HipressOptimizer:
         refuses to synchronize until :meth:`reset` (docs/reliability.md)."""
         if self._hp_dear is None:
             between_steps = not self._hp_handles and not self._hp_counts
-            if self._hp_covap is not None and self._hp_covap.mode == "local" and between_steps:
+            if self._hp_covap is not None and between_steps:
                 if self._hp_covap.local:  # else every rank holds the same model already
                     self._hp_average_all_params()
                 return
@@ -1553,13 +1554,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     a hipress.planner.Overrides (or a dict of its fields) pins thresholds on top of "auto";
     a Plan is used as is. compression="auto" means TernGrad with plan="auto".
     compression="covap": COVAP's filter (paper 004; hipress/torch/covap.py, docs/covap.md): each
-    step syncs only the buckets (or shards of large ones) whose index t has (t + step) % I == 0,
-    the rest waits in a residual. Its keywords: interval ("auto": ceil(CCR), profiled over the
-    first profile_steps=5 steps after one warm-up, at most max_interval=4; or an int),
-    ef_init=0.5, ascend_steps=50, ascend_range=0.1 (the residual's coefficient schedule),
-    shard=True, inner="none" (the algorithm that compresses what is sent) and the inner
-    algorithm's own keywords. ``opt.covap_profile`` holds the profile; ``opt.covap_reprofile()``
-    measures again.
+    step syncs only the buckets (or shards of large ones) whose index t has (t + step) % I == 0.
+    mode="local" (default): every rank applies its own gradient every step and the selected
+    units' parameters are averaged across ranks (call ``opt.synchronize()`` between steps on
+    every rank to average them all, before evaluation or a checkpoint); mode="paper": the rest
+    waits in a residual (the paper's Algorithm 1), with ef_init=0.5, ascend_steps=50,
+    ascend_range=0.1 (the residual's coefficient schedule) and inner="none" (the algorithm that
+    compresses what is sent, with its own keywords). Both: interval ("auto": ceil(CCR),
+    profiled over the first profile_steps=5 steps after one warm-up, at most max_interval, 8
+    in mode "local" and 4 in mode "paper"; or an int), shard=True. ``opt.covap_profile`` holds
+    the profile; ``opt.covap_reprofile()`` measures again.
     bucket_bytes: tensor fusion: gradients smaller than this share buffers, synced (and
     planned, compressed, partitioned) as one, until an exchange of the buffer sends this
     many bytes (None or 0: every gradient alone). "auto" (default): 25 MiB where every bucket

@@ -5,7 +5,7 @@
 Run A: DDP with buckets of one parameter each (after DDP's first step; its first step has one
 bucket of all), compression="covap", interval 2, a momentum SGD, STEPS steps, in mode "paper"
 and in mode "local": the final parameters, the filter's buckets (names, their parameters in
-the hook's order) and how many steps the filter ran. Run B: one DDP bucket, COVAP around TBQ, interval 2: STEPS steps
+the hook's order), how many steps the filter ran and the parameters after state.synchronize(). Run B: one DDP bucket, COVAP around TBQ, interval 2: STEPS steps
 uninterrupted against K steps, a checkpoint (model, SGD, hook state through torch.save), fresh
 objects loading it and the rest. Run C: interval "auto" (2 profiled steps, mode "paper"): the profile.
 Results go to OUT_DIR/rank{r}.pt.
@@ -49,8 +49,10 @@ def run_fixed(rank, mode):
     train(ddp, opt, rank, 0, STEPS)
     run = state.covap.run
     lays = {lay.name: [n for n, _ in lay.bucket.params] for lay in state._layouts.values()}
-    return {"params": params(model), "buckets": [(name, lays[name]) for name in run.sizes],
-            "filtered_steps": run.filter.step, "units": run.filter.units}
+    out = {"params": params(model), "buckets": [(name, lays[name]) for name in run.sizes],
+           "filtered_steps": run.filter.step, "units": run.filter.units}
+    state.synchronize()  # mode "local": every parameter averaged; otherwise nothing to do
+    return {**out, "synced": params(model)}
 
 
 def run_resume(rank):

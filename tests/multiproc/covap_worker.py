@@ -4,7 +4,8 @@
 
 Run A: compression="covap" with a fixed interval 2 (and sharding: bucket_bytes=0 makes each
 parameter a bucket, the large weight splits) for STEPS steps, in each mode; the final parameters
-go to OUT_DIR/fixed-{mode}-rank{r}.pt. Run B (one fused bucket, mode "paper"): interval "auto"
+go to OUT_DIR/fixed-{mode}-rank{r}.pt, and in mode "local" those after synchronize() to
+OUT_DIR/synced-rank{r}.pt. Run B (one fused bucket, mode "paper"): interval "auto"
 with 2 profiled steps; its profile and the steps it took go to OUT_DIR/auto-rank{r}.pt.
 """
 import os
@@ -38,6 +39,9 @@ def main(out):
                                            interval=2, mode=mode, bucket_bytes=0)
         train(opt, model, rank, STEPS)
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/fixed-{mode}-rank{rank}.pt")
+        if mode == "local":  # between steps: every parameter averaged
+            opt.synchronize()
+            torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/synced-rank{rank}.pt")
 
     model = make_model()
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),

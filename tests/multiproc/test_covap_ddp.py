@@ -90,6 +90,13 @@ def test_local_mode_equals_local_replicas(results):
         for n in want[r]:
             torch.testing.assert_close(got[r]["params"][n], want[r][n], rtol=1e-5, atol=1e-6, msg=f"rank {r} {n}")
     assert any(not torch.allclose(got[0]["params"][n], got[1]["params"][n], atol=1e-4) for n in want[0])
+    # state.synchronize() between steps: every rank holds the replicas' average
+    for n in want[0]:
+        assert torch.equal(got[0]["synced"][n], got[1]["synced"][n]), n
+        torch.testing.assert_close(got[0]["synced"][n], (want[0][n] + want[1][n]) / NP, rtol=1e-5, atol=1e-6, msg=n)
+    # in mode "paper" the ranks are the same already, and synchronize() leaves them
+    paper = results[0]["fixed"]
+    assert all(torch.equal(paper["params"][n], paper["synced"][n]) for n in paper["params"])
 
 
 def test_resume_is_bit_identical(results):

@@ -93,3 +93,8 @@ def test_local_mode_equals_local_replicas(out):
     assert any(not torch.allclose(got[0][n], got[1][n], atol=1e-4) for n in got[0])
     paper = torch.load(out / "fixed-paper-rank0.pt")
     assert any(not torch.allclose(got[0][n], paper[n], atol=1e-4) for n in paper)
+    # synchronize() between steps: every rank holds the replicas' average
+    synced = [torch.load(out / f"synced-rank{r}.pt") for r in range(NP)]
+    for n in want[0]:
+        assert torch.equal(synced[0][n], synced[1][n]), n
+        torch.testing.assert_close(synced[0][n], (want[0][n] + want[1][n]) / NP, rtol=1e-5, atol=1e-6, msg=n)

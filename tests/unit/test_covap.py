@@ -115,3 +115,33 @@ def test_interval_argument_checked(bad):
     with pytest.raises(ValueError):
         covap.check_interval(bad)
     assert covap.check_interval("auto") is None and covap.check_interval(3) == 3
+
+
+def test_options_mode_and_its_cap():
+    mine, inner, rest = covap.split_options({"interval": 2, "threshold": 0.1})
+    assert mine["mode"] == "local" and mine["max_interval"] == covap.MAX_INTERVAL["local"] and inner == "none"
+    assert rest == {"threshold": 0.1}
+    mine, inner, _ = covap.split_options({"mode": "paper", "inner": "tbq"})
+    assert mine["max_interval"] == covap.MAX_INTERVAL["paper"] and inner == "tbq"
+    assert covap.split_options({"max_interval": 3})[0]["max_interval"] == 3
+    with pytest.raises(ValueError, match="mode must be"):
+        covap.split_options({"mode": "residual"})
+    with pytest.raises(ValueError, match="mode='paper'"):  # local mode averages uncompressed parameters
+        covap.split_options({"inner": "tbq"})
+    with pytest.raises(ValueError, match="max_interval"):
+        covap.split_options({"max_interval": 0})
+
+
+def test_local_mode_selects_units_without_touching_the_gradient():
+    run = covap.Run({"a": 10, "b": 35}, interval=2)  # mode "local"
+    assert run.local
+    flat = torch.arange(35, dtype=torch.float32)
+    sent = [run.select("b", flat)]
+    run.finish_step(None)
+    sent.append(run.select("b", flat))
+    assert torch.equal(flat, torch.arange(35, dtype=torch.float32)) and run.filter.residual == {}
+    # b's units (1 and 2: "a" is unit 0; b has 3.5 medians, split into I = 2) alternate
+    assert sent == [[(2, (18, 35))], [(1, (0, 18))]]
+    assert not covap.Run({"a": 10}, interval=1).local  # interval 1: plain gradient averaging
+    assert not covap.Run({"a": 10}, interval=2, mode="paper").local
+    assert not covap.Run({"a": 10}).local  # profiling first
