@@ -5,11 +5,13 @@
 Run A: compression="covap" with a fixed interval 2 (and sharding: bucket_bytes=0 makes each
 parameter a bucket, the large weight splits) for STEPS steps, in each mode; the final parameters
 go to OUT_DIR/fixed-{mode}-rank{r}.pt, and in mode "local" those after synchronize() to
-OUT_DIR/synced-rank{r}.pt. Run B (one fused bucket, mode "paper"): interval "auto"
+OUT_DIR/synced-rank{r}.pt. Then mode "local" with a NaN on rank 1 at step 1: each step's
+parameters and filter step go to OUT_DIR/nonfinite-local-rank{r}.pt. Run B (one fused bucket, mode "paper"): interval "auto"
 with 2 profiled steps; its profile and the steps it took go to OUT_DIR/auto-rank{r}.pt.
 """
 import os
 import sys
+import warnings
 
 import torch
 
@@ -42,6 +44,24 @@ def main(out):
         if mode == "local":  # between steps: every parameter averaged
             opt.synchronize()
             torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/synced-rank{rank}.pt")
+
+    # mode "local", rank 1's loss (so every gradient) NaN at step 1, a step where units are
+    # averaged: the step is skipped on both ranks, the averages not written
+    model = make_model()
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), compression="covap",
+                                       interval=2, bucket_bytes=0)
+    snaps = []
+    for step in range(3):
+        x, y = batch(rank, step)
+        opt.zero_grad(set_to_none=True)
+        ((model(x) - y) ** 2).mean().mul(float("nan") if step == 1 and rank == 1 else 1.0).backward()
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            opt.step()
+        snaps.append({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                      "filter_step": opt._hp_covap.filter.step, "skipped": bool(opt.last_nonfinite)})
+    torch.save(snaps, f"{out}/nonfinite-local-rank{rank}.pt")
 
     model = make_model()
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),

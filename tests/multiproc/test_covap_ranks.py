@@ -98,3 +98,18 @@ def test_local_mode_equals_local_replicas(out):
     for n in want[0]:
         assert torch.equal(synced[0][n], synced[1][n]), n
         torch.testing.assert_close(synced[0][n], (want[0][n] + want[1][n]) / NP, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_local_mode_skipped_step_writes_no_average(out):
+    """A rank's NaN at a step where units are averaged: every rank skips the step, its
+    parameters stay as they were (no average written) and the filter does not advance, so the
+    next step averages the same units."""
+    snaps = [torch.load(out / f"nonfinite-local-rank{r}.pt") for r in range(NP)]
+    for r in range(NP):
+        before, bad, after = snaps[r]
+        assert not before["skipped"] and bad["skipped"] and not after["skipped"], f"rank {r}"
+        assert [s["filter_step"] for s in snaps[r]] == [1, 1, 2], f"rank {r}"
+        for n in before["params"]:
+            assert torch.equal(bad["params"][n], before["params"][n]), f"rank {r} {n}: the skipped step moved it"
+    # the steps around it were local: the ranks differ after them
+    assert any(not torch.equal(snaps[0][2]["params"][n], snaps[1][2]["params"][n]) for n in snaps[0][2]["params"])
