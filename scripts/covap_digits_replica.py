@@ -37,28 +37,13 @@ def unscaled_send(filt: covap.Filter, name: str, flat: torch.Tensor) -> None:
             flat[s:e].zero_()
 
 
-def spread_send(filt, held, name, flat, scale):
-    """Selected: send the residual (sum since the last send); every step applies the last
-    received sum / I, so each unit moves every step."""
-    res = filt.residual.setdefault(name, torch.zeros(flat.numel()))
-    h = held.setdefault(name, torch.zeros(flat.numel()))
-    coeff = filt.coefficient if scale else 1.0
-    for t, (s, e) in filt.units[name]:
-        res[s:e].mul_(coeff).add_(flat[s:e])
-        if covap.selected(t, filt.step, filt.interval):
-            h[s:e].copy_(res[s:e]).div_(filt.interval)
-            res[s:e].zero_()
-        flat[s:e].copy_(h[s:e])
-
-
-def accuracy(seed, interval=2, lr=0.05, momentum=0.9, ef_init=covap.EF_INIT, send="paper", start=0, workers=4,
+def accuracy(seed, interval=2, lr=0.05, momentum=0.9, ef_init=covap.EF_INIT, send="paper", workers=4,
              epochs=10, batch=32):
     task = tasks.build("digits", seed, batch)
     named = list(task.model.named_parameters())
     opt = torch.optim.SGD(task.model.parameters(), lr=lr, momentum=momentum)
     buckets = fusion_buckets(named, NoneCompressor(), 1 << 20)
     filt = covap.Filter({b.name: b.numel for b in buckets}, interval, ef_init=ef_init)
-    held = {}
 
     def step(epoch, i):
         grads = []
@@ -71,12 +56,8 @@ def accuracy(seed, interval=2, lr=0.05, momentum=0.9, ef_init=covap.EF_INIT, sen
             first = loss.item() if r == 0 else first
         for b in buckets:
             flat = torch.cat([sum(g[n] for g in grads).reshape(-1) / workers for n, _ in b.params])
-            if filt.step < start:
-                pass
-            elif send == "paper":
+            if send == "paper":
                 filt.apply(b.name, flat)
-            elif send in ("spread", "spread-scaled"):
-                spread_send(filt, held, b.name, flat, send == "spread-scaled")
             elif send == "unscaled":
                 unscaled_send(filt, b.name, flat)
             else:

@@ -1,9 +1,11 @@
 """COVAP (paper 004): a coarse-grained filter that communicates, in each step, only the
 units (fused buckets, or shards of the large ones) whose index t satisfies
 (t + step) % I == 0, with the interval I = ceil(CCR), the communication-to-computation
-ratio measured at the start of training. What a unit does not send stays in a local
-residual, scaled by a coefficient that rises during training (the paper's error-feedback
-scheduler), and goes out the next time the unit is selected.
+ratio measured at the start of training. On the steps a unit is not selected, in
+``mode="local"`` (hipress's default) every rank applies its own gradient to it, and a
+selected unit's parameters are averaged across ranks; in ``mode="paper"`` (Algorithm 1) its
+gradient stays in a local residual, scaled by a coefficient that rises during training (the
+paper's error-feedback scheduler), and goes out the next time the unit is selected.
 
 The rules are plain functions, so they are tested on their own and shared by the
 optimizer (``DistributedOptimizer(compression="covap")``, through :class:`Run`) and the DDP
@@ -229,8 +231,7 @@ def split_options(kwargs: dict) -> Tuple[dict, str, dict]:
         raise ValueError(f"COVAP: mode='local' averages the selected units' parameters, which are not compressed; "
                          f"pass mode='paper' to send the selected units' gradients compressed with {inner!r}")
     mine.setdefault("max_interval", MAX_INTERVAL[mode])
-    for key, default in (("profile_steps", PROFILE_STEPS), ("max_interval", None)):
-        v = mine.get(key, default)
+    for key, v in (("profile_steps", mine.get("profile_steps", PROFILE_STEPS)), ("max_interval", mine["max_interval"])):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"COVAP: {key} must be an int >= 1, got {v!r}")
     return mine, inner, rest

@@ -129,7 +129,8 @@ class _Bucket:
             p.grad.copy_(self._views[id(p)])
 
     def _spans(self, s: int, e: int):
-        """(parameter, its first element, the bucket's first element) of each piece of [s, e)."""
+        """(parameter, its first and end element, where the piece starts in [s, e)) of each
+        parameter's piece of the bucket's elements [s, e)."""
         for (off, n, _), (_, p) in zip(self.segments, self.params):
             lo, hi = max(s, off), min(e, off + n)
             if lo < hi:
@@ -1012,8 +1013,8 @@ class _HipressOptimizer:
         """COVAP's local mode (hipress/torch/covap.py, MODES): the average across ranks of the
         parameters of the selected ``units`` of ``bucket``, each into a buffer of its own, which
         _hp_finish_step writes to the parameters once the step is agreed (not on a skipped step).
-        The bucket's parameters are not read by the rest of the backward, and the gradients, each
-        rank's own, go to the wrapped optimizer as they are."""
+        They are read here, in the backward, and nothing changes them before step(). The
+        gradients, each rank's own, go to the wrapped optimizer as they are."""
         handles = []
         for t, (s, e) in units:
             values = bucket.param_values(s, e)

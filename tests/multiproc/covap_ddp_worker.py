@@ -5,9 +5,10 @@
 Run A: DDP with buckets of one parameter each (after DDP's first step; its first step has one
 bucket of all), compression="covap", interval 2, a momentum SGD, STEPS steps, in mode "paper"
 and in mode "local": the final parameters, the filter's buckets (names, their parameters in
-the hook's order), how many steps the filter ran and the parameters after state.synchronize(). Run B: one DDP bucket, COVAP around TBQ, interval 2: STEPS steps
-uninterrupted against K steps, a checkpoint (model, SGD, hook state through torch.save), fresh
-objects loading it and the rest. Run C: interval "auto" (2 profiled steps, mode "paper"): the profile.
+the hook's order), how many steps the filter ran and the parameters after state.synchronize().
+Run B: one DDP bucket, COVAP around TBQ, interval 2: STEPS steps uninterrupted against K steps,
+a checkpoint (model, SGD, hook state through torch.save), fresh objects loading it and the rest.
+Run C: interval "auto" (2 profiled steps, mode "paper"): the profile.
 Results go to OUT_DIR/rank{r}.pt.
 """
 import io
@@ -92,7 +93,8 @@ def main(out_dir):
     dist.init_process_group("gloo")
     hipress.ddp.init()
     rank = hipress.rank()
-    res = {"fixed": run_fixed(rank, "paper"), "local": run_fixed(rank, "local"), "resume": run_resume(rank), "auto": run_auto(rank)}
+    res = {"fixed": run_fixed(rank, "paper"), "local": run_fixed(rank, "local"), "resume": run_resume(rank),
+           "auto": run_auto(rank)}
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     hipress.shutdown()
     dist.destroy_process_group()

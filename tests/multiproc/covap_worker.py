@@ -6,8 +6,9 @@ Run A: compression="covap" with a fixed interval 2 (and sharding: bucket_bytes=0
 parameter a bucket, the large weight splits) for STEPS steps, in each mode; the final parameters
 go to OUT_DIR/fixed-{mode}-rank{r}.pt, and in mode "local" those after synchronize() to
 OUT_DIR/synced-rank{r}.pt. Then mode "local" with a NaN on rank 1 at step 1: each step's
-parameters and filter step go to OUT_DIR/nonfinite-local-rank{r}.pt. Run B (one fused bucket, mode "paper"): interval "auto"
-with 2 profiled steps; its profile and the steps it took go to OUT_DIR/auto-rank{r}.pt.
+parameters and filter step go to OUT_DIR/nonfinite-local-rank{r}.pt. Run B (one fused bucket,
+mode "paper"): interval "auto" with 2 profiled steps; its profile and the steps it took go to
+OUT_DIR/auto-rank{r}.pt.
 """
 import os
 import sys
@@ -66,7 +67,8 @@ def main(out):
     model = make_model()
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters(), compression="covap",
-                                       profile_steps=2, mode="paper", bucket_bytes=1 << 20)  # fused: not synced in place
+                                       profile_steps=2, mode="paper",
+                                       bucket_bytes=1 << 20)  # fused: not synced in place
     train(opt, model, rank, 2)
     before = opt.covap_profile
     train(opt, model, rank, 2)
