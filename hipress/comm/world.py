@@ -25,6 +25,7 @@ import dataclasses
 import socket
 import threading
 import time
+import weakref
 from typing import Callable, List, Optional, Union
 
 from hipress import config
@@ -233,6 +234,31 @@ def init_private_gloo(store, prefix: str, rank: int, size: int, timeout_s: float
     from hipress.comm.transport.torch_dist import TorchDistTransport
 
     init(transport=TorchDistTransport.private_gloo(store, prefix, rank, size, timeout_s))
+
+
+# Work that an object leaves on the world transport after its call returns: COVAP's local mode
+# averages parameters while the next step computes. An operation on the transport from the
+# calling thread (an eager collective, a broadcast, a new optimizer's checks) must not run
+# beside it, or the ranks could see the two in different orders. Such an operation calls
+# quiesce() first: it waits for every registered object's work in flight.
+_inflight: List["weakref.WeakMethod"] = []
+
+
+def on_quiesce(wait: Callable[[], None]) -> None:
+    """Registers a bound method that waits for its object's work in flight (weakly: the object
+    may go away)."""
+    _inflight.append(weakref.WeakMethod(wait))
+
+
+def quiesce() -> None:
+    """Waits for every registered object's work in flight on the transports (see on_quiesce)."""
+    alive = []
+    for ref in list(_inflight):
+        wait = ref()
+        if wait is not None:
+            alive.append(ref)
+            wait()
+    _inflight[:] = alive
 
 
 def on_shutdown(hook: Callable[[], None]) -> None:

@@ -212,6 +212,7 @@ def _forget() -> None:
 
 def _set_transport(process_set):
     """(state, process set, its transport) for an operation; ValueError if unusable here."""
+    world.quiesce()  # nothing of hipress's still in flight beside this operation (nor _get_state's first round)
     st = _get_state()
     ps = global_process_set if process_set is None else process_set
     if not isinstance(ps, ProcessSet):

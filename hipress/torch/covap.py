@@ -104,6 +104,37 @@ def make_profile(t_before: float, t_comp: float, t_comm: float, max_interval: Op
     return Profile(t_before, t_comp, t_comm, ccr, min(interval, max_interval) if max_interval else interval)
 
 
+class Average:
+    """Mode "local": one unit's parameters being averaged across ranks, applied a step later.
+
+    ``values`` (the unit's parameters when its bucket was ready in the backward of step s) is
+    averaged in place by the sync (``handle``); ``sent`` keeps them as they were. The sync runs
+    on while the next step computes, and in step s + 1, before the optimizer's step, the rank adds
+    average - sent to the unit's parameters: each rank keeps the local steps it took since, on top
+    of the average. ``delta()`` (once the handle is done) turns it into that difference alone,
+    which is what a checkpoint holds."""
+
+    __slots__ = ("name", "start", "values", "sent", "handle")
+
+    def __init__(self, name: str, start: int, values: torch.Tensor):
+        """Before the sync of ``values`` starts (it then sets ``handle``)."""
+        self.name, self.start, self.values, self.handle = name, start, values, None
+        self.sent: Optional[torch.Tensor] = values.clone()
+
+    @classmethod
+    def of_delta(cls, name: str, start: int, delta: torch.Tensor) -> "Average":
+        """A checkpoint's: the difference alone."""
+        a = cls(name, start, delta[:0])
+        a.values, a.sent = delta.clone(), None
+        return a
+
+    def delta(self) -> torch.Tensor:
+        if self.sent is not None:
+            self.values.sub_(self.sent)
+            self.sent = self.handle = None
+        return self.values
+
+
 class Filter:
     """The per-rank filter state: units of each bucket, their residuals and the step.
 

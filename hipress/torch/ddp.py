@@ -185,6 +185,10 @@ class HookState:
                 params.append(p)
         self._named_given = named_parameters is not None
         self._covap_reserved = None  # the COVAP filter whose units the sync has declared
+        # COVAP's local mode: each bucket's parameter averages of the last step, applied by its next hook
+        self._covap_averages: Dict[str, List[covap.Average]] = {}
+        if self.covap is not None:
+            world.on_quiesce(self._covap_wait_all)
         self._grad_hooks = []
         if self.covap is not None and self.covap.args.get("interval", "auto") == "auto":
             # the profiler's T_comp runs from the first to the last gradient of a backward (without
@@ -332,6 +336,7 @@ class HookState:
         cv = self.covap
         now = time.perf_counter()
         self._covap_begin(now)
+        self._covap_apply(lay, self._covap_averages.pop(lay.name, []))  # the local mode's, of the last step
         units = cv.select(lay.name, flat, now)
         filt = cv.run.filter if cv.run is not None else None
         if filt is not None and filt is not self._covap_reserved:
@@ -347,31 +352,50 @@ class HookState:
                 cv.submitted(lay.name, now)
                 handles[0].add_done_callback(lambda h, n=lay.name: cv.completed(n, time.perf_counter()))
         elif cv.run.local:  # the gradient stays this rank's own; the selected units' parameters are averaged
-            handles = self._covap_average_params(lay, units)
+            self._covap_averages[lay.name] = self._covap_average_params(lay, units)
+            handles = []  # waited for in the next step
         else:
             handles = [self._sync.build(f"{lay.name}/u{t}", flat, [r]) for t, r in units]
         if last:
             cv.end_step()
         return handles
 
-    def _covap_average_params(self, lay: _Layout, units) -> list:
-        """COVAP's local mode (hipress/torch/covap.py, MODES): the average across ranks of the
-        selected units' parameters, written to them once it is in, during the backward: DDP
-        hands out a bucket when every gradient of its parameters is final, so the rest of the
-        backward does not read them, and the optimizer's step comes after every bucket's future."""
-        if not units:
-            return []
-        hb = lay.bucket
-        averages = [(s, hb.param_values(s, e)) for _, (s, e) in units]
-        syncs = [self._sync.build(f"{lay.name}/u{t}", v, [(0, v.numel())]) for (t, _), (_, v) in zip(units, averages)]
+    def _covap_average_params(self, lay: _Layout, units) -> List[covap.Average]:
+        """COVAP's local mode (hipress/torch/covap.py, MODES): starts the average across ranks of
+        the selected units' parameters. The bucket's next hook (the next step's backward) applies
+        it: DDP hands out a bucket when every gradient of its parameters is final, so the rest of
+        the backward does not read them, and the optimizer's step comes after every bucket's future."""
+        out = []
+        for t, (s, e) in units:
+            avg = covap.Average(lay.name, s, lay.bucket.param_values(s, e))
+            avg.handle = self._sync.build(f"{lay.name}/u{t}", avg.values, [(0, e - s)])
+            out.append(avg)
+        return out
 
-        def write():
-            for s, v in averages:
-                hb.write_params(s, v)
-        return [self._sync.ctx.compute(f"params.ddp.{lay.name}", write, syncs)]
+    def _covap_wait(self, averages: List[covap.Average]) -> None:
+        timeout = config.get("HIPRESS_TIMEOUT_S") if self.timeout_s is None else float(self.timeout_s)
+        end = time.monotonic() + timeout
+        for a in averages:
+            if a.handle is None:
+                continue
+            if not a.handle.wait(max(0.0, end - time.monotonic())):
+                raise TimeoutError(f"hipress: the average of the parameters of '{a.name}' took more than {timeout:g} s; "
+                                   f"{waiting_words(self._world_exchange)}")
+            if a.handle.exception(0) is not None:
+                raise RuntimeError(f"hipress: the average of the parameters of '{a.name}' failed: "
+                                   f"{a.handle.exception(0)}")
+
+    def _covap_wait_all(self) -> None:
+        self._covap_wait([a for avgs in self._covap_averages.values() for a in avgs])
+
+    def _covap_apply(self, lay: _Layout, averages: List[covap.Average]) -> None:
+        """Adds each average's difference to what was sent to the bucket's parameters."""
+        self._covap_wait(averages)
+        for a in averages:
+            lay.bucket.write_params(a.start, a.delta(), add=True)
 
     def _covap_begin(self, now: float) -> None:
-        profile = self.covap.begin(now, lambda v: covap.gather_rows(world.transport(), v))
+        profile = self.covap.begin(now, lambda v: (world.quiesce(), covap.gather_rows(world.transport(), v))[1])
         if profile is not None and world.rank() == 0:
             print(profile.summary(), flush=True)
 
@@ -404,17 +428,13 @@ class HookState:
         if run is None or not run.local or self._size == 1:
             return
         lays = {lay.name: lay for lay in self._layouts.values()}
-        handles = [h for name in run.sizes
-                   for h in self._covap_average_params(lays[name], [("all", (0, lays[name].bucket.numel))])]
-        timeout = config.get("HIPRESS_TIMEOUT_S") if self.timeout_s is None else float(self.timeout_s)
-        end = time.monotonic() + timeout
-        for h in handles:
-            if not h.wait(max(0.0, end - time.monotonic())):
-                raise TimeoutError(f"hipress: averaging the parameters took more than {timeout:g} s; "
-                                   f"{waiting_words(self._world_exchange)}")
-            err = h.exception(0)
-            if err is not None:
-                raise RuntimeError(f"hipress: averaging the parameters failed: {err}")
+        for name in run.sizes:  # the last step's averages first
+            self._covap_apply(lays[name], self._covap_averages.pop(name, []))
+        now = [(lays[name], a) for name in run.sizes
+               for a in self._covap_average_params(lays[name], [("all", (0, lays[name].bucket.numel))])]
+        self._covap_wait([a for _, a in now])
+        for lay, a in now:
+            lay.bucket.write_params(a.start, a.values)
 
     @staticmethod
     def _unpack(lay: _Layout, flat: torch.Tensor, buf: torch.Tensor, in_place: bool) -> None:
@@ -485,6 +505,9 @@ class HookState:
             out["velocity"] = self.momentum.state_dict()
         if self.covap is not None:
             out["covap"] = self.covap.state_dict()
+            self._covap_wait_all()
+            out["covap"]["averages"] = [{"bucket": a.name, "start": a.start, "delta": a.delta().clone()}
+                                        for avgs in self._covap_averages.values() for a in avgs]
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -496,6 +519,10 @@ class HookState:
             if "covap" not in state_dict:
                 raise ValueError("this HookState has compression='covap', but the state dict has no COVAP state")
             self.covap.load_state_dict(state_dict["covap"])
+            self._covap_averages = {}
+            for a in state_dict["covap"].get("averages", []):
+                self._covap_averages.setdefault(a["bucket"], []).append(
+                    covap.Average.of_delta(a["bucket"], a["start"], a["delta"]))
         with self._lock:
             if self._states is None:
                 self._loaded = sd

@@ -18,6 +18,7 @@ from hipress.comm import world
 
 
 def _broadcast_tensor_(t: torch.Tensor, root_rank: int) -> None:
+    world.quiesce()  # nothing of hipress's still in flight beside this operation
     tr = world.transport()
     src = t.detach()
     host = src.to("cpu").contiguous()
@@ -94,6 +95,7 @@ def broadcast_object(obj, root_rank: int = 0, allow_pickle: bool = False):
     world.init()
     if world.size() == 1:
         return obj
+    world.quiesce()  # nothing of hipress's still in flight beside this operation
     tr = world.transport()
     me = world.rank()
     if me == root_rank:
@@ -176,6 +178,7 @@ def _decode(x: Any, tensors: List[torch.Tensor], root_rank: int):
 def _broadcast_state(sd: dict, root_rank: int) -> dict:
     """root_rank's ``sd`` on every rank, without pickle: the structure as JSON, then each
     tensor's bytes (received into CPU tensors of the announced dtype and shape)."""
+    world.quiesce()  # nothing of hipress's still in flight beside this operation
     tr = world.transport()
     if world.rank() == root_rank:
         tensors: List[torch.Tensor] = []

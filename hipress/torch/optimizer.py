@@ -143,15 +143,17 @@ class _Bucket:
             out[at:at + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
         return out
 
-    def write_params(self, s: int, values: torch.Tensor) -> None:
-        """Parameters' elements [s, s + len(values)) of the bucket := ``values``."""
+    def write_params(self, s: int, values: torch.Tensor, add: bool = False) -> None:
+        """Parameters' elements [s, s + len(values)) of the bucket := ``values`` (+= with ``add``)."""
         with torch.no_grad():
             for p, lo, hi, at in self._spans(s, s + values.numel()):
-                if p.is_contiguous():
-                    p.view(-1)[lo:hi].copy_(values[at:at + hi - lo])
+                part = values[at:at + hi - lo].to(p.device, p.dtype)
+                flat = p.view(-1) if p.is_contiguous() else p.reshape(-1).clone()
+                if add:
+                    flat[lo:hi].add_(part)
                 else:
-                    flat = p.reshape(-1).clone()
-                    flat[lo:hi].copy_(values[at:at + hi - lo])
+                    flat[lo:hi].copy_(part)
+                if not p.is_contiguous():
                     p.copy_(flat.view_as(p))
 
     def into(self) -> Optional[List[Tuple[int, torch.Tensor]]]:
@@ -563,7 +565,12 @@ class _HipressOptimizer:
         self._hp_counts: Dict[int, int] = {}
         self._hp_taken: set = set()  # ids of parameters whose gradient is in a bucket this step
         self._hp_handles: Dict[str, Handle] = {}
-        self._hp_param_avgs: List[Tuple["_Bucket", int, torch.Tensor]] = []  # COVAP local: (bucket, start, average)
+        # COVAP's local mode: the parameter averages this step started, and those of the last
+        # step, which this step applies (covap.Average)
+        self._hp_averaging: List["covap.Average"] = []
+        self._hp_averaged: List["covap.Average"] = []
+        if self._hp_covap is not None:
+            world.on_quiesce(self._hp_wait_averages)
         self._hp_skip = False
         self._hp_synchronized = False
         # Timeline row 2 shows when each gradient became ready, next to the queues.
@@ -717,6 +724,7 @@ class _HipressOptimizer:
         mine = torch.zeros(_WRAP_RECORD_BYTES, dtype=torch.uint8)
         mine[:len(record)] = torch.frombuffer(bytearray(record), dtype=torch.uint8)
         everyone = torch.empty(_WRAP_RECORD_BYTES * tr.size, dtype=torch.uint8)
+        world.quiesce()  # another optimizer's work still in flight goes first
         tr.allgather(mine, everyone)
         rows = [json.loads(bytes(everyone[r * _WRAP_RECORD_BYTES:(r + 1) * _WRAP_RECORD_BYTES].tolist())
                            .rstrip(b"\0").decode()) for r in range(tr.size)]
@@ -908,11 +916,13 @@ class _HipressOptimizer:
     def _hp_slowest(self, seconds: float) -> float:
         """The largest of every rank's ``seconds`` (the ranks wait for each other: the slowest sets
         the pace). An allgather on the world transport; nothing else is in flight here."""
+        world.quiesce()
         return float(covap.gather_rows(self._hp_transport, torch.tensor([seconds], dtype=torch.float64)).max())
 
     def _hp_share(self, decision: Tuple[int, bool]) -> Tuple[int, bool]:
         """Rank 0's (size, settled) on every rank: one broadcast."""
         buf = torch.tensor([int(decision[0]), int(decision[1])], dtype=torch.int64)
+        world.quiesce()
         self._hp_transport.broadcast(buf.view(torch.uint8), 0)
         return int(buf[0]), bool(buf[1])
 
@@ -983,7 +993,8 @@ class _HipressOptimizer:
             return
         units = self._hp_covap.select(bucket.name, flat) if self._hp_covap is not None else None
         if units is not None and self._hp_covap.local:  # COVAP's local mode: the gradient stays as it is
-            self._hp_handles[bucket.name] = self._hp_average_params(bucket, sync, units)
+            self._hp_averaging += self._hp_average_params(bucket, sync, units)
+            self._hp_handles[bucket.name] = None  # the averages are waited for in the next step
             return
         # Under COVAP only where its filter sends the bucket whole as one unit (interval 1, or a
         # bucket of one unit in its step): while profiling it times the sync below instead.
@@ -1009,39 +1020,58 @@ class _HipressOptimizer:
         else:
             self._hp_handles[bucket.name] = None  # nothing sent: the gradient (zeros) is already in place
 
-    def _hp_average_params(self, bucket: "_Bucket", sync, units) -> Optional[Handle]:
-        """COVAP's local mode (hipress/torch/covap.py, MODES): the average across ranks of the
-        parameters of the selected ``units`` of ``bucket``, each into a buffer of its own, which
-        _hp_finish_step writes to the parameters once the step is agreed (not on a skipped step).
-        They are read here, in the backward, and nothing changes them before step(). The
-        gradients, each rank's own, go to the wrapped optimizer as they are."""
-        handles = []
+    def _hp_average_params(self, bucket: "_Bucket", sync, units) -> List["covap.Average"]:
+        """COVAP's local mode (hipress/torch/covap.py, MODES): starts the average across ranks of
+        the parameters of the selected ``units`` of ``bucket`` (read here, in the backward: they
+        do not change before step()), each in a buffer of its own. The gradients, each rank's
+        own, go to the wrapped optimizer as they are."""
+        out = []
         for t, (s, e) in units:
-            values = bucket.param_values(s, e)
-            handles.append(sync.build(f"{bucket.name}/u{t}", values, [(0, e - s)], **self._hp_layout_kw(sync)))
-            self._hp_param_avgs.append((bucket, s, values))
-        if len(handles) <= 1:
-            return handles[0] if handles else None
-        return sync.ctx.compute(f"params.{bucket.name}", lambda: None, handles)
+            avg = covap.Average(bucket.name, s, bucket.param_values(s, e))
+            avg.handle = sync.build(f"{bucket.name}/u{t}", avg.values, [(0, e - s)], **self._hp_layout_kw(sync))
+            out.append(avg)
+        return out
+
+    def _hp_wait_averages(self) -> List["covap.Average"]:
+        """The last step's parameter averages (COVAP's local mode), each done."""
+        deadline = config.get("HIPRESS_TIMEOUT_S")
+        end = time.monotonic() + deadline
+        for a in self._hp_averaged:
+            if a.handle is None:
+                continue
+            if not a.handle.wait(max(0.0, end - time.monotonic())):
+                raise RuntimeError(f"hipress: the average of '{a.name}' not done within {deadline:g} s "
+                                   f"(HIPRESS_TIMEOUT_S); {self._hp_waiting_for()}")
+            if a.handle.exception(0) is not None:
+                raise RuntimeError(f"hipress: the average of '{a.name}' failed: {a.handle.exception(0)}")
+        return self._hp_averaged
+
+    def _hp_apply_averages(self, averages: List["covap.Average"]) -> None:
+        """Adds each (done) average's difference to what was sent to the parameters."""
+        buckets = {b.name: b for b in self._hp_buckets}
+        for avg in averages:
+            buckets[avg.name].write_params(avg.start, avg.delta(), add=True)
 
     def _hp_average_all_params(self) -> None:
-        """COVAP's local mode, between steps (synchronize()): every parameter averaged across ranks
-        now, so that every rank holds the same model."""
+        """COVAP's local mode, between steps (synchronize()): the last step's averages applied,
+        then every parameter averaged across ranks, so that every rank holds the same model."""
         self._hp_check_usable()
         if self._hp_transport.size == 1:
             return
-        for bucket in self._hp_buckets:
-            sync = self._hp_route(bucket)[0]
-            self._hp_handles[bucket.name] = self._hp_average_params(bucket, sync, [("all", (0, bucket.numel))])
+        last, self._hp_averaged = self._hp_averaged, []
+        now = [a for b in self._hp_buckets
+               for a in self._hp_average_params(b, self._hp_route(b)[0], [("all", (0, b.numel))])]
+        self._hp_handles.update({f"params.{a.name}@{a.start}/{i}": a.handle for i, a in enumerate(last + now)})
         errors = self._hp_wait_all()
-        averaged, self._hp_param_avgs = self._hp_param_avgs, []
         self._hp_handles.clear()
         self._hp_layout_check = "open"
         if errors:
             self._hp_failure = errors[0].splitlines()[0][:300]
             raise RuntimeError("hipress: averaging the parameters failed:\n  " + "\n  ".join(errors[:3]))
-        for bucket, s, values in averaged:
-            bucket.write_params(s, values)
+        self._hp_apply_averages(last)
+        buckets = {b.name: b for b in self._hp_buckets}
+        for a in now:
+            buckets[a.name].write_params(a.start, a.values)
 
     # ------------------------------------------------------------------ public API
     def synchronize(self):
@@ -1137,8 +1167,10 @@ class _HipressOptimizer:
                 table = self._hp_agree(self._hp_bad)
             except TransportError as e:  # on the control channel: a peer that died or stalled
                 errors.append(f"the step's agreement (non-finite gradients, trainable set) failed: {e}")
+        # the last step's parameter averages (COVAP's local mode) are due now
+        due, self._hp_averaged, self._hp_averaging = self._hp_averaged, self._hp_averaging, []
+        self._hp_handles.update({f"params.{a.name}@{a.start}": a.handle for a in due if a.handle is not None})
         errors = self._hp_wait_all() + errors
-        averaged, self._hp_param_avgs = self._hp_param_avgs, []
         self._hp_counts.clear()
         self._hp_taken.clear()
         self._hp_filled.clear()
@@ -1152,15 +1184,15 @@ class _HipressOptimizer:
         self._hp_layout_check = "open"
         self._hp_finish_gradients()
         self._hp_steps += 1
+        # they belong to the last step, which was kept: applied even if this one is not
+        self._hp_apply_averages(due)
         if not self._hp_guard:  # nothing is undone: the step is kept
             self._hp_carry_committed()
-            skipped = False
-        else:
-            self._hp_check_same_trainable(table)
-            skipped = self._hp_decide_nonfinite(table[:, _AGREE_HEADER:])
-        if not skipped:
-            for bucket, s, values in averaged:
-                bucket.write_params(s, values)
+            return False
+        self._hp_check_same_trainable(table)
+        skipped = self._hp_decide_nonfinite(table[:, _AGREE_HEADER:])
+        if skipped:  # this step's averages are dropped with it (their syncs still run out)
+            self._hp_averaged = []
         return skipped
 
     def _hp_agree(self, bad: set) -> torch.Tensor:
@@ -1278,6 +1310,7 @@ class _HipressOptimizer:
 
     def _hp_gather(self, v: torch.Tensor) -> torch.Tensor:
         """Every rank's float64 vector v, one row per rank (nothing else is in flight here)."""
+        world.quiesce()
         return covap.gather_rows(self._hp_transport, v)
 
     @contextlib.contextmanager
@@ -1370,7 +1403,7 @@ class _HipressOptimizer:
                 raise RuntimeError(f"hipress reset(): task '{h.name}' still runs after {deadline:g} s "
                                    f"(HIPRESS_TIMEOUT_S); {self._hp_waiting_for()}")
         self._hp_handles.clear()
-        self._hp_param_avgs = []
+        self._hp_averaging, self._hp_averaged = [], []
         self._hp_layout_check = "open"
         self._hp_counts.clear()
         self._hp_taken.clear()
@@ -1470,6 +1503,9 @@ class _HipressOptimizer:
             sd["hipress"]["velocity"] = self._hp_momentum.state_dict()
         if self._hp_covap is not None:
             sd["hipress"]["covap"] = self._hp_covap.state_dict()
+            # the local mode's averages the next step applies: what they add to the parameters
+            sd["hipress"]["covap"]["averages"] = [{"bucket": a.name, "start": a.start, "delta": a.delta().clone()}
+                                                  for a in self._hp_wait_averages()]
         if self._hp_tuner is not None:  # the layout the compressor states belong to, and where the search is
             sd["hipress"]["bucket_tune"] = {"tuner": self._hp_tuner.state_dict(),
                                             "carry": {self._hp_names[k]: v.clone() for k, v in self._hp_carry.items()}}
@@ -1517,6 +1553,12 @@ class _HipressOptimizer:
                 self._hp_momentum.load_state_dict(hp.get("velocity", {}))
             if self._hp_covap is not None and "covap" in hp:
                 self._hp_covap.load_state_dict(hp["covap"])
+                names = {b.name for b in self._hp_buckets}
+                saved = hp["covap"].get("averages", [])
+                unknown = sorted({a["bucket"] for a in saved} - names)
+                if unknown:
+                    raise ValueError(f"the checkpoint's COVAP averages name buckets this optimizer lacks: {unknown[:5]}")
+                self._hp_averaged = [covap.Average.of_delta(a["bucket"], a["start"], a["delta"]) for a in saved]
 
 
 def _holds_buffers(states: dict) -> bool:

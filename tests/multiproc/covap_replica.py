@@ -1,20 +1,39 @@
 """COVAP's local mode by hand (hipress/torch/covap.py, MODES), for the optimizer's and the DDP
 hook's tests: one replica of the model per rank, each stepping its own momentum SGD on its own
-gradient; before each step, the parameters of the units selected that step are averaged across
-the replicas. The first ``whole_steps`` steps average the gradients instead (DDP's buckets
-settling before the filter starts)."""
+gradient. At each step the parameters of the units selected then are averaged across the
+replicas as they are at its backward, and in the next step, before the optimizer's step, each
+replica adds average - what it sent to them. The first ``whole_steps`` steps average the
+gradients instead (DDP's buckets settling before the filter starts). A step in ``skipped`` is
+not taken (a non-finite gradient): no optimizer step, no averages started, the filter does not
+advance; the last step's averages are applied all the same."""
 import torch
 
 from hipress.torch import covap
 
 
-def local_replicas(make_model, batch, buckets, interval, whole_steps, steps, ranks=2):
+def local_replicas(make_model, batch, buckets, interval, whole_steps, steps, ranks=2, skipped=()):
     """``buckets``: [(name, [parameter names])] in the filter's order. Returns every replica's
     final parameters and the filter."""
     models = [make_model() for _ in range(ranks)]
     named = [dict(m.named_parameters()) for m in models]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
     filt = covap.Filter({name: sum(named[0][n].numel() for n in members) for name, members in buckets}, interval)
+    members_of = dict(buckets)
+
+    def flat(r, name):
+        return torch.cat([named[r][n].detach().reshape(-1) for n in members_of[name]])
+
+    def add(r, name, s, delta):
+        with torch.no_grad():
+            off = 0
+            for n in members_of[name]:
+                k = named[r][n].numel()
+                lo, hi = max(s, off), min(s + delta.numel(), off + k)
+                if lo < hi:
+                    named[r][n].view(-1)[lo - off:hi - off] += delta[lo - s:hi - s]
+                off += k
+
+    due = []  # (bucket, start, average, what each replica sent)
     for step in range(steps):
         for r, m in enumerate(models):
             x, y = batch(r, step)
@@ -26,19 +45,18 @@ def local_replicas(make_model, batch, buckets, interval, whole_steps, steps, ran
                 for nd in named:
                     nd[n].grad = avg.clone()
         else:
-            for name, members in buckets:
-                flats = [torch.cat([nd[n].detach().reshape(-1) for n in members]) for nd in named]
-                for _, (s, e) in filt.selected_units(name):
-                    avg = sum(f[s:e] for f in flats) / ranks
-                    for f in flats:
-                        f[s:e] = avg
-                with torch.no_grad():
-                    for nd, f in zip(named, flats):
-                        off = 0
-                        for n in members:
-                            nd[n].copy_(f[off:off + nd[n].numel()].view_as(nd[n]))
-                            off += nd[n].numel()
-            filt.advance()
-        for o in opts:
-            o.step()
+            started = []
+            if step not in skipped:
+                for name, _ in buckets:
+                    for _, (s, e) in filt.selected_units(name):
+                        sent = [flat(r, name)[s:e].clone() for r in range(ranks)]
+                        started.append((name, s, sum(sent) / ranks, sent))
+                filt.advance()
+            for name, s, avg, sent in due:
+                for r in range(ranks):
+                    add(r, name, s, avg - sent[r])
+            due = started
+        if step not in skipped:
+            for o in opts:
+                o.step()
     return [{n: p.detach().clone() for n, p in nd.items()} for nd in named], filt

@@ -42,8 +42,14 @@ def main(out):
                                            interval=2, mode=mode, bucket_bytes=0)
         train(opt, model, rank, STEPS)
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/fixed-{mode}-rank{rank}.pt")
-        if mode == "local":  # between steps: every parameter averaged
-            opt.synchronize()
+        if mode == "local":
+            # the last step's averages are in flight; an eager collective waits for them first
+            in_flight = [a.handle for a in opt._hp_averaged if a.handle is not None]
+            total = hipress.allreduce(torch.ones(1), name="after-local-step")
+            quiesced = {"in_flight": len(in_flight), "done": all(h.wait(0) for h in in_flight),
+                        "allreduce": total.item()}
+            torch.save(quiesced, f"{out}/quiesce-rank{rank}.pt")
+            opt.synchronize()  # between steps: every parameter averaged
             torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/synced-rank{rank}.pt")
 
     # mode "local", rank 1's loss (so every gradient) NaN at step 1, a step where units are
@@ -63,6 +69,7 @@ def main(out):
         snaps.append({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                       "filter_step": opt._hp_covap.filter.step, "skipped": bool(opt.last_nonfinite)})
     torch.save(snaps, f"{out}/nonfinite-local-rank{rank}.pt")
+    opt.synchronize()  # its last averages done before the next optimizer's profiler uses the transport
 
     model = make_model()
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),

@@ -93,6 +93,9 @@ def test_local_mode_equals_local_replicas(out):
     assert any(not torch.allclose(got[0][n], got[1][n], atol=1e-4) for n in got[0])
     paper = torch.load(out / "fixed-paper-rank0.pt")
     assert any(not torch.allclose(got[0][n], paper[n], atol=1e-4) for n in paper)
+    for r in range(NP):  # hipress.allreduce between steps waited for the step's averages first
+        q = torch.load(out / f"quiesce-rank{r}.pt")
+        assert q["in_flight"] > 0 and q["done"] and q["allreduce"] == 1.0, q
     # synchronize() between steps: every rank holds the replicas' average
     synced = [torch.load(out / f"synced-rank{r}.pt") for r in range(NP)]
     for n in want[0]:
@@ -102,8 +105,9 @@ def test_local_mode_equals_local_replicas(out):
 
 def test_local_mode_skipped_step_writes_no_average(out):
     """A rank's NaN at a step where units are averaged: every rank skips the step, its
-    parameters stay as they were (no average written) and the filter does not advance, so the
-    next step averages the same units."""
+    parameters stay as they were (the step before averaged ranks that were still equal, so its
+    averages add nothing) and the filter does not advance, so the next step averages the same
+    units; the step's averages are dropped (the replica with that step skipped)."""
     snaps = [torch.load(out / f"nonfinite-local-rank{r}.pt") for r in range(NP)]
     for r in range(NP):
         before, bad, after = snaps[r]
@@ -111,5 +115,11 @@ def test_local_mode_skipped_step_writes_no_average(out):
         assert [s["filter_step"] for s in snaps[r]] == [1, 1, 2], f"rank {r}"
         for n in before["params"]:
             assert torch.equal(bad["params"][n], before["params"][n]), f"rank {r} {n}: the skipped step moved it"
-    # the steps around it were local: the ranks differ after them
+    # the steps around it were local: the ranks differ after them, each its replica's
     assert any(not torch.equal(snaps[0][2]["params"][n], snaps[1][2]["params"][n]) for n in snaps[0][2]["params"])
+    buckets = [(b.name, [n for n, _ in b.params]) for b in fusion_buckets(list(W.make_model().named_parameters()),
+                                                                         NoneCompressor(), 0)]
+    want, _ = local_replicas(W.make_model, W.batch, buckets, 2, 0, 3, skipped={1})
+    for r in range(NP):
+        for n in want[r]:
+            torch.testing.assert_close(snaps[r][2]["params"][n], want[r][n], rtol=1e-5, atol=1e-6, msg=f"rank {r} {n}")
