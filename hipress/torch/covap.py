@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -133,6 +134,31 @@ class Average:
             self.values.sub_(self.sent)
             self.sent = self.handle = None
         return self.values
+
+
+def start_averages(bucket, units, build) -> List[Average]:
+    """An :class:`Average` of each selected unit (index, range) of ``bucket`` (the optimizer's
+    ``_Bucket``), started by ``build(key, values, bounds)`` (the sync's)."""
+    out = []
+    for t, (s, e) in units:
+        avg = Average(bucket.name, s, bucket.param_values(s, e))
+        avg.handle = build(f"{bucket.name}/u{t}", avg.values, [(0, e - s)])
+        out.append(avg)
+    return out
+
+
+def wait_averages(averages: Sequence[Average], timeout_s: float, waiting_for) -> None:
+    """Waits for every average's sync, all within ``timeout_s``; raises naming the unit's bucket
+    (and ``waiting_for()``: the peers waited for) if one failed or is late."""
+    end = time.monotonic() + timeout_s
+    for a in averages:
+        if a.handle is None:
+            continue
+        if not a.handle.wait(max(0.0, end - time.monotonic())):
+            raise TimeoutError(f"hipress: the average of the parameters of '{a.name}' not done within "
+                               f"{timeout_s:g} s (HIPRESS_TIMEOUT_S); {waiting_for()}")
+        if a.handle.exception(0) is not None:
+            raise RuntimeError(f"hipress: the average of the parameters of '{a.name}' failed: {a.handle.exception(0)}")
 
 
 class Filter:

@@ -365,25 +365,11 @@ class HookState:
         the selected units' parameters. The bucket's next hook (the next step's backward) applies
         it: DDP hands out a bucket when every gradient of its parameters is final, so the rest of
         the backward does not read them, and the optimizer's step comes after every bucket's future."""
-        out = []
-        for t, (s, e) in units:
-            avg = covap.Average(lay.name, s, lay.bucket.param_values(s, e))
-            avg.handle = self._sync.build(f"{lay.name}/u{t}", avg.values, [(0, e - s)])
-            out.append(avg)
-        return out
+        return covap.start_averages(lay.bucket, units, self._sync.build)
 
     def _covap_wait(self, averages: List[covap.Average]) -> None:
         timeout = config.get("HIPRESS_TIMEOUT_S") if self.timeout_s is None else float(self.timeout_s)
-        end = time.monotonic() + timeout
-        for a in averages:
-            if a.handle is None:
-                continue
-            if not a.handle.wait(max(0.0, end - time.monotonic())):
-                raise TimeoutError(f"hipress: the average of the parameters of '{a.name}' took more than {timeout:g} s; "
-                                   f"{waiting_words(self._world_exchange)}")
-            if a.handle.exception(0) is not None:
-                raise RuntimeError(f"hipress: the average of the parameters of '{a.name}' failed: "
-                                   f"{a.handle.exception(0)}")
+        covap.wait_averages(averages, timeout, lambda: waiting_words(self._world_exchange))
 
     def _covap_wait_all(self) -> None:
         self._covap_wait([a for avgs in self._covap_averages.values() for a in avgs])

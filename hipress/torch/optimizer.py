@@ -1025,25 +1025,11 @@ class _HipressOptimizer:
         the parameters of the selected ``units`` of ``bucket`` (read here, in the backward: they
         do not change before step()), each in a buffer of its own. The gradients, each rank's
         own, go to the wrapped optimizer as they are."""
-        out = []
-        for t, (s, e) in units:
-            avg = covap.Average(bucket.name, s, bucket.param_values(s, e))
-            avg.handle = sync.build(f"{bucket.name}/u{t}", avg.values, [(0, e - s)], **self._hp_layout_kw(sync))
-            out.append(avg)
-        return out
+        return covap.start_averages(bucket, units, lambda *a: sync.build(*a, **self._hp_layout_kw(sync)))
 
     def _hp_wait_averages(self) -> List["covap.Average"]:
         """The last step's parameter averages (COVAP's local mode), each done."""
-        deadline = config.get("HIPRESS_TIMEOUT_S")
-        end = time.monotonic() + deadline
-        for a in self._hp_averaged:
-            if a.handle is None:
-                continue
-            if not a.handle.wait(max(0.0, end - time.monotonic())):
-                raise RuntimeError(f"hipress: the average of '{a.name}' not done within {deadline:g} s "
-                                   f"(HIPRESS_TIMEOUT_S); {self._hp_waiting_for()}")
-            if a.handle.exception(0) is not None:
-                raise RuntimeError(f"hipress: the average of '{a.name}' failed: {a.handle.exception(0)}")
+        covap.wait_averages(self._hp_averaged, config.get("HIPRESS_TIMEOUT_S"), self._hp_waiting_for)
         return self._hp_averaged
 
     def _hp_apply_averages(self, averages: List["covap.Average"]) -> None:

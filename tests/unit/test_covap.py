@@ -145,3 +145,33 @@ def test_local_mode_selects_units_without_touching_the_gradient():
     assert not covap.Run({"a": 10}, interval=1).local  # interval 1: plain gradient averaging
     assert not covap.Run({"a": 10}, interval=2, mode="paper").local
     assert not covap.Run({"a": 10}).local  # profiling first
+
+
+def test_average_turns_into_its_difference_once():
+    a = covap.Average("b", 3, torch.tensor([1.0, 2.0]))
+    a.values.copy_(torch.tensor([2.0, 2.0]))  # what the sync does: the average, in place
+    assert torch.equal(a.delta(), torch.tensor([1.0, 0.0])) and a.sent is None and a.handle is None
+    assert torch.equal(a.delta(), torch.tensor([1.0, 0.0]))  # a checkpoint's delta() then the step's: one subtraction
+    b = covap.Average.of_delta("b", 3, torch.tensor([1.0, 0.0]))
+    assert torch.equal(b.delta(), torch.tensor([1.0, 0.0])) and (b.name, b.start) == ("b", 3)
+
+
+class _Sync:
+    def __init__(self, done, error=None):
+        self.done, self.error = done, error
+
+    def wait(self, timeout):
+        return self.done
+
+    def exception(self, timeout):
+        return self.error
+
+
+def test_wait_averages_names_the_late_or_failed_bucket():
+    late, failed = covap.Average("late", 0, torch.zeros(1)), covap.Average("failed", 0, torch.zeros(1))
+    late.handle, failed.handle = _Sync(False), _Sync(True, RuntimeError("peer 1 died"))
+    covap.wait_averages([covap.Average.of_delta("x", 0, torch.zeros(1))], 1.0, lambda: "")  # nothing to wait for
+    with pytest.raises(TimeoutError, match="'late'.*rank 1"):
+        covap.wait_averages([late], 0.0, lambda: "waiting for rank 1")
+    with pytest.raises(RuntimeError, match="'failed' failed: peer 1 died"):
+        covap.wait_averages([failed], 1.0, lambda: "")
