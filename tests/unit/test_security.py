@@ -179,7 +179,7 @@ def threads_world(monkeypatch):
     """hipress.torch.functions' `world`, per thread: each loopback rank sees its own transport."""
     local = threading.local()
     fake = types.SimpleNamespace(init=lambda: None, size=lambda: local.t.size, rank=lambda: local.t.rank,
-                                 transport=lambda: local.t)
+                                 transport=lambda: local.t, quiesce=lambda: None)  # nothing else in flight here
     monkeypatch.setattr(F, "world", fake)
 
     def run(fn, n=2):
