@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hipress.comm import world
 from hipress.planner.plan import chunk_bounds
 from hipress.sync.undo import UndoLog
 
@@ -134,6 +135,15 @@ class Average:
             self.values.sub_(self.sent)
             self.sent = self.handle = None
         return self.values
+
+
+def averages_state(averages: Sequence[Average]) -> List[dict]:
+    """The checkpoint's form of (done) averages: each one's difference."""
+    return [{"bucket": a.name, "start": a.start, "delta": a.delta().clone()} for a in averages]
+
+
+def averages_from_state(saved: Sequence[dict]) -> List[Average]:
+    return [Average.of_delta(a["bucket"], a["start"], a["delta"]) for a in saved]
 
 
 def start_averages(bucket, units, build) -> List[Average]:
@@ -431,7 +441,9 @@ class Run:
 
 def gather_rows(transport, v: torch.Tensor) -> torch.Tensor:
     """Every rank's float64 vector ``v`` over ``transport`` (an allgather), one row per rank:
-    the profiler's ``gather``. Call it when nothing else of this rank is in flight on it."""
+    the profiler's ``gather``. Call it when nothing else of this rank's step is in flight on it
+    (what an object left running past its step, world.quiesce() waits for here)."""
+    world.quiesce()
     out = torch.empty(transport.size * v.numel(), dtype=torch.float64)
     transport.allgather(v.contiguous().view(torch.uint8), out.view(torch.uint8))
     return out.view(transport.size, v.numel())

@@ -381,7 +381,7 @@ class HookState:
             lay.bucket.write_params(a.start, a.delta(), add=True)
 
     def _covap_begin(self, now: float) -> None:
-        profile = self.covap.begin(now, lambda v: (world.quiesce(), covap.gather_rows(world.transport(), v))[1])
+        profile = self.covap.begin(now, lambda v: covap.gather_rows(world.transport(), v))
         if profile is not None and world.rank() == 0:
             print(profile.summary(), flush=True)
 
@@ -492,8 +492,7 @@ class HookState:
         if self.covap is not None:
             out["covap"] = self.covap.state_dict()
             self._covap_wait_all()
-            out["covap"]["averages"] = [{"bucket": a.name, "start": a.start, "delta": a.delta().clone()}
-                                        for avgs in self._covap_averages.values() for a in avgs]
+            out["covap"]["averages"] = covap.averages_state([a for avgs in self._covap_averages.values() for a in avgs])
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -506,9 +505,8 @@ class HookState:
                 raise ValueError("this HookState has compression='covap', but the state dict has no COVAP state")
             self.covap.load_state_dict(state_dict["covap"])
             self._covap_averages = {}
-            for a in state_dict["covap"].get("averages", []):
-                self._covap_averages.setdefault(a["bucket"], []).append(
-                    covap.Average.of_delta(a["bucket"], a["start"], a["delta"]))
+            for a in covap.averages_from_state(state_dict["covap"].get("averages", [])):
+                self._covap_averages.setdefault(a.name, []).append(a)
         with self._lock:
             if self._states is None:
                 self._loaded = sd

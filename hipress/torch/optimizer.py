@@ -760,6 +760,7 @@ class _HipressOptimizer:
         is where nothing changes a gradient before it is in its bucket: no clipping, no momentum
         correction, no COVAP residual, no dear, and more than one rank (one rank fills no bucket)."""
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
+        self._hp_bucket_named = {b.name: b for b in self._hp_buckets}
         # compared by the step's first allreduce, so that its later ones skip their check (_hp_submit)
         self._hp_layout_digest = zlib.crc32(";".join(f"{b.name}:{b.numel}" for b in self._hp_buckets).encode())
         self._hp_layout_check = "open"
@@ -916,7 +917,6 @@ class _HipressOptimizer:
     def _hp_slowest(self, seconds: float) -> float:
         """The largest of every rank's ``seconds`` (the ranks wait for each other: the slowest sets
         the pace). An allgather on the world transport; nothing else is in flight here."""
-        world.quiesce()
         return float(covap.gather_rows(self._hp_transport, torch.tensor([seconds], dtype=torch.float64)).max())
 
     def _hp_share(self, decision: Tuple[int, bool]) -> Tuple[int, bool]:
@@ -1034,9 +1034,8 @@ class _HipressOptimizer:
 
     def _hp_apply_averages(self, averages: List["covap.Average"]) -> None:
         """Adds each (done) average's difference to what was sent to the parameters."""
-        buckets = {b.name: b for b in self._hp_buckets}
         for avg in averages:
-            buckets[avg.name].write_params(avg.start, avg.delta(), add=True)
+            self._hp_bucket_named[avg.name].write_params(avg.start, avg.delta(), add=True)
 
     def _hp_average_all_params(self) -> None:
         """COVAP's local mode, between steps (synchronize()): the last step's averages applied,
@@ -1055,9 +1054,8 @@ class _HipressOptimizer:
             self._hp_failure = errors[0].splitlines()[0][:300]
             raise RuntimeError("hipress: averaging the parameters failed:\n  " + "\n  ".join(errors[:3]))
         self._hp_apply_averages(last)
-        buckets = {b.name: b for b in self._hp_buckets}
         for a in now:
-            buckets[a.name].write_params(a.start, a.values)
+            self._hp_bucket_named[a.name].write_params(a.start, a.values)
 
     # ------------------------------------------------------------------ public API
     def synchronize(self):
@@ -1296,7 +1294,6 @@ class _HipressOptimizer:
 
     def _hp_gather(self, v: torch.Tensor) -> torch.Tensor:
         """Every rank's float64 vector v, one row per rank (nothing else is in flight here)."""
-        world.quiesce()
         return covap.gather_rows(self._hp_transport, v)
 
     @contextlib.contextmanager
@@ -1490,8 +1487,7 @@ class _HipressOptimizer:
         if self._hp_covap is not None:
             sd["hipress"]["covap"] = self._hp_covap.state_dict()
             # the local mode's averages the next step applies: what they add to the parameters
-            sd["hipress"]["covap"]["averages"] = [{"bucket": a.name, "start": a.start, "delta": a.delta().clone()}
-                                                  for a in self._hp_wait_averages()]
+            sd["hipress"]["covap"]["averages"] = covap.averages_state(self._hp_wait_averages())
         if self._hp_tuner is not None:  # the layout the compressor states belong to, and where the search is
             sd["hipress"]["bucket_tune"] = {"tuner": self._hp_tuner.state_dict(),
                                             "carry": {self._hp_names[k]: v.clone() for k, v in self._hp_carry.items()}}
@@ -1539,12 +1535,11 @@ class _HipressOptimizer:
                 self._hp_momentum.load_state_dict(hp.get("velocity", {}))
             if self._hp_covap is not None and "covap" in hp:
                 self._hp_covap.load_state_dict(hp["covap"])
-                names = {b.name for b in self._hp_buckets}
                 saved = hp["covap"].get("averages", [])
-                unknown = sorted({a["bucket"] for a in saved} - names)
+                unknown = sorted({a["bucket"] for a in saved} - set(self._hp_bucket_named))
                 if unknown:
                     raise ValueError(f"the checkpoint's COVAP averages name buckets this optimizer lacks: {unknown[:5]}")
-                self._hp_averaged = [covap.Average.of_delta(a["bucket"], a["start"], a["delta"]) for a in saved]
+                self._hp_averaged = covap.averages_from_state(saved)
 
 
 def _holds_buffers(states: dict) -> bool:
