@@ -109,18 +109,27 @@ def make_profile(t_before: float, t_comp: float, t_comm: float, max_interval: Op
 class Average:
     """Mode "local": one unit's parameters being averaged across ranks, applied a step later.
 
-    ``values`` (the unit's parameters when its bucket was ready in the backward of step s) is
-    averaged in place by the sync (``handle``); ``sent`` keeps them as they were. The sync runs
-    on while the next step computes, and in step s + 1, before the optimizer's step, the rank adds
-    average - sent to the unit's parameters: each rank keeps the local steps it took since, on top
-    of the average. ``delta()`` (once the handle is done) turns it into that difference alone,
-    which is what a checkpoint holds."""
+    ``values`` is averaged in place by the sync (``handle``); ``sent`` keeps it as it was. The
+    sync runs on while the next step computes, and in step s + 1, before the optimizer's step,
+    the rank adds average - sent to the unit's parameters: each rank keeps the local steps it
+    took since, on top of the average. ``delta()`` (once the handle is done) turns it into that
+    difference alone, which is what a checkpoint holds.
 
-    __slots__ = ("name", "start", "values", "sent", "handle")
+    Two forms, by what travels (``wire``, see :class:`References`):
+    * fp32: ``values`` are the unit's parameters when its bucket was ready in the backward of
+      step s, and the sync averages them.
+    * bf16: ``values`` are their difference from ``base``, the unit's reference (alike on every
+      rank), in bf16, and the sync sums them; the average is base + sum / n, so
+      average - sent is sum / n - values as sent. Either form, once applied, sets the unit's
+      reference in ``refs`` to the average (the fp32 form is how a unit gets its first)."""
 
-    def __init__(self, name: str, start: int, values: torch.Tensor):
-        """Before the sync of ``values`` starts (it then sets ``handle``)."""
+    __slots__ = ("name", "start", "values", "sent", "handle", "refs", "key", "base", "n")
+
+    def __init__(self, name: str, start: int, values: torch.Tensor, refs: Optional["References"] = None,
+                 key: Optional[str] = None, base: Optional[torch.Tensor] = None, n: int = 1):
+        """Before the sync of ``values`` starts (it then sets ``handle``); ``n``: the ranks summed."""
         self.name, self.start, self.values, self.handle = name, start, values, None
+        self.refs, self.key, self.base, self.n = refs, key, base, n
         self.sent: Optional[torch.Tensor] = values.clone()
 
     @classmethod
@@ -131,10 +140,63 @@ class Average:
         return a
 
     def delta(self) -> torch.Tensor:
-        if self.sent is not None:
-            self.values.sub_(self.sent)
-            self.sent = self.handle = None
+        if self.sent is None:
+            return self.values
+        if self.base is None:
+            average = self.values
+            self.values = average - self.sent
+        else:
+            mean = self.values.float().div_(self.n)
+            average = self.base.float().add_(mean)
+            self.values = mean.sub_(self.sent.float())
+        if self.refs is not None:
+            self.refs.values[self.key] = average.to(torch.bfloat16)
+        self.sent = self.handle = self.base = None
         return self.values
+
+
+WIRES = ("bf16", "fp32")
+
+
+class References:
+    """Mode "local", ``wire="bf16"``: each unit's reference, a value every rank holds alike (its
+    last average, rounded to bf16), keyed by bucket and range. A selected unit with a reference
+    sends its parameters' difference from it, in bf16: half the bytes of fp32 parameters. That
+    difference is the few local steps since the last average (plus the reference's rounding),
+    so bf16's 8-bit mantissa loses about 2^-9 of an update, not of a weight; what a rank's
+    difference loses to rounding stays in its own parameters (it adds sum / n - what it sent).
+    A unit without one (its first average, and after :meth:`clear`) is averaged in fp32."""
+
+    def __init__(self):
+        self.values: Dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def key(name: str, s: int, e: int) -> str:
+        return f"{name}@{s}:{e}"
+
+    def clear(self) -> None:
+        """Forgets every reference (the units changed, or the ranks' parameters were made alike)."""
+        self.values.clear()
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.values.items()}
+
+    def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+        self.values = {k: v.to(torch.bfloat16).clone() for k, v in sd.items()}
+
+
+def bf16_sync(sync):
+    """The sync that sums a bf16 difference (``wire="bf16"``): the backend's allreduce, sum, on
+    ``sync``'s own exchange (so one order of communication per rank). None where ``sync`` is not
+    the backend's allreduce (local aggregation, the coordinator) or the backend does not sum
+    bf16 (MPI): the averages then travel in fp32."""
+    from hipress.sync.allreduce import AllreduceStrategy
+    from hipress.sync.factory import Sync
+    ex = sync.ctx.exchange
+    if (not isinstance(sync.strategy, AllreduceStrategy) or not ex.has_allreduce
+            or torch.bfloat16 not in ex.transport.allreduce_dtypes):
+        return None
+    return Sync(AllreduceStrategy(average=False, wire=torch.bfloat16), sync.ctx)
 
 
 def averages_state(averages: Sequence[Average]) -> List[dict]:
@@ -146,13 +208,22 @@ def averages_from_state(saved: Sequence[dict]) -> List[Average]:
     return [Average.of_delta(a["bucket"], a["start"], a["delta"]) for a in saved]
 
 
-def start_averages(bucket, units, build) -> List[Average]:
+def start_averages(bucket, units, build, build16=None, refs: Optional[References] = None, n: int = 1) -> List[Average]:
     """An :class:`Average` of each selected unit (index, range) of ``bucket`` (the optimizer's
-    ``_Bucket``), started by ``build(key, values, bounds)`` (the sync's)."""
+    ``_Bucket``), started by ``build(key, values, bounds)`` (the sync's). With ``refs`` and
+    ``build16`` (``wire="bf16"``), a unit with a reference sends its bf16 difference from it by
+    ``build16`` (a sum over the ``n`` ranks), and every unit's average becomes its reference."""
     out = []
     for t, (s, e) in units:
-        avg = Average(bucket.name, s, bucket.param_values(s, e))
-        avg.handle = build(f"{bucket.name}/u{t}", avg.values, [(0, e - s)])
+        key = References.key(bucket.name, s, e)
+        base = refs.values.get(key) if refs is not None and build16 is not None else None
+        values = bucket.param_values(s, e)
+        if base is None:
+            avg = Average(bucket.name, s, values, refs if build16 is not None else None, key)
+            avg.handle = build(f"{bucket.name}/u{t}", avg.values, [(0, e - s)])
+        else:
+            avg = Average(bucket.name, s, values.sub_(base.float()).to(torch.bfloat16), refs, key, base, n)
+            avg.handle = build16(f"{bucket.name}/u{t}", avg.values, [(0, e - s)])
         out.append(avg)
     return out
 
@@ -274,7 +345,7 @@ def check_interval(interval) -> Optional[int]:
 # ---------------------------------------------------------------- the optimizer's side
 
 PARAMS = ("interval", "max_interval", "mode", "ef_init", "ascend_steps", "ascend_range", "shard", "inner",
-          "profile_steps")
+          "profile_steps", "wire")
 # What a unit does on the steps it is not selected (docs/covap.md, "Local updates"):
 #   "local": every rank applies its own gradient to it at once, and a selected unit's
 #            parameters are averaged across ranks (each unit is a local-SGD replica with
@@ -298,6 +369,11 @@ def split_options(kwargs: dict) -> Tuple[dict, str, dict]:
         raise ValueError(f"COVAP: mode='local' averages the selected units' parameters, which are not compressed; "
                          f"pass mode='paper' to send the selected units' gradients compressed with {inner!r}")
     mine.setdefault("max_interval", MAX_INTERVAL[mode])
+    if mine.get("wire", "bf16") not in WIRES:
+        raise ValueError(f"COVAP: wire must be one of {WIRES}, got {mine['wire']!r}")
+    if mode == "paper" and "wire" in mine:
+        raise ValueError("COVAP: wire= is what mode='local' sends its parameters' averages in; "
+                         "mode='paper' sends gradients (compress them with inner=)")
     for key, v in (("profile_steps", mine.get("profile_steps", PROFILE_STEPS)), ("max_interval", mine["max_interval"])):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"COVAP: {key} must be an int >= 1, got {v!r}")
@@ -326,13 +402,15 @@ class Run:
     def __init__(self, bucket_sizes: Dict[str, int], interval="auto", max_interval: Optional[int] = None,
                  mode: str = "local", ef_init: float = EF_INIT,
                  ascend_steps: int = ASCEND_STEPS, ascend_range: float = ASCEND_RANGE, shard: bool = True,
-                 profile_steps: int = PROFILE_STEPS):
+                 profile_steps: int = PROFILE_STEPS, wire: str = "bf16"):
         self.sizes = dict(bucket_sizes)
         self.filter_args = dict(shard=bool(shard), ef_init=ef_init, ascend_steps=ascend_steps,
                                 ascend_range=ascend_range)
         self.profile_steps = profile_steps
         self.max_interval = MAX_INTERVAL[mode] if max_interval is None else max_interval
         self.mode = mode
+        # the units' references for averages sent as bf16 differences (References)
+        self.refs: Optional[References] = References() if mode == "local" and wire == "bf16" else None
         self.profile: Optional[Profile] = None
         self._keep: Optional[Filter] = None  # the filter being re-profiled
         self.on_filter = None  # called with each filter made after profiling (the optimizer declares its units)
@@ -415,6 +493,8 @@ class Run:
                                     aligned_comm_time([r[2:] for r in rows]), self.max_interval)
         keep, self._keep = self._keep, None
         self.filter = Filter(self.sizes, self.profile.interval, **self.filter_args)
+        if self.refs is not None:  # its units may differ (sharding follows the interval)
+            self.refs.clear()
         if keep is not None and keep.interval == self.filter.interval:
             self.filter.residual, self.filter.step = keep.residual, keep.step
         if self.on_filter is not None:
@@ -425,6 +505,8 @@ class Run:
         sd = {"profile": None if self.profile is None else dataclasses.asdict(self.profile)}
         if self.filter is not None:
             sd["filter"] = self.filter.state_dict()
+        if self.refs is not None:  # after the averages' checkpoint form (applying one sets a reference)
+            sd["refs"] = self.refs.state_dict()
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -436,6 +518,8 @@ class Run:
                 if self.on_filter is not None:
                     self.on_filter(self.filter)
             self.filter.load_state_dict(sd["filter"])
+        if self.refs is not None:
+            self.refs.load_state_dict(sd.get("refs", {}))
 
 
 

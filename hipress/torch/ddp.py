@@ -199,6 +199,7 @@ class HookState:
         self.momentum = _HookMomentum(group, self._names) if group is not None else None
         self._lock = threading.Lock()
         self._sync = None
+        self._sync16 = None
         self._states: Optional[StateStore] = None
         self._loaded: Optional[dict] = None
         self._layouts: Dict[Tuple[int, ...], _Layout] = {}
@@ -227,6 +228,8 @@ class HookState:
         self._split_tensors = splits_tensors(self.compressor, self.strategy)
         self._sync = make_sync(engine, exchanges, self.compressor, self.strategy, self._states, self.average,
                                hierarchical, world.size(), world.local_rank() == 0)
+        # COVAP's local mode with wire "bf16": its averages as bf16 differences, where the backend sums bf16
+        self._sync16 = covap.bf16_sync(self._sync) if self.covap is not None else None
 
     def _layout(self, bucket) -> _Layout:
         params = bucket.parameters()
@@ -352,7 +355,7 @@ class HookState:
                 cv.submitted(lay.name, now)
                 handles[0].add_done_callback(lambda h, n=lay.name: cv.completed(n, time.perf_counter()))
         elif cv.run.local:  # the gradient stays this rank's own; the selected units' parameters are averaged
-            self._covap_averages[lay.name] = self._covap_average_params(lay, units)
+            self._covap_averages[lay.name] = self._covap_average_params(lay, units, self._sync16)
             handles = []  # waited for in the next step
         else:
             handles = [self._sync.build(f"{lay.name}/u{t}", flat, [r]) for t, r in units]
@@ -360,12 +363,15 @@ class HookState:
             cv.end_step()
         return handles
 
-    def _covap_average_params(self, lay: _Layout, units) -> List[covap.Average]:
+    def _covap_average_params(self, lay: _Layout, units, sync16=None) -> List[covap.Average]:
         """COVAP's local mode (hipress/torch/covap.py, MODES): starts the average across ranks of
-        the selected units' parameters. The bucket's next hook (the next step's backward) applies
+        the selected units' parameters (with ``sync16``, as bf16 differences from the units'
+        references where they have one). The bucket's next hook (the next step's backward) applies
         it: DDP hands out a bucket when every gradient of its parameters is final, so the rest of
         the backward does not read them, and the optimizer's step comes after every bucket's future."""
-        return covap.start_averages(lay.bucket, units, self._sync.build)
+        refs = self.covap.run.refs
+        return covap.start_averages(lay.bucket, units, self._sync.build, None if refs is None or sync16 is None
+                                    else sync16.build, refs, self._size)
 
     def _covap_wait(self, averages: List[covap.Average]) -> None:
         timeout = config.get("HIPRESS_TIMEOUT_S") if self.timeout_s is None else float(self.timeout_s)
@@ -490,9 +496,10 @@ class HookState:
         if self.momentum is not None:
             out["velocity"] = self.momentum.state_dict()
         if self.covap is not None:
-            out["covap"] = self.covap.state_dict()
             self._covap_wait_all()
-            out["covap"]["averages"] = covap.averages_state([a for avgs in self._covap_averages.values() for a in avgs])
+            # first: applying an average sets its unit's reference, which the run's state holds
+            averages = covap.averages_state([a for avgs in self._covap_averages.values() for a in avgs])
+            out["covap"] = dict(self.covap.state_dict(), averages=averages)
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:

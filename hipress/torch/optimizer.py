@@ -656,6 +656,8 @@ class _HipressOptimizer:
         if self._hp_plan is not None:
             raise ValueError("compression='covap' and plan= both choose what to send; use one")
         run = covap.Run({b.name: b.numel for b in self._hp_buckets}, **args)
+        # wire "bf16": the local mode's averages as bf16 differences, where the backend sums bf16
+        self._hp_covap_sync16 = covap.bf16_sync(self._hp_compressed) if run.refs is not None else None
         run.on_filter = self._hp_reserve_units
         if run.filter is not None:
             self._hp_reserve_units(run.filter)
@@ -993,7 +995,7 @@ class _HipressOptimizer:
             return
         units = self._hp_covap.select(bucket.name, flat) if self._hp_covap is not None else None
         if units is not None and self._hp_covap.local:  # COVAP's local mode: the gradient stays as it is
-            self._hp_averaging += self._hp_average_params(bucket, sync, units)
+            self._hp_averaging += self._hp_average_params(bucket, sync, units, self._hp_covap_sync16)
             self._hp_handles[bucket.name] = None  # the averages are waited for in the next step
             return
         # Under COVAP only where its filter sends the bucket whole as one unit (interval 1, or a
@@ -1020,12 +1022,15 @@ class _HipressOptimizer:
         else:
             self._hp_handles[bucket.name] = None  # nothing sent: the gradient (zeros) is already in place
 
-    def _hp_average_params(self, bucket: "_Bucket", sync, units) -> List["covap.Average"]:
+    def _hp_average_params(self, bucket: "_Bucket", sync, units, sync16=None) -> List["covap.Average"]:
         """COVAP's local mode (hipress/torch/covap.py, MODES): starts the average across ranks of
         the parameters of the selected ``units`` of ``bucket`` (read here, in the backward: they
-        do not change before step()), each in a buffer of its own. The gradients, each rank's
+        do not change before step()), each in a buffer of its own; with ``sync16``, as bf16
+        differences from the units' references where they have one. The gradients, each rank's
         own, go to the wrapped optimizer as they are."""
-        return covap.start_averages(bucket, units, lambda *a: sync.build(*a, **self._hp_layout_kw(sync)))
+        def by(s):
+            return None if s is None else lambda *a: s.build(*a, **self._hp_layout_kw(s))
+        return covap.start_averages(bucket, units, by(sync), by(sync16), self._hp_covap.refs, self._hp_transport.size)
 
     def _hp_wait_averages(self) -> List["covap.Average"]:
         """The last step's parameter averages (COVAP's local mode), each done."""
@@ -1044,18 +1049,23 @@ class _HipressOptimizer:
         if self._hp_transport.size == 1:
             return
         last, self._hp_averaged = self._hp_averaged, []
+        self._hp_wait_params(last)
+        self._hp_apply_averages(last)
         now = [a for b in self._hp_buckets
                for a in self._hp_average_params(b, self._hp_route(b)[0], [("all", (0, b.numel))])]
-        self._hp_handles.update({f"params.{a.name}@{a.start}/{i}": a.handle for i, a in enumerate(last + now)})
+        self._hp_wait_params(now)
+        for a in now:
+            self._hp_bucket_named[a.name].write_params(a.start, a.values)
+
+    def _hp_wait_params(self, averages: List["covap.Average"]) -> None:
+        """synchronize()'s wait for parameter averages; a failure makes the optimizer unusable."""
+        self._hp_handles.update({f"params.{a.name}@{a.start}/{i}": a.handle for i, a in enumerate(averages)})
         errors = self._hp_wait_all()
         self._hp_handles.clear()
         self._hp_layout_check = "open"
         if errors:
             self._hp_failure = errors[0].splitlines()[0][:300]
             raise RuntimeError("hipress: averaging the parameters failed:\n  " + "\n  ".join(errors[:3]))
-        self._hp_apply_averages(last)
-        for a in now:
-            self._hp_bucket_named[a.name].write_params(a.start, a.values)
 
     # ------------------------------------------------------------------ public API
     def synchronize(self):
@@ -1485,9 +1495,10 @@ class _HipressOptimizer:
         if self._hp_momentum is not None:
             sd["hipress"]["velocity"] = self._hp_momentum.state_dict()
         if self._hp_covap is not None:
-            sd["hipress"]["covap"] = self._hp_covap.state_dict()
             # the local mode's averages the next step applies: what they add to the parameters
-            sd["hipress"]["covap"]["averages"] = covap.averages_state(self._hp_wait_averages())
+            # (first: applying one sets its unit's reference, which the run's state holds)
+            averages = covap.averages_state(self._hp_wait_averages())
+            sd["hipress"]["covap"] = dict(self._hp_covap.state_dict(), averages=averages)
         if self._hp_tuner is not None:  # the layout the compressor states belong to, and where the search is
             sd["hipress"]["bucket_tune"] = {"tuner": self._hp_tuner.state_dict(),
                                             "carry": {self._hp_names[k]: v.clone() for k, v in self._hp_carry.items()}}
@@ -1581,7 +1592,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     step syncs only the buckets (or shards of large ones) whose index t has (t + step) % I == 0.
     mode="local" (default): every rank applies its own gradient every step and the selected
     units' parameters are averaged across ranks (call ``opt.synchronize()`` between steps on
-    every rank to average them all, before evaluation or a checkpoint); mode="paper": the rest
+    every rank to average them all, before evaluation or a checkpoint), sent as bf16 differences
+    from the last average with wire="bf16" (default; "fp32": the parameters); mode="paper": the rest
     waits in a residual (the paper's Algorithm 1), with ef_init=0.5, ascend_steps=50,
     ascend_range=0.1 (the residual's coefficient schedule) and inner="none" (the algorithm that
     compresses what is sent, with its own keywords). Both: interval ("auto": ceil(CCR),

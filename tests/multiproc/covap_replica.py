@@ -5,15 +5,21 @@ replicas as they are at its backward, and in the next step, before the optimizer
 replica adds average - what it sent to them. The first ``whole_steps`` steps average the
 gradients instead (DDP's buckets settling before the filter starts). A step in ``skipped`` is
 not taken (a non-finite gradient): no optimizer step, no averages started, the filter does not
-advance; the last step's averages are applied all the same."""
+advance; the last step's averages are applied all the same.
+``wire="bf16"`` (the default, as the optimizer's): a unit's first average is of its parameters
+in fp32; later ones sum each replica's bf16 difference from the unit's reference (its last
+average in bf16), as gloo sums bf16 (each add in fp32, rounded to bf16), and the average is
+reference + sum / ranks."""
 import torch
 
 from hipress.torch import covap
 
 
-def local_replicas(make_model, batch, buckets, interval, whole_steps, steps, ranks=2, skipped=()):
+def local_replicas(make_model, batch, buckets, interval, whole_steps, steps, ranks=2, skipped=(), wire="bf16",
+                   settle=False):
     """``buckets``: [(name, [parameter names])] in the filter's order. Returns every replica's
-    final parameters and the filter."""
+    final parameters and the filter; with ``settle``, the last step's averages applied too (as
+    synchronize() does before it averages every parameter)."""
     models = [make_model() for _ in range(ranks)]
     named = [dict(m.named_parameters()) for m in models]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
@@ -33,7 +39,8 @@ def local_replicas(make_model, batch, buckets, interval, whole_steps, steps, ran
                     named[r][n].view(-1)[lo - off:hi - off] += delta[lo - s:hi - s]
                 off += k
 
-    due = []  # (bucket, start, average, what each replica sent)
+    refs = {}  # wire "bf16": (bucket, start, end) -> the unit's reference
+    due = []  # (bucket, start, end, the average, what each replica's parameters move by)
     for step in range(steps):
         for r, m in enumerate(models):
             x, y = batch(r, step)
@@ -49,14 +56,28 @@ def local_replicas(make_model, batch, buckets, interval, whole_steps, steps, ran
             if step not in skipped:
                 for name, _ in buckets:
                     for _, (s, e) in filt.selected_units(name):
-                        sent = [flat(r, name)[s:e].clone() for r in range(ranks)]
-                        started.append((name, s, sum(sent) / ranks, sent))
+                        ref = refs.get((name, s, e)) if wire == "bf16" else None
+                        if ref is None:
+                            sent = [flat(r, name)[s:e].clone() for r in range(ranks)]
+                            avg = sum(sent) / ranks
+                            started.append((name, s, e, avg, [avg - x for x in sent]))
+                        else:
+                            diffs = [(flat(r, name)[s:e] - ref.float()).to(torch.bfloat16) for r in range(ranks)]
+                            total = diffs[0]
+                            for d in diffs[1:]:
+                                total = (total.float() + d.float()).to(torch.bfloat16)
+                            mean = total.float() / ranks
+                            started.append((name, s, e, ref.float() + mean, [mean - d.float() for d in diffs]))
                 filt.advance()
-            for name, s, avg, sent in due:
+            for name, s, e, avg, moves in due:
                 for r in range(ranks):
-                    add(r, name, s, avg - sent[r])
+                    add(r, name, s, moves[r])
+                refs[(name, s, e)] = avg.to(torch.bfloat16)
             due = started
         if step not in skipped:
             for o in opts:
                 o.step()
+    for name, s, e, avg, moves in due if settle else ():
+        for r in range(ranks):
+            add(r, name, s, moves[r])
     return [{n: p.detach().clone() for n, p in nd.items()} for nd in named], filt

@@ -90,10 +90,17 @@ def test_local_mode_equals_local_replicas(results):
         for n in want[r]:
             torch.testing.assert_close(got[r]["params"][n], want[r][n], rtol=1e-5, atol=1e-6, msg=f"rank {r} {n}")
     assert any(not torch.allclose(got[0]["params"][n], got[1]["params"][n], atol=1e-4) for n in want[0])
-    # state.synchronize() between steps: every rank holds the replicas' average
+    # the averages travelled as bf16 differences (wire "bf16", the default): fp32 ones end elsewhere
+    whole = W.STEPS - got[0]["filtered_steps"]
+    fp32, _ = local_replicas(make_model, batch, buckets, 2, whole, W.STEPS, wire="fp32")
+    assert any(not torch.allclose(got[0]["params"][n], fp32[0][n], rtol=1e-5, atol=1e-6) for n in want[0])
+    # state.synchronize() between steps: every rank holds the replicas' average, the last step's
+    # averages applied first
+    settled, _ = local_replicas(make_model, batch, buckets, 2, whole, W.STEPS, settle=True)
     for n in want[0]:
         assert torch.equal(got[0]["synced"][n], got[1]["synced"][n]), n
-        torch.testing.assert_close(got[0]["synced"][n], (want[0][n] + want[1][n]) / NP, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(got[0]["synced"][n], (settled[0][n] + settled[1][n]) / NP, rtol=1e-5, atol=1e-6,
+                                   msg=n)
     # in mode "paper" the ranks are the same already, and synchronize() leaves them
     paper = results[0]["fixed"]
     assert all(torch.equal(paper["params"][n], paper["synced"][n]) for n in paper["params"])

@@ -96,11 +96,16 @@ def test_local_mode_equals_local_replicas(out):
     for r in range(NP):  # hipress.allreduce between steps waited for the step's averages first
         q = torch.load(out / f"quiesce-rank{r}.pt")
         assert q["in_flight"] > 0 and q["done"] and q["allreduce"] == 1.0, q
-    # synchronize() between steps: every rank holds the replicas' average
+    # the averages travelled as bf16 differences (wire "bf16", the default): fp32 ones end elsewhere
+    fp32, _ = local_replicas(W.make_model, W.batch, buckets, 2, 0, W.STEPS, wire="fp32")
+    assert any(not torch.allclose(got[0][n], fp32[0][n], rtol=1e-5, atol=1e-6) for n in got[0])
+    # synchronize() between steps: every rank holds the replicas' average, the last step's
+    # averages applied first
+    settled, _ = local_replicas(W.make_model, W.batch, buckets, 2, 0, W.STEPS, settle=True)
     synced = [torch.load(out / f"synced-rank{r}.pt") for r in range(NP)]
     for n in want[0]:
         assert torch.equal(synced[0][n], synced[1][n]), n
-        torch.testing.assert_close(synced[0][n], (want[0][n] + want[1][n]) / NP, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(synced[0][n], (settled[0][n] + settled[1][n]) / NP, rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_local_mode_skipped_step_writes_no_average(out):

@@ -130,6 +130,12 @@ def test_options_mode_and_its_cap():
         covap.split_options({"inner": "tbq"})
     with pytest.raises(ValueError, match="max_interval"):
         covap.split_options({"max_interval": 0})
+    assert covap.Run({"b": 4}).refs is not None  # wire "bf16" by default in mode "local"
+    assert covap.Run({"b": 4}, wire="fp32").refs is None and covap.Run({"b": 4}, mode="paper").refs is None
+    with pytest.raises(ValueError, match="wire must be"):
+        covap.split_options({"wire": "fp16"})
+    with pytest.raises(ValueError, match="wire= is what mode='local'"):  # the paper's mode sends gradients
+        covap.split_options({"mode": "paper", "wire": "bf16"})
 
 
 def test_local_mode_selects_units_without_touching_the_gradient():
@@ -154,6 +160,55 @@ def test_average_turns_into_its_difference_once():
     assert torch.equal(a.delta(), torch.tensor([1.0, 0.0]))  # a checkpoint's delta() then the step's: one subtraction
     b = covap.Average.of_delta("b", 3, torch.tensor([1.0, 0.0]))
     assert torch.equal(b.delta(), torch.tensor([1.0, 0.0])) and (b.name, b.start) == ("b", 3)
+
+
+class _Bucket:
+    name = "b"
+
+    def __init__(self, values):
+        self.values = values
+
+    def param_values(self, s, e):
+        return self.values[s:e].clone()
+
+
+def test_bf16_average_sends_the_difference_from_the_reference():
+    """wire "bf16": a unit's first average is of its fp32 parameters and becomes its reference
+    (in bf16); later ones sum bf16 differences from it, and each rank moves by sum / n - what
+    it sent, so what its own difference lost to rounding stays in its parameters."""
+    refs, n = covap.References(), 2
+    sent = {}
+
+    def build(key, values, bounds):
+        sent["fp32"] = values.clone()
+        values.copy_(torch.tensor([1.0, 3.0]))  # the sync's average, in place
+        return None
+
+    def build16(key, values, bounds):
+        sent["bf16"] = values.clone()
+        values.add_(torch.tensor([0.25, -0.5]).to(torch.bfloat16))  # the other rank's difference: the sum
+        return None
+
+    (first,) = covap.start_averages(_Bucket(torch.tensor([0.5, 2.0, 9.0])), [(0, (0, 2))], build, build16, refs, n)
+    assert "bf16" not in sent and torch.equal(sent["fp32"], torch.tensor([0.5, 2.0]))  # no reference yet
+    assert refs.values == {}  # set when applied
+    assert torch.equal(first.delta(), torch.tensor([0.5, 1.0]))
+    ref = refs.values["b@0:2"]
+    assert ref.dtype == torch.bfloat16 and torch.equal(ref.float(), torch.tensor([1.0, 3.0]))
+    params = torch.tensor([1.0 + 2 ** -12, 3.125, 9.0])  # this rank's local steps since
+    (second,) = covap.start_averages(_Bucket(params), [(0, (0, 2))], build, build16, refs, n)
+    assert sent["bf16"].dtype == torch.bfloat16
+    assert torch.equal(sent["bf16"].float(), (params[:2] - ref.float()).to(torch.bfloat16).float())
+    mine = sent["bf16"].float()
+    mean = (sent["bf16"] + torch.tensor([0.25, -0.5]).to(torch.bfloat16)).float() / n  # the sum is bf16
+    assert torch.equal(second.delta(), mean - mine)
+    assert torch.equal(refs.values["b@0:2"].float(), (torch.tensor([1.0, 3.0]) + mean).to(torch.bfloat16).float())
+    # the references are what a checkpoint holds of them
+    restored = covap.References()
+    restored.load_state_dict(refs.state_dict())
+    assert restored.values.keys() == refs.values.keys() and torch.equal(restored.values["b@0:2"], refs.values["b@0:2"])
+    # without a bf16 sync (the backend does not sum bf16): every average in fp32, no references
+    assert covap.start_averages(_Bucket(params), [(0, (0, 2))], build, None, refs, n)[0].refs is None
 
 
 class _Sync:
