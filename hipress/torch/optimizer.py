@@ -861,7 +861,8 @@ class _HipressOptimizer:
             p.grad.add_(carry.to(p.grad.device).view_as(p.grad))
             self._hp_carry_sent = True
         self._hp_taken.add(key)
-        if self._hp_transport.size > 1 or self._hp_dear is not None:
+        if (self._hp_transport.size > 1 or self._hp_dear is not None) and not (
+                self._hp_covap is not None and self._hp_covap.local):  # COVAP's local mode sends no gradient
             bucket.put(p)
         filled = self._hp_filled[bucket] = self._hp_filled.get(bucket, 0) + 1
         if filled == len(bucket.params):
