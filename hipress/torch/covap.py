@@ -369,7 +369,7 @@ def split_options(kwargs: dict) -> Tuple[dict, str, dict]:
         raise ValueError(f"COVAP: mode='local' averages the selected units' parameters, which are not compressed; "
                          f"pass mode='paper' to send the selected units' gradients compressed with {inner!r}")
     mine.setdefault("max_interval", MAX_INTERVAL[mode])
-    if mine.get("wire", "bf16") not in WIRES:
+    if mine.get("wire", "fp32") not in WIRES:
         raise ValueError(f"COVAP: wire must be one of {WIRES}, got {mine['wire']!r}")
     if mode == "paper" and "wire" in mine:
         raise ValueError("COVAP: wire= is what mode='local' sends its parameters' averages in; "
@@ -402,7 +402,7 @@ class Run:
     def __init__(self, bucket_sizes: Dict[str, int], interval="auto", max_interval: Optional[int] = None,
                  mode: str = "local", ef_init: float = EF_INIT,
                  ascend_steps: int = ASCEND_STEPS, ascend_range: float = ASCEND_RANGE, shard: bool = True,
-                 profile_steps: int = PROFILE_STEPS, wire: str = "bf16"):
+                 profile_steps: int = PROFILE_STEPS, wire: str = "fp32"):
         self.sizes = dict(bucket_sizes)
         self.filter_args = dict(shard=bool(shard), ef_init=ef_init, ascend_steps=ascend_steps,
                                 ascend_range=ascend_range)

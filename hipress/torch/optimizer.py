@@ -1593,8 +1593,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     step syncs only the buckets (or shards of large ones) whose index t has (t + step) % I == 0.
     mode="local" (default): every rank applies its own gradient every step and the selected
     units' parameters are averaged across ranks (call ``opt.synchronize()`` between steps on
-    every rank to average them all, before evaluation or a checkpoint), sent as bf16 differences
-    from the last average with wire="bf16" (default; "fp32": the parameters); mode="paper": the rest
+    every rank to average them all, before evaluation or a checkpoint), sent as fp32 parameters
+    (wire="fp32", default) or as bf16 differences from the last average (wire="bf16"); mode="paper": the rest
     waits in a residual (the paper's Algorithm 1), with ef_init=0.5, ascend_steps=50,
     ascend_range=0.1 (the residual's coefficient schedule) and inner="none" (the algorithm that
     compresses what is sent, with its own keywords). Both: interval ("auto": ceil(CCR),

@@ -6,7 +6,7 @@ replica adds average - what it sent to them. The first ``whole_steps`` steps ave
 gradients instead (DDP's buckets settling before the filter starts). A step in ``skipped`` is
 not taken (a non-finite gradient): no optimizer step, no averages started, the filter does not
 advance; the last step's averages are applied all the same.
-``wire="bf16"`` (the default, as the optimizer's): a unit's first average is of its parameters
+``wire="bf16"``: a unit's first average is of its parameters
 in fp32; later ones sum each replica's bf16 difference from the unit's reference (its last
 average in bf16), as gloo sums bf16 (each add in fp32, rounded to bf16), and the average is
 reference + sum / ranks."""
@@ -15,7 +15,7 @@ import torch
 from hipress.torch import covap
 
 
-def local_replicas(make_model, batch, buckets, interval, whole_steps, steps, ranks=2, skipped=(), wire="bf16",
+def local_replicas(make_model, batch, buckets, interval, whole_steps, steps, ranks=2, skipped=(), wire="fp32",
                    settle=False):
     """``buckets``: [(name, [parameter names])] in the filter's order. Returns every replica's
     final parameters and the filter; with ``settle``, the last step's averages applied too (as

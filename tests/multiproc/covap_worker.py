@@ -3,7 +3,7 @@
     python covap_worker.py OUT_DIR
 
 Run A: compression="covap" with a fixed interval 2 (and sharding: bucket_bytes=0 makes each
-parameter a bucket, the large weight splits) for STEPS steps, in each mode; the final parameters
+parameter a bucket, the large weight splits) for STEPS steps, in each mode (mode "local" with wire="bf16"); the final parameters
 go to OUT_DIR/fixed-{mode}-rank{r}.pt, and in mode "local" those after synchronize() to
 OUT_DIR/synced-rank{r}.pt. Then mode "local" with a NaN on rank 1 at step 1: each step's
 parameters and filter step go to OUT_DIR/nonfinite-local-rank{r}.pt. Run B (one fused bucket,
@@ -39,7 +39,8 @@ def main(out):
         model = make_model()
         opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                            named_parameters=model.named_parameters(), compression="covap",
-                                           interval=2, mode=mode, bucket_bytes=0)
+                                           interval=2, mode=mode, bucket_bytes=0,
+                                           **({"wire": "bf16"} if mode == "local" else {}))
         train(opt, model, rank, STEPS)
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/fixed-{mode}-rank{rank}.pt")
         if mode == "local":

@@ -84,19 +84,19 @@ def test_local_mode_equals_local_replicas(results):
     got = [results[r]["local"] for r in range(NP)]
     buckets = [(name, [n.removeprefix("module.") for n in members]) for name, members in got[0]["buckets"]]
     assert got[0]["filtered_steps"] == W.STEPS - 3
-    want, filt = local_replicas(make_model, batch, buckets, 2, W.STEPS - got[0]["filtered_steps"], W.STEPS)
+    whole = W.STEPS - got[0]["filtered_steps"]
+    want, filt = local_replicas(make_model, batch, buckets, 2, whole, W.STEPS, wire="bf16")
     assert filt.units == got[0]["units"]
     for r in range(NP):
         for n in want[r]:
             torch.testing.assert_close(got[r]["params"][n], want[r][n], rtol=1e-5, atol=1e-6, msg=f"rank {r} {n}")
     assert any(not torch.allclose(got[0]["params"][n], got[1]["params"][n], atol=1e-4) for n in want[0])
-    # the averages travelled as bf16 differences (wire "bf16", the default): fp32 ones end elsewhere
-    whole = W.STEPS - got[0]["filtered_steps"]
+    # the averages travelled as bf16 differences (wire="bf16"): fp32 ones end elsewhere
     fp32, _ = local_replicas(make_model, batch, buckets, 2, whole, W.STEPS, wire="fp32")
     assert any(not torch.allclose(got[0]["params"][n], fp32[0][n], rtol=1e-5, atol=1e-6) for n in want[0])
     # state.synchronize() between steps: every rank holds the replicas' average, the last step's
     # averages applied first
-    settled, _ = local_replicas(make_model, batch, buckets, 2, whole, W.STEPS, settle=True)
+    settled, _ = local_replicas(make_model, batch, buckets, 2, whole, W.STEPS, wire="bf16", settle=True)
     for n in want[0]:
         assert torch.equal(got[0]["synced"][n], got[1]["synced"][n]), n
         torch.testing.assert_close(got[0]["synced"][n], (settled[0][n] + settled[1][n]) / NP, rtol=1e-5, atol=1e-6,

@@ -83,7 +83,7 @@ def test_local_mode_equals_local_replicas(out):
     before the step. The ranks differ between averages, each equal to its replica."""
     buckets = [(b.name, [n for n, _ in b.params]) for b in fusion_buckets(list(W.make_model().named_parameters()),
                                                                          NoneCompressor(), 0)]
-    want, filt = local_replicas(W.make_model, W.batch, buckets, 2, 0, W.STEPS)
+    want, filt = local_replicas(W.make_model, W.batch, buckets, 2, 0, W.STEPS, wire="bf16")
     assert sum(len(u) for u in filt.units.values()) > len(filt.units), "the large weight was not sharded"
     got = [torch.load(out / f"fixed-local-rank{r}.pt") for r in range(NP)]
     for r in range(NP):
@@ -96,12 +96,12 @@ def test_local_mode_equals_local_replicas(out):
     for r in range(NP):  # hipress.allreduce between steps waited for the step's averages first
         q = torch.load(out / f"quiesce-rank{r}.pt")
         assert q["in_flight"] > 0 and q["done"] and q["allreduce"] == 1.0, q
-    # the averages travelled as bf16 differences (wire "bf16", the default): fp32 ones end elsewhere
+    # the averages travelled as bf16 differences (wire="bf16"): fp32 ones end elsewhere
     fp32, _ = local_replicas(W.make_model, W.batch, buckets, 2, 0, W.STEPS, wire="fp32")
     assert any(not torch.allclose(got[0][n], fp32[0][n], rtol=1e-5, atol=1e-6) for n in got[0])
     # synchronize() between steps: every rank holds the replicas' average, the last step's
     # averages applied first
-    settled, _ = local_replicas(W.make_model, W.batch, buckets, 2, 0, W.STEPS, settle=True)
+    settled, _ = local_replicas(W.make_model, W.batch, buckets, 2, 0, W.STEPS, wire="bf16", settle=True)
     synced = [torch.load(out / f"synced-rank{r}.pt") for r in range(NP)]
     for n in want[0]:
         assert torch.equal(synced[0][n], synced[1][n]), n

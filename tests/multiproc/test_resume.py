@@ -28,17 +28,19 @@ pytestmark = pytest.mark.timeout(900)
 HERE = os.path.dirname(os.path.abspath(__file__))
 NP, K, M = 2, 3, 3
 # every registered algorithm, and COVAP's filter in both modes (its residuals and step are state too)
-ALGORITHMS = compression.available() + ["covap", "covap-local"]
-COMPRESSION = {"covap-local": "covap"}  # the compression= of a name that is not an algorithm's
+ALGORITHMS = compression.available() + ["covap", "covap-local", "covap-bf16"]
+COMPRESSION = {"covap-local": "covap", "covap-bf16": "covap"}  # the compression= of a name that is not an algorithm's
 # Defaults everywhere except where they leave part of a state unused: DGC's and GradDrop's
 # step counters only matter during warm-up, so let the warm-up cross the checkpoint (step K
 # of 4: a step lost at the checkpoint would restart at the 25% density of step 0).
 # COVAP: a fixed interval (the profiled one depends on timing). Mode "paper" around TBQ, whose
 # residuals make the compressor state non-empty; mode "local", where the ranks' models and
 # momenta differ between averages and the filter's step is the state (the teeth: without it
-# the resumed run averages on the other steps).
+# the resumed run averages on the other steps); and that mode with wire="bf16", whose units'
+# references are state too (without them the resumed run sends fp32 averages where it sent bf16).
 KWARGS = {"dgc": {"warmup_steps": 4}, "graddrop": {"warmup_steps": 4},
-          "covap": {"interval": 2, "mode": "paper", "inner": "tbq"}, "covap-local": {"interval": 2}}
+          "covap": {"interval": 2, "mode": "paper", "inner": "tbq"}, "covap-local": {"interval": 2},
+          "covap-bf16": {"interval": 2, "wire": "bf16"}}
 
 
 def strategies(algorithm):
@@ -95,7 +97,7 @@ def test_resume_is_bit_identical(runs, algorithm):
 
 # not COVAP's local mode: there each rank's momentum is its own by design, and broadcasting rank
 # 0's replaces it (docs/covap.md)
-@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a != "covap-local"])
+@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a not in ("covap-local", "covap-bf16")])
 def test_broadcast_optimizer_state_after_resume_keeps_each_ranks_state(runs, algorithm):
     """Each rank loads its own checkpoint, then hipress.broadcast_optimizer_state(opt, 0), the
     Horovod way: still bit-identical. Broadcasting rank 0's compressor state to every rank
@@ -110,7 +112,7 @@ def moved(state):
     return any(bool(v.any()) for v in state["buffers"].values()) or bool(state["scalars"].any())
 
 
-@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a not in ("none", "covap-local")])
+@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a not in ("none", "covap-local", "covap-bf16")])
 def test_saved_compressor_state_is_not_empty(runs, algorithm):
     _, _, ckpts = runs
     for i in indices(algorithm):

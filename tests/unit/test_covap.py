@@ -130,8 +130,8 @@ def test_options_mode_and_its_cap():
         covap.split_options({"inner": "tbq"})
     with pytest.raises(ValueError, match="max_interval"):
         covap.split_options({"max_interval": 0})
-    assert covap.Run({"b": 4}).refs is not None  # wire "bf16" by default in mode "local"
-    assert covap.Run({"b": 4}, wire="fp32").refs is None and covap.Run({"b": 4}, mode="paper").refs is None
+    assert covap.Run({"b": 4}).refs is None  # wire "fp32" by default
+    assert covap.Run({"b": 4}, wire="bf16").refs is not None and covap.Run({"b": 4}, mode="paper").refs is None
     with pytest.raises(ValueError, match="wire must be"):
         covap.split_options({"wire": "fp16"})
     with pytest.raises(ValueError, match="wire= is what mode='local'"):  # the paper's mode sends gradients
