@@ -3,9 +3,9 @@
     python covap_worker.py OUT_DIR
 
 Run A: compression="covap" with a fixed interval 2 (and sharding: bucket_bytes=0 makes each
-parameter a bucket, the large weight splits) for STEPS steps, in each mode (mode "local" with wire="bf16"); the final parameters
-go to OUT_DIR/fixed-{mode}-rank{r}.pt, and in mode "local" those after synchronize() to
-OUT_DIR/synced-rank{r}.pt. Then mode "local" with a NaN on rank 1 at step 1: each step's
+parameter a bucket, the large weight splits) for STEPS steps, in each mode (mode "local" with
+wire="bf16"); the final parameters go to OUT_DIR/fixed-{mode}-rank{r}.pt, and in mode "local"
+those after synchronize() to OUT_DIR/synced-rank{r}.pt. Then mode "local" with a NaN on rank 1 at step 1: each step's
 parameters and filter step go to OUT_DIR/nonfinite-local-rank{r}.pt. Run B (one fused bucket,
 mode "paper"): interval "auto" with 2 profiled steps; its profile and the steps it took go to
 OUT_DIR/auto-rank{r}.pt.
