@@ -175,7 +175,7 @@ class References:
         return f"{name}@{s}:{e}"
 
     def clear(self) -> None:
-        """Forgets every reference (the units changed, or the ranks' parameters were made alike)."""
+        """Forgets every reference (a new filter: its units may differ)."""
         self.values.clear()
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
