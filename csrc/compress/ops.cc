@@ -864,38 +864,52 @@ constexpr size_t kLanes = 16;
 constexpr size_t kRowGrain = 64;
 constexpr size_t kGroup = 4;  // outputs per pass: 4 chains of 16 lanes fit the registers of AVX2 and AVX-512
 
-// acc[g] += the 16-lane partial sums of dot(a, b[g]) over [0, len) (len a multiple of 16; lane l takes
-// the elements l mod 16). With x, a += x first, in the same pass (the sum is what the dots read).
-template <size_t G, bool ADD>
-inline void dot_lanes_block(float* a, const float* x, const float* const* b, size_t len, float (*acc)[kLanes]) {
+// acc[r][g] += the 16-lane partial sums of dot(row r of a, b[g]) over [0, len), for R rows of a,
+// `stride` floats apart (len a multiple of 16; lane l takes the elements l mod 16). With x (rows at the
+// same stride), each row += x first, in the same pass (the sum is what the dots read). Each load of
+// b[g] serves the R rows: fewer loads per multiply-add, and R * G independent accumulator chains.
+template <size_t G, size_t R, bool ADD>
+inline void dot_lanes_block(float* a, const float* x, size_t stride, const float* const* b, size_t len,
+                            float (*acc)[kGroup][kLanes]) {
   constexpr size_t V = kVecFloats, P = kLanes / V;  // 16 lanes as P native vectors
-  vfloat s[G][P];
-  for (size_t g = 0; g < G; ++g)
-    for (size_t q = 0; q < P; ++q) s[g][q] = vload(acc[g] + q * V);
+  vfloat s[R][G][P];
+  for (size_t r = 0; r < R; ++r)
+    for (size_t g = 0; g < G; ++g)
+      for (size_t q = 0; q < P; ++q) s[r][g][q] = vload(acc[r][g] + q * V);
   for (size_t i = 0; i < len; i += kLanes)
     for (size_t q = 0; q < P; ++q) {
-      if (q == 0) {  // 2 KB ahead: the blocks break the row stream
-        __builtin_prefetch(a + i + 512);
-        if (ADD) __builtin_prefetch(x + i + 512);
+      if (q == 0)  // 2 KB ahead: the blocks break the row stream
+        for (size_t r = 0; r < R; ++r) {
+          __builtin_prefetch(a + r * stride + i + 512);
+          if (ADD) __builtin_prefetch(x + r * stride + i + 512);
+        }
+      vfloat bv[G];
+      for (size_t g = 0; g < G; ++g) bv[g] = vload(b[g] + i + q * V);
+      for (size_t r = 0; r < R; ++r) {
+        vfloat av = vload(a + r * stride + i + q * V);
+        if (ADD) {
+          av += vload(x + r * stride + i + q * V);
+          vstore(a + r * stride + i + q * V, av);
+        }
+        for (size_t g = 0; g < G; ++g) s[r][g][q] += av * bv[g];
       }
-      vfloat av = vload(a + i + q * V);
-      if (ADD) {
-        av += vload(x + i + q * V);
-        vstore(a + i + q * V, av);
-      }
-      for (size_t g = 0; g < G; ++g) s[g][q] += av * vload(b[g] + i + q * V);
     }
-  for (size_t g = 0; g < G; ++g)
-    for (size_t q = 0; q < P; ++q) vstore(acc[g] + q * V, s[g][q]);
+  for (size_t r = 0; r < R; ++r)
+    for (size_t g = 0; g < G; ++g)
+      for (size_t q = 0; q < P; ++q) vstore(acc[r][g] + q * V, s[r][g][q]);
 }
+// Rows at a time where the registers hold R * G * (16 / V) accumulators and the G b vectors: 4 with
+// AVX-512's 32 registers, 1 with AVX2's 16 (4 x 4 x 2 accumulators would spill).
+constexpr size_t kDotRows = kVecFloats == 16 ? 4 : 1;
 // dot_lanes_block for G = 1..kGroup outputs, chosen at run time
-template <bool ADD>
-inline void dot_lanes(size_t G, float* a, const float* x, const float* const* b, size_t len, float (*acc)[kLanes]) {
+template <size_t R, bool ADD>
+inline void dot_lanes(size_t G, float* a, const float* x, size_t stride, const float* const* b, size_t len,
+                      float (*acc)[kGroup][kLanes]) {
   switch (G) {
-    case 4: return dot_lanes_block<4, ADD>(a, x, b, len, acc);
-    case 3: return dot_lanes_block<3, ADD>(a, x, b, len, acc);
-    case 2: return dot_lanes_block<2, ADD>(a, x, b, len, acc);
-    default: return dot_lanes_block<1, ADD>(a, x, b, len, acc);
+    case 4: return dot_lanes_block<4, R, ADD>(a, x, stride, b, len, acc);
+    case 3: return dot_lanes_block<3, R, ADD>(a, x, stride, b, len, acc);
+    case 2: return dot_lanes_block<2, R, ADD>(a, x, stride, b, len, acc);
+    default: return dot_lanes_block<1, R, ADD>(a, x, stride, b, len, acc);
   }
 }
 // Row stride of a scratch matrix of `cols` floats: off a multiple of 4 KiB, so that rows updated
@@ -913,7 +927,7 @@ void matmul_nn_impl(float* A, const float* X, const float* B, float* C, size_t m
   for (size_t i = 0; i < k; ++i)
     for (size_t j = 0; j < n; ++j) BT[j * k + i] = B[i * n + j];
   const size_t kfull = k / kLanes * kLanes;
-  constexpr size_t kColBlock = 512;
+  constexpr size_t kColBlock = 4096;
   parallel_range(m, kRowGrain, [&](size_t b, size_t e) {
     float acc[kRowGrain][kGroup][kLanes];
     if (X)  // the rows' tails (past the last 16 lanes) first; the first group's pass adds the rest
@@ -926,13 +940,18 @@ void matmul_nn_impl(float* A, const float* X, const float* B, float* C, size_t m
         const size_t len = std::min(kColBlock, kfull - cb);
         const float* bt[kGroup];
         for (size_t g = 0; g < G; ++g) bt[g] = BT.data() + (j + g) * k + cb;
-        for (size_t i = b; i < e; ++i) {
-          float* a = A + i * k + cb;
-          if (X && j == 0)  // the first group's pass adds X
-            dot_lanes<true>(G, a, X + i * k + cb, bt, len, acc[i - b]);
+        const bool add = X && j == 0;  // the first group's pass adds X
+        size_t i = b;
+        for (; i + kDotRows <= e; i += kDotRows)
+          if (add)
+            dot_lanes<kDotRows, true>(G, A + i * k + cb, X + i * k + cb, k, bt, len, acc + (i - b));
           else
-            dot_lanes<false>(G, a, nullptr, bt, len, acc[i - b]);
-        }
+            dot_lanes<kDotRows, false>(G, A + i * k + cb, nullptr, k, bt, len, acc + (i - b));
+        for (; i < e; ++i)
+          if (add)
+            dot_lanes<1, true>(G, A + i * k + cb, X + i * k + cb, k, bt, len, acc + (i - b));
+          else
+            dot_lanes<1, false>(G, A + i * k + cb, nullptr, k, bt, len, acc + (i - b));
       }
       for (size_t i = b; i < e; ++i)
         for (size_t g = 0; g < G; ++g) {
@@ -967,7 +986,7 @@ void matmul_tn(const float* A, const float* B, float* C, size_t m_, size_t k_, s
   // (fewer pieces in flight). 4096 x 4096, rank 4: 4.1-4.4 ms before, 3.5-3.7 ms with both.
   const size_t ld_ = padded_stride(k_);
   std::vector<float> CT(n_ * ld_, 0.0f);
-  const size_t cgrain = 512;
+  const size_t cgrain = 2048;
   constexpr size_t kRowBlock = 4;
   parallel_range(k_, cgrain, [&](size_t cb, size_t ce) {
     const size_t m = m_, k = k_, n = n_, ld = ld_;  // locals: see matmul_nt
@@ -1029,7 +1048,39 @@ void nt_rows(const float* A, const float* bt, float* C, size_t b, size_t e, size
   const size_t nv = n / V * V;
   const vfloat va = alpha - vfloat{};
   vfloat av[R ? R : 1];
-  for (size_t i = b; i < e; ++i) {
+  size_t i = b;
+  if (R && kVecFloats == 16) {
+    // AVX-512: kNtRows rows at a time, so each load of bt serves them all (the registers hold their
+    // coefficients, kNtRows x R of them); every output's sum is the same, in the same order
+    constexpr size_t kNtRows = R <= 4 ? 4 : 2;
+    for (; i + kNtRows <= e; i += kNtRows) {
+      vfloat rv[kNtRows][R ? R : 1];
+      for (size_t t = 0; t < kNtRows; ++t)
+        for (size_t j = 0; j < R; ++j) rv[t][j] = A[(i + t) * r + j] - vfloat{};
+      for (size_t c = 0; c < nv; c += V) {
+        vfloat bv[R ? R : 1];
+        for (size_t j = 0; j < R; ++j) bv[j] = vload(bt + j * ld + c);
+        for (size_t t = 0; t < kNtRows; ++t) {
+          float* o = C + (i + t) * n;
+          vfloat s = vfloat{};
+          for (size_t j = 0; j < R; ++j) s += rv[t][j] * bv[j];
+          if (alpha != 1.0f) s = va * s;
+          vstore(o + c, add ? vload(o + c) + s : s);
+        }
+      }
+      for (size_t t = 0; t < kNtRows; ++t) {
+        const float* a = A + (i + t) * r;
+        float* o = C + (i + t) * n;
+        for (size_t c = nv; c < n; ++c) {
+          float u = 0.0f;
+          for (size_t j = 0; j < r; ++j) u += a[j] * bt[j * ld + c];
+          if (alpha != 1.0f) u = alpha * u;
+          o[c] = add ? o[c] + u : u;
+        }
+      }
+    }
+  }
+  for (; i < e; ++i) {
     const float* a = A + i * r;
     float* o = C + i * n;
     size_t c = 0;

@@ -143,6 +143,28 @@ def test_add_matmul_nn_is_add_then_matmul_nn_bit_for_bit(m, k, n, threads):
     np.testing.assert_allclose(C2, (A + X) @ B, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m,k,n", [(130, 257, 4), (67, 4096, 8), (9, 40, 3), (6, 33, 2)])
+def test_matmul_rows_in_groups_are_rows_alone_bit_for_bit(m, k, n, threads):
+    """matmul_nn and matmul_nt run several rows per pass over the other factor (AVX-512); each
+    row's outputs are still summed in the same order, so they equal that row computed alone."""
+    rng = np.random.default_rng(m * k + n)
+    A = rng.standard_normal((m, k)).astype(np.float32)
+    B = rng.standard_normal((k, n)).astype(np.float32)
+    C = np.zeros((m, n), np.float32)
+    _C.ops_matmul_nn(ptr(A), ptr(B), ptr(C), m, k, n)
+    Ar = rng.standard_normal((m, n)).astype(np.float32)
+    D = rng.standard_normal((m, k)).astype(np.float32)
+    D0 = D.copy()
+    _C.ops_matmul_nt(ptr(Ar), ptr(B), ptr(D), m, n, k, -1.0, True)
+    for i in range(m):
+        row, c = np.ascontiguousarray(A[i:i + 1]), np.zeros((1, n), np.float32)
+        _C.ops_matmul_nn(ptr(row), ptr(B), ptr(c), 1, k, n)
+        np.testing.assert_array_equal(c[0], C[i])
+        coef, d = np.ascontiguousarray(Ar[i:i + 1]), D0[i:i + 1].copy()
+        _C.ops_matmul_nt(ptr(coef), ptr(B), ptr(d), 1, n, k, -1.0, True)
+        np.testing.assert_array_equal(d[0], D[i])
+
+
 @pytest.mark.parametrize("rows,r", [(1, 1), (50, 4), (1000, 8)])
 def test_orthogonalize(rows, r):
     P = np.random.default_rng(rows).standard_normal((rows, r)).astype(np.float32)
