@@ -922,7 +922,8 @@ namespace {
 void matmul_nn_impl(float* A, const float* X, const float* B, float* C, size_t m, size_t k, size_t n) {
   // B^T (n x k) so every output is a contiguous dot product: 16 lane sums, the lanes added in order,
   // then the tail. The dot products of a chunk of rows run over column blocks of kColBlock, so that the
-  // block of kGroup rows of B^T they read stays in L1 across the chunk's rows.
+  // block of kGroup rows of B^T they read stays in cache across the chunk's rows (L2 at 4096 floats:
+  // 512, in L1, broke each matrix row into 2 KB pieces and was slower; docs/compll_kernels.md).
   std::vector<float> BT(n * k);
   for (size_t i = 0; i < k; ++i)
     for (size_t j = 0; j < n; ++j) BT[j * k + i] = B[i * n + j];
