@@ -150,7 +150,7 @@ setup(
     version="0.1.0",
     description="Compression-aware data-parallel training for PyTorch (HiPress CaSync + CompLL)",
     packages=find_packages(include=["hipress", "hipress.*", "horovod_ext", "horovod_ext.*"]),
-    package_data={"hipress": ["dsl/specs/*.cll", "dsl/prelude.h.txt", "py.typed"]},
+    package_data={"hipress": ["dsl/specs/*.cll", "dsl/prelude.h.txt", "bench/delay_daemon.c", "py.typed"]},
     ext_modules=[
         Pybind11Extension(
             "hipress._C",

@@ -164,9 +164,10 @@ VARIABLES: Sequence[Var] = (
     _V("HIPRESS_NP", _positive_int, 4, "default `-np` of `hipress.launch` and `hipress.bench.cluster`"),
     _V("HIPRESS_CLUSTER_FALLBACK", _bool, False,
        "emulated cluster: run ranks as plain local processes (no network namespaces)"),
-    _V("HIPRESS_CLUSTER_DELAY", _choice("auto", "netem", "nfqueue", "none"), "auto",
+    _V("HIPRESS_CLUSTER_DELAY", _choice("auto", "netem", "nfqueue", "nfqueue-python", "none"), "auto",
        "emulated cluster: packet-delay method (`auto`: netem where the kernel has it, else an NFQUEUE "
-       "daemon where iptables is installed; `none`: latency is not emulated)"),
+       "daemon where iptables is installed, compiled from C; `nfqueue-python`: that daemon in Python; "
+       "`none`: latency is not emulated)"),
     # ------------------------------------------------------------------ build
     _V("HIPRESS_WITH_CUDA", _choice("auto", "0", "1"), "auto",
        "compile `csrc/**/*.cu`; auto = nvcc found and torch is a CUDA build", group="build"),

@@ -222,11 +222,14 @@ _RTT_FLOOR = 2 * 0.75
 
 
 @needs_netns
+@pytest.mark.parametrize("daemon", ["compiled", "python"])
 @pytest.mark.parametrize("latency_ms,rounds", [(5, 50), (0.2, 200)])
-def test_latency_adds_rtt(shaped, latency_ms, rounds):
+def test_latency_adds_rtt(shaped, monkeypatch, latency_ms, rounds, daemon):
     """Load-proof: with a one-way latency set, no round trip is shorter than the delay the
     emulator guarantees (min of many round trips >= 1.5 x latency; a round trip without
-    emulated delay is ~0.02 ms here, so a missing delay fails)."""
+    emulated delay is ~0.02 ms here, so a missing delay fails), with either delay daemon."""
+    if daemon == "python":
+        monkeypatch.setenv("HIPRESS_CLUSTER_DELAY", "nfqueue-python")
     try:
         shaped.set_link(bandwidth="1gbit", latency=f"{latency_ms}ms")
         assert shaped.delay_method in ("netem", "nfqueue"), "no latency backend (netem or iptables) on this machine"
@@ -237,6 +240,47 @@ def test_latency_adds_rtt(shaped, latency_ms, rounds):
     print(f"\nTCP RTT ({shaped.delay_method}), latency {latency_ms} ms: min {min(rtts) * 1e3:.3f} ms, "
           f"median {statistics.median(rtts) * 1e3:.3f} ms (floor {_RTT_FLOOR * latency_ms:.3f} ms)")
     assert min(rtts) >= _RTT_FLOOR * latency_ms * 1e-3, (latency_ms, sorted(rtts)[:5])
+
+
+def _daemon_programs(cluster):
+    """The program each rank's delay daemon runs (`ip netns exec` execs it in the same process)."""
+    out = []
+    for p in cluster._daemons.values():
+        with open(f"/proc/{p.pid}/cmdline", "rb") as f:
+            out.append(os.fsdecode(f.read().split(b"\0")[0]))
+    return out
+
+
+@needs_netns
+def test_delay_daemon_is_the_compiled_one_and_cached(shaped, monkeypatch, tmp_path):
+    """With a C compiler the daemons run the binary built from delay_daemon.c, once, into the
+    user's cache under its source's hash; a second start reuses it (no rebuild: same inode)."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    try:
+        shaped.set_link(bandwidth="1gbit", latency="1ms")
+        programs = _daemon_programs(shaped)
+        built = os.stat(programs[0]).st_ino
+        shaped.set_link(bandwidth="1gbit", latency="2ms")  # restarts the daemons
+        again = _daemon_programs(shaped)
+    finally:
+        shaped.set_link(bandwidth="1gbit", latency=0)
+    assert len(programs) == 2 and len(set(programs)) == 1, programs
+    assert os.path.dirname(programs[0]) == str(tmp_path / "hipress"), programs
+    assert os.path.basename(programs[0]).startswith("delay_daemon-"), programs
+    assert again == programs and os.stat(again[0]).st_ino == built
+
+
+def test_delay_daemon_without_a_compiler_says_so(monkeypatch, tmp_path):
+    """A compiler that fails: a warning naming it, None (the Python daemon runs instead), and
+    nothing half-built left in the cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    with pytest.warns(RuntimeWarning, match="cannot build the delay daemon.*/bin/false failed"):
+        assert cl.native_delay_daemon() is None
+    assert list((tmp_path / "hipress").iterdir()) == []
 
 
 @needs_netns

@@ -237,7 +237,7 @@ def test_reads_the_process_environment(monkeypatch):
 def test_choices_and_numbers():
     assert config.get("HIPRESS_CLUSTER_DELAY", {"HIPRESS_CLUSTER_DELAY": "NetEm"}) == "netem"
     assert config.get("HIPRESS_CLUSTER_DELAY", {"HIPRESS_CLUSTER_DELAY": "none"}) == "none"
-    with pytest.raises(ConfigError, match="HIPRESS_CLUSTER_DELAY='tc'.*auto, netem, nfqueue, none"):
+    with pytest.raises(ConfigError, match="HIPRESS_CLUSTER_DELAY='tc'.*auto, netem, nfqueue, nfqueue-python, none"):
         config.get("HIPRESS_CLUSTER_DELAY", {"HIPRESS_CLUSTER_DELAY": "tc"})
     for raw in ("0", "-2", "two", "1.5"):
         with pytest.raises(ConfigError, match="HIPRESS_NP"):
