@@ -80,6 +80,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hosts", type=int, default=1, help="pretend the ranks are spread over this many hosts")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     a = ap.parse_args(argv)
+    if a.command[:1] == ["--"]:  # `-np 4 -- python train.py`, as hipress.bench.cluster takes it
+        a.command = a.command[1:]
     if not a.command:
         ap.error("no command given (e.g. python -m hipress.launch -np 4 python train.py)")
     old = terminate_on_signals()

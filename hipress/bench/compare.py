@@ -65,7 +65,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ALL_SYSTEMS = (["ddp", "ddp-fp16", "ddp-powersgd", "ddp-covap-hook", "horovod", "hipress-covap"]
                + [f"hipress-{s}-{a}" for s in ("ring", "ps")
                   for a in ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")]
-               + ["hipress-powersgd", "hipress-acpsgd", "hipress-auto", "hipress-ps-tbq-plan"]
+               + ["hipress-powersgd", "hipress-acpsgd", "hipress-auto", "hipress-ps-tbq-plan", "hipress-bf16"]
                + ["hipress-dear"] + [f"hipress-dear-{a}" for a in ("onebit", "tbq", "terngrad", "dgc", "graddrop")])
 
 PRESETS = {

@@ -26,6 +26,9 @@ group; hipress wraps it), each on a freshly built model with the same seed:
   hipress-covap            hipress.DistributedOptimizer(compression="covap") (docs/covap.md: interval
                            "auto", profiled by COVAP's distributed profiler, sharding on)
   ddp-covap-hook           DDP + hipress.ddp.register(model, "covap") (the same, as a DDP comm hook)
+  hipress-bf16             hipress.DistributedOptimizer(compression="auto", plan={"max_compress_bytes": 0,
+                           "bf16": True}): nothing compressed, every bucket through the backend's
+                           allreduce in bf16 (hipress's counterpart of ddp-fp16)
 
 COVAP's systems profile before they filter: their warm-up runs on until the filter is on
 (at least ``--warmup`` steps), and the record holds the profile (CCR and the interval).
@@ -63,6 +66,9 @@ from hipress.bench import models
 DDP_SYSTEMS = ("ddp", "ddp-fp16", "ddp-powersgd", "ddp-covap-hook")
 ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop", "powersgd", "acpsgd", "auto")
 STRATEGIES = ("ring", "ps", "auto")
+# hipress-bf16's plan: every bucket through the backend's allreduce in bf16, hipress's counterpart of
+# DDP's fp16 hook (and the branch of `compression="auto"` that compresses nothing)
+BF16_PLAN = {"max_compress_bytes": 0, "bf16": True}
 DEAR_ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")  # single-round: the ring's phases carry them
 
 
@@ -86,6 +92,8 @@ def parse_system(name: str) -> dict:
         return {"kind": "horovod"}
     if name == "hipress-covap":
         return {"kind": "hipress", "strategy": "auto", "compression": "covap", "plan": None}
+    if name == "hipress-bf16":  # compression="auto" with its plan pinned: nothing compressed, all as bf16
+        return {"kind": "hipress", "strategy": "ring", "compression": "auto", "plan": dict(BF16_PLAN)}
     parts = name.split("-")
     if parts[0] == "hipress":
         plan = None
@@ -99,7 +107,7 @@ def parse_system(name: str) -> dict:
             return {"kind": "hipress", "strategy": "dear", "compression": parts[2], "plan": None}
         if len(parts) == 3 and parts[1] in STRATEGIES and parts[2] in ALGOS:
             return {"kind": "hipress", "strategy": parts[1], "compression": parts[2], "plan": plan}
-    raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, hipress-covap, "
+    raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, hipress-covap, hipress-bf16, "
                      f"hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, hipress-acpsgd, hipress-auto, "
                      f"hipress-dear[-<{'|'.join(DEAR_ALGOS)}>]")
 

@@ -145,6 +145,8 @@ def test_parse_system_names():
     assert parse_system("hipress-dear-tbq")["compression"] == "tbq"
     assert parse_system("hipress-covap")["compression"] == "covap"
     assert parse_system("ddp-covap-hook") == {"kind": "ddp", "hook": "covap"}
+    assert parse_system("hipress-bf16") == {"kind": "hipress", "strategy": "ring", "compression": "auto",
+                                            "plan": {"max_compress_bytes": 0, "bf16": True}}
     for name in ("hipress-dear-powersgd", "hipress-dear-tbq-plan"):  # not carried by the ring's phases
         with pytest.raises(ValueError):
             parse_system(name)
