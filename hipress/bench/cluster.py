@@ -611,13 +611,16 @@ def native_delay_daemon() -> Optional[str]:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     why = "no C compiler (cc, gcc or $CC)"
     if cc:
-        os.makedirs(cache, exist_ok=True)
         tmp = f"{binary}.{os.getpid()}.tmp"  # renamed into place: concurrent builds do not collide
-        r = subprocess.run([cc, "-O2", "-o", tmp, DAEMON_SOURCE], capture_output=True, text=True)
-        if r.returncode == 0:
-            os.replace(tmp, binary)
-            return binary
-        why = f"{cc} failed: {(r.stderr or r.stdout).strip()[:300]}"
+        try:
+            os.makedirs(cache, exist_ok=True)
+            r = subprocess.run([cc, "-O2", "-o", tmp, DAEMON_SOURCE], capture_output=True, text=True)
+            if r.returncode == 0:
+                os.replace(tmp, binary)
+                return binary
+            why = f"{cc} failed: {(r.stderr or r.stdout).strip()[:300]}"
+        except OSError as e:  # an unwritable cache, a compiler that cannot be run
+            why = f"{cc}: {e}"
     warnings.warn(f"hipress.bench.cluster: cannot build the delay daemon ({why}); it runs in Python, "
                   f"on more of the CPUs that the ranks share", RuntimeWarning, stacklevel=2)
     return None
