@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 import warnings
 from typing import Callable, List, Optional, Tuple
+
+from hipress.torch.step_window import StepWindow
 
 MIB = 1 << 20
 # Defaults: DeAR measures "over multiple steps (e.g., 10 steps)" from a first trial at 25 MB and
@@ -123,7 +124,6 @@ class BucketTuner:
     def __init__(self, model_bytes: int, knobs: Optional[dict] = None):
         self.knobs = check_knobs(knobs)
         self.lo, self.hi = search_range(self.knobs, model_bytes)
-        self._clock: Callable[[], float] = self.knobs["clock"] or time.perf_counter
         self._optuna = None
         if self.lo < self.hi:  # something to search: fail now, on every rank, if optuna is missing
             self._optuna = import_optuna()
@@ -131,7 +131,7 @@ class BucketTuner:
         self.history: List[Tuple[int, float]] = []
         self.size = min(max(self.knobs["start_bytes"], self.lo), self.hi)
         self.done = self.lo == self.hi
-        self._restart_window()
+        self._window = StepWindow(self.knobs["window"], self.knobs["warmup"], self.knobs["clock"])
 
     # ------------------------------------------------------------------ sizes
     def to_bytes(self, x: float) -> int:
@@ -145,16 +145,9 @@ class BucketTuner:
         return min(self.history, key=lambda t: t[1]) if self.history else None
 
     # ------------------------------------------------------------------ measuring
-    def _restart_window(self) -> None:
-        """A new trial, or a measurement to throw away (a failed step, reset()): nothing measured,
-        ``warmup`` steps to let pass first."""
-        self._seconds = 0.0
-        self._measured = 0
-        self._to_skip = self.knobs["warmup"]
-        self._last: Optional[float] = None   # clock at the start of the step in progress
-
     def restart_window(self) -> None:
-        self._restart_window()
+        """A measurement to throw away (a failed step, reset()): the trial's window starts over."""
+        self._window.restart()
 
     def step_start(self, previous_skipped: bool, slowest: Callable[[float], float],
                    share: Callable[[Tuple[int, bool]], Tuple[int, bool]], rank: int = 0) -> Optional[int]:
@@ -165,36 +158,23 @@ class BucketTuner:
         ``slowest`` and ``share`` are called (collectives: every rank calls them at the same
         step, since what decides it is the same on every rank) and the next size is returned
         if it differs from the current one; else None."""
-        if self.done:
+        if self.done or not self._window.tick(previous_skipped):
             return None
-        now = self._clock()
-        if self._last is not None:
-            if previous_skipped:
-                pass  # a skipped step: not a step of this size's throughput (the window grows by one)
-            elif self._to_skip:
-                self._to_skip -= 1
-            else:
-                self._seconds += now - self._last
-                self._measured += 1
-        self._last = now
-        if self._measured < self.knobs["window"]:
-            return None
-        objective = slowest(self._seconds) / self._measured
+        objective = slowest(self._window.seconds) / self._window.measured
         old = self.size
         self.history.append((self.size, objective))
         proposal = self._decide() if rank == 0 else (0, False)
         size, done = share(proposal)
         self._apply(size, done)
-        self._restart_window()
-        self._last = self._clock()  # the decision and the rebuild that follows are not a step's time
+        self._window.start_now()  # the decision and the rebuild that follows are not a step's time
         if done and self.knobs["verbose"] and rank == 0:
             print(self.summary(), flush=True)
         return self.size if self.size != old else None
 
     def mark(self) -> None:
         """The clock restarts now (after work that is not a training step, such as the rebuild)."""
-        if not self.done and self._last is not None:
-            self._last = self._clock()
+        if not self.done:
+            self._window.mark()
 
     # ------------------------------------------------------------------ deciding (rank 0)
     def _decide(self) -> Tuple[int, bool]:
@@ -240,10 +220,11 @@ class BucketTuner:
         size in force, and the window in progress (its time so far, including the step now
         running up to this call, so the step that spans the checkpoint is measured as the time
         before the save plus the time after the load)."""
-        open_s = None if self._last is None or self.done else self._clock() - self._last
+        window = self._window.state_dict()
+        if self.done:
+            window["open_s"] = None
         return {"version": 1, "range": [self.lo, self.hi], "history": [list(t) for t in self.history],
-                "size": self.size, "done": self.done, "seconds": self._seconds,
-                "measured": self._measured, "to_skip": self._to_skip, "open_s": open_s}
+                "size": self.size, "done": self.done, **window}
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("version") != 1:
@@ -253,5 +234,4 @@ class BucketTuner:
                              f"[{self.lo}, {self.hi}] (another model or other min_bytes/max_bytes)")
         self.history = [(int(s), float(v)) for s, v in sd["history"]]
         self.size, self.done = int(sd["size"]), bool(sd["done"])
-        self._seconds, self._measured, self._to_skip = float(sd["seconds"]), int(sd["measured"]), int(sd["to_skip"])
-        self._last = None if sd["open_s"] is None else self._clock() - float(sd["open_s"])
+        self._window.load_state_dict(sd)
