@@ -121,6 +121,26 @@ def _tuning(opt) -> bool:
     return tuner is not None and not tuner.done
 
 
+def _trying_plans(opt) -> bool:
+    """Whether a plan="auto" optimizer is still measuring its candidate plans (every rank says the same)."""
+    trial = getattr(opt, "plan_trial", None)
+    return trial is not None and not trial.done
+
+
+def _plan_info(opt) -> dict:
+    """The plan that runs: one entry per bucket (fused gradients share their bucket's decision),
+    and the measured choice that put it there."""
+    planned = [(b, opt._hp_plan.entry(b.name, b.numel)) for b in opt._hp_buckets]
+    trial = opt.plan_trial
+    return {"compressed_gradients": sum(len(b.params) for b, e in planned if e.compress),
+            "gradients": sum(len(b.params) for b, _ in planned),
+            "compressed_mb": sum(4 * b.numel for b, e in planned if e.compress) / 2**20,
+            "bf16_mb": sum(4 * b.numel for b, e in planned if e.bf16) / 2**20,
+            "buckets": [{"bytes": 4 * b.numel, "compress": e.compress, "bf16": e.bf16, "k": e.k} for b, e in planned],
+            "trial": None if trial is None else {"chosen": trial.chosen, "ms_per_step": {
+                c: 1e3 * v for c, v in trial.seconds.items()}}}
+
+
 def _covap_on(owner) -> bool:
     """Whether COVAP's filter runs (``owner``: the DistributedOptimizer or the DDP hook state)."""
     run = owner._hp_covap if hasattr(owner, "_hp_covap") else owner.covap.run
@@ -255,19 +275,6 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
                        "hierarchical": opt._hp_hierarchical}
     if cfg["compression"] == "covap":
         info["covap_state"] = opt
-    if opt._hp_plan is not None:
-        try:
-            # what runs: one plan entry per bucket (fused gradients share their bucket's decision)
-            planned = [(b, opt._hp_plan.entry(b.name, b.numel)) for b in opt._hp_buckets]
-            info["plan"] = {"compressed_gradients": sum(len(b.params) for b, e in planned if e.compress),
-                            "gradients": sum(len(b.params) for b, _ in planned),
-                            "compressed_mb": sum(4 * b.numel for b, e in planned if e.compress) / 2**20,
-                            "bf16_mb": sum(4 * b.numel for b, e in planned if e.bf16) / 2**20,
-                            "buckets": [{"bytes": 4 * b.numel, "compress": e.compress, "bf16": e.bf16, "k": e.k}
-                                        for b, e in planned]}
-        except Exception as e:  # noqa: BLE001 - informational only
-            info["plan"] = {"error": str(e)}
-
     @contextlib.contextmanager
     def no_sync():
         with opt.skip_synchronize():
@@ -320,9 +327,11 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     # decides it from the same gathered profile, so all run the same number of steps)
     tune_max = (a.tune_trials * (a.tune_window + a.tune_warmup) + 2 * a.warmup + 2
                 if cfg.get("bucket_bytes") == "tune" else 0)  # a bound, for skipped steps
+    # plan="auto" measures its two candidate plans first (hipress/torch/plan_trial.py)
+    trial_max = 2 * (opt.plan_trial.steps + 2) + a.warmup if getattr(opt, "plan_trial", None) is not None else 0
     tune_t0 = time.perf_counter()
     while warm < a.warmup or (covap_owner is not None and not _covap_on(covap_owner) and warm < COVAP_MAX_WARMUP) \
-            or (_tuning(opt) and warm < tune_max):
+            or (_tuning(opt) and warm < tune_max) or (_trying_plans(opt) and warm < trial_max):
         t = time.perf_counter()
         step()
         tw = time.perf_counter() - t
@@ -337,6 +346,8 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
                               "buckets": len(opt._hp_buckets)}
     elif cfg["kind"] == "hipress":
         rec["buckets"] = len(opt._hp_buckets)
+    if cfg["kind"] == "hipress" and opt._hp_plan is not None:
+        rec["plan"] = dict(_plan_info(opt), warmup_steps=warm)
     if covap_owner is not None:
         prof = covap_owner.covap_profile
         rec["covap"] = {"warmup_steps": warm, "filter_on": _covap_on(covap_owner),

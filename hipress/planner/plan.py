@@ -36,6 +36,10 @@ class Overrides:
     bf16: how an uncompressed gradient travels where the backend's allreduce sums bf16
         (CostModel.plain16; hipress.sync.allreduce): None, as bf16 where the model says it is
         faster than fp32; True, always as bf16; False, always fp32 (bit for bit uncompressed).
+    measure: where the optimizer made the plan from the model (plan="auto", an Overrides or a
+        dict, not a Plan) and it compresses something, the steps each of two candidates is
+        measured over while training, the faster kept: the plan with nothing compressed, then
+        this plan (hipress/torch/plan_trial.py). 0: this plan, unmeasured.
     """
 
     min_compress_bytes: int = 0
@@ -44,6 +48,12 @@ class Overrides:
     min_partition_bytes: int = 0
     force: Dict[str, Union[bool, int, Tuple[bool, int]]] = field(default_factory=dict)
     bf16: Optional[bool] = None
+    measure: int = 10
+
+    def __post_init__(self):
+        if isinstance(self.measure, bool) or not isinstance(self.measure, int) or self.measure < 0:
+            raise ValueError(f"Overrides.measure must be an int >= 0 (steps per candidate plan; 0: no "
+                             f"measuring), got {self.measure!r}")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ compressed gradients are never averaged.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import json
@@ -53,6 +54,7 @@ from hipress.planner.online import profile_online
 from hipress.sync import STRATEGIES, StateStore, make_sync, resolve_strategy, use_local_aggregation
 from hipress.torch import adasum, bucket_tuner, clipping, covap, dear, momentum, nonfinite
 from hipress.torch.collectives import Adasum
+from hipress.torch.plan_trial import PlanTrial
 from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWarning  # noqa: F401 (re-exported)
 
 Average = "average"
@@ -547,15 +549,15 @@ class _HipressOptimizer:
         self._hp_predivide = float(options.gradient_predivide_factor)
         self._hp_sparse_as_dense = options.sparse_as_dense
         self._hp_densified: set = set()  # ids of parameters whose sparse gradient was made dense this step
-        self._hp_plan = self._hp_make_plan(options.plan, options.plain_fusion_bytes) if options.plan is not None else None
-        if self._hp_plan is not None and options.plain_fusion_bytes:
-            self._hp_buckets = fuse_uncompressed(self._hp_buckets, self._hp_plan, options.plain_fusion_bytes)
-        if self._hp_plan is not None and self._hp_momentum is not None:
-            # momentum correction is an aid to compression: the parameters of buckets the plan leaves
-            # uncompressed keep the wrapped SGD's own momentum (the same sum, momentum being linear),
-            # without a velocity of hipress's, its pass per step or its undo copy
-            self._hp_momentum.limit_to({id(p) for b in self._hp_buckets if self._hp_plan.entry(b.name, b.numel).compress
-                                        for _, p in b.params})
+        self._hp_plan = None
+        self._hp_fusion_bytes = options.plain_fusion_bytes
+        # the candidate plans by name ("model"; with a measured choice also "plain") and the trial
+        # that measures them (hipress/torch/plan_trial.py), as made: each use fuses a copy
+        self._hp_plans: Dict[str, Plan] = {}
+        self._hp_trial: Optional[PlanTrial] = None
+        if options.plan is not None:
+            self._hp_plans, self._hp_trial = self._hp_make_plans(options.plan, options.plain_fusion_bytes)
+            self._hp_buckets = self._hp_plan_layout(self._hp_trial.in_use if self._hp_trial is not None else "model")
         # a plan's uncompressed buckets that travel as bf16 (hipress.sync.allreduce)
         self._hp_plain16 = (sync_for(NoneCompressor(), torch.bfloat16)
                             if self._hp_plan is not None and self._hp_plan.model.plain16 else None)
@@ -605,9 +607,7 @@ class _HipressOptimizer:
         if comp.lowrank:
             raise ValueError(f"bucket_bytes='tune' needs compression 'none' or a single-round algorithm; "
                              f"{comp.name!r} is low-rank (its state is per matrix, kept across steps)")
-        # A rebuild hands each residual back to the gradients it came from (_hp_rebuild). Any other
-        # per-element state (DGC's and Signum's momentum) has no such home: refused rather than lost.
-        other = sorted({b for c in (comp, comp.merged_for(2)) for b in c.new_state(8).buffers} - {"residual"})
+        other = self._hp_unmovable_state()  # refused rather than lost
         if other:
             raise ValueError(f"bucket_bytes='tune' rebuilds buckets and hands error-feedback residuals back to the "
                              f"gradients; {comp.name!r} keeps other per-element state ({', '.join(other)}) that would "
@@ -621,12 +621,17 @@ class _HipressOptimizer:
         step of the slowest rank), ``best``, ``summary()``); None otherwise."""
         return self._hp_tuner
 
-    def _hp_make_plan(self, plan, fusion_bytes: int = 0):
+    def _hp_make_plans(self, plan, fusion_bytes: int = 0) -> Tuple[Dict[str, Plan], Optional[PlanTrial]]:
         """plan: a Plan, "auto" (profile now, collectively), an Overrides, or a dict of Overrides'
         fields (as from JSON). fusion_bytes: what runs of uncompressed buckets are fused to, which
-        the model prices them at (CostModel.plain_fusion_bytes), at most all the buckets' bytes."""
+        the model prices them at (CostModel.plain_fusion_bytes), at most all the buckets' bytes.
+        Returns the candidate plans and the trial that chooses between them (plan_trial.py): with
+        Overrides.measure, where the model's plan compresses something, there are more than one
+        rank, and the compressor's state can be handed from plan to plan (error-feedback
+        residuals only), the model's plan and the one that compresses nothing; else the model's
+        plan alone and no trial."""
         if isinstance(plan, Plan):
-            return plan
+            return {"model": plan}, None
         if isinstance(plan, dict):
             fields = {f.name for f in dataclasses.fields(Overrides)}
             if set(plan) - fields:
@@ -647,7 +652,35 @@ class _HipressOptimizer:
                                 plain16=torch.bfloat16 in self._hp_transport.allreduce_dtypes,
                                 plain_fusion_bytes=min(fusion_bytes, sum(4 * b.numel for b in self._hp_buckets))
                                 if plain_allreduce else 0)
-        return make_plan([(b.name, 4 * b.numel) for b in self._hp_buckets], model, overrides)
+        sizes = [(b.name, 4 * b.numel) for b in self._hp_buckets]
+        plans = {"model": make_plan(sizes, model, overrides)}
+        if (not overrides.measure or self._hp_transport.size == 1 or self._hp_unmovable_state()
+                or not any(e.compress for e in plans["model"])):
+            return plans, None
+        plans["plain"] = make_plan(sizes, model, dataclasses.replace(overrides, max_compress_bytes=0, force={}))
+        return plans, PlanTrial(overrides.measure)
+
+    def _hp_plan_layout(self, name: str) -> List["_Bucket"]:
+        """Puts the candidate plan ``name`` in force (a copy: fusing merges its entries) and
+        returns buckets built for it, runs of its uncompressed buckets fused (fuse_uncompressed).
+        Momentum correction, an aid to compression, is limited to the parameters of the buckets it
+        compresses; the others keep the wrapped SGD's own momentum (the same sum, momentum being
+        linear), without a velocity of hipress's, its pass per step or its undo copy."""
+        self._hp_plan = copy.deepcopy(self._hp_plans[name])
+        buckets = self._hp_build_buckets()
+        if self._hp_fusion_bytes:
+            buckets = fuse_uncompressed(buckets, self._hp_plan, self._hp_fusion_bytes)
+        if self._hp_momentum is not None:
+            self._hp_momentum.limit_to({id(p) for b in buckets if self._hp_plan.entry(b.name, b.numel).compress
+                                        for _, p in b.params})
+        return buckets
+
+    def _hp_unmovable_state(self) -> List[str]:
+        """The compressor's per-element state other than error-feedback residuals (DGC's and
+        Signum's momentum): a rebuild of the buckets (bucket_bytes="tune", a plan switch) hands
+        residuals back to the gradients (_hp_hand_back) but has no home for these."""
+        comp = self._hp_compressor
+        return sorted({b for c in (comp, comp.merged_for(2)) for b in c.new_state(8).buffers} - {"residual"})
 
     def _hp_make_covap(self, args) -> "covap.Run":
         if self._hp_compressor.lowrank:
@@ -701,6 +734,7 @@ class _HipressOptimizer:
             "local aggregation": repr(self._hp_hierarchical),
             "coordinator": repr(bool(options.coordinator)),
             "plan": type(options.plan).__name__ if not isinstance(options.plan, str) else options.plan,
+            "plan measure": repr(_plan_measure(options.plan)),
             "momentum correction": repr(self._hp_momentum is not None),
             "covap": repr(sorted(options.covap.items())) if options.covap is not None else "None",
             "dear": repr(options.dear),
@@ -829,6 +863,8 @@ class _HipressOptimizer:
                 self._hp_commit()  # the last all-gathers' state changes belong to the last step
             if self._hp_tuner is not None:
                 self._hp_tune_step()
+            if self._hp_trial is not None:
+                self._hp_trial_step()
         if self._hp_dear is not None:
             self._hp_dear.check_fresh(p)
         grad = p.grad
@@ -930,20 +966,26 @@ class _HipressOptimizer:
         return int(buf[0]), bool(buf[1])
 
     def _hp_rebuild(self) -> None:
-        """Buckets of the current size, in place of the old ones, if the layout differs. Compressor
-        state is per bucket, partition and chunk, so a new layout cannot reuse it. Its residuals
-        are gradient mass not sent yet (error feedback): dropping them would lose it. Each one is
-        handed back, element by element, to the parameter it stands for, and added to that
-        parameter's next gradient on this rank (_hp_take): every residual, at whatever site of the
-        sync it waited (a ring hop's partial sum, a PS aggregator's sum), is a part of the sum over
-        ranks, so the sum of the next step carries exactly what the old states held. The carry is
-        dropped when that step commits and kept if it is undone (skipped for non-finite gradients,
-        reset()). Every state of the old layout goes (not only the buckets that changed), and so
-        do PS's aggregator choices, so the new layout starts as a fresh job with these buckets would:
-        what a job resumed from a checkpoint starts from too."""
+        """Buckets of the current size, in place of the old ones, if the layout differs (their
+        states handed back: _hp_hand_back)."""
         new = self._hp_build_buckets()
         if [(b.name, b.numel) for b in new] == [(b.name, b.numel) for b in self._hp_buckets]:
             return  # the same buckets (a size between the same two layouts): states stay as they are
+        self._hp_hand_back()
+        self._hp_set_buckets(new)
+
+    def _hp_hand_back(self) -> None:
+        """Before the buckets are rebuilt (another size, another plan): compressor state is per
+        bucket, partition and chunk, so a new layout cannot reuse it. Its residuals are gradient
+        mass not sent yet (error feedback): dropping them would lose it. Each one is handed back,
+        element by element, to the parameter it stands for, and added to that parameter's next
+        gradient on this rank (_hp_take): every residual, at whatever site of the sync it waited (a
+        ring hop's partial sum, a PS aggregator's sum), is a part of the sum over ranks, so the sum
+        of the next step carries exactly what the old states held. The carry is dropped when that
+        step commits and kept if it is undone (skipped for non-finite gradients, reset()). Every
+        state of the old layout goes (not only the buckets that changed), and so do PS's
+        aggregator choices, so the new layout starts as a fresh job with these buckets would: what
+        a job resumed from a checkpoint starts from too."""
         for b in self._hp_buckets:
             sync, bounds = self._hp_route(b)
             acc = None
@@ -960,7 +1002,67 @@ class _HipressOptimizer:
                     prev = self._hp_carry.get(id(p))
                     self._hp_carry[id(p)] = part.clone() if prev is None else prev + part
         self._hp_compressed.forget_layout()
-        self._hp_set_buckets(new)
+
+    # ------------------------------------------------------------------ plan="auto"'s measured choice
+    @property
+    def plan_trial(self) -> Optional[PlanTrial]:
+        """plan="auto" measured against no compression (hipress/torch/plan_trial.py): the trial
+        (``in_use``, ``done``, ``chosen``, ``seconds`` per candidate, ``summary()``); None where
+        there is nothing to choose."""
+        return self._hp_trial
+
+    def _hp_trial_step(self) -> None:
+        """At a step's first final gradient (as _hp_tune_step): the trial counts the last step,
+        and where it picks the other plan, every rank switches to it alike."""
+        trial = self._hp_trial
+        if trial.done:
+            return
+        skipped = self._hp_skipped != self._hp_skipped_seen  # agreed by every rank in the last step
+        self._hp_skipped_seen = self._hp_skipped
+        name = trial.step_start(skipped, self._hp_slowest, self._hp_transport.rank)
+        if name is not None:
+            self._hp_use_plan(name)
+            trial.mark()
+
+    def _hp_use_plan(self, name: str) -> None:
+        """Switches to the candidate plan ``name`` (nothing in flight): the old buckets' residuals
+        handed back (_hp_hand_back), momentum correction's velocities moved (_hp_move_momentum),
+        and buckets built for the plan."""
+        mc = self._hp_momentum
+        corrected = {id(p) for _, p in self._hp_named if mc is not None and mc.corrects(p)}
+        self._hp_hand_back()
+        buckets = self._hp_plan_layout(name)
+        if mc is not None:
+            self._hp_move_momentum(corrected)
+        self._hp_set_buckets(buckets)
+
+    def _hp_move_momentum(self, corrected: set) -> None:
+        """After a plan switch: a parameter momentum correction takes over starts its velocity from
+        the wrapped SGD's momentum buffer (the average of what the ranks' velocities would hold, the
+        same on every rank), which goes; one it lets go of gets the average over ranks of its
+        velocities as that buffer (without compression the SGD's buffer is exactly that average,
+        momentum being linear), gathered in chunks, the same bits on every rank."""
+        mc = self._hp_momentum
+        now = {id(p) for _, p in self._hp_named if mc.corrects(p)}
+        for n, p in self._hp_named:
+            if id(p) in now - corrected:
+                buf = self.state.get(p, {}).pop("momentum_buffer", None)
+                if buf is not None and n not in mc.velocity:
+                    mc.velocity[n] = buf
+        leaving = [(n, p, mc.velocity.pop(n)) for n, p in self._hp_named
+                   if id(p) in corrected - now and n in mc.velocity]
+        if not leaving:
+            return
+        flat = torch.cat([u.reshape(-1).float() for _, _, u in leaving])
+        mean = torch.empty_like(flat)
+        chunk = 1 << 22
+        for s in range(0, flat.numel(), chunk):
+            rows = covap.gather_rows(self._hp_transport, flat[s:s + chunk].double())
+            mean[s:s + chunk] = rows.mean(dim=0).to(flat.dtype)
+        off = 0
+        for _, p, u in leaving:
+            self.state[p]["momentum_buffer"] = mean[off:off + u.numel()].view_as(u).to(u.dtype).clone()
+            off += u.numel()
 
     def _hp_route(self, bucket: "_Bucket"):
         """(the sync, the partitions) of a bucket: the plan's choice, or compressed."""
@@ -1336,6 +1438,10 @@ class _HipressOptimizer:
             raise RuntimeError("join() while bucket_bytes='tune' is still tuning: the working ranks measure steps and "
                                "agree on sizes that a joined rank would not take part in; join after the tuner has "
                                "settled (opt.bucket_tuner.done)")
+        if self._hp_trial is not None and not self._hp_trial.done:
+            raise RuntimeError("join() while plan='auto' still measures its candidate plans: the working ranks "
+                               "measure steps and switch plans, which a joined rank would not take part in; join "
+                               "after the choice is made (opt.plan_trial.done)")
         if self._hp_handles or self._hp_taken or self._hp_counts:
             raise RuntimeError("join() called while gradients are being synchronized; call step() or "
                                "synchronize() first")
@@ -1405,8 +1511,9 @@ class _HipressOptimizer:
         self._hp_bad = set()
         self._hp_undo()
         self._hp_skip_step = self._hp_synchronized = False
-        if self._hp_tuner is not None:  # the failed step's time is no measurement
-            self._hp_tuner.restart_window()
+        for search in (self._hp_tuner, self._hp_trial):  # the failed step's time is no measurement
+            if search is not None:
+                search.restart_window()
         self._hp_exchanges.reset()
         if self._hp_transport.size > 1:
             world.reconnect()
@@ -1500,10 +1607,41 @@ class _HipressOptimizer:
             # (first: applying one sets its unit's reference, which the run's state holds)
             averages = covap.averages_state(self._hp_wait_averages())
             sd["hipress"]["covap"] = dict(self._hp_covap.state_dict(), averages=averages)
+        carry = {self._hp_names[k]: v.clone() for k, v in self._hp_carry.items()}
         if self._hp_tuner is not None:  # the layout the compressor states belong to, and where the search is
-            sd["hipress"]["bucket_tune"] = {"tuner": self._hp_tuner.state_dict(),
-                                            "carry": {self._hp_names[k]: v.clone() for k, v in self._hp_carry.items()}}
+            sd["hipress"]["bucket_tune"] = {"tuner": self._hp_tuner.state_dict(), "carry": carry}
+        if self._hp_trial is not None:  # the plan the compressor states belong to, and where the trial is
+            sd["hipress"]["plan_trial"] = {"trial": self._hp_trial.state_dict(), "carry": carry}
         return sd
+
+    def _hp_load_trial(self, hp: dict) -> None:
+        """load_state_dict(), plan="auto" measured: the trial's state, and the candidate plan in
+        force when the checkpoint was saved, with its buckets (the compressor states and velocities
+        loaded next belong to them; this optimizer's own are replaced, so nothing is handed over),
+        and the carry not yet sent. A checkpoint of a plan without a trial ran the model's plan."""
+        saved = hp.get("plan_trial")
+        if self._hp_trial is None:
+            if saved is not None and (saved["carry"] or saved["trial"]["in_use"] != "model"):
+                raise ValueError(f"the checkpoint was saved with plan='auto' measuring its candidates, "
+                                 f"{saved['trial']['in_use']!r} plan in force"
+                                 f"{' with residuals not yet sent' if saved['carry'] else ''}; this optimizer has no "
+                                 f"such choice (plan= a Plan, measure=0, or nothing compressed): resume with the "
+                                 f"plan= it was saved with")
+            return
+        if saved is None:  # saved with the model's plan alone (measure=0): it goes on with it
+            self._hp_trial.settle("model")
+            carry = {}
+        else:
+            self._hp_trial.load_state_dict(saved["trial"])
+            carry = saved["carry"]
+        by_name = {n: p for n, p in self._hp_named}
+        unknown = sorted(set(carry) - set(by_name))
+        if unknown:
+            raise ValueError(f"the checkpoint's plan_trial carry names parameters this optimizer lacks: {unknown[:10]}")
+        self._hp_compressed.forget_layout()
+        self._hp_set_buckets(self._hp_plan_layout(self._hp_trial.in_use))
+        self._hp_carry = {id(by_name[n]): v.clone() for n, v in carry.items()}
+        self._hp_carry_sent = False
 
     def _hp_load_tuning(self, hp: dict) -> None:
         """load_state_dict(), bucket_bytes="tune": the tuner's state, and the buckets of the size in
@@ -1542,6 +1680,7 @@ class _HipressOptimizer:
         super(self.__class__, self).load_state_dict(state_dict)
         if hp is not None:
             self._hp_load_tuning(hp)
+            self._hp_load_trial(hp)
             self._hp_states.load_state_dict(hp["compressor_state"])
             if self._hp_momentum is not None:
                 self._hp_momentum.load_state_dict(hp.get("velocity", {}))
@@ -1552,6 +1691,15 @@ class _HipressOptimizer:
                 if unknown:
                     raise ValueError(f"the checkpoint's COVAP averages name buckets this optimizer lacks: {unknown[:5]}")
                 self._hp_averaged = covap.averages_from_state(saved)
+
+
+def _plan_measure(plan) -> Optional[int]:
+    """Overrides.measure of a plan= option (None: no plan, or a Plan used as is)."""
+    if isinstance(plan, Overrides):
+        return plan.measure
+    if isinstance(plan, dict):
+        return plan.get("measure", Overrides.measure)
+    return Overrides.measure if plan == "auto" else None
 
 
 def _holds_buffers(states: dict) -> bool:
@@ -1588,7 +1736,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     compresses only where the cost model says it pays and picks the partition count, and
     sends the rest as fp32 or, where the backend sums bf16 and it pays, bf16 (docs/planner.md);
     a hipress.planner.Overrides (or a dict of its fields) pins thresholds on top of "auto";
-    a Plan is used as is. compression="auto" means TernGrad with plan="auto".
+    a Plan is used as is. Where the model's plan compresses something, the first steps measure
+    it against the plan that compresses nothing (Overrides.measure steps each, 10 by default; 0:
+    no measuring) and the faster is kept (hipress/torch/plan_trial.py, ``opt.plan_trial``).
+    compression="auto" means TernGrad with plan="auto".
     compression="covap": COVAP's filter (paper 004; hipress/torch/covap.py, docs/covap.md): each
     step syncs only the buckets (or shards of large ones) whose index t has (t + step) % I == 0.
     mode="local" (default): every rank applies its own gradient every step and the selected

@@ -1,4 +1,5 @@
-"""One rank of the bucket_bytes="tune" tests (launched by test_bucket_tune.py).
+"""One rank of the bucket_bytes="tune" tests (launched by test_bucket_tune.py), and of plan="auto"'s
+measured choice (test_plan_trial_ranks.py).
 
     python bucket_tune_worker.py OUT_DIR CONFIGS_JSON
 
@@ -10,9 +11,12 @@ the measurements (and the slowest rank, the last) are known in advance and a res
 the same ones; "real" leaves the tuner's own clock. ``nan_at``: steps whose loss is NaN on rank 0
 (every rank then skips the step). ``save_at``: after that step, a checkpoint (model and optimizer
 state_dict) is taken and a fresh model and optimizer loaded from it train the remaining steps.
+``plan`` (Overrides' fields) instead of a tuned or fixed size: the trial gets the fake clock, moved
+by ``plan_seconds`` of the candidate plan in force.
 
 Recorded per step (after step()): the size in force and the bucket layout, the raw gradients
-(this rank's, before hipress sees them) and whether the step was skipped; at the end, after
+(this rank's, before hipress sees them) and whether the step was skipped, the carry added to them,
+the plan in force and the SGD's momentum buffers; at the end, after
 synchronize(): the parameters, the tuner's history, the optimizer's hipress state (compressor
 states and carry) and the layout with each bucket's partitions. Saves OUT_DIR/rank{r}.pt.
 """
@@ -27,6 +31,7 @@ import torch
 import torch.nn as nn
 
 import hipress
+from hipress.planner import Overrides
 from hipress.torch.nonfinite import NonFiniteGradientWarning
 
 
@@ -62,7 +67,9 @@ def make(cfg, rank, clock):
     else:  # plain SGD: p_T = p_0 - lr * (sum of the averaged gradients), for the conservation check
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kw = {"model": model} if cfg["strategy"] == "dear" else {"named_parameters": model.named_parameters()}
-    if "fixed" in cfg:
+    if "plan" in cfg:  # plan="auto"'s measured choice (test_plan_trial_ranks.py) instead of tuning
+        kw["plan"] = Overrides(**cfg["plan"])
+    elif "fixed" in cfg:
         kw["bucket_bytes"] = cfg["fixed"]
     else:
         knobs = dict(cfg["tune"])
@@ -72,6 +79,8 @@ def make(cfg, rank, clock):
     opt = hipress.DistributedOptimizer(opt, compression=cfg.get("compression", "none"), strategy=cfg["strategy"],
                                        partition_bytes=cfg.get("partition_bytes", 64 << 20),
                                        **kw, **cfg.get("kwargs", {}))
+    if opt.plan_trial is not None:
+        opt.plan_trial.clock = lambda: clock[0]
     return model, opt
 
 
@@ -96,6 +105,8 @@ def train(cfg, model, opt, rank, first, last, clock, rec, after_step=None):
         rec["grads"][step] = {n: (torch.zeros_like(p) if g is None else g.detach().clone())
                               for (n, p), g in zip(named, grads)}
         loss.backward()
+        # residuals a plan switch at this step's start handed back (added to this step's gradients)
+        rec["carry"][step] = {opt._hp_names[k]: v.clone() for k, v in opt._hp_carry.items()}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NonFiniteGradientWarning)
             opt.step()
@@ -104,7 +115,13 @@ def train(cfg, model, opt, rank, first, last, clock, rec, after_step=None):
         rec["size"][step] = tuner.size if tuner is not None else None
         rec["layout"][step] = layout(opt)
         rec["params"][step] = params(model)  # with dear: the parameters before the deferred update
-        clock[0] += synthetic_seconds(rec["size"][step] or 512) * (1 + rank / 4)
+        trial = opt.plan_trial
+        rec["plan"][step] = trial.in_use if trial is not None else None
+        rec["momentum_buffer"][step] = {n: opt.state[p]["momentum_buffer"].clone() for n, p in named
+                                        if "momentum_buffer" in opt.state.get(p, {})}
+        seconds = cfg["plan_seconds"][rec["plan"][step]] if "plan_seconds" in cfg else \
+            synthetic_seconds(rec["size"][step] or 512)
+        clock[0] += seconds * (1 + rank / 4)
         if after_step is not None:
             after_step(step)
 
@@ -123,7 +140,8 @@ def main():
     for cfg in configs:
         clock = [100.0 * (rank + 1)]  # only differences count: each rank's clock starts elsewhere
         model, opt = make(cfg, rank, clock)
-        rec = {"config": cfg, "grads": {}, "skipped": {}, "size": {}, "layout": {}, "params": {}}
+        rec = {"config": cfg, "grads": {}, "skipped": {}, "size": {}, "layout": {}, "params": {}, "carry": {},
+               "plan": {}, "momentum_buffer": {}}
         saved = {}
 
         def save(step):
@@ -142,6 +160,8 @@ def main():
         if opt.bucket_tuner is not None:
             rec["history"] = list(opt.bucket_tuner.history)
             rec["done"] = opt.bucket_tuner.done
+        if opt.plan_trial is not None:
+            rec["trial"] = {"seconds": dict(opt.plan_trial.seconds), "chosen": opt.plan_trial.chosen}
         rec["buckets"] = [{"name": b.name, "params": [(n, p.numel()) for n, p in b.params],
                            "offsets": list(b.offsets), "bounds": opt._hp_route(b)[1]} for b in opt._hp_buckets]
         if "bytes" in saved:
@@ -150,11 +170,12 @@ def main():
             model2, opt2 = make(cfg, rank, clock2)
             model2.load_state_dict(ck["model"])
             opt2.load_state_dict(ck["opt"])
-            res = {"grads": {}, "skipped": {}, "size": {}, "layout": {}, "params": {}}
+            res = {"grads": {}, "skipped": {}, "size": {}, "layout": {}, "params": {}, "carry": {}, "plan": {},
+                   "momentum_buffer": {}}
             train(cfg, model2, opt2, rank, cfg["save_at"] + 1, cfg["steps"], clock2, res)
             hipress_state(opt2, cfg)
             res["final"] = params(model2)
-            res["history"] = list(opt2.bucket_tuner.history)
+            res["history"] = list(opt2.bucket_tuner.history) if opt2.bucket_tuner is not None else None
             rec["resumed"] = res
         results.append(rec)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -63,7 +63,7 @@ def main():
         if "plan_force" in cfg:
             from hipress.planner import Overrides
             plan = Overrides(force={k: tuple(v) if isinstance(v, list) else v for k, v in cfg["plan_force"].items()},
-                             bf16=cfg.get("plan_bf16"))
+                             bf16=cfg.get("plan_bf16"), measure=cfg.get("plan_measure", Overrides.measure))
         opt = hipress.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                            compression=cfg["compression"], strategy=cfg["strategy"],
                                            backward_passes_per_step=cfg.get("passes", 1),

@@ -134,14 +134,15 @@ def residuals_by_parameter(rec, state, np):
         flat[s:e] += res.reshape(-1)
         for (name, numel), off in zip(b["params"], b["offsets"]):
             out[name] += flat[off:off + numel].view_as(out[name])
-    for name, carry in state.get("bucket_tune", {}).get("carry", {}).items():
-        out[name] += carry
+    for search in ("bucket_tune", "plan_trial"):  # the carry of a rebuild or of a plan switch
+        for name, carry in state.get(search, {}).get("carry", {}).items():
+            out[name] += carry
     return out
 
 
 def check_conservation(results, np, i, params_after, upto, held, what):
     """sum over ranks and steps < upto (not skipped) of the gradients = N * (p0 - p) / lr + held."""
-    cfg = CONFIGS[np][i]
+    cfg = results[0][i]["config"]
     for name in params_after:
         sent = sum(results[r][i]["grads"][t][name] for r in range(np) for t in range(upto)
                    if not results[r][i]["skipped"][t])

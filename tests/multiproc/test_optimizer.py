@@ -231,7 +231,8 @@ def test_planned_selective_compression(tmp_path, monkeypatch):
     monkeypatch.setenv("HIPRESS_PROFILE_DIR", str(tmp_path / "profiles"))
     np = 3
     configs = [{"compression": "tbq", "strategy": s, "kwargs": {"threshold": 0.01}, "steps": 2, "bucket_bytes": 0,
-                "plan_force": {"a.weight": [False, 2], "big": [True, 3]}, "plan_bf16": bf16}
+                "plan_force": {"a.weight": [False, 2], "big": [True, 3]}, "plan_bf16": bf16,
+                "plan_measure": 0}  # the model's plan from the first step (not measured against none)
                for s, bf16 in (("ring", False), ("ps", False), ("ring", True))]
     results = launch(tmp_path, np, configs)
     for c in range(len(configs)):

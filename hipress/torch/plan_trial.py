@@ -1,0 +1,120 @@
+"""plan="auto" (and compression="auto"): the cost model's plan measured against the plan that
+compresses nothing, while training, and the faster one kept.
+
+The cost model prices a bucket's compression by its encode and decode time alone, measured on
+an idle core. In training, compression runs beside backward on the same cores and slows it:
+on the emulated 4-host cluster at 10 Gbit/s, VGG19-like's model plan (TernGrad on the large
+buckets) ran at 1.14x DDP where the same job with nothing compressed (every bucket as bf16
+through the backend's allreduce) ran at 1.27x (docs/benchmarks.md). No per-bucket model sees
+that cost, a whole step does. So where the model's plan compresses something, the optimizer
+runs ``Overrides.measure`` steps of each candidate and keeps the faster:
+
+* ``"plain"`` first: nothing compressed, every bucket as the model's uncompressed choice
+  (fp32 or bf16 as ``Overrides.bf16`` says; a plan's ``force`` pins only the model's plan);
+* then ``"model"``: the cost model's plan;
+* then the one whose **slowest rank's** mean step time over its window was lower (a tie goes
+  to "plain": no compression error for nothing), for the rest of the job.
+
+Each candidate's window starts after ``WARMUP`` step(s) (new buffers, compressor states);
+steps skipped for non-finite gradients are not counted (hipress/torch/step_window.py). Every
+rank measures its own steps; one allgather of one float per candidate gives every rank the
+same maxima, so every rank decides the same without a broadcast. The optimizer switches plans
+at a step's start, with nothing in flight; what one plan leaves in compressor state
+(error-feedback residuals) and momentum correction's velocities is handed to the other
+(hipress/torch/optimizer.py, ``_hp_use_plan``), so nothing is lost in the switch.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+from hipress.torch.step_window import StepWindow
+
+CANDIDATES = ("plain", "model")  # in the order they are measured
+WARMUP = 1  # steps after each switch that are not measured
+
+
+class PlanTrial:
+    """The measured choice's state; see the module docstring. ``steps``: measured steps per
+    candidate (Overrides.measure); ``clock``: seconds as a float (tests script it)."""
+
+    def __init__(self, steps: int, clock: Optional[Callable[[], float]] = None, verbose: bool = True):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"a plan trial measures at least 1 step per candidate, got {steps!r}")
+        self.steps = steps
+        self.verbose = verbose
+        self.in_use = CANDIDATES[0]
+        self.seconds: Dict[str, float] = {}  # candidate -> the slowest rank's mean seconds per step
+        self.done = False
+        self._window = StepWindow(steps, WARMUP, clock)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._window.clock
+
+    @clock.setter
+    def clock(self, fn: Callable[[], float]) -> None:
+        self._window.clock = fn
+
+    @property
+    def chosen(self) -> Optional[str]:
+        """The candidate kept for good (None while measuring)."""
+        return self.in_use if self.done else None
+
+    def restart_window(self) -> None:
+        """A measurement to throw away (a failed step, reset()): this candidate's window starts over."""
+        if not self.done:
+            self._window.restart()
+
+    def step_start(self, previous_skipped: bool, slowest: Callable[[float], float],
+                   rank: int = 0) -> Optional[str]:
+        """Called on every rank at the start of every step. When the window of the candidate in
+        use is full, ``slowest`` (this rank's seconds -> the maximum over ranks; a collective every
+        rank calls at the same step) gives its objective, and the candidate to switch to is
+        returned (the next one to measure, or the faster once both are measured, if it is not the
+        one in use); else None."""
+        if self.done or not self._window.tick(previous_skipped):
+            return None
+        self.seconds[self.in_use] = slowest(self._window.seconds) / self._window.measured
+        old = self.in_use
+        left = [c for c in CANDIDATES if c not in self.seconds]
+        if left:
+            self.in_use = left[0]
+        else:
+            self.in_use = min(CANDIDATES, key=lambda c: self.seconds[c])  # the first of equals: "plain"
+            self.done = True
+            if self.verbose and rank == 0:
+                print(self.summary(), flush=True)
+        self._window.start_now()  # the decision and the switch that follows are not a step's time
+        return self.in_use if self.in_use != old else None
+
+    def mark(self) -> None:
+        """The clock restarts now (after the switch, which is not a training step)."""
+        if not self.done:
+            self._window.mark()
+
+    def settle(self, name: str) -> None:
+        """``name`` for good, unmeasured (a checkpoint of a job that ran it alone)."""
+        if name not in CANDIDATES:
+            raise ValueError(f"no candidate plan {name!r}; the candidates are {CANDIDATES}")
+        self.in_use, self.done = name, True
+
+    def summary(self) -> str:
+        measured = ", ".join(f"{c} {1e3 * s:.1f}" for c, s in self.seconds.items())
+        head = f"hipress: plan='auto' kept the {'model' if self.in_use == 'model' else 'uncompressed'} plan"
+        return head + (f" (ms per step, slowest rank, {self.steps} steps each: {measured})" if measured else "")
+
+    def state_dict(self) -> dict:
+        window = self._window.state_dict()
+        if self.done:
+            window["open_s"] = None
+        return {"version": 1, "steps": self.steps, "in_use": self.in_use, "seconds": dict(self.seconds),
+                "done": self.done, "window": window}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("version") != 1:
+            raise ValueError(f"plan trial state of version {sd.get('version')!r}; this hipress reads version 1")
+        if sd["in_use"] not in CANDIDATES or set(sd["seconds"]) - set(CANDIDATES):
+            raise ValueError(f"plan trial state names unknown plans: {sd['in_use']!r}, {sorted(sd['seconds'])}")
+        self.in_use, self.done = sd["in_use"], bool(sd["done"])
+        self.seconds = {c: float(s) for c, s in sd["seconds"].items()}
+        self._window.load_state_dict(sd["window"])

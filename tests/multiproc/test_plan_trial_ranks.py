@@ -1,0 +1,130 @@
+"""plan="auto"'s measured choice (hipress/torch/plan_trial.py) with real ranks: local processes
+over gloo, bucket_tune_worker.py's plan mode.
+
+Two ranks train with onebit under a plan whose model side compresses the weights (forced), the
+other candidate compressing nothing (fp32, so its sums are exact). The trial measures 2 steps per
+candidate after 1 warm-up step: "plain" runs steps 0-2, the model's plan from step 3, and the
+choice is made at step 6's start. A scripted clock gives each candidate a known step time,
+(1 + rank / 4) times longer on rank 1, so the slowest rank's objective is known in advance.
+  * every rank runs the same plan at every step, the trial records the slowest rank's time, and
+    the faster candidate is kept (either way);
+  * nothing is lost across the switches (SGD without momentum): the sum over ranks and steps of
+    the gradients equals N * (p0 - p) / lr plus the residuals still held, element by element;
+  * momentum correction's velocities move: a weight taken over starts from the SGD's buffer, and
+    a weight let go of gets the average of the ranks' velocities as its buffer;
+  * a checkpoint taken mid-trial resumes bit-identically.
+"""
+import pytest
+import torch
+
+from test_bucket_tune import check_conservation, residuals_by_parameter
+from worker_common import launch_worker
+
+NP = 2
+STEPS = 9
+LR = 0.1
+WEIGHTS = ("a.weight", "b.weight")
+# only the pinned weights compressed (min_compress_bytes keeps the model off the rest)
+PLAN = {"force": {w: True for w in WEIGHTS}, "min_compress_bytes": 1 << 20, "bf16": False, "measure": 2}
+SWITCH, CHOICE = 3, 6  # the steps whose start switches to the model's plan, then makes the choice
+SLOW_MODEL = {"plain": 0.5, "model": 1.0}  # seconds per step on rank 0 (whole binary fractions: exact sums)
+FAST_MODEL = {"plain": 1.0, "model": 0.5}
+EF = [{"strategy": s, "compression": "onebit", "steps": STEPS, "plan": PLAN, "plan_seconds": SLOW_MODEL,
+       "momentum": False, "kwargs": {"grad_clip": None, "bucket_bytes": 0}} for s in ("ring", "ps")]
+MOMENTUM = [{"strategy": "ring", "compression": "onebit", "steps": STEPS, "plan": PLAN, "plan_seconds": SLOW_MODEL,
+             "kwargs": {"bucket_bytes": 0}}]
+# fused buckets (bucket_bytes "auto": the tiny model is one bucket), the model's plan kept, a checkpoint mid-trial
+FUSED = {"fused[unused.bias..a.weight]": True}
+RESUME = [{"strategy": "ring", "compression": "onebit", "steps": STEPS, "plan": dict(PLAN, force=FUSED),
+           "plan_seconds": FAST_MODEL, "save_at": 4}]
+CONFIGS = EF + MOMENTUM + RESUME
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch_worker("bucket_tune_worker.py", tmp_path_factory.mktemp("trial"), NP, CONFIGS, 240)
+
+
+def expected_plans(seconds):
+    kept = min(("plain", "model"), key=lambda c: seconds[c])
+    return ["plain"] * SWITCH + ["model"] * (CHOICE - SWITCH) + [kept] * (STEPS - CHOICE)
+
+
+def test_every_rank_runs_the_faster_plan_after_measuring_both(results):
+    for i, cfg in enumerate(CONFIGS):
+        what = f"{cfg['strategy']} {cfg['plan_seconds']}"
+        want = expected_plans(cfg["plan_seconds"])
+        for r in range(NP):
+            rec = results[r][i]
+            assert [rec["plan"][s] for s in range(STEPS)] == want, f"{what}: rank {r}"
+            assert rec["layout"] == results[0][i]["layout"], f"{what}: rank {r} built other buckets"
+            # the slowest rank's (rank 1: 1.25 times rank 0's) mean over the window
+            assert rec["trial"]["seconds"] == {c: t * (1 + (NP - 1) / 4) for c, t in cfg["plan_seconds"].items()}
+            assert rec["trial"]["chosen"] == want[-1]
+        # the model's plan compresses what its pins say, the plain one nothing
+        compressed = {b["name"] for b in results[0][i]["buckets"]
+                      for k, st in results[0][i]["state"]["compressor_state"].items()
+                      if k.startswith(b["name"] + "/") and "residual" in st["buffers"]}
+        assert bool(compressed) == (want[-1] == "model"), f"{what}: compressed buckets at the end: {compressed}"
+
+
+def test_no_residual_is_lost_across_plan_switches(results):
+    for i, cfg in enumerate(EF):
+        rec0 = results[0][i]
+        # the switch back to "plain" at CHOICE handed every residual to the carry, sent in that step
+        carried = sum(float(results[r][i]["carry"][CHOICE][w].abs().sum()) for r in range(NP) for w in WEIGHTS
+                      if w in results[r][i]["carry"][CHOICE])
+        assert carried > 1e-3, f"{cfg['strategy']}: no residual handed back at the switch: no teeth"
+        assert all(not results[r][i]["carry"][s] for r in range(NP) for s in range(STEPS) if s != CHOICE)
+        # plain at the end: no residual is held, so every gradient was applied
+        held = {n: torch.zeros_like(t) for n, t in rec0["final"].items()}
+        for r in range(NP):
+            for name, t in residuals_by_parameter(results[r][i], results[r][i]["state"], NP).items():
+                held[name] += t
+        assert max(float(t.abs().max()) for t in held.values()) == 0.0
+        check_conservation(results, NP, i, rec0["final"], STEPS, held, "after both switches:")
+        # and while the model's plan ran (the parameters after its last step), residuals were held
+        before = {n: rec0["params"][CHOICE - 1][n] for n in rec0["final"]}
+        with pytest.raises(AssertionError):
+            check_conservation(results, NP, i, before, CHOICE, {n: torch.zeros_like(t) for n, t in before.items()},
+                               "without the residuals:")
+
+
+def test_momentum_moves_between_velocity_and_buffer(results):
+    i = len(EF)
+    m = 0.9
+    for w in WEIGHTS:
+        # into the model's plan at SWITCH: each rank's velocity starts from the SGD's buffer
+        # (the same on both ranks), and the SGD's buffer goes
+        buf = results[0][i]["momentum_buffer"][SWITCH - 1][w]
+        assert all(torch.equal(results[r][i]["momentum_buffer"][SWITCH - 1][w], buf) for r in range(NP))
+        assert all(w not in results[r][i]["momentum_buffer"][s] for r in range(NP) for s in range(SWITCH, CHOICE))
+        # back to plain at CHOICE: buffer = m * (average of the velocities) + the averaged gradient and carry;
+        # the velocities after step CHOICE - 1 follow from the buffer at SWITCH - 1 and each rank's gradients
+        vel = []
+        for r in range(NP):
+            u = buf.clone()
+            for s in range(SWITCH, CHOICE):
+                u = m * u + results[r][i]["grads"][s][w]
+            vel.append(u)
+        grad = sum(results[r][i]["grads"][CHOICE][w] + results[r][i]["carry"][CHOICE].get(w, 0) for r in range(NP))
+        want = m * sum(vel) / NP + grad / NP
+        for r in range(NP):
+            torch.testing.assert_close(results[r][i]["momentum_buffer"][CHOICE][w], want, rtol=1e-5, atol=1e-6)
+    # the biases kept the SGD's momentum throughout
+    assert all("a.bias" in results[0][i]["momentum_buffer"][s] for s in range(STEPS))
+    for r in range(1, NP):
+        for name, t in results[0][i]["final"].items():
+            assert torch.equal(results[r][i]["final"][name], t), f"rank {r} {name}"
+
+
+def test_resume_mid_trial_is_bit_identical(results):
+    i = len(EF) + len(MOMENTUM)
+    cfg = CONFIGS[i]
+    assert SWITCH <= cfg["save_at"] < CHOICE - 1  # saved in the model's window, measured steps on both sides
+    for r in range(NP):
+        rec, res = results[r][i], results[r][i]["resumed"]
+        assert [res["plan"][s] for s in range(cfg["save_at"] + 1, STEPS)] == \
+            [rec["plan"][s] for s in range(cfg["save_at"] + 1, STEPS)]
+        for name in rec["final"]:
+            assert torch.equal(res["final"][name], rec["final"][name]), f"rank {r} {name}"
