@@ -108,6 +108,9 @@ def worker(a) -> None:
             name = "dear" if a.strategy == "dear" else name  # dear syncs with the ring's phases
             strategy = ("lowrank" if comp.lowrank else name) + (" (DDP hook)" if a.ddp else "")
             profile = (state if a.ddp else opt).covap_profile if a.algo == "covap" else None  # interval "auto"
+            trial = None if a.ddp else opt.plan_trial  # plan="auto" measured against no compression
+            if trial is not None:
+                strategy += f", {trial.chosen or trial.in_use} plan kept" if trial.done else ", plans still measured"
             json.dump({"algo": a.algo, "points": points, "steps_per_epoch": task.steps_per_epoch(size),
                        "strategy": strategy, "covap_profile": profile and dataclasses.asdict(profile)}, f)
 
