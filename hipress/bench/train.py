@@ -107,9 +107,9 @@ def parse_system(name: str) -> dict:
             return {"kind": "hipress", "strategy": "dear", "compression": parts[2], "plan": None}
         if len(parts) == 3 and parts[1] in STRATEGIES and parts[2] in ALGOS:
             return {"kind": "hipress", "strategy": parts[1], "compression": parts[2], "plan": plan}
-    raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, hipress-covap, hipress-bf16, "
-                     f"hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, hipress-acpsgd, hipress-auto, "
-                     f"hipress-dear[-<{'|'.join(DEAR_ALGOS)}>]")
+    raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, hipress-covap, "
+                     f"hipress-bf16, hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, "
+                     f"hipress-acpsgd, hipress-auto, hipress-dear[-<{'|'.join(DEAR_ALGOS)}>]")
 
 
 COVAP_MAX_WARMUP = 30  # a bound on COVAP's warm-up (settling DDP's buckets, profiling)
