@@ -54,8 +54,8 @@ from hipress.planner.online import profile_online
 from hipress.sync import STRATEGIES, StateStore, make_sync, resolve_strategy, use_local_aggregation
 from hipress.torch import adasum, bucket_tuner, clipping, covap, dear, momentum, nonfinite
 from hipress.torch.collectives import Adasum
-from hipress.torch.plan_trial import PlanTrial
 from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWarning  # noqa: F401 (re-exported)
+from hipress.torch.plan_trial import PlanTrial
 
 Average = "average"
 Sum = "sum"
