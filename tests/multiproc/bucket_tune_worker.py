@@ -12,7 +12,8 @@ the same ones; "real" leaves the tuner's own clock. ``nan_at``: steps whose loss
 (every rank then skips the step). ``save_at``: after that step, a checkpoint (model and optimizer
 state_dict) is taken and a fresh model and optimizer loaded from it train the remaining steps.
 ``plan`` (Overrides' fields) instead of a tuned or fixed size: the trial gets the fake clock, moved
-by ``plan_seconds`` of the candidate plan in force.
+by ``plan_seconds`` of the candidate plan in force; ``load_into``: plan= options of fresh optimizers
+the checkpoint is loaded into (recorded: the error, or the trial's state and the plan in force).
 
 Recorded per step (after step()): the size in force and the bucket layout, the raw gradients
 (this rank's, before hipress sees them) and whether the step was skipped, the carry added to them,
@@ -164,7 +165,21 @@ def main():
             rec["trial"] = {"seconds": dict(opt.plan_trial.seconds), "chosen": opt.plan_trial.chosen}
         rec["buckets"] = [{"name": b.name, "params": [(n, p.numel()) for n, p in b.params],
                            "offsets": list(b.offsets), "bounds": opt._hp_route(b)[1]} for b in opt._hp_buckets]
-        if "bytes" in saved:
+        if "bytes" in saved and "load_into" in cfg:  # the checkpoint loaded by optimizers of other plan= options
+            ck = torch.load(io.BytesIO(saved["bytes"]), weights_only=False)
+            rec["loaded"] = []
+            for plan in cfg["load_into"]:
+                model2, opt2 = make(dict(cfg, plan=plan), rank, [0.0])
+                try:
+                    opt2.load_state_dict(ck["opt"])
+                except ValueError as e:
+                    rec["loaded"].append({"error": str(e)})
+                    continue
+                trial = opt2.plan_trial
+                rec["loaded"].append({"error": None, "trial": None if trial is None else (trial.in_use, trial.done),
+                                      "compressed": [opt2._hp_plan.entry(b.name, b.numel).compress
+                                                     for b in opt2._hp_buckets]})
+        elif "bytes" in saved:
             ck = torch.load(io.BytesIO(saved["bytes"]), weights_only=False)
             clock2 = [12345.0 + rank]  # a new process's clock: elsewhere again
             model2, opt2 = make(cfg, rank, clock2)

@@ -37,7 +37,15 @@ MOMENTUM = [{"strategy": "ring", "compression": "onebit", "steps": STEPS, "plan"
 FUSED = {"fused[unused.bias..a.weight]": True}
 RESUME = [{"strategy": "ring", "compression": "onebit", "steps": STEPS, "plan": dict(PLAN, force=FUSED),
            "plan_seconds": FAST_MODEL, "save_at": 4}]
-CONFIGS = EF + MOMENTUM + RESUME
+# checkpoints loaded by optimizers of other plan= options: one saved while "plain" runs and one
+# saved in the model's window, into an optimizer that does not measure (measure=0); one saved by a
+# job that did not measure, into one that does
+UNMEASURED = dict(PLAN, measure=0)
+ACROSS = [{"strategy": "ring", "compression": "onebit", "steps": 5, "plan": PLAN, "plan_seconds": SLOW_MODEL,
+           "kwargs": {"bucket_bytes": 0}, "save_at": at, "load_into": [UNMEASURED]} for at in (1, 4)] + \
+         [{"strategy": "ring", "compression": "onebit", "steps": 5, "plan": UNMEASURED, "kwargs": {"bucket_bytes": 0},
+           "save_at": 4, "load_into": [PLAN]}]
+CONFIGS = EF + MOMENTUM + RESUME + ACROSS
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +59,7 @@ def expected_plans(seconds):
 
 
 def test_every_rank_runs_the_faster_plan_after_measuring_both(results):
-    for i, cfg in enumerate(CONFIGS):
+    for i, cfg in enumerate(CONFIGS[:len(CONFIGS) - len(ACROSS)]):
         what = f"{cfg['strategy']} {cfg['plan_seconds']}"
         want = expected_plans(cfg["plan_seconds"])
         for r in range(NP):
@@ -128,3 +136,16 @@ def test_resume_mid_trial_is_bit_identical(results):
             [rec["plan"][s] for s in range(cfg["save_at"] + 1, STEPS)]
         for name in rec["final"]:
             assert torch.equal(res["final"][name], rec["final"][name]), f"rank {r} {name}"
+
+
+def test_checkpoints_across_plan_options(results):
+    base = len(CONFIGS) - len(ACROSS)
+    for r in range(NP):
+        while_plain, in_model, unmeasured = (results[r][base + k]["loaded"][0] for k in range(3))
+        # saved while the plan with nothing compressed ran: an optimizer without the choice cannot go on from it
+        assert while_plain["error"] and "resume with the plan= it was saved with" in while_plain["error"]
+        # saved while the model's plan ran, nothing carried: the model's plan goes on
+        assert in_model["error"] is None and in_model["trial"] is None and any(in_model["compressed"])
+        # saved by a job that never measured: the measuring optimizer keeps the model's plan, settled
+        assert unmeasured["error"] is None and unmeasured["trial"] == ("model", True)
+        assert any(unmeasured["compressed"])
