@@ -108,9 +108,8 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
 
     for s, cfg in cfgs.items():
         torch.manual_seed(0)
-        net, opt, no_sync, _, info = train._setup(s, cfg, spec.build(), 0.01)
-        runs[s] = {"step": functools.partial(timed_step, net, opt),
-                   "opt": opt if cfg["kind"] == "hipress" else None, "plan": info.get("plan")}
+        net, opt, no_sync, _, _ = train._setup(s, cfg, spec.build(), 0.01)
+        runs[s] = {"step": functools.partial(timed_step, net, opt), "opt": opt if cfg["kind"] == "hipress" else None}
         if s == systems[0] and cfg["kind"] == "ddp":  # the same model, no communication at all
             runs[COMPUTE_ONLY] = {"step": functools.partial(timed_step, net, opt, no_sync), "opt": None}
     order = list(runs)
@@ -129,8 +128,10 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
                 "main_cpu_s": sum(float(e[2]) for e in every) / size,
                 **{k: sum(float(e[3 + i]) for e in every) / size for i, k in enumerate(PHASES)}}
 
-    for s in order:  # warm-up: first steps allocate, plan, profile
+    for s in order:  # warm-up: first steps allocate, plan, profile; plan="auto" measures its candidate plans
         block(s, 2)
+        while runs[s]["opt"] is not None and train._trying_plans(runs[s]["opt"]):
+            block(s, 1)
     res = {s: [] for s in order}
     for b in range(blocks):
         for s in (order if b % 2 == 0 else order[::-1]):
@@ -139,7 +140,8 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"np": size, "model": model_name, "systems": order, "blocks": res, "hook": probes,
-                       "plans": {s: r["plan"] for s, r in runs.items() if r.get("plan")}}, f)
+                       "plans": {s: train._plan_info(r["opt"]) for s, r in runs.items()
+                                 if r["opt"] is not None and r["opt"]._hp_plan is not None}}, f)
     dist.barrier()
     dist.destroy_process_group()
 
