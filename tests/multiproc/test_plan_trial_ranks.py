@@ -12,7 +12,9 @@ choice is made at step 6's start. A scripted clock gives each candidate a known 
     the gradients equals N * (p0 - p) / lr plus the residuals still held, element by element;
   * momentum correction's velocities move: a weight taken over starts from the SGD's buffer, and
     a weight let go of gets the average of the ranks' velocities as its buffer;
-  * a checkpoint taken mid-trial resumes bit-identically.
+  * a checkpoint taken mid-trial resumes bit-identically;
+  * the same with the global coordinator, whose slots then carry compressed payloads of odd
+    byte counts beside plain ones (each must start aligned for the plain ones' float view).
 """
 import pytest
 import torch
@@ -30,7 +32,8 @@ SWITCH, CHOICE = 3, 6  # the steps whose start switches to the model's plan, the
 SLOW_MODEL = {"plain": 0.5, "model": 1.0}  # seconds per step on rank 0 (whole binary fractions: exact sums)
 FAST_MODEL = {"plain": 1.0, "model": 0.5}
 EF = [{"strategy": s, "compression": "onebit", "steps": STEPS, "plan": PLAN, "plan_seconds": SLOW_MODEL,
-       "momentum": False, "kwargs": {"grad_clip": None, "bucket_bytes": 0}} for s in ("ring", "ps")]
+       "momentum": False, "kwargs": {"grad_clip": None, "bucket_bytes": 0, "coordinator": c}}
+      for s, c in (("ring", False), ("ps", False), ("ring", True))]
 MOMENTUM = [{"strategy": "ring", "compression": "onebit", "steps": STEPS, "plan": PLAN, "plan_seconds": SLOW_MODEL,
              "kwargs": {"bucket_bytes": 0}}]
 # fused buckets (bucket_bytes "auto": the tiny model is one bucket), the model's plan kept, a checkpoint mid-trial
@@ -60,7 +63,7 @@ def expected_plans(seconds):
 
 def test_every_rank_runs_the_faster_plan_after_measuring_both(results):
     for i, cfg in enumerate(CONFIGS[:len(CONFIGS) - len(ACROSS)]):
-        what = f"{cfg['strategy']} {cfg['plan_seconds']}"
+        what = f"{cfg['strategy']} coordinator={cfg.get('kwargs', {}).get('coordinator')} {cfg['plan_seconds']}"
         want = expected_plans(cfg["plan_seconds"])
         for r in range(NP):
             rec = results[r][i]

@@ -65,6 +65,12 @@ def message_key(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
 
 
+def _pad(nbytes: int) -> int:
+    """Zero bytes after a payload of ``nbytes`` in a slot's batch, so the next starts 8-aligned:
+    a decoder may view its bytes as floats (the identity compressor does, without a copy)."""
+    return -nbytes % 8
+
+
 class PostedExchange:
     """One posted exchange: receives {src: sink(payload)}; ``left`` messages still to move."""
 
@@ -245,7 +251,10 @@ class Executor:
                     self._in_flight = [ex for _, ex in items]
             if items:
                 sizes = torch.tensor([p.numel() for p, _ in items], dtype=torch.int64)
-                buf = torch.cat([sizes.view(torch.uint8)] + [p for p, _ in items])
+                parts = [sizes.view(torch.uint8)]
+                for p, _ in items:  # each payload starts 8-aligned, so decoders can view it as floats
+                    parts += [p, torch.zeros(_pad(p.numel()), dtype=torch.uint8)]
+                buf = torch.cat(parts)
             else:
                 buf = torch.empty(0, dtype=torch.uint8)
         got = self.tr.sendrecv_alloc(buf, dst if dst >= 0 else None, src if src >= 0 else None)
@@ -255,13 +264,13 @@ class Executor:
         elif src >= 0:
             head = 8 * len(recv_keys)
             sizes = got[:head].view(torch.int64).tolist() if got.numel() >= head else None
-            if sizes is None or min(sizes, default=0) < 0 or head + sum(sizes) != got.numel():
+            if sizes is None or min(sizes, default=0) < 0 or head + sum(s + _pad(s) for s in sizes) != got.numel():
                 raise P.ProtocolError(f"slot {slot}: rank {src} sent {got.numel()} bytes that do not hold "
                                       f"{len(recv_keys)} planned messages")
             off = head
             for key, size in zip(recv_keys, sizes):
                 self._deliver(src, key, got[off:off + size])
-                off += size
+                off += size + _pad(size)
         self._in_flight = []
         for _, ex in items:
             self._progress(ex)
