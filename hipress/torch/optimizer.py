@@ -51,6 +51,7 @@ from hipress.compression.none import NoneCompressor
 from hipress.engine import Handle, get_engine
 from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
 from hipress.planner.online import profile_online
+from hipress.planner.profile import Profile
 from hipress.sync import STRATEGIES, StateStore, make_sync, resolve_strategy, use_local_aggregation
 from hipress.torch import adasum, bucket_tuner, clipping, covap, dear, momentum, nonfinite
 from hipress.torch.collectives import Adasum
@@ -555,6 +556,10 @@ class _HipressOptimizer:
         # that measures them (hipress/torch/plan_trial.py), as made: each use fuses a copy
         self._hp_plans: Dict[str, Plan] = {}
         self._hp_trial: Optional[PlanTrial] = None
+        # the profile a plan= made from the model was planned from: a checkpoint holds it, so a
+        # resumed job plans from the same measurements (the compressor states belong to that plan)
+        self._hp_plan_profile: Optional[Profile] = None
+        self._hp_plan_request = (options.plan, options.plain_fusion_bytes)
         if options.plan is not None:
             self._hp_plans, self._hp_trial = self._hp_make_plans(options.plan, options.plain_fusion_bytes)
             self._hp_buckets = self._hp_plan_layout(self._hp_trial.in_use if self._hp_trial is not None else "model")
@@ -621,9 +626,11 @@ class _HipressOptimizer:
         step of the slowest rank), ``best``, ``summary()``); None otherwise."""
         return self._hp_tuner
 
-    def _hp_make_plans(self, plan, fusion_bytes: int = 0) -> Tuple[Dict[str, Plan], Optional[PlanTrial]]:
-        """plan: a Plan, "auto" (profile now, collectively), an Overrides, or a dict of Overrides'
-        fields (as from JSON). fusion_bytes: what runs of uncompressed buckets are fused to, which
+    def _hp_make_plans(self, plan, fusion_bytes: int = 0,
+                       prof: Optional[Profile] = None) -> Tuple[Dict[str, Plan], Optional[PlanTrial]]:
+        """plan: a Plan, "auto" (profile now, collectively, unless ``prof`` is given: a checkpoint's),
+        an Overrides, or a dict of Overrides' fields (as from JSON). The profile planned from is kept
+        (_hp_plan_profile). fusion_bytes: what runs of uncompressed buckets are fused to, which
         the model prices them at (CostModel.plain_fusion_bytes), at most all the buckets' bytes.
         Returns the candidate plans and the trial that chooses between them (plan_trial.py): with
         Overrides.measure, where the model's plan compresses something, there are more than one
@@ -644,7 +651,9 @@ class _HipressOptimizer:
             raise ValueError(f"plan='auto' needs a single-round compressor, got {self._hp_compressor.name!r}")
         # Profiled over the world ring (its slowest link is the one that matters), by every
         # rank, so all ranks hold the same plan; N is the number of peers of the compressed sync.
-        prof = profile_online(self._hp_compressor, self._hp_transport, self._hp_strategy_name)
+        if prof is None:
+            prof = profile_online(self._hp_compressor, self._hp_transport, self._hp_strategy_name)
+        self._hp_plan_profile = prof
         n_sync = len(set(world.hostnames())) if self._hp_hierarchical else world.size()
         plain = getattr(self._hp_plain.strategy, "cross", self._hp_plain.strategy)  # across hosts, if hierarchical
         plain_allreduce = plain.name == "allreduce"
@@ -1612,7 +1621,27 @@ class _HipressOptimizer:
             sd["hipress"]["bucket_tune"] = {"tuner": self._hp_tuner.state_dict(), "carry": carry}
         if self._hp_trial is not None:  # the plan the compressor states belong to, and where the trial is
             sd["hipress"]["plan_trial"] = {"trial": self._hp_trial.state_dict(), "carry": carry}
+        if self._hp_plan_profile is not None:
+            sd["hipress"]["plan_profile"] = self._hp_plan_profile.to_dict()
         return sd
+
+    def _hp_load_plan_profile(self, hp: dict) -> None:
+        """load_state_dict(), a plan made from the model: where the checkpoint's profile is of the
+        same kind (world size, strategy, device, algorithm) but measured other figures than this
+        optimizer's (a profile taken anew at start-up, the link timed again), the plans are made
+        again from the checkpoint's, with this optimizer's plan= pins: a resumed job runs the plans
+        the saved compressor states belong to, and its trial goes on between the same candidates."""
+        saved = hp.get("plan_profile")
+        mine = self._hp_plan_profile
+        if saved is None or mine is None or saved == mine.to_dict():
+            return
+        prof = Profile.from_dict(saved, source="the checkpoint's plan_profile")
+        if prof.key != mine.key:
+            return  # another kind of job (e.g. another world size): its own profile plans it
+        request, fusion_bytes = self._hp_plan_request
+        self._hp_plans, self._hp_trial = self._hp_make_plans(request, fusion_bytes, prof)
+        self._hp_compressed.forget_layout()
+        self._hp_set_buckets(self._hp_plan_layout(self._hp_trial.in_use if self._hp_trial is not None else "model"))
 
     def _hp_load_trial(self, hp: dict) -> None:
         """load_state_dict(), plan="auto" measured: the trial's state, and the candidate plan in
@@ -1680,6 +1709,7 @@ class _HipressOptimizer:
         super(self.__class__, self).load_state_dict(state_dict)
         if hp is not None:
             self._hp_load_tuning(hp)
+            self._hp_load_plan_profile(hp)
             self._hp_load_trial(hp)
             self._hp_states.load_state_dict(hp["compressor_state"])
             if self._hp_momentum is not None:

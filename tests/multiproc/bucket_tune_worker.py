@@ -13,7 +13,9 @@ the same ones; "real" leaves the tuner's own clock. ``nan_at``: steps whose loss
 state_dict) is taken and a fresh model and optimizer loaded from it train the remaining steps.
 ``plan`` (Overrides' fields) instead of a tuned or fixed size: the trial gets the fake clock, moved
 by ``plan_seconds`` of the candidate plan in force; ``load_into``: plan= options of fresh optimizers
-the checkpoint is loaded into (recorded: the error, or the trial's state and the plan in force).
+the checkpoint is loaded into (recorded: the error, or the trial's state and the plan in force);
+``links``: {"saved": s, "resumed": s}, the link's seconds per byte the planner's profile says when
+the job that saves starts and when the resumed one does (which buckets each compresses recorded).
 
 Recorded per step (after step()): the size in force and the bucket layout, the raw gradients
 (this rank's, before hipress sees them) and whether the step was skipped, the carry added to them,
@@ -21,6 +23,8 @@ the plan in force and the SGD's momentum buffers; at the end, after
 synchronize(): the parameters, the tuner's history, the optimizer's hipress state (compressor
 states and carry) and the layout with each bucket's partitions. Saves OUT_DIR/rank{r}.pt.
 """
+import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -33,6 +37,8 @@ import torch.nn as nn
 
 import hipress
 from hipress.planner import Overrides
+from hipress.planner.cost_model import AffineCurve
+from hipress.torch import optimizer
 from hipress.torch.nonfinite import NonFiniteGradientWarning
 
 
@@ -60,7 +66,30 @@ def synthetic_seconds(size):
     return round((1.0 + 0.1 * (math.log2(size) - 8.0) ** 2) * 2 ** 20) / 2 ** 20
 
 
-def make(cfg, rank, clock):
+@contextlib.contextmanager
+def measured_link(send_s_per_byte):
+    """While it lasts, the planner's profile as measured but with the link's time per byte replaced:
+    what timing the link again may find (plan="auto" profiles at start-up, a resumed job anew)."""
+    real = optimizer.profile_online
+
+    def profile(*args, **kw):
+        prof = real(*args, **kw)
+        link = AffineCurve(1e-4, send_s_per_byte)
+        return dataclasses.replace(prof, send=link, send_one=link if prof.send_one is not None else None)
+    optimizer.profile_online = profile
+    try:
+        yield
+    finally:
+        optimizer.profile_online = real
+
+
+def make(cfg, rank, clock, link=None):
+    """link: seconds per byte of the link the planner's profile says (``measured_link``)."""
+    with measured_link(link) if link is not None else contextlib.nullcontext():
+        return _make(cfg, rank, clock)
+
+
+def _make(cfg, rank, clock):
     torch.manual_seed(0)
     model = Net()
     if cfg.get("momentum", True):
@@ -87,6 +116,11 @@ def make(cfg, rank, clock):
 
 def params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def compressed(opt):
+    """Whether the plan in force compresses each bucket (None without a plan)."""
+    return None if opt._hp_plan is None else [opt._hp_plan.entry(b.name, b.numel).compress for b in opt._hp_buckets]
 
 
 def layout(opt):
@@ -120,7 +154,7 @@ def train(cfg, model, opt, rank, first, last, clock, rec, after_step=None):
         rec["plan"][step] = trial.in_use if trial is not None else None
         rec["momentum_buffer"][step] = {n: opt.state[p]["momentum_buffer"].clone() for n, p in named
                                         if "momentum_buffer" in opt.state.get(p, {})}
-        seconds = cfg["plan_seconds"][rec["plan"][step]] if "plan_seconds" in cfg else \
+        seconds = cfg["plan_seconds"][rec["plan"][step]] if rec["plan"][step] is not None else \
             synthetic_seconds(rec["size"][step] or 512)
         clock[0] += seconds * (1 + rank / 4)
         if after_step is not None:
@@ -140,7 +174,7 @@ def main():
     results = []
     for cfg in configs:
         clock = [100.0 * (rank + 1)]  # only differences count: each rank's clock starts elsewhere
-        model, opt = make(cfg, rank, clock)
+        model, opt = make(cfg, rank, clock, cfg.get("links", {}).get("saved"))
         rec = {"config": cfg, "grads": {}, "skipped": {}, "size": {}, "layout": {}, "params": {}, "carry": {},
                "plan": {}, "momentum_buffer": {}}
         saved = {}
@@ -177,12 +211,12 @@ def main():
                     continue
                 trial = opt2.plan_trial
                 rec["loaded"].append({"error": None, "trial": None if trial is None else (trial.in_use, trial.done),
-                                      "compressed": [opt2._hp_plan.entry(b.name, b.numel).compress
-                                                     for b in opt2._hp_buckets]})
+                                      "compressed": compressed(opt2)})
         elif "bytes" in saved:
             ck = torch.load(io.BytesIO(saved["bytes"]), weights_only=False)
             clock2 = [12345.0 + rank]  # a new process's clock: elsewhere again
-            model2, opt2 = make(cfg, rank, clock2)
+            model2, opt2 = make(cfg, rank, clock2, cfg.get("links", {}).get("resumed"))
+            compressed_before = compressed(opt2)
             model2.load_state_dict(ck["model"])
             opt2.load_state_dict(ck["opt"])
             res = {"grads": {}, "skipped": {}, "size": {}, "layout": {}, "params": {}, "carry": {}, "plan": {},
@@ -190,6 +224,7 @@ def main():
             train(cfg, model2, opt2, rank, cfg["save_at"] + 1, cfg["steps"], clock2, res)
             hipress_state(opt2, cfg)
             res["final"] = params(model2)
+            res["compressed"] = {"before_load": compressed_before, "after": compressed(opt2)}
             res["history"] = list(opt2.bucket_tuner.history) if opt2.bucket_tuner is not None else None
             rec["resumed"] = res
         results.append(rec)

@@ -12,7 +12,8 @@ choice is made at step 6's start. A scripted clock gives each candidate a known 
     the gradients equals N * (p0 - p) / lr plus the residuals still held, element by element;
   * momentum correction's velocities move: a weight taken over starts from the SGD's buffer, and
     a weight let go of gets the average of the ranks' velocities as its buffer;
-  * a checkpoint taken mid-trial resumes bit-identically;
+  * a checkpoint taken mid-trial resumes bit-identically, also where the resumed job's own profile
+    (the link timed anew) would plan otherwise: it plans from the checkpoint's;
   * the same with the global coordinator, whose slots then carry compressed payloads of odd
     byte counts beside plain ones (each must start aligned for the plain ones' float view).
 """
@@ -48,7 +49,12 @@ ACROSS = [{"strategy": "ring", "compression": "onebit", "steps": 5, "plan": PLAN
            "kwargs": {"bucket_bytes": 0}, "save_at": at, "load_into": [UNMEASURED]} for at in (1, 4)] + \
          [{"strategy": "ring", "compression": "onebit", "steps": 5, "plan": UNMEASURED, "kwargs": {"bucket_bytes": 0},
            "save_at": 4, "load_into": [PLAN]}]
-CONFIGS = EF + MOMENTUM + RESUME + ACROSS
+# resumed where the planner's profile, taken anew, says another link: the job that saves sees a slow one
+# (compression pays), the resumed one a fast one (it does not); measured or not
+LINKS = {"saved": 1e-4, "resumed": 1e-12}
+PROFILED = [{"strategy": "ring", "compression": "onebit", "steps": STEPS, "plan": {"bf16": False, "measure": m},
+             "plan_seconds": FAST_MODEL, "kwargs": {"bucket_bytes": 0}, "save_at": 4, "links": LINKS} for m in (0, 2)]
+CONFIGS = EF + MOMENTUM + RESUME + PROFILED + ACROSS
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +68,7 @@ def expected_plans(seconds):
 
 
 def test_every_rank_runs_the_faster_plan_after_measuring_both(results):
-    for i, cfg in enumerate(CONFIGS[:len(CONFIGS) - len(ACROSS)]):
+    for i, cfg in enumerate(EF + MOMENTUM + RESUME):
         what = f"{cfg['strategy']} coordinator={cfg.get('kwargs', {}).get('coordinator')} {cfg['plan_seconds']}"
         want = expected_plans(cfg["plan_seconds"])
         for r in range(NP):
@@ -139,6 +145,21 @@ def test_resume_mid_trial_is_bit_identical(results):
             [rec["plan"][s] for s in range(cfg["save_at"] + 1, STEPS)]
         for name in rec["final"]:
             assert torch.equal(res["final"][name], rec["final"][name]), f"rank {r} {name}"
+
+
+def test_resume_plans_from_the_checkpoints_profile(results):
+    """The resumed job's own profile would compress nothing; it plans from the checkpoint's profile
+    instead (the plans the saved compressor states belong to) and goes on bit-identically."""
+    base = len(EF) + len(MOMENTUM) + len(RESUME)
+    for i, cfg in enumerate(PROFILED, start=base):
+        for r in range(NP):
+            rec, res = results[r][i], results[r][i]["resumed"]
+            assert not any(res["compressed"]["before_load"]), f"measure={cfg['plan']['measure']}: no teeth"
+            assert any(res["compressed"]["after"]), f"measure={cfg['plan']['measure']}: rank {r}"
+            assert [res["plan"][s] for s in range(cfg["save_at"] + 1, STEPS)] == \
+                [rec["plan"][s] for s in range(cfg["save_at"] + 1, STEPS)]
+            for name in rec["final"]:
+                assert torch.equal(res["final"][name], rec["final"][name]), f"rank {r} {name}"
 
 
 def test_checkpoints_across_plan_options(results):
