@@ -471,7 +471,9 @@ class Run:
             self.filter.advance()
             return None
         c = self._cur
-        if self._step > 0 and c["first"] is not None and c["start"] is not None:
+        # (a job resumed from a checkpoint taken while profiling has no previous step end: its
+        # first step's T_before is unknown, its T_comp and T_comm count)
+        if self._step > 0 and c["first"] is not None:
             # bucket k communicates from when it can (submitted, and bucket k-1 done) to done
             per_bucket, prev_end = {}, None
             for name in sorted(c["sub"], key=c["sub"].get):
@@ -479,13 +481,14 @@ class Run:
                 end = c["done"].get(name, start)
                 per_bucket[name] = max(0.0, end - start)
                 prev_end = end
-            self._t["before"].append(c["first"] - c["start"])
+            if c["start"] is not None:
+                self._t["before"].append(c["first"] - c["start"])
             self._t["comp"].append(max(c["last"] - c["first"], 1e-9))
             self._t["comm"].append([per_bucket.get(n, 0.0) for n in self.sizes])
         self._step += 1
         if len(self._t["comm"]) < self.profile_steps:
             return None
-        mine = [statistics.median(self._t["before"]), statistics.median(self._t["comp"])]
+        mine = [statistics.median(self._t["before"] or [0.0]), statistics.median(self._t["comp"])]
         mine += [statistics.median(col) for col in zip(*self._t["comm"])]
         rows = gather(torch.tensor(mine, dtype=torch.float64)).tolist()  # one row per rank
         # the slowest rank's computation; each collective's duration aligned at its end
@@ -505,6 +508,11 @@ class Run:
         sd = {"profile": None if self.profile is None else dataclasses.asdict(self.profile)}
         if self.filter is not None:
             sd["filter"] = self.filter.state_dict()
+        else:  # profiling: the steps measured so far (a resumed job goes on from them, so its
+            # filter starts at the same step), and while re-profiling the filter whose residuals wait
+            sd["profiling"] = {"step": self._step, "times": {k: list(v) for k, v in self._t.items()}}
+            if self._keep is not None:
+                sd["profiling"]["kept_filter"] = self._keep.state_dict()
         if self.refs is not None:  # after the averages' checkpoint form (applying one sets a reference)
             sd["refs"] = self.refs.state_dict()
         return sd
@@ -512,6 +520,17 @@ class Run:
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("profile") is not None:
             self.profile = Profile(**sd["profile"])
+        prof = sd.get("profiling")
+        if prof is not None and self.filter is not None and "kept_filter" in prof:
+            raise ValueError("the checkpoint was saved while COVAP re-profiled, its filter's residuals waiting; "
+                             "this optimizer has a fixed interval: resume with interval='auto'")
+        if prof is not None and self.filter is None:  # (a fixed interval has nothing to measure)
+            self._reset_timing()
+            self._step = int(prof["step"])
+            self._t = {k: list(v) for k, v in prof["times"].items()}
+            if "kept_filter" in prof:
+                self._keep = Filter(self.sizes, int(prof["kept_filter"]["interval"]), **self.filter_args)
+                self._keep.load_state_dict(prof["kept_filter"])
         if "filter" in sd:
             if self.filter is None:  # "auto", profiled before the checkpoint: keep its interval
                 self.filter = Filter(self.sizes, int(sd["filter"]["interval"]), **self.filter_args)

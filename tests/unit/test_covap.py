@@ -230,3 +230,77 @@ def test_wait_averages_names_the_late_or_failed_bucket():
         covap.wait_averages([late], 0.0, lambda: "waiting for rank 1")
     with pytest.raises(RuntimeError, match="'failed' failed: peer 1 died"):
         covap.wait_averages([failed], 1.0, lambda: "")
+
+
+# ---------------------------------------------------------------- the profiler across a checkpoint
+SIZES = {"a": 8, "b": 8}
+# per step: (backward, each bucket's communication) in 1/128 s (binary fractions: exact sums);
+# CCR = 3 / 1 every step
+TIMES = (1, {"a": 1, "b": 2})
+
+
+def scripted_step(run, start_s):
+    """One step on a scripted clock starting at ``start_s`` (1/256 s before the backward begins);
+    the buckets are sent one after the other as the backward ends. Returns the profile when
+    the step made it (one rank: the gather is this rank's row)."""
+    comp, comm = TIMES
+    t = start_s + 1 / 256
+    run.grad_ready(t)
+    t += comp / 128
+    run.grad_ready(t)
+    for name, ticks in comm.items():
+        run.submitted(name, t)
+        t += ticks / 128
+        run.completed(name, t)
+    profile = run.finish_step(lambda v: v.unsqueeze(0))
+    run.step_end(t)
+    return profile
+
+
+def run_steps(run, steps, clock0):
+    """The step at which each profile was made (steps numbered from ``steps.start``)."""
+    return {s: p for s in steps if (p := scripted_step(run, clock0 + s)) is not None}
+
+
+@pytest.mark.parametrize("saved_after", [1, 2, 3])  # warm-up only; one, two profiled steps of three
+def test_profiler_resumes_mid_profile_on_schedule(saved_after):
+    """A checkpoint taken while the profiler measures holds the steps measured so far: the
+    resumed run (a new process: its clock elsewhere, no previous step's end) finishes the
+    profile at the same step with the same interval, so its filter's steps match."""
+    args = dict(interval="auto", mode="paper", profile_steps=3)
+    whole = covap.Run(SIZES, **args)
+    made = run_steps(whole, range(0, 8), 0.0)
+    assert list(made) == [3] and made[3].interval == 3 and whole.filter.step == 4
+
+    first = covap.Run(SIZES, **args)
+    assert run_steps(first, range(0, saved_after), 0.0) == {}
+    sd = first.state_dict()
+    resumed = covap.Run(SIZES, **args)
+    resumed.load_state_dict(sd)
+    again = run_steps(resumed, range(saved_after, 8), 5000.0)
+    assert list(again) == [3]
+    assert (again[3].interval, again[3].t_comp, again[3].t_comm) == (made[3].interval, made[3].t_comp, made[3].t_comm)
+    assert resumed.filter.step == whole.filter.step
+    # the teeth: without the steps measured so far it profiles afresh, and filters later
+    fresh = covap.Run(SIZES, **args)
+    fresh.load_state_dict({k: v for k, v in sd.items() if k != "profiling"})
+    assert list(run_steps(fresh, range(saved_after, 8), 5000.0)) == [saved_after + 3]
+
+
+def test_reprofile_checkpoint_keeps_the_filters_residuals():
+    """Saved while re-profiling: the filter set aside (its residuals, its step) comes back in the
+    resumed run once the new profile gives the same interval; a fixed interval refuses it."""
+    args = dict(interval="auto", mode="paper", profile_steps=2)
+    run = covap.Run(SIZES, **args)
+    run_steps(run, range(0, 3), 0.0)
+    flat = torch.ones(8)
+    run.filter.apply("b", flat)  # b is not selected at the filter's step 0: its gradient waits as a residual
+    assert float(run.filter.residual["b"].sum()) > 0
+    run.reprofile()
+    sd = run.state_dict()
+    resumed = covap.Run(SIZES, **args)
+    resumed.load_state_dict(sd)
+    run_steps(resumed, range(3, 6), 5000.0)
+    assert resumed.filter.interval == 3 and torch.equal(resumed.filter.residual["b"], run._keep.residual["b"])
+    with pytest.raises(ValueError, match="fixed interval"):
+        covap.Run(SIZES, interval=3, mode="paper").load_state_dict(sd)
