@@ -511,6 +511,15 @@ class Run:
         else:  # profiling: the steps measured so far (a resumed job goes on from them, so its
             # filter starts at the same step), and while re-profiling the filter whose residuals wait
             sd["profiling"] = {"step": self._step, "times": {k: list(v) for k, v in self._t.items()}}
+            c = self._cur
+            if c["first"] is not None:  # a step timed but not closed yet (the DDP hook closes it at the
+                # next step's first bucket): its times relative to its first gradient, as another
+                # process's clock has another origin
+                base = c["first"]
+                sd["profiling"]["current"] = {
+                    "start": None if c["start"] is None else c["start"] - base, "first": 0.0,
+                    "last": c["last"] - base, "sub": {n: t - base for n, t in c["sub"].items()},
+                    "done": {n: t - base for n, t in c["done"].items()}}
             if self._keep is not None:
                 sd["profiling"]["kept_filter"] = self._keep.state_dict()
         if self.refs is not None:  # after the averages' checkpoint form (applying one sets a reference)
@@ -528,6 +537,8 @@ class Run:
             self._reset_timing()
             self._step = int(prof["step"])
             self._t = {k: list(v) for k, v in prof["times"].items()}
+            if "current" in prof:
+                self._cur = {k: dict(v) if isinstance(v, dict) else v for k, v in prof["current"].items()}
             if "kept_filter" in prof:
                 self._keep = Filter(self.sizes, int(prof["kept_filter"]["interval"]), **self.filter_args)
                 self._keep.load_state_dict(prof["kept_filter"])
@@ -626,10 +637,11 @@ class StreamRun:
 
     def state_dict(self) -> dict:
         return {"sizes": None if self.run is None else dict(self.run.sizes),
-                "run": None if self.run is None else self.run.state_dict()}
+                "run": None if self.run is None else self.run.state_dict(), "profile_due": self._profile_due}
 
     def load_state_dict(self, sd: dict) -> None:
-        self._cur, self._profile_due, self._last_done = {}, False, None
+        # a profiled step that ended before the checkpoint is closed at the resumed job's first bucket
+        self._cur, self._profile_due, self._last_done = {}, bool(sd.get("profile_due", False)), None
         if sd.get("sizes") is None:
             self.run, self._prev = None, None
             return

@@ -304,3 +304,47 @@ def test_reprofile_checkpoint_keeps_the_filters_residuals():
     assert resumed.filter.interval == 3 and torch.equal(resumed.filter.residual["b"], run._keep.residual["b"])
     with pytest.raises(ValueError, match="fixed interval"):
         covap.Run(SIZES, interval=3, mode="paper").load_state_dict(sd)
+
+
+def hook_step(stream, start_s):
+    """One step of the DDP hook's side on the scripted clock (DDP hands out the buckets as the
+    backward ends). Returns the profile when the step's first bucket closed the one before."""
+    comp, comm = TIMES
+    t = start_s + 1 / 256 + comp / 128
+    made = None
+    for name, ticks in comm.items():
+        made = stream.begin(t, lambda v: v.unsqueeze(0)) or made
+        stream.select(name, torch.zeros(SIZES[name]), t)
+        timed = stream.profiling  # (as the hook: only a profiled step's syncs are timed)
+        if timed:
+            stream.submitted(name, t)
+        t += ticks / 128
+        if timed:
+            stream.completed(name, t)
+    stream.end_step()
+    return made
+
+
+@pytest.mark.parametrize("saved_after", [3, 5])
+def test_hook_profiler_resumes_with_the_step_it_had_not_closed(saved_after):
+    """The DDP hook closes a profiled step at the next step's first bucket, so a checkpoint
+    between steps holds one step timed but not closed: the resumed hook closes it, and its
+    profile comes at the uninterrupted one's step."""
+    args = dict(interval="auto", mode="paper", profile_steps=3)
+    whole = covap.StreamRun(args)
+    made = [s for s in range(10) if hook_step(whole, float(s)) is not None]
+    first = covap.StreamRun(args)
+    for s in range(saved_after):
+        assert hook_step(first, float(s)) is None
+    sd = first.state_dict()
+    resumed = covap.StreamRun(args)
+    resumed.load_state_dict(sd)
+    again = [s for s in range(saved_after, 10) if hook_step(resumed, 5000.0 + s) is not None]
+    assert again == made and resumed.run.profile.interval == whole.run.profile.interval == 3
+    assert resumed.run.filter.step == whole.run.filter.step
+    # the teeth: without the pending step, the profile comes a step later
+    sd.pop("profile_due")
+    sd["run"]["profiling"].pop("current")
+    late = covap.StreamRun(args)
+    late.load_state_dict(sd)
+    assert [s for s in range(saved_after, 10) if hook_step(late, 5000.0 + s) is not None] == [made[0] + 1]
