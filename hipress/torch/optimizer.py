@@ -1608,7 +1608,11 @@ class _HipressOptimizer:
         if self._hp_dear is not None:
             self._hp_dear.flush()  # the state of the last step() taken
         sd = super(self.__class__, self).state_dict()
-        sd["hipress"] = {"compressor_state": self._hp_states.state_dict()}
+        states = self._hp_states.state_dict()
+        sd["hipress"] = {"compressor_state": states}
+        owners = self._hp_state_owners() if states and self._hp_covap is None else None
+        if owners is not None:  # what each state's residual stands for (_hp_load_states)
+            sd["hipress"]["state_owners"] = {k: owners[k] for k in states if k in owners}
         if self._hp_momentum is not None:
             sd["hipress"]["velocity"] = self._hp_momentum.state_dict()
         if self._hp_covap is not None:
@@ -1624,6 +1628,65 @@ class _HipressOptimizer:
         if self._hp_plan_profile is not None:
             sd["hipress"]["plan_profile"] = self._hp_plan_profile.to_dict()
         return sd
+
+    def _hp_state_owners(self) -> Optional[Dict[str, List[List]]]:
+        """Every compressor-state key of the current layout, with the parameter pieces its
+        per-element buffers (a residual) stand for: [name, offset in the parameter, offset in the
+        buffer, elements] (state_spans: the elements of the bucket each key's buffers cover).
+        None where a strategy does not list its keys (the low-rank one: its states are per matrix)."""
+        owners = {}
+        for b in self._hp_buckets:
+            sync, bounds = self._hp_route(b)
+            try:
+                spans = sync.state_spans(b.name, bounds)
+            except NotImplementedError:
+                return None
+            for key, s, e in spans:
+                owners[key] = [[n, lo - off, lo - s, hi - lo] for (n, p), off in zip(b.params, b.offsets)
+                               if (lo := max(s, off)) < (hi := min(e, off + p.numel()))]
+        return owners
+
+    def _hp_load_states(self, hp: dict) -> None:
+        """load_state_dict(): the compressor states, where they belong to this optimizer's layout.
+        Saved with another one (another number of ranks: ring chunks and PS aggregators follow it;
+        other buckets), each error-feedback residual goes, element by element, to the parameter it
+        stands for, and into this rank's next gradient (the carry, as a rebuild hands back); the
+        states start afresh, as a job of this layout does. State that is not a residual (DGC's
+        momentum) has no such home: a ValueError says so."""
+        saved, owners = hp["compressor_state"], hp.get("state_owners")
+        mine = self._hp_state_owners() if owners is not None else None
+        if mine is None or all(mine.get(k) == owners.get(k) for k in saved):
+            self._hp_states.load_state_dict(saved)
+            return
+        other = sorted({b for st in saved.values() for b in st["buffers"]} - {"residual"})
+        if other:
+            raise ValueError(f"the checkpoint's compressor states belong to another layout (another number of "
+                             f"ranks, or other buckets) and hold {other}, which only their own layout can use: "
+                             f"resume with the number of ranks and bucket options it was saved with")
+        by_name = dict(self._hp_named)
+        carry: Dict[str, torch.Tensor] = {}
+        for key, st in saved.items():
+            res = st["buffers"].get("residual")
+            if res is None:
+                continue
+            if key not in owners:
+                raise ValueError(f"the checkpoint's compressor state {key!r} has no owner in its state_owners")
+            res = res.reshape(-1)
+            for name, at, start, count in owners[key]:
+                if name not in by_name:
+                    raise ValueError(f"the checkpoint's compressor states name a parameter this optimizer lacks: "
+                                     f"{name!r}")
+                acc = carry.setdefault(name, torch.zeros(by_name[name].numel(), dtype=torch.float32))
+                acc[at:at + count] += res[start:start + count].to(torch.float32)
+        self._hp_states.load_state_dict({})
+        self._hp_compressed.forget_layout()
+        for name, acc in carry.items():
+            p = by_name[name]
+            prev = self._hp_carry.get(id(p))
+            self._hp_carry[id(p)] = acc.view(p.shape) if prev is None else prev + acc.view(p.shape)
+        warnings.warn(f"hipress: the checkpoint's compressor states belong to another layout (another number of "
+                      f"ranks, or other buckets): their error-feedback residuals ({len(carry)} parameter(s)) go "
+                      f"into this rank's next gradients, and the states start afresh")
 
     def _hp_load_plan_profile(self, hp: dict) -> None:
         """load_state_dict(), a plan made from the model: where the checkpoint's profile is of the
@@ -1711,7 +1774,7 @@ class _HipressOptimizer:
             self._hp_load_tuning(hp)
             self._hp_load_plan_profile(hp)
             self._hp_load_trial(hp)
-            self._hp_states.load_state_dict(hp["compressor_state"])
+            self._hp_load_states(hp)
             if self._hp_momentum is not None:
                 self._hp_momentum.load_state_dict(hp.get("velocity", {}))
             if self._hp_covap is not None and "covap" in hp:

@@ -1,0 +1,75 @@
+"""One rank of the resume-on-another-number-of-ranks test (launched by test_resize_ranks.py).
+
+    python resize_worker.py OUT_DIR PHASE CONFIGS_JSON
+
+PHASE "save" (2 ranks): for every config {compression, strategy}, trains resume_worker's model 3
+steps and saves the model and optimizer state_dict to OUT_DIR/ckpt-{i}-rank{r}.pt.
+PHASE "load" (3 ranks): rank r loads the files of rank r % 2, records the error of
+load_state_dict (if any), the warning it gave and the carry it made (per parameter), then
+trains 2 more steps and records the parameters. Results: OUT_DIR/{PHASE}-rank{r}.pt.
+"""
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+import hipress
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from resume_worker import batch, make_model  # noqa: E402
+
+
+def make(cfg):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    kw = {"model": model} if cfg["strategy"] == "dear" else {"named_parameters": model.named_parameters()}
+    return model, hipress.DistributedOptimizer(opt, compression=cfg["compression"], strategy=cfg["strategy"],
+                                               bucket_bytes=0, partition_bytes=16 << 10, **kw)
+
+
+def train(cfg, model, opt, rank, first, last):
+    for step in range(first, last):
+        x, y = batch(rank, step)
+        opt.zero_grad(set_to_none=True)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    if cfg["strategy"] == "dear":
+        opt.synchronize()  # dear: the last update, deferred to the next forward
+
+
+def main():
+    out, phase, configs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    hipress.init()
+    rank = hipress.rank()
+    results = []
+    for i, cfg in enumerate(configs):
+        model, opt = make(cfg)
+        if phase == "save":
+            train(cfg, model, opt, rank, 0, 3)
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                       os.path.join(out, f"ckpt-{i}-rank{rank}.pt"))
+            results.append(None)
+            continue
+        ck = torch.load(os.path.join(out, f"ckpt-{i}-rank{rank % 2}.pt"), weights_only=False)
+        model.load_state_dict(ck["model"])
+        rec = {"error": None}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                opt.load_state_dict(ck["optimizer"])
+            except ValueError as e:
+                rec["error"] = str(e)
+        rec["warnings"] = [str(w.message) for w in caught]
+        rec["carry"] = {opt._hp_names[k]: v.clone() for k, v in opt._hp_carry.items()}
+        if rec["error"] is None:
+            train(cfg, model, opt, rank, 3, 5)
+            rec["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        results.append(rec)
+    torch.save(results, os.path.join(out, f"{phase}-rank{rank}.pt"))
+    hipress.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Resuming on another number of ranks (2 saved, 3 resumed; local processes over gloo): the
+compressor states belong to the saved layout (ring chunks and PS aggregators follow the number
+of ranks), so their error-feedback residuals go, element by element, into the next gradients
+of the rank that loads them; state that is not a residual (DGC's) is refused with a ValueError."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from hipress.launch import run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the ring's chunks follow the number of ranks, so its states move (dear runs the ring's phases); PS's
+# states are per partition and role, the same keys and sizes at any number of ranks, so they load as
+# they are; DGC's momentum cannot move
+CONFIGS = [{"compression": "onebit", "strategy": s} for s in ("ring", "dear", "ps")] + \
+          [{"compression": "dgc", "strategy": "ring"}]
+MOVED, AS_IS, REFUSED = (0, 1), 2, 3
+
+
+def launch(out, phase, np):
+    cmd = [sys.executable, os.path.join(HERE, "resize_worker.py"), str(out), phase, json.dumps(CONFIGS)]
+    code, logs = run(cmd, np, timeout=240, quiet=True)
+    assert code == 0, "\n".join(logs)[-4000:]
+    return [torch.load(out / f"{phase}-rank{r}.pt", weights_only=False) for r in range(np)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resize")
+    launch(out, "save", 2)
+    loaded = launch(out, "load", 3)
+    ckpts = [[torch.load(out / f"ckpt-{i}-rank{r}.pt", weights_only=False) for r in range(2)]
+             for i in range(len(CONFIGS))]
+    return loaded, ckpts
+
+
+def test_residuals_become_the_loading_ranks_carry(results):
+    loaded, ckpts = results
+    for i in MOVED:
+        for r in range(3):
+            rec, hp = loaded[r][i], ckpts[i][r % 2]["optimizer"]["hipress"]
+            what = f"{CONFIGS[i]['strategy']} rank {r}"
+            assert rec["error"] is None and any("another layout" in w for w in rec["warnings"]), what
+            # every saved residual element lands on the parameter element its owners name
+            want = {n: torch.zeros_like(p) for n, p in rec["params"].items()}
+            for key, st in hp["compressor_state"].items():
+                res = st["buffers"].get("residual")
+                if res is None:
+                    continue
+                res = res.reshape(-1)
+                for name, at, start, count in hp["state_owners"][key]:
+                    want[name].view(-1)[at:at + count] += res[start:start + count]
+            assert sum(float(t.abs().sum()) for t in want.values()) > 1e-3, f"{what}: no residual saved: no teeth"
+            for name, t in want.items():
+                got = rec["carry"].get(name, torch.zeros_like(t))
+                torch.testing.assert_close(got, t, rtol=1e-6, atol=1e-7, msg=f"{what} {name}")
+            # and the job trains on, every rank with the same parameters
+            for name, t in loaded[0][i]["params"].items():
+                assert torch.equal(rec["params"][name], t), f"{what} {name}"
+
+
+def test_a_layout_that_fits_loads_as_it_is(results):
+    loaded, _ = results
+    for r in range(3):
+        rec = loaded[r][AS_IS]
+        assert rec["error"] is None and not rec["warnings"] and not rec["carry"]
+        for name, t in loaded[0][AS_IS]["params"].items():
+            assert torch.equal(rec["params"][name], t), f"rank {r} {name}"
+
+
+def test_state_other_than_residuals_is_refused(results):
+    loaded, _ = results
+    for r in range(3):
+        err = loaded[r][REFUSED]["error"]
+        assert err is not None and "another layout" in err and "accum" in err
