@@ -1007,10 +1007,13 @@ class _HipressOptimizer:
             self._hp_states.discard(f"{b.name}/")
             if acc is not None:
                 for (_, p), off in zip(b.params, b.offsets):
-                    part = acc[off:off + p.numel()].view(p.shape)
-                    prev = self._hp_carry.get(id(p))
-                    self._hp_carry[id(p)] = part.clone() if prev is None else prev + part
+                    self._hp_add_carry(p, acc[off:off + p.numel()].view(p.shape).clone())
         self._hp_compressed.forget_layout()
+
+    def _hp_add_carry(self, p: torch.nn.Parameter, t: torch.Tensor) -> None:
+        """Adds ``t`` (p's shape; owned by the carry from now on) to what p's next gradient carries."""
+        prev = self._hp_carry.get(id(p))
+        self._hp_carry[id(p)] = t if prev is None else prev + t
 
     # ------------------------------------------------------------------ plan="auto"'s measured choice
     @property
@@ -1611,8 +1614,9 @@ class _HipressOptimizer:
         states = self._hp_states.state_dict()
         sd["hipress"] = {"compressor_state": states}
         owners = self._hp_state_owners() if states and self._hp_covap is None else None
-        if owners is not None:  # what each state's residual stands for (_hp_load_states)
+        if owners is not None:  # what each state's residual stands for, and among how many ranks (_hp_load_states)
             sd["hipress"]["state_owners"] = {k: owners[k] for k in states if k in owners}
+            sd["hipress"]["state_ranks"] = self._hp_transport.size
         if self._hp_momentum is not None:
             sd["hipress"]["velocity"] = self._hp_momentum.state_dict()
         if self._hp_covap is not None:
@@ -1648,14 +1652,15 @@ class _HipressOptimizer:
 
     def _hp_load_states(self, hp: dict) -> None:
         """load_state_dict(): the compressor states, where they belong to this optimizer's layout.
-        Saved with another one (another number of ranks: ring chunks and PS aggregators follow it;
-        other buckets), each error-feedback residual goes, element by element, to the parameter it
-        stands for, and into this rank's next gradient (the carry, as a rebuild hands back); the
-        states start afresh, as a job of this layout does. State that is not a residual (DGC's
-        momentum) has no such home: a ValueError says so."""
+        Saved with another one (another number of ranks: ring chunks and PS's choice of aggregators
+        follow it; other buckets), each error-feedback residual goes, element by element, to the
+        parameter it stands for, and into this rank's next gradient (the carry, as a rebuild hands
+        back); the states start afresh, as a job of this layout does. State that is not a residual
+        (DGC's momentum) has no such home: a ValueError says so."""
         saved, owners = hp["compressor_state"], hp.get("state_owners")
         mine = self._hp_state_owners() if owners is not None else None
-        if mine is None or all(mine.get(k) == owners.get(k) for k in saved):
+        if mine is None or (hp.get("state_ranks") == self._hp_transport.size
+                            and all(mine.get(k) == owners.get(k) for k in saved)):
             self._hp_states.load_state_dict(saved)
             return
         other = sorted({b for st in saved.values() for b in st["buffers"]} - {"residual"})
@@ -1681,9 +1686,7 @@ class _HipressOptimizer:
         self._hp_states.load_state_dict({})
         self._hp_compressed.forget_layout()
         for name, acc in carry.items():
-            p = by_name[name]
-            prev = self._hp_carry.get(id(p))
-            self._hp_carry[id(p)] = acc.view(p.shape) if prev is None else prev + acc.view(p.shape)
+            self._hp_add_carry(by_name[name], acc.view(by_name[name].shape))
         warnings.warn(f"hipress: the checkpoint's compressor states belong to another layout (another number of "
                       f"ranks, or other buckets): their error-feedback residuals ({len(carry)} parameter(s)) go "
                       f"into this rank's next gradients, and the states start afresh")
