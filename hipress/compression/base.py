@@ -151,7 +151,8 @@ class CompressorState:
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("algorithm") != self.algorithm or int(sd.get("numel", -1)) != self.numel:
             raise ValueError(f"state for {sd.get('algorithm')!r} with {sd.get('numel')} elements cannot be loaded "
-                             f"into a {self.algorithm!r} state of {self.numel} elements")
+                             f"into a {self.algorithm!r} state of {self.numel} elements (was the checkpoint saved by "
+                             f"a job of another layout: another number of ranks, other buckets?)")
         if tuple(sd.get("matrix", self.matrix)) != self.matrix:
             raise ValueError(f"state matrix shape {sd.get('matrix')} differs from {self.matrix}")
         bufs = sd["buffers"]
