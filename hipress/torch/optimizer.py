@@ -1624,11 +1624,12 @@ class _HipressOptimizer:
             # (first: applying one sets its unit's reference, which the run's state holds)
             averages = covap.averages_state(self._hp_wait_averages())
             sd["hipress"]["covap"] = dict(self._hp_covap.state_dict(), averages=averages)
-        carry = {self._hp_names[k]: v.clone() for k, v in self._hp_carry.items()}
+        if self._hp_carry:  # residuals handed back (rebuild, plan switch, another layout's checkpoint), not sent
+            sd["hipress"]["carry"] = {self._hp_names[k]: v.clone() for k, v in self._hp_carry.items()}
         if self._hp_tuner is not None:  # the layout the compressor states belong to, and where the search is
-            sd["hipress"]["bucket_tune"] = {"tuner": self._hp_tuner.state_dict(), "carry": carry}
+            sd["hipress"]["bucket_tune"] = {"tuner": self._hp_tuner.state_dict()}
         if self._hp_trial is not None:  # the plan the compressor states belong to, and where the trial is
-            sd["hipress"]["plan_trial"] = {"trial": self._hp_trial.state_dict(), "carry": carry}
+            sd["hipress"]["plan_trial"] = {"trial": self._hp_trial.state_dict()}
         if self._hp_plan_profile is not None:
             sd["hipress"]["plan_profile"] = self._hp_plan_profile.to_dict()
         return sd
@@ -1712,42 +1713,36 @@ class _HipressOptimizer:
     def _hp_load_trial(self, hp: dict) -> None:
         """load_state_dict(), plan="auto" measured: the trial's state, and the candidate plan in
         force when the checkpoint was saved, with its buckets (the compressor states and velocities
-        loaded next belong to them; this optimizer's own are replaced, so nothing is handed over),
-        and the carry not yet sent. A checkpoint of a plan without a trial ran the model's plan."""
+        loaded next belong to them; this optimizer's own are replaced, so nothing is handed over).
+        A checkpoint of a plan without a trial ran the model's plan."""
         saved = hp.get("plan_trial")
         if self._hp_trial is None:
-            if saved is not None and (saved["carry"] or saved["trial"]["in_use"] != "model"):
+            carry = _saved_carry(hp)
+            if saved is not None and (carry or saved["trial"]["in_use"] != "model"):
                 raise ValueError(f"the checkpoint was saved with plan='auto' measuring its candidates, "
                                  f"{saved['trial']['in_use']!r} plan in force"
-                                 f"{' with residuals not yet sent' if saved['carry'] else ''}; this optimizer has no "
+                                 f"{' with residuals not yet sent' if carry else ''}; this optimizer has no "
                                  f"such choice (plan= a Plan, measure=0, or nothing compressed): resume with the "
                                  f"plan= it was saved with")
             return
         if saved is None:  # saved with the model's plan alone (measure=0): it goes on with it
             self._hp_trial.settle("model")
-            carry = {}
         else:
             self._hp_trial.load_state_dict(saved["trial"])
-            carry = saved["carry"]
-        by_name = {n: p for n, p in self._hp_named}
-        unknown = sorted(set(carry) - set(by_name))
-        if unknown:
-            raise ValueError(f"the checkpoint's plan_trial carry names parameters this optimizer lacks: {unknown[:10]}")
         self._hp_compressed.forget_layout()
         self._hp_set_buckets(self._hp_plan_layout(self._hp_trial.in_use))
-        self._hp_carry = {id(by_name[n]): v.clone() for n, v in carry.items()}
-        self._hp_carry_sent = False
 
     def _hp_load_tuning(self, hp: dict) -> None:
         """load_state_dict(), bucket_bytes="tune": the tuner's state, and the buckets of the size in
         force when the checkpoint was saved (the compressor states loaded next belong to them; this
-        optimizer's own states are replaced, so nothing is carried), and the carry not yet sent."""
+        optimizer's own states are replaced, so nothing is carried)."""
         saved = hp.get("bucket_tune")
         if self._hp_tuner is None:
+            carry = _saved_carry(hp)
             if saved is not None and _holds_buffers(hp["compressor_state"]) and (
-                    saved["carry"] or saved["tuner"]["size"] != self._hp_bucket_bytes or self._hp_first_bucket_bytes):
+                    carry or saved["tuner"]["size"] != self._hp_bucket_bytes or self._hp_first_bucket_bytes):
                 raise ValueError(f"the checkpoint was saved with bucket_bytes='tune' at {saved['tuner']['size']} bytes"
-                                 f"{' with residuals not yet sent' if saved['carry'] else ''}; its compressor states "
+                                 f"{' with residuals not yet sent' if carry else ''}; its compressor states "
                                  f"belong to those buckets: resume with bucket_bytes='tune' (or bucket_bytes="
                                  f"{saved['tuner']['size']} once nothing waits to be sent)")
             return
@@ -1756,15 +1751,20 @@ class _HipressOptimizer:
                 raise ValueError("the checkpoint was saved without bucket_bytes='tune': its compressor states belong "
                                  "to buckets of another size; resume with the bucket_bytes it was saved with")
             return
-        by_name = {n: p for n, p in self._hp_named}
-        unknown = sorted(set(saved["carry"]) - set(by_name))
-        if unknown:
-            raise ValueError(f"the checkpoint's bucket_tune carry names parameters this optimizer lacks: {unknown[:10]}")
         self._hp_tuner.load_state_dict(saved["tuner"])
         self._hp_bucket_bytes = self._hp_tuner.size
         self._hp_compressed.forget_layout()
         self._hp_set_buckets(self._hp_build_buckets())
-        self._hp_carry = {id(by_name[n]): v.clone() for n, v in saved["carry"].items()}
+
+    def _hp_load_carry(self, hp: dict) -> None:
+        """load_state_dict(): the residuals handed back and not sent yet, by parameter (this
+        optimizer's own carry is replaced); added to the next step's gradients."""
+        carry = _saved_carry(hp)
+        by_name = dict(self._hp_named)
+        unknown = sorted(set(carry) - set(by_name))
+        if unknown:
+            raise ValueError(f"the checkpoint's carry names parameters this optimizer lacks: {unknown[:10]}")
+        self._hp_carry = {id(by_name[n]): v.clone() for n, v in carry.items()}
         self._hp_carry_sent = False
 
     def load_state_dict(self, state_dict):
@@ -1777,7 +1777,8 @@ class _HipressOptimizer:
             self._hp_load_tuning(hp)
             self._hp_load_plan_profile(hp)
             self._hp_load_trial(hp)
-            self._hp_load_states(hp)
+            self._hp_load_carry(hp)
+            self._hp_load_states(hp)  # (adds to the carry where the states do not fit this layout)
             if self._hp_momentum is not None:
                 self._hp_momentum.load_state_dict(hp.get("velocity", {}))
             if self._hp_covap is not None and "covap" in hp:
@@ -1796,6 +1797,14 @@ def _plan_measure(plan) -> Optional[int]:
     if isinstance(plan, dict):
         return plan.get("measure", Overrides.measure)
     return Overrides.measure if plan == "auto" else None
+
+
+def _saved_carry(hp: dict) -> dict:
+    """A checkpoint's carry, by parameter name (held inside "bucket_tune" or "plan_trial" by
+    checkpoints written before it had an entry of its own)."""
+    if "carry" in hp:
+        return hp["carry"]
+    return next((hp[k]["carry"] for k in ("bucket_tune", "plan_trial") if "carry" in hp.get(k, {})), {})
 
 
 def _holds_buffers(states: dict) -> bool:

@@ -5,8 +5,9 @@
 PHASE "save" (2 ranks): for every config {compression, strategy}, trains resume_worker's model 3
 steps and saves the model and optimizer state_dict to OUT_DIR/ckpt-{i}-rank{r}.pt.
 PHASE "load" (3 ranks): rank r loads the files of rank r % 2, records the error of
-load_state_dict (if any), the warning it gave and the carry it made (per parameter), then
-trains 2 more steps and records the parameters. Results: OUT_DIR/{PHASE}-rank{r}.pt.
+load_state_dict (if any), the warning it gave and the carry it made (per parameter), and the
+carry of a third optimizer loaded from its state_dict (saved before any step), then trains 2 more
+steps and records the parameters. Results: OUT_DIR/{PHASE}-rank{r}.pt.
 """
 import json
 import os
@@ -63,7 +64,10 @@ def main():
                 rec["error"] = str(e)
         rec["warnings"] = [str(w.message) for w in caught]
         rec["carry"] = {opt._hp_names[k]: v.clone() for k, v in opt._hp_carry.items()}
-        if rec["error"] is None:
+        if rec["error"] is None:  # saved again before a step: the carry is in the checkpoint
+            model3, opt3 = make(cfg)
+            opt3.load_state_dict(opt.state_dict())
+            rec["carry_resaved"] = {opt3._hp_names[k]: v.clone() for k, v in opt3._hp_carry.items()}
             train(cfg, model, opt, rank, 3, 5)
             rec["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         results.append(rec)

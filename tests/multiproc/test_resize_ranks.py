@@ -58,6 +58,9 @@ def test_residuals_become_the_loading_ranks_carry(results):
             for name, t in want.items():
                 got = rec["carry"].get(name, torch.zeros_like(t))
                 torch.testing.assert_close(got, t, rtol=1e-6, atol=1e-7, msg=f"{what} {name}")
+            # saved again before a step, the carry is in the checkpoint
+            assert rec["carry_resaved"].keys() == rec["carry"].keys()
+            assert all(torch.equal(rec["carry_resaved"][n], t) for n, t in rec["carry"].items()), what
             # and the job trains on, every rank with the same parameters
             for name, t in loaded[0][i]["params"].items():
                 assert torch.equal(rec["params"][name], t), f"{what} {name}"
