@@ -559,7 +559,7 @@ class _HipressOptimizer:
         # the profile a plan= made from the model was planned from: a checkpoint holds it, so a
         # resumed job plans from the same measurements (the compressor states belong to that plan)
         self._hp_plan_profile: Optional[Profile] = None
-        self._hp_plan_request = (options.plan, options.plain_fusion_bytes)
+        self._hp_plan_option = options.plan
         if options.plan is not None:
             self._hp_plans, self._hp_trial = self._hp_make_plans(options.plan, options.plain_fusion_bytes)
             self._hp_buckets = self._hp_plan_layout(self._hp_trial.in_use if self._hp_trial is not None else "model")
@@ -687,7 +687,8 @@ class _HipressOptimizer:
     def _hp_unmovable_state(self) -> List[str]:
         """The compressor's per-element state other than error-feedback residuals (DGC's and
         Signum's momentum): a rebuild of the buckets (bucket_bytes="tune", a plan switch) hands
-        residuals back to the gradients (_hp_hand_back) but has no home for these."""
+        residuals back to the gradients (_hp_hand_back), and so does a checkpoint of another
+        layout (_hp_load_states), but neither has a home for these."""
         comp = self._hp_compressor
         return sorted({b for c in (comp, comp.merged_for(2)) for b in c.new_state(8).buffers} - {"residual"})
 
@@ -1664,8 +1665,8 @@ class _HipressOptimizer:
                             and all(mine.get(k) == owners.get(k) for k in saved)):
             self._hp_states.load_state_dict(saved)
             return
-        other = sorted({b for st in saved.values() for b in st["buffers"]} - {"residual"})
-        if other:
+        other = self._hp_unmovable_state()
+        if other and saved:
             raise ValueError(f"the checkpoint's compressor states belong to another layout (another number of "
                              f"ranks, or other buckets) and hold {other}, which only their own layout can use: "
                              f"resume with the number of ranks and bucket options it was saved with")
@@ -1705,8 +1706,7 @@ class _HipressOptimizer:
         prof = Profile.from_dict(saved, source="the checkpoint's plan_profile")
         if prof.key != mine.key:
             return  # another kind of job (e.g. another world size): its own profile plans it
-        request, fusion_bytes = self._hp_plan_request
-        self._hp_plans, self._hp_trial = self._hp_make_plans(request, fusion_bytes, prof)
+        self._hp_plans, self._hp_trial = self._hp_make_plans(self._hp_plan_option, self._hp_fusion_bytes, prof)
         self._hp_compressed.forget_layout()
         self._hp_set_buckets(self._hp_plan_layout(self._hp_trial.in_use if self._hp_trial is not None else "model"))
 
