@@ -35,6 +35,7 @@ import heapq
 import itertools
 import threading
 import time
+import warnings
 import zlib
 from typing import Dict, List, Optional, Tuple
 
@@ -47,7 +48,7 @@ from hipress.comm import world
 from hipress.comm.exchange import open_exchanges, waiting_words
 from hipress.engine import get_engine
 from hipress.sync import StateStore, make_sync, resolve_strategy, use_local_aggregation
-from hipress.torch import clipping, covap, momentum
+from hipress.torch import clipping, covap, momentum, state_layout
 from hipress.torch.optimizer import Average, Sum, _Bucket, bucket_bounds, splits_tensors
 
 __all__ = ["HookState", "hook", "comm_hook", "register", "fp16_wrapper", "bf16_wrapper", "init"]
@@ -184,6 +185,7 @@ class HookState:
                 self._names[id(p)] = n
                 params.append(p)
         self._named_given = named_parameters is not None
+        self._numels = {self._names[id(p)]: p.numel() for p in params}  # checks a checkpoint's carry
         self._covap_reserved = None  # the COVAP filter whose units the sync has declared
         # COVAP's local mode: each bucket's parameter averages of the last step, applied by its next hook
         self._covap_averages: Dict[str, List[covap.Average]] = {}
@@ -201,7 +203,9 @@ class HookState:
         self._sync = None
         self._sync16 = None
         self._states: Optional[StateStore] = None
-        self._loaded: Optional[dict] = None
+        self._loaded: Optional[dict] = None  # a state_dict's compressor states, loaded with the first bucket
+        # residuals of a checkpoint of another number of ranks, by parameter name (flat), not sent yet
+        self._carry: Dict[str, torch.Tensor] = {}
         self._layouts: Dict[Tuple[int, ...], _Layout] = {}
         self._name_owner: Dict[str, frozenset] = {}
         self._size = None
@@ -221,7 +225,7 @@ class HookState:
         self._world_exchange = exchanges.world  # a timeout names the peers it waits for
         self._states = StateStore(world.rank())
         if self._loaded is not None:
-            self._states.load_state_dict(self._loaded)
+            self._states.load_state_dict(self._fitting_states(self._loaded, world.size()))
             self._loaded = None
         hierarchical = use_local_aggregation(self.local_aggregation, world.hostnames())
         self.hierarchical = hierarchical
@@ -307,6 +311,8 @@ class HookState:
                     self.clip(name, g)
                 if self.momentum is not None:
                     self.momentum.apply(p, g)
+        if self._carry:
+            self._add_carry(lay, flat)
         fut = torch.futures.Future()
         self.buckets_synced += 1
         if self._size == 1:
@@ -489,10 +495,68 @@ class HookState:
                     f"HookState(timeout_s=)); {waiting_words(self._world_exchange)}"))
 
     # ------------------------------------------------------------------ checkpoints
+    def _add_carry(self, lay: _Layout, flat: torch.Tensor) -> None:
+        """Adds the residuals handed to this bucket's parameters (a checkpoint of another number
+        of ranks) to their gradients, in the units of what is sent, once."""
+        for (name, p), (o, n, _) in zip(lay.bucket.params, lay.bucket.segments):
+            carry = self._carry.pop(name, None)
+            if carry is None:
+                continue
+            if carry.numel() != n:
+                raise ValueError(f"the checkpoint's compressor states hold {carry.numel()} residual elements for "
+                                 f"{name!r}, which has {n}: a checkpoint of another model or other parameter names")
+            flat[o:o + n] += carry
+
+    def _owners(self) -> Optional[dict]:
+        """What each state key's residual stands for (hipress/torch/state_layout.py), over every
+        layout this hook has seen; None where the strategy does not list its keys (low-rank) or
+        COVAP filters the buckets (its states follow its own units)."""
+        if self.covap is not None:
+            return None
+        owners = {}
+        try:
+            for lay in self._layouts.values():
+                spans = self._sync.state_spans(lay.name, lay.bounds)
+                owners.update(state_layout.owners_of(spans, lay.bucket.params, lay.bucket.offsets))
+        except NotImplementedError:
+            return None
+        return owners
+
+    def _fitting_states(self, saved: dict, size: int) -> dict:
+        """The compressor states of a state_dict that a job of ``size`` ranks can load. Saved on
+        another number of ranks (ring chunks and PS's choice of aggregators follow it), each
+        residual goes to the parameter it stands for and into this rank's next gradient of it,
+        and the states start afresh (none are returned), as the optimizer does; state that is not
+        a residual (DGC's momentum) has no such home: a ValueError says so."""
+        states, owners, ranks = saved["compressor_state"], saved.get("state_owners"), saved.get("state_ranks")
+        if owners is None or ranks == size:
+            return states
+        numels = self._numels if self._named_given else None
+        carry = state_layout.residuals_by_parameter(states, owners, numels,
+                                                    state_layout.unmovable_buffers(self.compressor))
+        for name, acc in carry.items():
+            prev = self._carry.get(name)
+            self._carry[name] = acc if prev is None else prev + acc
+        if carry:
+            warnings.warn(state_layout.moved_warning(len(carry)))
+        return {}
+
     def state_dict(self) -> dict:
         """This rank's compressor state (error-feedback residuals, RNG counters, PowerSGD's Q), for
-        a checkpoint: save it per rank, beside the model and the optimizer."""
-        out = {"compressor_state": dict(self._loaded or {}) if self._states is None else self._states.state_dict()}
+        a checkpoint: save it per rank, beside the model and the optimizer. With what each
+        residual stands for (``state_owners``) and among how many ranks, so that a job of another
+        number of ranks can resume from it."""
+        if self._states is None:  # nothing ran since a load: the loaded state as it came
+            out = {k: v for k, v in (self._loaded or {"compressor_state": {}}).items()}
+            out["compressor_state"] = dict(out["compressor_state"])
+        else:
+            out = {"compressor_state": self._states.state_dict()}
+            owners = self._owners() if out["compressor_state"] else None
+            if owners is not None:
+                out["state_owners"] = {k: owners[k] for k in out["compressor_state"] if k in owners}
+                out["state_ranks"] = self._size
+        if self._carry:
+            out["carry"] = {name: t.clone() for name, t in self._carry.items()}
         if self.momentum is not None:
             out["velocity"] = self.momentum.state_dict()
         if self.covap is not None:
@@ -504,7 +568,13 @@ class HookState:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores :meth:`state_dict` (before or after the first bucket)."""
-        sd = dict(state_dict["compressor_state"])
+        sd = {k: state_dict[k] for k in ("compressor_state", "state_owners", "state_ranks") if k in state_dict}
+        sd["compressor_state"] = dict(sd["compressor_state"])
+        self._carry = {name: t.clone() for name, t in state_dict.get("carry", {}).items()}
+        size = world.size() if world.is_initialized() else (
+            dist.get_world_size() if dist.is_available() and dist.is_initialized() else None)
+        if size is not None:  # the number of ranks is known: another one's states are moved (or refused) now
+            sd = {"compressor_state": self._fitting_states(sd, size)}
         if self.momentum is not None:
             self.momentum.load_state_dict(state_dict.get("velocity", {}))
         if self.covap is not None:
@@ -518,7 +588,7 @@ class HookState:
             if self._states is None:
                 self._loaded = sd
             else:
-                self._states.load_state_dict(sd)
+                self._states.load_state_dict(sd["compressor_state"])
 
     def __getstate__(self):
         """Pickling (Lightning's ddp_spawn pickles the strategy, and this state with it) keeps the
@@ -526,12 +596,13 @@ class HookState:
         it, so the copy names parameters in the order DDP shows them (as without named_parameters)."""
         if self._sync is not None or self._heap:
             raise RuntimeError("a hipress.ddp.HookState can be pickled only before its first bucket")
-        return {"args": self._args, "loaded": self._loaded}
+        return {"args": self._args, "loaded": self._loaded, "carry": self._carry}
 
     def __setstate__(self, st):
         compression, strategy, kw = st["args"]
         self.__init__(compression, strategy, **kw)
         self._loaded = st["loaded"]
+        self._carry = st.get("carry", {})
 
     def __repr__(self) -> str:
         strategy = "lowrank" if self.compressor.lowrank else self.strategy

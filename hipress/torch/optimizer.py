@@ -53,7 +53,7 @@ from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
 from hipress.planner.online import profile_online
 from hipress.planner.profile import Profile
 from hipress.sync import STRATEGIES, StateStore, make_sync, resolve_strategy, use_local_aggregation
-from hipress.torch import adasum, bucket_tuner, clipping, covap, dear, momentum, nonfinite
+from hipress.torch import adasum, bucket_tuner, clipping, covap, dear, momentum, nonfinite, state_layout
 from hipress.torch.collectives import Adasum
 from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWarning  # noqa: F401 (re-exported)
 from hipress.torch.plan_trial import PlanTrial
@@ -689,8 +689,7 @@ class _HipressOptimizer:
         Signum's momentum): a rebuild of the buckets (bucket_bytes="tune", a plan switch) hands
         residuals back to the gradients (_hp_hand_back), and so does a checkpoint of another
         layout (_hp_load_states), but neither has a home for these."""
-        comp = self._hp_compressor
-        return sorted({b for c in (comp, comp.merged_for(2)) for b in c.new_state(8).buffers} - {"residual"})
+        return state_layout.unmovable_buffers(self._hp_compressor)
 
     def _hp_make_covap(self, args) -> "covap.Run":
         if self._hp_compressor.lowrank:
@@ -1647,9 +1646,7 @@ class _HipressOptimizer:
                 spans = sync.state_spans(b.name, bounds)
             except NotImplementedError:
                 return None
-            for key, s, e in spans:
-                owners[key] = [[n, lo - off, lo - s, hi - lo] for (n, p), off in zip(b.params, b.offsets)
-                               if (lo := max(s, off)) < (hi := min(e, off + p.numel()))]
+            owners.update(state_layout.owners_of(spans, b.params, b.offsets))
         return owners
 
     def _hp_load_states(self, hp: dict) -> None:
@@ -1661,37 +1658,18 @@ class _HipressOptimizer:
         (DGC's momentum) has no such home: a ValueError says so."""
         saved, owners = hp["compressor_state"], hp.get("state_owners")
         mine = self._hp_state_owners() if owners is not None else None
-        if mine is None or (hp.get("state_ranks") == self._hp_transport.size
-                            and all(mine.get(k) == owners.get(k) for k in saved)):
+        if mine is None or state_layout.same_layout(saved, owners, hp.get("state_ranks"), mine,
+                                                    self._hp_transport.size):
             self._hp_states.load_state_dict(saved)
             return
-        other = self._hp_unmovable_state()
-        if other and saved:
-            raise ValueError(f"the checkpoint's compressor states belong to another layout (another number of "
-                             f"ranks, or other buckets) and hold {other}, which only their own layout can use: "
-                             f"resume with the number of ranks and bucket options it was saved with")
         by_name = dict(self._hp_named)
-        carry: Dict[str, torch.Tensor] = {}
-        for key, st in saved.items():
-            res = st["buffers"].get("residual")
-            if res is None:
-                continue
-            if key not in owners:
-                raise ValueError(f"the checkpoint's compressor state {key!r} has no owner in its state_owners")
-            res = res.reshape(-1)
-            for name, at, start, count in owners[key]:
-                if name not in by_name:
-                    raise ValueError(f"the checkpoint's compressor states name a parameter this optimizer lacks: "
-                                     f"{name!r}")
-                acc = carry.setdefault(name, torch.zeros(by_name[name].numel(), dtype=torch.float32))
-                acc[at:at + count] += res[start:start + count].to(torch.float32)
+        carry = state_layout.residuals_by_parameter(saved, owners, {n: p.numel() for n, p in by_name.items()},
+                                                    self._hp_unmovable_state())
         self._hp_states.load_state_dict({})
         self._hp_compressed.forget_layout()
         for name, acc in carry.items():
             self._hp_add_carry(by_name[name], acc.view(by_name[name].shape))
-        warnings.warn(f"hipress: the checkpoint's compressor states belong to another layout (another number of "
-                      f"ranks, or other buckets): their error-feedback residuals ({len(carry)} parameter(s)) go "
-                      f"into this rank's next gradients, and the states start afresh")
+        warnings.warn(state_layout.moved_warning(len(carry)))
 
     def _hp_load_plan_profile(self, hp: dict) -> None:
         """load_state_dict(), a plan made from the model: where the checkpoint's profile is of the

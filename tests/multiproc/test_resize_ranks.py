@@ -2,8 +2,9 @@
 compressor states belong to the saved layout (ring chunks and PS aggregators follow the number
 of ranks, and so does PS's choice of aggregators), so their error-feedback residuals go, element by
 element, into the next gradients of the rank that loads them; state that is not a residual (DGC's)
-is refused with a ValueError. (A resume on the same number of ranks loads the states as they are:
-test_resume.py, bit-identical.)"""
+is refused with a ValueError. The same for DDP with hipress's comm hook (HookState). (A resume on
+the same number of ranks loads the states as they are: test_resume.py and test_ddp_hook.py,
+bit-identical.)"""
 import json
 import os
 import sys
@@ -17,8 +18,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # the ring's chunks follow the number of ranks (dear runs the ring's phases), and so does PS's choice
 # of aggregators: their states move; DGC's momentum cannot
 CONFIGS = [{"compression": "onebit", "strategy": s} for s in ("ring", "dear", "ps")] + \
-          [{"compression": "dgc", "strategy": "ring"}]
-MOVED, REFUSED = (0, 1, 2), 3
+          [{"compression": "dgc", "strategy": "ring"}] + \
+          [{"compression": c, "strategy": "ring", "hook": True} for c in ("onebit", "dgc")]
+MOVED, REFUSED = (0, 1, 2, 4), (3, 5)
 
 
 def launch(out, phase, np):
@@ -42,8 +44,9 @@ def test_residuals_become_the_loading_ranks_carry(results):
     loaded, ckpts = results
     for i in MOVED:
         for r in range(3):
-            rec, hp = loaded[r][i], ckpts[i][r % 2]["optimizer"]["hipress"]
-            what = f"{CONFIGS[i]['strategy']} rank {r}"
+            rec, hp = loaded[r][i], ckpts[i][r % 2]["optimizer"]
+            hp = hp if CONFIGS[i].get("hook") else hp["hipress"]  # the hook's state_dict, or the optimizer's part
+            what = f"{CONFIGS[i]['strategy']}{' hook' if CONFIGS[i].get('hook') else ''} rank {r}"
             assert rec["error"] is None and any("another layout" in w for w in rec["warnings"]), what
             # every saved residual element lands on the parameter element its owners name
             want = {n: torch.zeros_like(p) for n, p in rec["params"].items()}
@@ -68,6 +71,7 @@ def test_residuals_become_the_loading_ranks_carry(results):
 
 def test_state_other_than_residuals_is_refused(results):
     loaded, _ = results
-    for r in range(3):
-        err = loaded[r][REFUSED]["error"]
-        assert err is not None and "another layout" in err and "accum" in err
+    for i in REFUSED:
+        for r in range(3):
+            err = loaded[r][i]["error"]
+            assert err is not None and "another layout" in err and "accum" in err, (CONFIGS[i], r)
