@@ -390,6 +390,16 @@ PROFILE_STEPS = 5  # steps timed after one warm-up step (the paper profiles one 
 MAX_INTERVAL = {"local": 8, "paper": 4}
 
 
+def changed_units(old: Optional[Filter], new: Filter) -> List[Tuple[str, int, Tuple[int, int]]]:
+    """(bucket, unit index, range in ``old``) of the units of ``old`` that ``new`` gives another
+    range or drops (sharding follows the interval): their inner compressor states, keyed by the
+    unit's index, no longer fit it."""
+    if old is None:
+        return []
+    return [(name, t, r) for name, units in old.units.items() for t, r in units
+            if dict(new.units.get(name, [])).get(t) != r]
+
+
 class Run:
     """COVAP inside one DistributedOptimizer: profiles (interval="auto"), then filters.
 
@@ -432,6 +442,16 @@ class Run:
     @property
     def profiling(self) -> bool:
         return self.filter is None
+
+    def unit_layouts(self) -> List[Tuple[str, int, Tuple[int, int]]]:
+        """(bucket, unit index, range) of every unit whose inner compressor states may exist: the
+        filter in force's, then those of the filter set aside while re-profiling that it lacks."""
+        out, seen = [], set()
+        for filt in (self.filter, self._keep):
+            for name, units in (filt.units.items() if filt is not None else ()):
+                out += [(name, t, r) for t, r in units if (name, t) not in seen]
+                seen.update((name, t) for t, _ in units)
+        return out
 
     @property
     def local(self) -> bool:
@@ -498,7 +518,7 @@ class Run:
         self.filter = Filter(self.sizes, self.profile.interval, **self.filter_args)
         if self.refs is not None:  # its units may differ (sharding follows the interval)
             self.refs.clear()
-        if keep is not None and keep.interval == self.filter.interval:
+        if keep is not None:  # the residuals are per bucket, whatever the units: kept, and the schedule goes on
             self.filter.residual, self.filter.step = keep.residual, keep.step
         if self.on_filter is not None:
             self.on_filter(self.filter)

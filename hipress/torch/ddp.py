@@ -349,6 +349,13 @@ class HookState:
         units = cv.select(lay.name, flat, now)
         filt = cv.run.filter if cv.run is not None else None
         if filt is not None and filt is not self._covap_reserved:
+            # units the new filter gives other ranges (another interval shards otherwise) hand their
+            # inner states' residuals to the next gradients, as the optimizer does
+            lays = {lay.name: lay for lay in self._layouts.values()}
+            for name, t, r in covap.changed_units(self._covap_reserved, filt):
+                b = lays[name].bucket
+                spans = self._sync.state_spans(f"{name}/u{t}", [r])
+                self._add_to_carry(state_layout.take_residuals(self._states, spans, b.params, b.offsets))
             # every unit declared in unit order, so the sync's choices (PS aggregators) do not
             # depend on which units happen to be sent first
             for name, declared in filt.units.items():
@@ -507,17 +514,25 @@ class HookState:
                                  f"{name!r}, which has {n}: a checkpoint of another model or other parameter names")
             flat[o:o + n] += carry
 
+    def _add_to_carry(self, carry: Dict[str, torch.Tensor]) -> None:
+        for name, acc in carry.items():
+            prev = self._carry.get(name)
+            self._carry[name] = acc if prev is None else prev + acc
+
     def _owners(self) -> Optional[dict]:
         """What each state key's residual stands for (hipress/torch/state_layout.py), over every
-        layout this hook has seen; None where the strategy does not list its keys (low-rank) or
-        COVAP filters the buckets (its states follow its own units)."""
-        if self.covap is not None:
-            return None
+        layout this hook has seen and COVAP's units; None where the strategy does not list its
+        keys (low-rank)."""
         owners = {}
+        lays = {lay.name: lay for lay in self._layouts.values()}
+        units = self.covap.run.unit_layouts() if self.covap is not None and self.covap.run is not None else []
         try:
-            for lay in self._layouts.values():
+            for lay in lays.values():
                 spans = self._sync.state_spans(lay.name, lay.bounds)
                 owners.update(state_layout.owners_of(spans, lay.bucket.params, lay.bucket.offsets))
+            for name, t, r in units:
+                b = lays[name].bucket
+                owners.update(state_layout.owners_of(self._sync.state_spans(f"{name}/u{t}", [r]), b.params, b.offsets))
         except NotImplementedError:
             return None
         return owners
@@ -534,9 +549,7 @@ class HookState:
         numels = self._numels if self._named_given else None
         carry = state_layout.residuals_by_parameter(states, owners, numels,
                                                     state_layout.unmovable_buffers(self.compressor))
-        for name, acc in carry.items():
-            prev = self._carry.get(name)
-            self._carry[name] = acc if prev is None else prev + acc
+        self._add_to_carry(carry)
         if carry:
             warnings.warn(state_layout.moved_warning(len(carry)))
         return {}

@@ -598,10 +598,11 @@ class _HipressOptimizer:
         self._hp_steps = 0  # synchronizations finished (successful or skipped): the same count on every rank
         self._hp_skipped = 0  # steps not taken for non-finite gradients (every rank alike): the tuner skips them
         self._hp_skipped_seen = 0
-        # bucket_bytes="tune": residuals of rebuilt buckets, per parameter id, added to the next
-        # step's gradients (_hp_rebuild); dropped once that step commits, kept if it is undone
+        # residuals handed back (a rebuild, a plan switch, COVAP's new units, a checkpoint of another
+        # layout), per parameter id, added to the next step's gradients (_hp_take); once added they
+        # wait in _hp_carry_sent until that step commits (dropped) or is undone (back in the carry)
         self._hp_carry: Dict[int, torch.Tensor] = {}
-        self._hp_carry_sent = False
+        self._hp_carry_sent: Dict[int, torch.Tensor] = {}
         self._hp_uid = next(_wrapped)
         self._hp_joins = 0  # join() calls so far
 
@@ -701,12 +702,24 @@ class _HipressOptimizer:
         # wire "bf16": the local mode's averages as bf16 differences, where the backend sums bf16
         self._hp_covap_sync16 = covap.bf16_sync(self._hp_compressed) if run.refs is not None else None
         run.on_filter = self._hp_reserve_units
+        self._hp_covap_reserved: Optional["covap.Filter"] = None
         if run.filter is not None:
             self._hp_reserve_units(run.filter)
         return run
 
     def _hp_reserve_units(self, filt: "covap.Filter") -> None:
+        """A COVAP filter is made (at start, after each profile, from a checkpoint): the units
+        of the last one that it gives other ranges (another interval shards otherwise) hand their
+        inner compressor states' residuals back to the gradients, as a rebuild does; then every
+        unit is declared."""
         filt.undo_log.enabled = self._hp_guard
+        for name, t, r in covap.changed_units(self._hp_covap_reserved, filt):
+            b = self._hp_bucket_named[name]
+            spans = self._hp_compressed.state_spans(f"{name}/u{t}", [r])
+            for pname, acc in state_layout.take_residuals(self._hp_states, spans, b.params, b.offsets).items():
+                p = dict(b.params)[pname]
+                self._hp_add_carry(p, acc.view(p.shape))
+        self._hp_covap_reserved = filt
         # every unit declared in unit order, so its sync's choices (PS aggregators) do not
         # depend on which units happen to be sent first
         for name, units in filt.units.items():
@@ -901,10 +914,10 @@ class _HipressOptimizer:
                 p.grad = final
             if self._hp_predivide != 1.0:  # Horovod's gradient_predivide_factor: 1/f before the sum
                 p.grad.div_(self._hp_predivide)
-        carry = self._hp_carry.get(key)
+        carry = self._hp_carry.pop(key, None)
         if carry is not None:  # a residual of a rebuilt bucket (_hp_rebuild), in the units of what is sent
             p.grad.add_(carry.to(p.grad.device).view_as(p.grad))
-            self._hp_carry_sent = True
+            self._hp_carry_sent[key] = carry
         self._hp_taken.add(key)
         if (self._hp_transport.size > 1 or self._hp_dear is not None) and not (
                 self._hp_covap is not None and self._hp_covap.local):  # COVAP's local mode sends no gradient
@@ -997,23 +1010,20 @@ class _HipressOptimizer:
         a job resumed from a checkpoint starts from too."""
         for b in self._hp_buckets:
             sync, bounds = self._hp_route(b)
-            acc = None
-            for key, s, e in sync.state_spans(b.name, bounds):
-                bufs = self._hp_states.take(key)
-                if bufs and "residual" in bufs:
-                    if acc is None:
-                        acc = torch.zeros(b.numel, dtype=torch.float32)
-                    acc[s:e] += bufs["residual"]
+            by_name = dict(b.params)
+            for name, acc in state_layout.take_residuals(self._hp_states, sync.state_spans(b.name, bounds),
+                                                         b.params, b.offsets).items():
+                self._hp_add_carry(by_name[name], acc.view(by_name[name].shape))
             self._hp_states.discard(f"{b.name}/")
-            if acc is not None:
-                for (_, p), off in zip(b.params, b.offsets):
-                    self._hp_add_carry(p, acc[off:off + p.numel()].view(p.shape).clone())
         self._hp_compressed.forget_layout()
 
     def _hp_add_carry(self, p: torch.nn.Parameter, t: torch.Tensor) -> None:
         """Adds ``t`` (p's shape; owned by the carry from now on) to what p's next gradient carries."""
-        prev = self._hp_carry.get(id(p))
-        self._hp_carry[id(p)] = t if prev is None else prev + t
+        self._hp_add_carry_id(id(p), t)
+
+    def _hp_add_carry_id(self, key: int, t: torch.Tensor) -> None:
+        prev = self._hp_carry.get(key)
+        self._hp_carry[key] = t if prev is None else prev + t
 
     # ------------------------------------------------------------------ plan="auto"'s measured choice
     @property
@@ -1406,11 +1416,12 @@ class _HipressOptimizer:
 
     def _hp_carry_committed(self) -> None:
         """The step that added the carry to its gradients is kept: the carry is in its sums now."""
-        if self._hp_carry_sent:
-            self._hp_carry, self._hp_carry_sent = {}, False
+        self._hp_carry_sent = {}
 
     def _hp_undo(self) -> None:
-        self._hp_carry_sent = False  # the step is dropped: its gradients (and the carry in them) were not taken
+        for key, t in self._hp_carry_sent.items():  # the step is dropped: its gradients (and the carry in them) were not taken
+            self._hp_add_carry_id(key, t)
+        self._hp_carry_sent = {}
         self._hp_states.undo()
         if self._hp_momentum is not None:
             self._hp_momentum.undo()
@@ -1613,7 +1624,7 @@ class _HipressOptimizer:
         sd = super(self.__class__, self).state_dict()
         states = self._hp_states.state_dict()
         sd["hipress"] = {"compressor_state": states}
-        owners = self._hp_state_owners() if states and self._hp_covap is None else None
+        owners = self._hp_state_owners() if states else None
         if owners is not None:  # what each state's residual stands for, and among how many ranks (_hp_load_states)
             sd["hipress"]["state_owners"] = {k: owners[k] for k in states if k in owners}
             sd["hipress"]["state_ranks"] = self._hp_transport.size
@@ -1647,6 +1658,11 @@ class _HipressOptimizer:
             except NotImplementedError:
                 return None
             owners.update(state_layout.owners_of(spans, b.params, b.offsets))
+        if self._hp_covap is not None:  # COVAP: each unit's sync has states of its own
+            for name, t, r in self._hp_covap.unit_layouts():
+                b = self._hp_bucket_named[name]
+                owners.update(state_layout.owners_of(self._hp_compressed.state_spans(f"{name}/u{t}", [r]),
+                                                     b.params, b.offsets))
         return owners
 
     def _hp_load_states(self, hp: dict) -> None:
@@ -1743,7 +1759,7 @@ class _HipressOptimizer:
         if unknown:
             raise ValueError(f"the checkpoint's carry names parameters this optimizer lacks: {unknown[:10]}")
         self._hp_carry = {id(by_name[n]): v.clone() for n, v in carry.items()}
-        self._hp_carry_sent = False
+        self._hp_carry_sent = {}
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
@@ -1752,6 +1768,13 @@ class _HipressOptimizer:
             self._hp_dear.flush()  # pending updates belong to the state being replaced
         super(self.__class__, self).load_state_dict(state_dict)
         if hp is not None:
+            if self._hp_covap is not None and "covap" in hp:  # first: its filter's units are part of the layout
+                self._hp_covap.load_state_dict(hp["covap"])
+                saved = hp["covap"].get("averages", [])
+                unknown = sorted({a["bucket"] for a in saved} - set(self._hp_bucket_named))
+                if unknown:
+                    raise ValueError(f"the checkpoint's COVAP averages name buckets this optimizer lacks: {unknown[:5]}")
+                self._hp_averaged = covap.averages_from_state(saved)
             self._hp_load_tuning(hp)
             self._hp_load_plan_profile(hp)
             self._hp_load_trial(hp)
@@ -1759,13 +1782,6 @@ class _HipressOptimizer:
             self._hp_load_states(hp)  # (adds to the carry where the states do not fit this layout)
             if self._hp_momentum is not None:
                 self._hp_momentum.load_state_dict(hp.get("velocity", {}))
-            if self._hp_covap is not None and "covap" in hp:
-                self._hp_covap.load_state_dict(hp["covap"])
-                saved = hp["covap"].get("averages", [])
-                unknown = sorted({a["bucket"] for a in saved} - set(self._hp_bucket_named))
-                if unknown:
-                    raise ValueError(f"the checkpoint's COVAP averages name buckets this optimizer lacks: {unknown[:5]}")
-                self._hp_averaged = covap.averages_from_state(saved)
 
 
 def _plan_measure(plan) -> Optional[int]:

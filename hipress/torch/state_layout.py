@@ -28,6 +28,24 @@ def owners_of(spans: Sequence[Tuple[str, int, int]], params: Sequence[Tuple[str,
             for key, s, e in spans}
 
 
+def take_residuals(states, spans: Sequence[Tuple[str, int, int]], params: Sequence[Tuple[str, torch.Tensor]],
+                   offsets: Sequence[int]) -> Dict[str, torch.Tensor]:
+    """Removes the states of one bucket's ``spans`` from ``states`` (a StateStore) and returns
+    their residuals summed per parameter (flat fp32 tensors of each parameter's size): what a
+    rebuilt layout hands back to the gradients. Other per-element state goes with its state."""
+    sizes = {n: p.numel() for n, p in params}
+    out: Dict[str, torch.Tensor] = {}
+    for key, pieces in owners_of(spans, params, offsets).items():
+        bufs = states.take(key)
+        if not bufs or "residual" not in bufs:
+            continue
+        res = bufs["residual"].reshape(-1)
+        for name, at, start, count in pieces:
+            acc = out.setdefault(name, torch.zeros(sizes[name], dtype=torch.float32))
+            acc[at:at + count] += res[start:start + count].to(torch.float32)
+    return out
+
+
 def unmovable_buffers(compressor) -> List[str]:
     """The compressor's per-element state other than error-feedback residuals (DGC's and Signum's
     momentum): no other layout has a home for it."""

@@ -141,7 +141,8 @@ def train(cfg, model, opt, rank, first, last, clock, rec, after_step=None):
                               for (n, p), g in zip(named, grads)}
         loss.backward()
         # residuals a plan switch at this step's start handed back (added to this step's gradients)
-        rec["carry"][step] = {opt._hp_names[k]: v.clone() for k, v in opt._hp_carry.items()}
+        # (once added to a gradient, a carry waits in _hp_carry_sent until the step commits)
+        rec["carry"][step] = {opt._hp_names[k]: v.clone() for k, v in {**opt._hp_carry, **opt._hp_carry_sent}.items()}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NonFiniteGradientWarning)
             opt.step()

@@ -8,7 +8,8 @@ wire="bf16"); the final parameters go to OUT_DIR/fixed-{mode}-rank{r}.pt, and in
 those after synchronize() to OUT_DIR/synced-rank{r}.pt. Then mode "local" with a NaN on rank 1 at step 1: each step's
 parameters and filter step go to OUT_DIR/nonfinite-local-rank{r}.pt. Run B (one fused bucket,
 mode "paper"): interval "auto" with 2 profiled steps; its profile and the steps it took go to
-OUT_DIR/auto-rank{r}.pt.
+OUT_DIR/auto-rank{r}.pt. Run C (mode "paper", onebit inside): re-profiled to another interval;
+OUT_DIR/reprofile-rank{r}.pt.
 """
 import os
 import sys
@@ -17,6 +18,7 @@ import warnings
 import torch
 
 import hipress
+from hipress.torch import covap
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from resume_worker import batch, make_model  # noqa: E402  (the resume test's model and batches)
@@ -82,6 +84,32 @@ def main(out):
     train(opt, model, rank, 2)
     torch.save({"before": before, "after": opt.covap_profile, "state": opt.state_dict()["hipress"]["covap"],
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, f"{out}/auto-rank{rank}.pt")
+
+    # Run C: mode "paper" with onebit inside, re-profiled to another interval (the cap lowered to 2
+    # before covap_reprofile(): a measured CCR cannot be scripted across real ranks). The large
+    # weight is sharded into as many units as the interval, so its units change ranges, and the
+    # onebit states keyed by their index no longer fit.
+    model = make_model()
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                       compression="covap", mode="paper", inner="onebit", strategy="ring",
+                                       profile_steps=2, bucket_bytes=0)
+    train(opt, model, rank, 5)
+    first, old_filter = opt.covap_profile, opt._hp_covap.filter
+    saved = opt.state_dict()["hipress"]  # the units' states stay as they are while re-profiling
+    opt._hp_covap.max_interval = 2
+    opt.covap_reprofile()
+    carries, step = [], 5
+    while opt.covap_profile is first:
+        x, y = batch(rank, step)
+        opt.zero_grad(set_to_none=True)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        carries.append({opt._hp_names[k]: v.clone() for k, v in opt._hp_carry.items()})
+        step += 1
+    changed = covap.changed_units(old_filter, opt._hp_covap.filter)
+    train(opt, model, rank, 3)  # goes on with the new units
+    torch.save({"first": first, "second": opt.covap_profile, "saved": saved, "changed": changed, "carry": carries[-1],
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, f"{out}/reprofile-rank{rank}.pt")
     hipress.shutdown()
 
 

@@ -2,7 +2,7 @@
 
     python resize_worker.py OUT_DIR PHASE CONFIGS_JSON
 
-PHASE "save" (2 ranks): for every config {compression, strategy, hook?}, trains resume_worker's
+PHASE "save" (2 ranks): for every config {compression, strategy, hook?, kwargs?}, trains resume_worker's
 model 3 steps (with hipress.DistributedOptimizer, or with "hook": DDP and hipress's comm hook)
 and saves the model and optimizer (or hook) state_dict to OUT_DIR/ckpt-{i}-rank{r}.pt.
 PHASE "load" (3 ranks): rank r loads the files of rank r % 2, records the error of
@@ -33,7 +33,7 @@ class Hooked:
     def __init__(self, model, cfg):
         self.ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets
         self.state = hipress.ddp.HookState(cfg["compression"], cfg["strategy"], partition_bytes=16 << 10,
-                                           named_parameters=model.named_parameters())
+                                           named_parameters=model.named_parameters(), **cfg.get("kwargs", {}))
         self.ddp.register_comm_hook(self.state, hipress.ddp.hook)
         self.sgd = torch.optim.SGD(model.parameters(), lr=0.05)
         self.shapes = {n: p.shape for n, p in model.named_parameters()}
@@ -62,7 +62,7 @@ def make(cfg):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     kw = {"model": model} if cfg["strategy"] == "dear" else {"named_parameters": model.named_parameters()}
     return model, hipress.DistributedOptimizer(opt, compression=cfg["compression"], strategy=cfg["strategy"],
-                                               bucket_bytes=0, partition_bytes=16 << 10, **kw)
+                                               bucket_bytes=0, partition_bytes=16 << 10, **kw, **cfg.get("kwargs", {}))
 
 
 def train(cfg, model, opt, rank, first, last):

@@ -128,3 +128,30 @@ def test_local_mode_skipped_step_writes_no_average(out):
     for r in range(NP):
         for n in want[r]:
             torch.testing.assert_close(snaps[r][2]["params"][n], want[r][n], rtol=1e-5, atol=1e-6, msg=f"rank {r} {n}")
+
+
+def test_reprofile_to_another_interval_hands_the_changed_units_states_back(out):
+    """Re-profiled to another interval, the large weight is sharded otherwise: the inner onebit
+    states of the units whose ranges changed go, element by element, into the next gradients
+    (the carry), and training goes on (before, the old states met the new units: 'state was
+    made for 8192 elements, the gradient has 4096')."""
+    res = [torch.load(out / f"reprofile-rank{r}.pt", weights_only=False) for r in range(NP)]
+    for rec in res:
+        assert rec["first"].interval != rec["second"].interval == 2
+        assert rec["changed"], "no unit changed ranges: no teeth"
+        want = {}
+        hp = rec["saved"]
+        for name, t, _ in rec["changed"]:
+            for key, st in hp["compressor_state"].items():
+                if not key.startswith(f"{name}/u{t}/") or "residual" not in st["buffers"]:
+                    continue
+                res_ = st["buffers"]["residual"].reshape(-1)
+                for pname, at, start, count in hp["state_owners"][key]:
+                    acc = want.setdefault(pname, torch.zeros(rec["params"][pname].numel()))
+                    acc[at:at + count] += res_[start:start + count]
+        assert want and sum(float(t.abs().sum()) for t in want.values()) > 1e-3
+        assert rec["carry"].keys() == want.keys()
+        for pname, t in want.items():
+            torch.testing.assert_close(rec["carry"][pname].reshape(-1), t, rtol=1e-6, atol=1e-7)
+    for n in res[0]["params"]:
+        assert torch.equal(res[0]["params"][n], res[1]["params"][n])

@@ -4,7 +4,7 @@ of ranks, and so does PS's choice of aggregators), so their error-feedback resid
 element, into the next gradients of the rank that loads them; state that is not a residual (DGC's)
 is refused with a ValueError. The same for DDP with hipress's comm hook (HookState). (A resume on
 the same number of ranks loads the states as they are: test_resume.py and test_ddp_hook.py,
-bit-identical.)"""
+bit-identical.) COVAP's units (each its own inner compressor states) move the same way."""
 import json
 import os
 import sys
@@ -19,8 +19,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # of aggregators: their states move; DGC's momentum cannot
 CONFIGS = [{"compression": "onebit", "strategy": s} for s in ("ring", "dear", "ps")] + \
           [{"compression": "dgc", "strategy": "ring"}] + \
-          [{"compression": c, "strategy": "ring", "hook": True} for c in ("onebit", "dgc")]
-MOVED, REFUSED = (0, 1, 2, 4), (3, 5)
+          [{"compression": c, "strategy": "ring", "hook": True} for c in ("onebit", "dgc")] + \
+          [{"compression": "covap", "strategy": "ring", "kwargs": {"mode": "paper", "inner": "onebit", "interval": 2},
+            **hook} for hook in ({}, {"hook": True})]  # COVAP's units: a sync each, sharded by the median rule
+MOVED, REFUSED = (0, 1, 2, 4, 6, 7), (3, 5)
 
 
 def launch(out, phase, np):

@@ -348,3 +348,40 @@ def test_hook_profiler_resumes_with_the_step_it_had_not_closed(saved_after):
     late = covap.StreamRun(args)
     late.load_state_dict(sd)
     assert [s for s in range(saved_after, 10) if hook_step(late, 5000.0 + s) is not None] == [made[0] + 1]
+
+
+def test_reprofile_to_another_interval_keeps_the_residuals_and_names_the_changed_units():
+    """The filter's residuals are per bucket, whatever its units: a new profile with another
+    interval keeps them (and the coefficient schedule's step); the units it shards otherwise are
+    the ones whose inner compressor states no longer fit (changed_units)."""
+    sizes = {"a": 8, "b": 64, "c": 8}  # median 8: b is sharded into min(8, I) units
+    run = covap.Run(sizes, interval="auto", mode="paper", profile_steps=2)
+
+    def step(start_s):  # CCR 3: backward 1/128 s, the buckets' syncs 1/128 s each
+        t = start_s + 1 / 256
+        run.grad_ready(t)
+        t += 1 / 128
+        run.grad_ready(t)
+        for name in sizes:
+            run.submitted(name, t)
+            t += 1 / 128
+            run.completed(name, t)
+        made = run.finish_step(lambda v: v.unsqueeze(0))
+        run.step_end(t)
+        return made
+
+    assert [s for s in range(4) if step(float(s))] == [2] and run.filter.interval == 3
+    old = run.filter
+    old.apply("b", torch.ones(64))  # units of b not selected at step 0 keep their gradient
+    old.advance()
+    kept, old_step = old.residual["b"].clone(), old.step
+    assert float(kept.sum()) > 0
+    run.max_interval = 2
+    run.reprofile()
+    assert [s for s in range(4, 7) if step(float(s))] == [6] and run.filter.interval == 2
+    assert torch.equal(run.filter.residual["b"], kept) and run.filter.step == old_step > 0
+    assert [u[:2] for u in old.units["b"]] == [(1, (0, 22)), (2, (22, 43)), (3, (43, 64))]
+    changed = covap.changed_units(old, run.filter)
+    assert {(n, t) for n, t, _ in changed} == {("b", 1), ("b", 2), ("b", 3), ("c", 4)}
+    assert ("b", 1, (0, 22)) in changed  # the range its states were made for
+    assert covap.changed_units(None, run.filter) == []
