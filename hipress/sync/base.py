@@ -280,3 +280,13 @@ class Strategy:
     def forget_layout(self) -> None:
         """The gradients were regrouped (bucket_bytes="tune"): per-gradient choices made on first
         sight (PS's aggregators) are dropped, so the new layout gets them as a fresh job would."""
+
+    def layout_state(self) -> dict:
+        """The choices made on first sight (PS's aggregators), for a checkpoint: they depend on
+        the order gradients were first seen in (COVAP's profiling steps sync whole buckets
+        before its units), which a resumed job does not replay, and a state saved on its
+        aggregator belongs there. Empty where there are none."""
+        return {}
+
+    def load_layout_state(self, sd: dict) -> None:
+        """Restores :meth:`layout_state` (of a job with the same layout)."""

@@ -87,6 +87,12 @@ class Sync:
     def forget_layout(self) -> None:
         self.strategy.forget_layout()
 
+    def layout_state(self) -> dict:
+        return self.strategy.layout_state()
+
+    def load_layout_state(self, sd: dict) -> None:
+        self.strategy.load_layout_state(sd)
+
     # The two phases, apart (RingStrategy's, and AllreduceStrategy's over the backend's collectives;
     # strategy "dear" uses them).
     def reduce_scatter(self, name: str, flat: torch.Tensor, bounds: Sequence[Tuple[int, int]], **check) -> Handle:

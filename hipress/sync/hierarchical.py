@@ -50,6 +50,12 @@ class HierarchicalStrategy(Strategy):
     def forget_layout(self) -> None:
         self.cross.forget_layout()
 
+    def layout_state(self) -> dict:
+        return self.cross.layout_state()
+
+    def load_layout_state(self, sd: dict) -> None:
+        self.cross.load_layout_state(sd)
+
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), **kw) -> Handle:
         h = list(deps)

@@ -74,6 +74,14 @@ class PSStrategy(Strategy):
         self._owner.clear()
         self._load = []
 
+    def layout_state(self) -> dict:
+        return {"aggregators": dict(self._owner), "load": list(self._load)} if self._owner else {}
+
+    def load_layout_state(self, sd: dict) -> None:
+        if sd:
+            self._owner = {str(k): int(v) for k, v in sd["aggregators"].items()}
+            self._load = [int(v) for v in sd["load"]]
+
     def build(self, ctx: SyncContext, tensor_name: str, flat: torch.Tensor,
               bounds: Sequence[Tuple[int, int]], deps: Sequence[Handle] = (), segments=None, **kw) -> Handle:
         """``segments``: as the allgather strategy's (a partition of whole rows of one tensor gets its shape)."""

@@ -224,14 +224,14 @@ class HookState:
         exchanges = open_exchanges(engine, coordinated=self.coordinator)
         self._world_exchange = exchanges.world  # a timeout names the peers it waits for
         self._states = StateStore(world.rank())
-        if self._loaded is not None:
-            self._states.load_state_dict(self._fitting_states(self._loaded, world.size()))
-            self._loaded = None
         hierarchical = use_local_aggregation(self.local_aggregation, world.hostnames())
         self.hierarchical = hierarchical
         self._split_tensors = splits_tensors(self.compressor, self.strategy)
         self._sync = make_sync(engine, exchanges, self.compressor, self.strategy, self._states, self.average,
                                hierarchical, world.size(), world.local_rank() == 0)
+        if self._loaded is not None:
+            self._load_fitting(self._fitting_states(self._loaded, world.size()))
+            self._loaded = None
         # COVAP's local mode with wire "bf16": its averages as bf16 differences, where the backend sums bf16
         self._sync16 = covap.bf16_sync(self._sync) if self.covap is not None else None
 
@@ -538,21 +538,27 @@ class HookState:
         return owners
 
     def _fitting_states(self, saved: dict, size: int) -> dict:
-        """The compressor states of a state_dict that a job of ``size`` ranks can load. Saved on
-        another number of ranks (ring chunks and PS's choice of aggregators follow it), each
-        residual goes to the parameter it stands for and into this rank's next gradient of it,
-        and the states start afresh (none are returned), as the optimizer does; state that is not
-        a residual (DGC's momentum) has no such home: a ValueError says so."""
+        """What of a state_dict a job of ``size`` ranks can load (the compressor states and the
+        sync's first-sight choices, for :meth:`_load_fitting`). Saved on another number of ranks
+        (ring chunks and PS's choice of aggregators follow it), each residual goes to the
+        parameter it stands for and into this rank's next gradient of it, and the states start
+        afresh (none are returned), as the optimizer does; state that is not a residual (DGC's
+        momentum) has no such home: a ValueError says so."""
         states, owners, ranks = saved["compressor_state"], saved.get("state_owners"), saved.get("state_ranks")
         if owners is None or ranks == size:
-            return states
+            return {k: saved[k] for k in ("compressor_state", "sync_layout") if k in saved}
         numels = self._numels if self._named_given else None
         carry = state_layout.residuals_by_parameter(states, owners, numels,
                                                     state_layout.unmovable_buffers(self.compressor))
         self._add_to_carry(carry)
         if carry:
             warnings.warn(state_layout.moved_warning(len(carry)))
-        return {}
+        return {"compressor_state": {}}
+
+    def _load_fitting(self, sd: dict) -> None:
+        """Loads what :meth:`_fitting_states` returned, once the sync exists."""
+        self._states.load_state_dict(sd["compressor_state"])
+        self._sync.load_layout_state(sd.get("sync_layout", {}))
 
     def state_dict(self) -> dict:
         """This rank's compressor state (error-feedback residuals, RNG counters, PowerSGD's Q), for
@@ -568,6 +574,9 @@ class HookState:
             if owners is not None:
                 out["state_owners"] = {k: owners[k] for k in out["compressor_state"] if k in owners}
                 out["state_ranks"] = self._size
+            layout = self._sync.layout_state()
+            if layout:  # the choices made on first sight (PS's aggregators), which the states follow
+                out["sync_layout"] = layout
         if self._carry:
             out["carry"] = {name: t.clone() for name, t in self._carry.items()}
         if self.momentum is not None:
@@ -581,13 +590,14 @@ class HookState:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores :meth:`state_dict` (before or after the first bucket)."""
-        sd = {k: state_dict[k] for k in ("compressor_state", "state_owners", "state_ranks") if k in state_dict}
+        sd = {k: state_dict[k] for k in ("compressor_state", "state_owners", "state_ranks", "sync_layout")
+              if k in state_dict}
         sd["compressor_state"] = dict(sd["compressor_state"])
         self._carry = {name: t.clone() for name, t in state_dict.get("carry", {}).items()}
         size = world.size() if world.is_initialized() else (
             dist.get_world_size() if dist.is_available() and dist.is_initialized() else None)
         if size is not None:  # the number of ranks is known: another one's states are moved (or refused) now
-            sd = {"compressor_state": self._fitting_states(sd, size)}
+            sd = self._fitting_states(sd, size)
         if self.momentum is not None:
             self.momentum.load_state_dict(state_dict.get("velocity", {}))
         if self.covap is not None:
@@ -601,7 +611,7 @@ class HookState:
             if self._states is None:
                 self._loaded = sd
             else:
-                self._states.load_state_dict(sd["compressor_state"])
+                self._load_fitting(sd)
 
     def __getstate__(self):
         """Pickling (Lightning's ddp_spawn pickles the strategy, and this state with it) keeps the

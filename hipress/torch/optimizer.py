@@ -1628,6 +1628,9 @@ class _HipressOptimizer:
         if owners is not None:  # what each state's residual stands for, and among how many ranks (_hp_load_states)
             sd["hipress"]["state_owners"] = {k: owners[k] for k in states if k in owners}
             sd["hipress"]["state_ranks"] = self._hp_transport.size
+        layout = self._hp_compressed.layout_state()
+        if layout:  # the choices made on first sight (PS's aggregators), which the states follow
+            sd["hipress"]["sync_layout"] = layout
         if self._hp_momentum is not None:
             sd["hipress"]["velocity"] = self._hp_momentum.state_dict()
         if self._hp_covap is not None:
@@ -1677,6 +1680,7 @@ class _HipressOptimizer:
         if mine is None or state_layout.same_layout(saved, owners, hp.get("state_ranks"), mine,
                                                     self._hp_transport.size):
             self._hp_states.load_state_dict(saved)
+            self._hp_compressed.load_layout_state(hp.get("sync_layout", {}))
             return
         by_name = dict(self._hp_named)
         carry = state_layout.residuals_by_parameter(saved, owners, {n: p.numel() for n, p in by_name.items()},

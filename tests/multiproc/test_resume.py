@@ -28,8 +28,8 @@ pytestmark = pytest.mark.timeout(900)
 HERE = os.path.dirname(os.path.abspath(__file__))
 NP, K, M = 2, 3, 3
 # every registered algorithm, and COVAP's filter in both modes (its residuals and step are state too)
-ALGORITHMS = compression.available() + ["covap", "covap-local", "covap-bf16"]
-COMPRESSION = {"covap-local": "covap", "covap-bf16": "covap"}  # the compression= of a name that is not an algorithm's
+ALGORITHMS = compression.available() + ["covap", "covap-local", "covap-bf16", "covap-auto"]
+COMPRESSION = {"covap-local": "covap", "covap-bf16": "covap", "covap-auto": "covap"}  # the compression= of a name that is not an algorithm's
 # Defaults everywhere except where they leave part of a state unused: DGC's and GradDrop's
 # step counters only matter during warm-up, so let the warm-up cross the checkpoint (step K
 # of 4: a step lost at the checkpoint would restart at the 25% density of step 0).
@@ -38,9 +38,15 @@ COMPRESSION = {"covap-local": "covap", "covap-bf16": "covap"}  # the compression
 # momenta differ between averages and the filter's step is the state (the teeth: without it
 # the resumed run averages on the other steps); and that mode with wire="bf16", whose units'
 # references are state too (without them the resumed run sends fp32 averages where it sent bf16).
+# And interval="auto", profiled before the checkpoint: its profiling steps synced whole buckets
+# before the units, so PS chose aggregators in an order the resumed job does not replay (the
+# teeth: without the checkpoint's sync_layout, the resumed run's units went to other aggregators).
+# Capped at 1: the uninterrupted job A and the checkpointed job B profile apart, and a measured
+# interval may come out otherwise in each.
 KWARGS = {"dgc": {"warmup_steps": 4}, "graddrop": {"warmup_steps": 4},
           "covap": {"interval": 2, "mode": "paper", "inner": "tbq"}, "covap-local": {"interval": 2},
-          "covap-bf16": {"interval": 2, "wire": "bf16"}}
+          "covap-bf16": {"interval": 2, "wire": "bf16"},
+          "covap-auto": {"mode": "paper", "inner": "onebit", "profile_steps": 1, "max_interval": 1}}
 
 
 def strategies(algorithm):
