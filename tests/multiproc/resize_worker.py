@@ -61,8 +61,8 @@ def make(cfg):
         return hooked.ddp, hooked
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     kw = {"model": model} if cfg["strategy"] == "dear" else {"named_parameters": model.named_parameters()}
-    return model, hipress.DistributedOptimizer(opt, compression=cfg["compression"], strategy=cfg["strategy"],
-                                               bucket_bytes=0, partition_bytes=16 << 10, **kw, **cfg.get("kwargs", {}))
+    kw = {"bucket_bytes": 0, "partition_bytes": 16 << 10, **kw, **cfg.get("kwargs", {})}
+    return model, hipress.DistributedOptimizer(opt, compression=cfg["compression"], strategy=cfg["strategy"], **kw)
 
 
 def train(cfg, model, opt, rank, first, last):
