@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
@@ -126,7 +127,7 @@ class FsdpState:
         engine = get_engine()
         self._states = StateStore(world.rank())
         if self._loaded is not None:
-            self._states.load_state_dict(self._loaded)
+            self._states.load_state_dict(_fitting(self._loaded, world.size()))
             self._loaded = None
         self._ctx = SyncContext(engine, open_exchanges(engine).world, self.compressor, self._states)
 
@@ -199,20 +200,45 @@ class FsdpState:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """This rank's compressor state, for a checkpoint (save it per rank)."""
-        return {"compressor_state": dict(self._loaded or {}) if self._states is None else self._states.state_dict()}
+        """This rank's compressor state, for a checkpoint (save it per rank), and the number of
+        ranks it belongs to."""
+        if self._states is None:
+            return dict(self._loaded or {"compressor_state": {}})
+        return {"compressor_state": self._states.state_dict(), "state_ranks": world.size()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restores :meth:`state_dict` (before or after the first reduce-scatter)."""
-        sd = dict(state_dict["compressor_state"])
+        """Restores :meth:`state_dict` (before or after the first reduce-scatter). A state saved on
+        another number of ranks is dropped, with a warning (see :func:`_fitting`)."""
+        sd = {"compressor_state": dict(state_dict["compressor_state"])}
+        if "state_ranks" in state_dict:
+            sd["state_ranks"] = state_dict["state_ranks"]
+        size = world.size() if world.is_initialized() else (
+            dist.get_world_size() if dist.is_available() and dist.is_initialized() else None)
+        if size is not None:
+            sd = {"compressor_state": _fitting(sd, size), "state_ranks": size}
         with self._lock:
             if self._states is None:
                 self._loaded = sd
             else:
-                self._states.load_state_dict(sd)
+                self._states.load_state_dict(sd["compressor_state"])
 
     def __repr__(self) -> str:
         return f"FsdpState(compression={self.compressor.name!r}, reduce_scatters={self.reduce_scatters})"
+
+
+def _fitting(saved: dict, size: int) -> dict:
+    """The compressor states of a state_dict that a job of ``size`` ranks can use. FSDP's rows,
+    and the ring chunks over them, follow the number of ranks, so a residual saved on another
+    number stands for other elements (where a row keeps its size, its key even matches): such
+    states are dropped, with a warning, and start afresh. (DistributedOptimizer and the DDP hook
+    hand theirs to the parameters instead; FSDP's rows interleave the parameters' shards.)"""
+    ranks = saved.get("state_ranks")
+    if ranks is None or ranks == size or not saved["compressor_state"]:
+        return saved["compressor_state"]
+    warnings.warn(f"hipress.fsdp: the checkpoint's compressor states were saved with {ranks} ranks, this job has "
+                  f"{size}: FSDP's rows differ, so the states ({len(saved['compressor_state'])}) start afresh and "
+                  f"their error-feedback residuals are dropped")
+    return {}
 
 
 class ReduceScatter(_FsdpReduceScatter):

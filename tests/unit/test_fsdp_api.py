@@ -113,3 +113,21 @@ def test_clipping_sees_each_whole_parameter():
     assert torch.equal(rows[0, :4], -w[:2].reshape(-1)) and torch.equal(rows[1, :2], -w[2])
     assert torch.equal(rows[1, 2:4], torch.zeros(2))  # the padding stays zero
     assert torch.equal(rows[:, 4], -b)
+
+
+def test_a_checkpoint_of_another_number_of_ranks_starts_afresh(monkeypatch):
+    """FSDP's rows follow the number of ranks, so saved residuals stand for other elements in a
+    job of another size (a row of the same size even keeps its key): dropped, with a warning."""
+    from hipress.torch.fsdp import _fitting
+
+    states = {"0@258/p0/c1": {"buffers": {"residual": torch.ones(258)}, "scalars": torch.zeros(1)}}
+    assert _fitting({"compressor_state": states, "state_ranks": 2}, 2) is states
+    assert _fitting({"compressor_state": states}, 3) is states  # a checkpoint from before state_ranks
+    with pytest.warns(UserWarning, match="saved with 2 ranks, this job has 3"):
+        assert _fitting({"compressor_state": states, "state_ranks": 2}, 3) == {}
+    # loaded before the first reduce-scatter (no world yet): kept as it came, decided at setup
+    monkeypatch.setattr("hipress.comm.world.is_initialized", lambda: False)
+    monkeypatch.setattr("torch.distributed.is_initialized", lambda: False)
+    st = FsdpState("onebit")
+    st.load_state_dict({"compressor_state": states, "state_ranks": 2})
+    assert st.state_dict() == {"compressor_state": states, "state_ranks": 2}
