@@ -100,6 +100,19 @@ class BackwardCompressor:
         self.compressor.decode(wire[LENGTH_BYTES:LENGTH_BYTES + n], out)
         return out.view(tuple(shape))
 
+    def state_dict(self) -> dict:
+        """The warm-started states (PowerSGD's Q per matrix shape), for a checkpoint taken
+        between steps (the lazy error ends with each step)."""
+        return {"states": [[list(shape), st.state_dict()] for shape, st in self.states.items()]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.states = {}
+        for shape, st_sd in sd["states"]:
+            m = tuple(shape)
+            st = self.states[m] = self.compressor.new_state(m[0] * m[1], m)
+            st.load_state_dict(st_sd)
+        self.error = None
+
     def end_step(self) -> Optional[torch.Tensor]:
         """Ends the step: returns the error still kept (None if nothing was compressed) and forgets it."""
         kept, self.error = self.error, None

@@ -266,6 +266,41 @@ class Pipeline:
         self.steps_done += 1
         return float(torch.stack(losses).mean()) if self.last else None
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """This rank's part of a checkpoint, taken between steps: its stage's parameters, both
+        optimizers (hipress's data-parallel state inside), the backward compressor's warm-started
+        states and the step count (the warm-up of backward compression counts it). Save it per
+        rank; every rank of the job loads its own with :meth:`load_state_dict`."""
+        return {"stage": self.stage, "replica": self.replica, "layout": [self.layout.pp, self.layout.dp],
+                "module": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "tied_optimizer": self.tied_optimizer.state_dict() if self.tied_optimizer is not None else None,
+                "backward_compressor": (self.backward_compressor.state_dict()
+                                        if self.backward_compressor is not None else None),
+                "steps_done": self.steps_done, "compressed_sends": self.compressed_sends}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restores :meth:`state_dict` of the same rank's part (same pp x dp layout)."""
+        if sd["layout"] != [self.layout.pp, self.layout.dp] or sd["stage"] != self.stage:
+            raise ValueError(f"the checkpoint is of stage {sd['stage']} of a pp x dp = {sd['layout'][0]} x "
+                             f"{sd['layout'][1]} pipeline; this rank is stage {self.stage} of {self.layout.pp} x "
+                             f"{self.layout.dp}: load each rank's own checkpoint into the same layout")
+        self.module.load_state_dict(sd["module"])
+        for opt, saved, what in ((self.optimizer, sd["optimizer"], "optimizer"),
+                                 (self.tied_optimizer, sd["tied_optimizer"], "tied_optimizer")):
+            if (opt is None) != (saved is None):
+                raise ValueError(f"the checkpoint's {what} does not match this stage's (other tied parameters?)")
+            if opt is not None:
+                opt.load_state_dict(saved)
+        if (self.backward_compressor is None) != (sd["backward_compressor"] is None):
+            raise ValueError("the checkpoint was saved with backward_compression "
+                             f"{'off' if sd['backward_compressor'] is None else 'on'}; this pipeline has it "
+                             f"{'off' if self.backward_compressor is None else 'on'}")
+        if self.backward_compressor is not None:
+            self.backward_compressor.load_state_dict(sd["backward_compressor"])
+        self.steps_done, self.compressed_sends = int(sd["steps_done"]), int(sd["compressed_sends"])
+
     @torch.no_grad()
     def evaluate(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> float:
         """The mean loss of every replica's (inputs, targets), forward only; collective over all

@@ -5,11 +5,15 @@
 Each config trains a small tied-embedding language model (embed, two blocks, head sharing the
 embedding's weight) for `steps` steps with hipress.pipeline.Pipeline and records this rank's
 final stage parameters (full-model names), its losses and its count of compressed backward
-sends. Config keys are Pipeline keywords (fuse_embedding, backward_compression, ...).
+sends. Config keys are Pipeline keywords (fuse_embedding, backward_compression, ...), and
+"resume_at": K, which also checkpoints the run after K steps (Pipeline.state_dict, through bytes)
+and resumes it in a new Pipeline to the same end ("resumed"), and once more without the backward
+compressor's states ("resumed_without_bc").
 Rank 0 also trains the whole model in one process on every step's global batch (the replicas'
 batches in replica order) and records the result as "reference". Results: OUT_DIR/rank{r}.pt.
 """
 import collections
+import io
 import json
 import os
 import sys
@@ -69,18 +73,40 @@ def main():
         cfg = dict(cfg)
         steps = cfg.pop("steps")
         micro = cfg.pop("micro_batches")
-        pipe = Pipeline(make_model(), make_optimizer, loss_fn, pp=pp, dp=dp, micro_batches=micro,
-                        tied=[("embed.weight", "head.weight")], **cfg)
-        initial = {n: p.detach().clone() for n, p in pipe.module.named_parameters(remove_duplicate=False)}
-        losses = []
-        for s in range(steps):
-            x, t = batch(s, pipe.replica)
-            losses.append(pipe.step(x, t))
-        results["configs"].append({
+        resume_at = cfg.pop("resume_at", None)
+
+        def make():
+            return Pipeline(make_model(), make_optimizer, loss_fn, pp=pp, dp=dp, micro_batches=micro,
+                            tied=[("embed.weight", "head.weight")], **cfg)
+
+        def train(pipe, first, last):
+            return [pipe.step(*batch(s, pipe.replica)) for s in range(first, last)]
+
+        def stage_params(pipe):
+            return {n: p.detach().clone() for n, p in pipe.module.named_parameters(remove_duplicate=False)}
+
+        pipe = make()
+        initial = stage_params(pipe)
+        losses = train(pipe, 0, steps if resume_at is None else resume_at)
+        resumed = {}
+        if resume_at is not None:
+            buf = io.BytesIO()
+            torch.save(pipe.state_dict(), buf)
+            losses += train(pipe, resume_at, steps)
+            for key, keep_bc in (("resumed", True), ("resumed_without_bc", False)):
+                buf.seek(0)
+                sd = torch.load(buf, weights_only=False)
+                if not keep_bc and sd["backward_compressor"] is not None:
+                    sd["backward_compressor"] = {"states": []}
+                again = make()
+                again.load_state_dict(sd)
+                train(again, resume_at, steps)
+                resumed[key] = stage_params(again)
+        results["configs"].append({**resumed,
             "stage": pipe.stage, "replica": pipe.replica, "losses": losses,
             "compressed_sends": pipe.compressed_sends, "initial": initial,
             "tied_sync_groups": pipe.tied_sync_groups,
-            "params": {n: p.detach().clone() for n, p in pipe.module.named_parameters(remove_duplicate=False)}})
+            "params": stage_params(pipe)})
     if rank == 0:
         results["reference"] = reference(configs[0]["steps"], dp)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))

@@ -22,6 +22,10 @@ CONFIGS = {
     "stage1_only_1": dict(BASE, steps=1, compress_stages=[1], dp_compression="terngrad"),
     "cb_warmup": dict(BASE, backward_compression_warmup=2, **LOWRANK),
     "cb_warmup_1": dict(BASE, steps=1, backward_compression_warmup=1, **LOWRANK),
+    # checkpointed after 2 of 4 steps and resumed: PowerSGD's Q in the data-parallel sync (stage 0)
+    # and in the backward compressor (stage 1's sends), and the warm-up's step count
+    "resume": dict(BASE, steps=4, resume_at=2, epilogue_only=False, backward_compression_warmup=1, compress_stages=1,
+                   dp_compression_kwargs={"rank": 2}, **LOWRANK),
 }
 
 
@@ -73,6 +77,12 @@ def test_pipeline_ranks(tmp_path):
             assert all(same.values()), (r, same)
         else:
             assert not same["block2.0.weight"] and same["head.weight"], (r, same)  # tied: never compressed
+    for r, run_ in enumerate(runs):  # Pipeline.state_dict(): the resumed run is the uninterrupted one, bit for bit
+        res = run_["resume"]
+        assert res["resumed"].keys() == res["params"].keys()
+        assert all(torch.equal(res["resumed"][n], p) for n, p in res["params"].items()), r
+        if res["stage"] == 0:  # the teeth: without stage 1's warm-started Q, what it sends back differs
+            assert any(not torch.equal(res["resumed_without_bc"][n], p) for n, p in res["params"].items()), r
     for cfg in CONFIGS:  # the tied copies stay one value: first stage's embed.weight = last stage's head.weight
         for d in range(DP):
             assert torch.equal(runs[d][cfg]["params"]["embed.weight"], runs[DP + d][cfg]["params"]["head.weight"]), cfg
