@@ -93,6 +93,14 @@ def private_world(framework: str, init_call: str):
     return transport
 
 
+def known_world_size() -> Optional[int]:
+    """The number of ranks, where hipress's world or torch.distributed is up already (a state
+    loaded before the first collective decides with it whether its checkpoint fits); else None."""
+    if world.is_initialized():
+        return world.size()
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+
+
 def _shares_default_group() -> bool:
     """Whether hipress's world transport is torch.distributed's default group (``hipress.init()``
     called after ``init_process_group``), which DDP uses too."""
@@ -203,7 +211,7 @@ class HookState:
         self._sync = None
         self._sync16 = None
         self._states: Optional[StateStore] = None
-        self._loaded: Optional[dict] = None  # a state_dict's compressor states, loaded with the first bucket
+        self._loaded: Optional[dict] = None  # a state_dict's compressor part, loaded with the first bucket
         # residuals of a checkpoint of another number of ranks, by parameter name (flat), not sent yet
         self._carry: Dict[str, torch.Tensor] = {}
         self._layouts: Dict[Tuple[int, ...], _Layout] = {}
@@ -594,8 +602,7 @@ class HookState:
               if k in state_dict}
         sd["compressor_state"] = dict(sd["compressor_state"])
         self._carry = {name: t.clone() for name, t in state_dict.get("carry", {}).items()}
-        size = world.size() if world.is_initialized() else (
-            dist.get_world_size() if dist.is_available() and dist.is_initialized() else None)
+        size = known_world_size()
         if size is not None:  # the number of ranks is known: another one's states are moved (or refused) now
             sd = self._fitting_states(sd, size)
         if self.momentum is not None:

@@ -61,7 +61,7 @@ from hipress.sync import StateStore
 from hipress.sync.base import SyncContext
 from hipress.sync.ring import reduce_scatter as ring_reduce_scatter
 from hipress.torch import clipping
-from hipress.torch.ddp import init, private_world
+from hipress.torch.ddp import init, known_world_size, private_world
 
 try:  # the interface FSDP2 takes (torch >= 2.8); a private module, so imported with care
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _FsdpReduceScatter
@@ -212,8 +212,7 @@ class FsdpState:
         sd = {"compressor_state": dict(state_dict["compressor_state"])}
         if "state_ranks" in state_dict:
             sd["state_ranks"] = state_dict["state_ranks"]
-        size = world.size() if world.is_initialized() else (
-            dist.get_world_size() if dist.is_available() and dist.is_initialized() else None)
+        size = known_world_size()
         if size is not None:
             sd = {"compressor_state": _fitting(sd, size), "state_ranks": size}
         with self._lock:

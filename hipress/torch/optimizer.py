@@ -1419,7 +1419,8 @@ class _HipressOptimizer:
         self._hp_carry_sent = {}
 
     def _hp_undo(self) -> None:
-        for key, t in self._hp_carry_sent.items():  # the step is dropped: its gradients (and the carry in them) were not taken
+        # the step is dropped: its gradients (and the carry in them) were not taken
+        for key, t in self._hp_carry_sent.items():
             self._hp_add_carry_id(key, t)
         self._hp_carry_sent = {}
         self._hp_states.undo()

@@ -85,18 +85,20 @@ def main(out):
     torch.save({"before": before, "after": opt.covap_profile, "state": opt.state_dict()["hipress"]["covap"],
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, f"{out}/auto-rank{rank}.pt")
 
-    # Run C: mode "paper" with onebit inside, re-profiled to another interval (the cap lowered to 2
-    # before covap_reprofile(): a measured CCR cannot be scripted across real ranks). The large
+    # Run C: mode "paper" with onebit inside, re-profiled to another interval (the cap lowered
+    # before covap_reprofile(): a measured CCR cannot be scripted across real ranks; over loopback
+    # this model's CCR is well above 1, so the first interval is 2 or more). The large
     # weight is sharded into as many units as the interval, so its units change ranges, and the
     # onebit states keyed by their index no longer fit.
     model = make_model()
-    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+    opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
                                        compression="covap", mode="paper", inner="onebit", strategy="ring",
                                        profile_steps=2, bucket_bytes=0)
     train(opt, model, rank, 5)
     first, old_filter = opt.covap_profile, opt._hp_covap.filter
     saved = opt.state_dict()["hipress"]  # the units' states stay as they are while re-profiling
-    opt._hp_covap.max_interval = 2
+    opt._hp_covap.max_interval = 1 if first.interval == 2 else 2  # another interval than the first, whatever it was
     opt.covap_reprofile()
     carries, step = [], 5
     while opt.covap_profile is first:
@@ -109,7 +111,8 @@ def main(out):
     changed = covap.changed_units(old_filter, opt._hp_covap.filter)
     train(opt, model, rank, 3)  # goes on with the new units
     torch.save({"first": first, "second": opt.covap_profile, "saved": saved, "changed": changed, "carry": carries[-1],
-                "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, f"{out}/reprofile-rank{rank}.pt")
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
+               f"{out}/reprofile-rank{rank}.pt")
     hipress.shutdown()
 
 

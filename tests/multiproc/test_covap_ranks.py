@@ -137,7 +137,8 @@ def test_reprofile_to_another_interval_hands_the_changed_units_states_back(out):
     made for 8192 elements, the gradient has 4096')."""
     res = [torch.load(out / f"reprofile-rank{r}.pt", weights_only=False) for r in range(NP)]
     for rec in res:
-        assert rec["first"].interval != rec["second"].interval == 2
+        assert rec["first"].interval >= 2, f"CCR {rec['first'].ccr}: one interval only, nothing to change"
+        assert rec["second"].interval == (1 if rec["first"].interval == 2 else 2)
         assert rec["changed"], "no unit changed ranges: no teeth"
         want = {}
         hp = rec["saved"]

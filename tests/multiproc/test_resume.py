@@ -29,7 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 NP, K, M = 2, 3, 3
 # every registered algorithm, and COVAP's filter in both modes (its residuals and step are state too)
 ALGORITHMS = compression.available() + ["covap", "covap-local", "covap-bf16", "covap-auto"]
-COMPRESSION = {"covap-local": "covap", "covap-bf16": "covap", "covap-auto": "covap"}  # the compression= of a name that is not an algorithm's
+# the compression= of a name that is not an algorithm's
+COMPRESSION = {"covap-local": "covap", "covap-bf16": "covap", "covap-auto": "covap"}
 # Defaults everywhere except where they leave part of a state unused: DGC's and GradDrop's
 # step counters only matter during warm-up, so let the warm-up cross the checkpoint (step K
 # of 4: a step lost at the checkpoint would restart at the 25% density of step 0).
