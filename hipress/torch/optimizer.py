@@ -714,11 +714,7 @@ class _HipressOptimizer:
         unit is declared."""
         filt.undo_log.enabled = self._hp_guard
         for name, t, r in covap.changed_units(self._hp_covap_reserved, filt):
-            b = self._hp_bucket_named[name]
-            spans = self._hp_compressed.state_spans(f"{name}/u{t}", [r])
-            for pname, acc in state_layout.take_residuals(self._hp_states, spans, b.params, b.offsets).items():
-                p = dict(b.params)[pname]
-                self._hp_add_carry(p, acc.view(p.shape))
+            self._hp_take_to_carry(self._hp_bucket_named[name], self._hp_compressed.state_spans(f"{name}/u{t}", [r]))
         self._hp_covap_reserved = filt
         # every unit declared in unit order, so its sync's choices (PS aggregators) do not
         # depend on which units happen to be sent first
@@ -1010,12 +1006,16 @@ class _HipressOptimizer:
         a job resumed from a checkpoint starts from too."""
         for b in self._hp_buckets:
             sync, bounds = self._hp_route(b)
-            by_name = dict(b.params)
-            for name, acc in state_layout.take_residuals(self._hp_states, sync.state_spans(b.name, bounds),
-                                                         b.params, b.offsets).items():
-                self._hp_add_carry(by_name[name], acc.view(by_name[name].shape))
+            self._hp_take_to_carry(b, sync.state_spans(b.name, bounds))
             self._hp_states.discard(f"{b.name}/")
         self._hp_compressed.forget_layout()
+
+    def _hp_take_to_carry(self, b: "_Bucket", spans) -> None:
+        """Takes the states of bucket ``b``'s ``spans`` (state_spans) and adds their residuals to
+        the carry of the parameters they stand for."""
+        by_name = dict(b.params)
+        for name, acc in state_layout.take_residuals(self._hp_states, spans, b.params, b.offsets).items():
+            self._hp_add_carry(by_name[name], acc.view(by_name[name].shape))
 
     def _hp_add_carry(self, p: torch.nn.Parameter, t: torch.Tensor) -> None:
         """Adds ``t`` (p's shape; owned by the carry from now on) to what p's next gradient carries."""

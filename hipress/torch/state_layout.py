@@ -37,13 +37,19 @@ def take_residuals(states, spans: Sequence[Tuple[str, int, int]], params: Sequen
     out: Dict[str, torch.Tensor] = {}
     for key, pieces in owners_of(spans, params, offsets).items():
         bufs = states.take(key)
-        if not bufs or "residual" not in bufs:
-            continue
-        res = bufs["residual"].reshape(-1)
-        for name, at, start, count in pieces:
-            acc = out.setdefault(name, torch.zeros(sizes[name], dtype=torch.float32))
-            acc[at:at + count] += res[start:start + count].to(torch.float32)
+        if bufs and "residual" in bufs:
+            _add_pieces(out, bufs["residual"], pieces, sizes)
     return out
+
+
+def _add_pieces(out: Dict[str, torch.Tensor], residual: torch.Tensor, pieces: List[List],
+                sizes: Dict[str, int]) -> None:
+    """Adds a residual's pieces ([name, offset in the parameter, offset in the residual, elements])
+    to ``out``'s per-parameter sums (flat fp32, of ``sizes``)."""
+    res = residual.reshape(-1)
+    for name, at, start, count in pieces:
+        acc = out.setdefault(name, torch.zeros(sizes[name], dtype=torch.float32))
+        acc[at:at + count] += res[start:start + count].to(torch.float32)
 
 
 def unmovable_buffers(compressor) -> List[str]:
@@ -80,12 +86,10 @@ def residuals_by_parameter(saved: dict, owners: Owners, numels: Optional[Dict[st
             continue
         if key not in owners:
             raise ValueError(f"the checkpoint's compressor state {key!r} has no owner in its state_owners")
-        res = res.reshape(-1)
-        for name, at, start, count in owners[key]:
-            if name not in numels:
-                raise ValueError(f"the checkpoint's compressor states name a parameter this job lacks: {name!r}")
-            acc = carry.setdefault(name, torch.zeros(numels[name], dtype=torch.float32))
-            acc[at:at + count] += res[start:start + count].to(torch.float32)
+        unknown = [name for name, *_ in owners[key] if name not in numels]
+        if unknown:
+            raise ValueError(f"the checkpoint's compressor states name a parameter this job lacks: {unknown[0]!r}")
+        _add_pieces(carry, res, owners[key], numels)
     return carry
 
 
