@@ -155,7 +155,7 @@ def main(argv=None) -> dict:
     p.add_argument("--bandwidth", default="1gbit", help="tc units; 'none' = unshaped")
     p.add_argument("--latency", default="0.2ms")
     p.add_argument("--algorithm", default="tbq")
-    p.add_argument("--strategy", default="ring,ps", help="comma list of ring, ps")
+    p.add_argument("--strategy", default="ring,ps", help="comma list of ring, ps, allgather")
     p.add_argument("--sizes", default=DEFAULT_SIZES)
     p.add_argument("--rounds", type=int, default=7, help="rounds of (profile, every configuration once)")
     p.add_argument("--profile-repeats", type=int, default=1, help="repeats of each profile round")

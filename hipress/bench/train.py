@@ -13,7 +13,7 @@ group; hipress wraps it), each on a freshly built model with the same seed:
   horovod                  horovod.torch DistributedOptimizer (only where it imports; else a skip record)
   hipress-<strategy>-<algo>[-plan]
                            hipress.DistributedOptimizer(compression=<algo>, strategy=<strategy>
-                           [, plan="auto"]); strategy ring|ps|auto, algo none|onebit|tbq|terngrad|
+                           [, plan="auto"]); strategy ring|ps|allgather|auto, algo none|onebit|tbq|terngrad|
                            dgc|graddrop|powersgd|acpsgd|auto (powersgd and acpsgd always run the
                            low-rank sync)
   hipress-dear[-<algo>]    strategy="dear" (docs/dear.md): reduce-scatter in backward, all-gather
@@ -65,7 +65,7 @@ from hipress.bench import models
 
 DDP_SYSTEMS = ("ddp", "ddp-fp16", "ddp-powersgd", "ddp-covap-hook")
 ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop", "powersgd", "acpsgd", "auto")
-STRATEGIES = ("ring", "ps", "auto")
+STRATEGIES = ("ring", "ps", "allgather", "auto")
 # hipress-bf16's plan: every bucket through the backend's allreduce in bf16, hipress's counterpart of
 # DDP's fp16 hook (and the branch of `compression="auto"` that compresses nothing)
 BF16_PLAN = {"max_compress_bytes": 0, "bf16": True}

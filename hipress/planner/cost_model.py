@@ -18,13 +18,13 @@ most N partitions; a round of k partitions costs equation 1 or 2 evaluated with
 partition size m/K and the round's own beta(k)/gamma(k) (only CaSync-PS's beta
 depends on k). For K <= N this is exactly equations 1 and 2.
 
-Strategy names: "ring" and "ps" are hipress's own strategies as they execute (the names a
-user passes, ``DistributedOptimizer(strategy=...)``; the models used at run time); the
+Strategy names: "ring", "ps" and "allgather" are hipress's own strategies as they execute (the
+names a user passes, ``DistributedOptimizer(strategy=...)``; the models used at run time); the
 paper's Table-3 rows are "paper_ring", "paper_ps" and "paper_ps_colocated". The executed
 strategies are not rows of that table: :meth:`CostModel.t_sync` evaluates the critical path
 of the task graph hipress.sync builds (the same alpha/beta/gamma structure, counted from
 the executed graph, plus the memory passes and task hand-offs the paper's equations leave
-out; see :func:`executed_ring` and :func:`executed_ps`).
+out; see :func:`executed_ring`, :func:`executed_ps` and :func:`executed_allgather`).
 
 Curves are plain callables of bytes -> seconds. Two kinds are provided:
   * :class:`AffineCurve`  a + b*m  (Hockney model: fixed cost + bytes / throughput);
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 PAPER_STRATEGIES = ("paper_ring", "paper_ps", "paper_ps_colocated")
-EXECUTED_STRATEGIES = ("ring", "ps")
+EXECUTED_STRATEGIES = ("ring", "ps", "allgather")
 STRATEGIES = PAPER_STRATEGIES + EXECUTED_STRATEGIES
 CATEGORIES = ("quantization", "sparsification", "lowrank")
 
@@ -310,6 +310,32 @@ def executed_ps(op: ExecutedOps, m: float, n: int, k: int) -> float:
     return t
 
 
+def executed_allgather(op: ExecutedOps, m: float, n: int, k: int) -> float:
+    """Critical path of the allgather strategy (hipress.sync.allgather, GRACE's form) for m bytes
+    in k partitions of x = m/k bytes, p = payload bytes of one. Two compute tasks around one
+    bulk exchange, nothing re-encoded:
+
+        encode     o + k E(x) + pass(k p)        k encodes, framed into one segment
+        allgather  (N-1) S(k p)                  the segment to every peer, every peer's from it
+        aggregate  o + k N D(p) + pass(m)        per partition the N payloads decoded into the
+                                                 sum in rank order, then divided by N
+
+    S is the per-peer share of a bulk exchange in which every rank sends to every rank (what
+    the profile measures for this strategy, as for CaSync-PS with N aggregators), so (N-1) S
+    is the exchange. In the paper's terms alpha = N-1 transfers of the whole payload, beta = k,
+    gamma = kN. Partitions buy no parallelism here (one exchange carries them all); they only
+    change the codec's sizes.
+    """
+    x = m / k
+    p = op.rate * x
+    t = op.task + k * op.enc(x) + op.copy(k * p)
+    t += (n - 1) * op.send(k * p)
+    return t + op.task + k * n * op.dec(p) + op.copy(m)
+
+
+EXECUTED = {"ring": executed_ring, "ps": executed_ps, "allgather": executed_allgather}
+
+
 def executed_allreduce(send: Curve, copy: Curve, task: float, m: float, n: int) -> float:
     """Time of m uncompressed bytes through the backend's allreduce (hipress.sync.allreduce):
     one collective, priced as a bandwidth-optimal ring over the measured link (2(N-1) transfers
@@ -370,9 +396,9 @@ class CostModel:
     Paper strategies ("paper_ring", "paper_ps", "paper_ps_colocated"): equations 1 and 2
     with :func:`sync_params`, K counting the paper's partitions (ring chunks for "paper_ring").
 
-    Executed strategies ("ring", "ps": hipress's CaSync-Ring and CaSync-PS): the critical
-    path of the task graph hipress.sync builds for K *executed* partitions (:func:`executed_ring`,
-    :func:`executed_ps`), which also needs
+    Executed strategies ("ring", "ps", "allgather": hipress's CaSync-Ring, CaSync-PS and GRACE's
+    allgather): the critical path of the task graph hipress.sync builds for K *executed* partitions
+    (:func:`executed_ring`, :func:`executed_ps`, :func:`executed_allgather`), which also needs
       enc_plain / dec_plain: the uncompressed path's operators (hipress synchronizes
           uncompressed gradients through the identity codec: encode is a view, decode
           a copy or merge-add); dec_plain(m) also prices any memory pass over m bytes
@@ -446,8 +472,8 @@ class CostModel:
 
     def t_sync(self, m: float, compress: bool, k: int, bf16: bool = False) -> float:
         """Predicted time of m bytes synchronized (compressed or not; uncompressed as bf16 with
-        ``bf16``) in K partitions: the executed graph for "ring" / "ps", equation 1 or 2 for the
-        paper's rows."""
+        ``bf16``) in K partitions: the executed graph for hipress's strategies, equation 1 or 2
+        for the paper's rows."""
         if self.strategy not in EXECUTED_STRATEGIES:
             return self.t_cpr(m, k) if compress else self.t_orig(m, k)
         copy, one = self.dec_plain or _zero, self.send_one or self.send
@@ -461,13 +487,12 @@ class CostModel:
             op = ExecutedOps(self.send, one, self.enc, self.dec, copy, self.task_s, self.rate)
         else:
             op = ExecutedOps(self.send, one, self.enc_plain or _zero, copy, copy, self.task_s, 1.0)
-        run = executed_ring if self.strategy == "ring" else executed_ps
-        return run(op, m, self.n, int(k))
+        return EXECUTED[self.strategy](op, m, self.n, int(k))
 
     def decide(self, m: float, k_max: Optional[int] = None, allow_compress: bool = True,
                k_min: int = 1, bf16: Optional[bool] = False) -> Decision:
         """Minimise over compress in {False, True} and K in k_min..k_max (default N).
-        K counts executed partitions for "ring" / "ps", the paper's K otherwise.
+        K counts executed partitions for the executed strategies, the paper's K otherwise.
         bf16 (needs plain16): whether the uncompressed branch travels as bf16: None, where it
         is faster than fp32; True, always; False, never.
 

@@ -73,6 +73,8 @@ def transfer_once(transport, strategy: str, engine=None, aggregators: Optional[i
     transfer under that traffic (several flows share a host's link, slower than one ring
     flow, and fewer aggregators post fewer messages); equation 1's alpha = 2(N-1)
     transfers then add up to the two exchanges.
+    allgather: its exchange is PS's with N aggregators (every rank sends nbytes to every
+    rank), so the same transfers, the same per-peer share.
 
     The task runs as many transfers back to back as one sync makes (2(N-1) ring steps, the
     two PS exchanges) and the time is divided among them: ranks leave the barrier before
@@ -89,7 +91,7 @@ def transfer_once(transport, strategy: str, engine=None, aggregators: Optional[i
         nxt, prv = (r + 1) % n, (r - 1) % n
         plan = [([nxt], {prv}, False)] * (2 * (n - 1))
         per_transfer, chained = 1, lambda nbytes: nbytes < CHAIN_BYTES
-    else:
+    else:  # ps; allgather: PS's exchange with N aggregators
         aggs = range(aggregators or n)
         others = [j for j in range(n) if j != r]
         gather = ([a for a in aggs if a != r], set(others) if r in aggs else set(), True)
@@ -159,7 +161,7 @@ def profile_online(compressor, transport, strategy: str, *, device: str = "cpu",
                    refresh: bool = False, sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5,
                    engine=None) -> Profile:
     """Collective: returns the same Profile on every rank (see module docstring).
-    strategy: "ring" or "ps" (hipress's executed strategies).
+    strategy: "ring", "ps" or "allgather" (hipress's executed strategies).
     engine: whose queues run the timed operators (default: the process-wide engine).
     A cached file written by an older hipress (another profile version) is re-profiled and replaced."""
     if strategy not in EXECUTED_STRATEGIES:

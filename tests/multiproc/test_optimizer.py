@@ -233,7 +233,7 @@ def test_planned_selective_compression(tmp_path, monkeypatch):
     configs = [{"compression": "tbq", "strategy": s, "kwargs": {"threshold": 0.01}, "steps": 2, "bucket_bytes": 0,
                 "plan_force": {"a.weight": [False, 2], "big": [True, 3]}, "plan_bf16": bf16,
                 "plan_measure": 0}  # the model's plan from the first step (not measured against none)
-               for s, bf16 in (("ring", False), ("ps", False), ("ring", True))]
+               for s, bf16 in (("ring", False), ("ps", False), ("allgather", False), ("ring", True))]
     results = launch(tmp_path, np, configs)
     for c in range(len(configs)):
         # plan_bf16 True: every uncompressed bucket travels as bf16; False: as fp32

@@ -123,6 +123,23 @@ def test_executed_ps_hand_computed():
     assert executed_model("ps", send_one=None).t_sync(3200, True, 2) == pytest.approx(5525.75 + 6 * 5 * 2 / 3)
 
 
+def test_executed_allgather_hand_computed():
+    ag = executed_model("allgather")
+    # m = 3200, K = 2: x = 1600, p = 400, E = 803, D = 102
+    # encode 0.25 + 2*803 + copy(800)         = 1615.25
+    # exchange 3*send(800)                    = 2430
+    # aggregate 0.25 + 2*4*102 + copy(3200)   = 849.25
+    assert ag.t_sync(3200, True, 2) == pytest.approx(4894.5)
+    # K = 1: 0.25 + 1603 + copy(800) + 3*send(800) + 0.25 + 4*202 + copy(3200) = 4883.5: K buys nothing
+    assert ag.t_sync(3200, True, 1) == pytest.approx(4883.5)
+    assert ag.decide(3200).k_cpr == 1
+    # uncompressed through the backend's allreduce, as for the other strategies: 2*3*send(800) + 0.25 + copy(3200)
+    plain = executed_model("allgather", plain_allreduce=True)
+    assert plain.t_sync(3200, False, 2) == pytest.approx(6 * 810 + 0.25 + 33)
+    # one rank sends nothing: encode, its own payload decoded, divided
+    assert executed_model("allgather", n=1).t_sync(400, True, 1) == pytest.approx(0.25 + 203 + 2 + 0.25 + 27 + 5)
+
+
 def test_executed_model_of_a_legacy_profile_charges_only_its_curves():
     # no plain curves, no task hand-off: ring uncompressed is its 2(N-1) steps per partition
     ring = executed_model("ring", enc_plain=None, dec_plain=None, task_s=0.0, send_one=None)
@@ -134,7 +151,7 @@ def send_toy(m):
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(1, 12), strategy=st.sampled_from(["ring", "ps"]), m=st.integers(4, 1 << 30),
+@given(n=st.integers(1, 12), strategy=st.sampled_from(["ring", "ps", "allgather"]), m=st.integers(4, 1 << 30),
        k_extra=st.integers(0, 12), task=st.floats(0, 1e-3))
 def test_executed_optimum_equals_exhaustive(n, strategy, m, k_extra, task):
     model = executed_model(strategy, n=n, task_s=task)
@@ -567,8 +584,8 @@ def test_one_strategy_vocabulary():
     from hipress.planner.cost_model import EXECUTED_STRATEGIES, PAPER_STRATEGIES, STRATEGIES
     from hipress.sync import STRATEGIES as SYNC_STRATEGIES
 
-    assert set(EXECUTED_STRATEGIES) == {"ring", "ps"}  # the names users pass
-    assert set(SYNC_STRATEGIES) == set(EXECUTED_STRATEGIES) | {"allgather"}  # allgather has no cost model yet
+    assert set(EXECUTED_STRATEGIES) == {"ring", "ps", "allgather"}  # the names users pass
+    assert set(SYNC_STRATEGIES) == set(EXECUTED_STRATEGIES)  # every strategy has a cost model
     assert PAPER_STRATEGIES == ("paper_ring", "paper_ps", "paper_ps_colocated")
     assert set(STRATEGIES) == set(PAPER_STRATEGIES) | set(EXECUTED_STRATEGIES)
     assert CostModel(AffineCurve(0, 1), AffineCurve(0, 1), AffineCurve(0, 1), 4).strategy == "paper_ps_colocated"
