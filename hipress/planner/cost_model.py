@@ -336,29 +336,36 @@ def executed_allgather(op: ExecutedOps, m: float, n: int, k: int) -> float:
 EXECUTED = {"ring": executed_ring, "ps": executed_ps, "allgather": executed_allgather}
 
 
-def executed_allreduce(send: Curve, copy: Curve, task: float, m: float, n: int) -> float:
+def executed_allreduce(send: Curve, copy: Curve, task: float, m: float, n: int,
+                       allreduce: Optional[Curve] = None) -> float:
     """Time of m uncompressed bytes through the backend's allreduce (hipress.sync.allreduce):
-    one collective, priced as a bandwidth-optimal ring over the measured link (2(N-1) transfers
-    of m/N bytes each, run by the backend without a task per step), one hand-off, and the divide
-    by N (a pass over m). K does not enter: the partitions of a bucket are one collective.
+    one collective, one hand-off, and the divide by N (a pass over m). K does not enter: the
+    partitions of a bucket are one collective. The collective is the profile's measured curve
+    ``allreduce`` (A, bytes -> seconds) where it has one; else (profiles measured before it)
+    it is priced as a bandwidth-optimal ring over the measured link, 2(N-1) transfers of m/N
+    bytes each, run by the backend without a task per step.
 
-        T = 2(N-1) S(m/N) + o + pass(m)
+        T = A(m) + o + pass(m)        or        T = 2(N-1) S(m/N) + o + pass(m)
     """
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) * send(m / n) + task + copy(m)
+    wire = allreduce(m) if allreduce is not None else 2 * (n - 1) * send(m / n)
+    return wire + task + copy(m)
 
 
-def executed_allreduce16(send: Curve, copy: Curve, task: float, m: float, n: int) -> float:
+def executed_allreduce16(send: Curve, copy: Curve, task: float, m: float, n: int,
+                         allreduce: Optional[Curve] = None) -> float:
     """The same m fp32 bytes sent as bf16 (hipress.sync.allreduce with wire=torch.bfloat16):
-    half the bytes on the links, one more hand-off, and two more passes (the cast to bf16 and
-    the copy back; the copy back is priced as a pass over m, the cast as one over m/2 written).
+    half the bytes on the links (the collective priced at m/2 bytes, as fp32's of that size),
+    one more hand-off, and two more passes (the cast to bf16 and the copy back; the copy back
+    is priced as a pass over m, the cast as one over m/2 written).
 
-        T = 2(N-1) S(m/2N) + 2o + pass(m) + pass(m/2) + pass(m)
+        T = A(m/2) + 2o + pass(m) + pass(m/2) + pass(m)     (A(m/2) or 2(N-1) S(m/2N), as above)
     """
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) * send(m / (2 * n)) + 2 * task + 2 * copy(m) + copy(m / 2)
+    wire = allreduce(m / 2) if allreduce is not None else 2 * (n - 1) * send(m / (2 * n))
+    return wire + 2 * task + 2 * copy(m) + copy(m / 2)
 
 
 # -------------------------------------------------------------------------- the model
@@ -409,7 +416,9 @@ class CostModel:
           link are the same, the number of messages posted is not);
       plain_allreduce: uncompressed gradients go through the backend's allreduce (what
           hipress does where the transport has one) rather than through the strategy's own
-          graph: their time is :func:`executed_allreduce`.
+          graph: their time is :func:`executed_allreduce`;
+      allreduce: that collective's measured time (bytes -> seconds); None (profiles measured
+          before it): priced from ``send``.
       plain16: that allreduce also sums bf16, so an uncompressed gradient may travel as bf16
           where :func:`executed_allreduce16` beats it (``decide(allow_16bit=True)``).
       plain_fusion_bytes: runs of buckets the plan leaves uncompressed are fused up to this many
@@ -437,6 +446,7 @@ class CostModel:
     plain_allreduce: bool = False
     plain16: bool = False
     plain_fusion_bytes: float = 0.0
+    allreduce: Optional[Curve] = None
 
     def __post_init__(self):
         if self.strategy in EXECUTED_STRATEGIES:
@@ -481,8 +491,8 @@ class CostModel:
             run = executed_allreduce16 if bf16 else executed_allreduce
             f = self.plain_fusion_bytes
             if f and m < f:
-                return m / f * run(self.send, copy, self.task_s, f, self.n)
-            return run(self.send, copy, self.task_s, m, self.n)
+                return m / f * run(self.send, copy, self.task_s, f, self.n, self.allreduce)
+            return run(self.send, copy, self.task_s, m, self.n, self.allreduce)
         if compress:
             op = ExecutedOps(self.send, one, self.enc, self.dec, copy, self.task_s, self.rate)
         else:

@@ -11,8 +11,9 @@ Steps (every rank calls it at the same point, e.g. when DistributedOptimizer is 
      is re-measured
   3. if not: every rank measures T_send(m) the way the strategy sends (a collective
      ladder, so ranks stay in step; comm-queue tasks, byte count then payload): ring
-     steps for CaSync-Ring, bulk all-to-all exchanges per peer for CaSync-PS (and the
-     same exchanges with a single aggregator, whose fewer messages cost less); T_enc/T_dec
+     steps for CaSync-Ring, bulk all-to-all exchanges per peer for CaSync-PS and allgather
+     (and, for PS, the same exchanges with a single aggregator, whose fewer messages cost
+     less); the backend's allreduce, which uncompressed buckets go through; T_enc/T_dec
      of the compressor and of the uncompressed path's copy/merge operators, all ranks at
      once (a barrier before each call: they share the host's cores and memory as in a
      sync); and the hand-off of an empty compute task. Every sample is the slowest
@@ -119,6 +120,30 @@ def transfer_once(transport, strategy: str, engine=None, aggregators: Optional[i
     return send_once
 
 
+def allreduce_once(transport, engine=None):
+    """allreduce_once(nbytes) -> seconds of the backend's allreduce of nbytes of fp32, as the plain
+    sync runs it (hipress.sync.allreduce): one comm-queue task, the layout already agreed (a
+    step's later buckets skip the checking round); all ranks at once, the slowest rank's time."""
+    from hipress.engine import get_engine
+
+    engine = engine or get_engine()
+    reduce = slowest(transport)
+    cache = {}
+
+    def once(nbytes: int) -> float:
+        if nbytes not in cache:
+            cache.clear()
+            cache[nbytes] = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+        values = cache[nbytes]
+        transport.barrier()
+        t0 = time.perf_counter()
+        engine.submit("profile.allreduce", lambda: transport.allreduce(values, sizes_agreed=True),
+                      queue="comm").result(TASK_TIMEOUT_S)
+        return reduce(time.perf_counter() - t0)
+
+    return once
+
+
 def task_once(transport, engine=None):
     """task_once() -> seconds of one empty compute task, submitted and waited for (all ranks
     at once, the slowest rank's time): the hand-off CaSync pays per compute task."""
@@ -184,7 +209,8 @@ def profile_online(compressor, transport, strategy: str, *, device: str = "cpu",
         prof = profile_compressor(compressor, send_once, n=n, strategy=strategy, device=device,
                                   sizes=sizes, repeats=repeats, plain=NoneCompressor(), before=transport.barrier,
                                   reduce=slowest(transport), task_once=task_once(transport, engine),
-                                  send_one_once=one)
+                                  send_one_once=one,
+                                  allreduce_once=allreduce_once(transport, engine) if transport.has_allreduce else None)
         if transport.rank == 0:
             save_profile(prof, path)
             cached = prof

@@ -34,7 +34,9 @@ FORMAT = "hipress-planner-profile"
 #    "paper_ps", "paper_ps_colocated" for the paper's rows (version 1 called them
 #    "casync_ring" / "casync_ps" and "ring" / "ps" / "ps_colocated"). Older files are stale:
 #    load_or_profile and profile_online re-profile over them.
-VERSION = 2
+# 3: the backend's allreduce is measured (curve "allreduce", where the transport has one); a
+#    version-2 file would price it from the transfers until re-profiled, so it is stale.
+VERSION = 3
 KB, MB = 1 << 10, 1 << 20
 #: 4 KB, 16 KB, ..., 64 MB (x4 steps)
 DEFAULT_LADDER: Tuple[int, ...] = tuple(4 * KB * 4 ** i for i in range(8))
@@ -43,7 +45,7 @@ DEFAULT_LADDER: Tuple[int, ...] = tuple(4 * KB * 4 ** i for i in range(8))
 #: longest step of profiling
 SEND_LADDER_MAX = 16 * MB
 FITS = ("piecewise", "affine")
-CURVES = ("send", "enc", "dec", "enc_plain", "dec_plain", "send_one")
+CURVES = ("send", "enc", "dec", "enc_plain", "dec_plain", "send_one", "allreduce")
 
 Samples = List[Tuple[float, float]]
 
@@ -179,6 +181,8 @@ class Profile:
     task_s: float = 0.0
     # CaSync-PS: T_send with a single aggregator (CostModel.send_one); None: as send.
     send_one: object = None
+    # the backend's allreduce of fp32 bytes (CostModel.allreduce); None: not measured.
+    allreduce: object = None
 
     @property
     def key(self) -> Dict[str, object]:
@@ -192,7 +196,7 @@ class Profile:
         also sums bf16; plain_fusion_bytes: the size uncompressed runs are fused to (CostModel)."""
         return CostModel(self.send, self.enc, self.dec, int(n or self.n), strategy or self.strategy,
                          self.category, self.rate, self.enc_plain, self.dec_plain, self.task_s, self.send_one,
-                         plain_allreduce, plain16, plain_fusion_bytes)
+                         plain_allreduce, plain16, plain_fusion_bytes, self.allreduce)
 
     def curves(self) -> Dict[str, object]:
         return {k: getattr(self, k) for k in CURVES if getattr(self, k) is not None}
@@ -237,7 +241,7 @@ class Profile:
             raise bad(f"rate must be a number > 0, got {rate!r}")
         curves = d["curves"]
         if not isinstance(curves, dict) or not {"send", "enc", "dec"} <= set(curves) <= set(CURVES):
-            raise bad(f"curves must have send, enc, dec (and optionally enc_plain, dec_plain, send_one); "
+            raise bad(f"curves must have send, enc, dec (and optionally enc_plain, dec_plain, send_one, allreduce); "
                       f"got {curves!r}")
         try:
             built = {k: curve_from_dict(v) for k, v in curves.items()}
@@ -255,23 +259,28 @@ class Profile:
         return cls(key["n"], key["strategy"], key["device"], key["algorithm"], d["category"], float(rate),
                    built["send"], built["enc"], built["dec"], samples, str(d.get("created", "")),
                    dict(d.get("meta", {}) or {}), built.get("enc_plain"), built.get("dec_plain"), float(task_s),
-                   built.get("send_one"))
+                   built.get("send_one"), built.get("allreduce"))
 
 
 def build_profile(*, n: int, strategy: str, device: str, algorithm: str, category: str, rate: float,
                   send_samples: Samples, enc_samples: Samples, dec_samples: Samples,
                   fit: str = "piecewise", meta: Optional[dict] = None,
                   plain_samples: Optional[Tuple[Samples, Samples]] = None, task_s: float = 0.0,
-                  send_one_samples: Optional[Samples] = None) -> Profile:
+                  send_one_samples: Optional[Samples] = None,
+                  allreduce_samples: Optional[Samples] = None) -> Profile:
     """Fit curves to already-measured samples and wrap them in a :class:`Profile`.
     plain_samples: (enc, dec) of the uncompressed path's operators, if measured;
     task_s: the measured hand-off of one compute task; send_one_samples: CaSync-PS's
-    transfers with a single aggregator, if measured."""
+    transfers with a single aggregator, if measured; allreduce_samples: the backend's
+    allreduce, if measured."""
     samples = {"send": list(send_samples), "enc": list(enc_samples), "dec": list(dec_samples)}
-    send_one = None
+    send_one = allreduce = None
     if send_one_samples is not None:
         samples["send_one"] = list(send_one_samples)
         send_one = fit_curve(send_one_samples, fit)
+    if allreduce_samples is not None:
+        samples["allreduce"] = list(allreduce_samples)
+        allreduce = fit_curve(allreduce_samples, fit)
     plain = (None, None)
     if plain_samples is not None:
         samples.update(enc_plain=list(plain_samples[0]), dec_plain=list(plain_samples[1]))
@@ -279,7 +288,7 @@ def build_profile(*, n: int, strategy: str, device: str, algorithm: str, categor
     return Profile(int(n), strategy, device, algorithm, category, float(rate),
                    fit_curve(send_samples, fit), fit_curve(enc_samples, fit), fit_curve(dec_samples, fit),
                    samples, time.strftime("%Y-%m-%dT%H:%M:%S"), {"fit": fit, **(meta or {})}, *plain, float(task_s),
-                   send_one)
+                   send_one, allreduce)
 
 
 def profile_compressor(compressor, send_once: Callable[[int], float], *, n: int, strategy: str,
@@ -287,13 +296,15 @@ def profile_compressor(compressor, send_once: Callable[[int], float], *, n: int,
                        sizes: Sequence[int] = DEFAULT_LADDER, repeats: int = 5, fit: str = "piecewise",
                        plain=None, before=None, reduce=None,
                        task_once: Optional[Callable[[], float]] = None,
-                       send_one_once: Optional[Callable[[int], float]] = None) -> Profile:
+                       send_one_once: Optional[Callable[[int], float]] = None,
+                       allreduce_once: Optional[Callable[[int], float]] = None) -> Profile:
     """Measure the codec on ``device`` and ``send_once`` on the ladder (up to SEND_LADDER_MAX)
     and fit a profile.
     plain: the uncompressed path's codec (hipress's "none"), measured too when given;
     before, reduce: around each codec call (see :func:`measure_codec`); task_once() ->
     seconds of one empty compute task, measured too when given (median of 4 * repeats);
-    send_one_once: CaSync-PS's transfers with a single aggregator, measured too when given."""
+    send_one_once: CaSync-PS's transfers with a single aggregator, measured too when given;
+    allreduce_once: the backend's allreduce of that many bytes, measured too when given."""
     enc, dec = measure_codec(compressor, sizes, repeats, device=device, before=before, reduce=reduce)
     plain_samples = (measure_codec(plain, sizes, repeats, device=device, before=before, reduce=reduce)
                      if plain is not None else None)
@@ -301,12 +312,13 @@ def profile_compressor(compressor, send_once: Callable[[int], float], *, n: int,
     send_sizes = [s for s in sizes if s <= SEND_LADDER_MAX] or list(sizes)[:1]
     send = measure_send(send_once, send_sizes, repeats)
     send_one = measure_send(send_one_once, send_sizes, repeats) if send_one_once is not None else None
+    allreduce = measure_send(allreduce_once, send_sizes, repeats) if allreduce_once is not None else None
     measured_rate = statistics.median(d / e for (e, _), (d, _) in zip(enc, dec) if e > 0)
     rate = float(getattr(compressor, "rate", measured_rate) or measured_rate)
     return build_profile(n=n, strategy=strategy, device=device, algorithm=algorithm or compressor.name,
                          category=compressor.category, rate=rate, send_samples=send, enc_samples=enc,
                          dec_samples=dec, fit=fit, plain_samples=plain_samples, task_s=task_s,
-                         send_one_samples=send_one,
+                         send_one_samples=send_one, allreduce_samples=allreduce,
                          meta={"repeats": repeats, "measured_rate": measured_rate})
 
 

@@ -14,7 +14,7 @@ from hipress.planner import (
 from hipress.planner.__main__ import main as cli_main, parse_rate, parse_size
 from hipress.planner.plan import Overrides, PlanEntry, chunk_bounds, make_plan, plan_one
 from hipress.planner.profile import (
-    DEFAULT_LADDER, Profile, ProfileError, build_profile, default_profile_dir, fit_curve, load_or_profile,
+    DEFAULT_LADDER, VERSION, Profile, ProfileError, build_profile, default_profile_dir, fit_curve, load_or_profile,
     load_profile, measure_codec, measure_send, profile_path, save_profile,
 )
 
@@ -393,9 +393,13 @@ def test_profile_round_trip(tmp_path, fit):
 def test_profile_with_executed_curves_round_trip_and_model(tmp_path):
     plain = ([(4096, 1e-6), (1 << 20, 5e-5)], [(4096, 2e-6), (1 << 20, 9e-5)])
     one = [(4096, 5e-6), (1 << 20, 1e-4)]
-    prof = make_profile(strategy="ps", n=4, plain_samples=plain, task_s=3e-5, send_one_samples=one)
+    allreduce = [(4096, 7e-5), (1 << 20, 3e-3)]
+    prof = make_profile(strategy="ps", n=4, plain_samples=plain, task_s=3e-5, send_one_samples=one,
+                        allreduce_samples=allreduce)
     back = load_profile(save_profile(prof, cache_dir=tmp_path))
     assert back.to_dict() == prof.to_dict()
+    assert back.allreduce(1 << 20) == pytest.approx(3e-3)
+    assert back.cost_model(plain_allreduce=True).allreduce is back.allreduce
     assert back.enc_plain(1 << 20) == pytest.approx(5e-5) and back.dec_plain(4096) == pytest.approx(2e-6)
     assert back.send_one(1 << 20) == pytest.approx(1e-4) and back.task_s == 3e-5
     model = back.cost_model()
@@ -406,11 +410,11 @@ def test_profile_with_executed_curves_round_trip_and_model(tmp_path):
     assert model.t_sync(8 << 20, True, 3) == pytest.approx(executed_ps(ops, 8 << 20, 4, 3))
     # a profile written before these curves existed still loads; what it lacks costs nothing
     old = prof.to_dict()
-    for k in ("enc_plain", "dec_plain", "send_one"):
+    for k in ("enc_plain", "dec_plain", "send_one", "allreduce"):
         old["curves"].pop(k)
     old.pop("task_s")
     legacy = Profile.from_dict(old)
-    assert (legacy.enc_plain, legacy.send_one, legacy.task_s) == (None, None, 0.0)
+    assert (legacy.enc_plain, legacy.send_one, legacy.allreduce, legacy.task_s) == (None, None, None, 0.0)
     lm = legacy.cost_model()
     bare = ExecutedOps(back.send, back.send, back.enc, back.dec, lambda m: 0.0, 0.0, back.rate)
     assert lm.t_sync(8 << 20, True, 3) == pytest.approx(executed_ps(bare, 8 << 20, 4, 3))
@@ -611,7 +615,7 @@ def test_old_profile_version_is_reprofiled_not_fatal(tmp_path):
                            sizes=[4 * KB, 16 * KB], repeats=1)
     assert calls and prof.strategy == "ring"
     d = json.loads(path.read_text())
-    assert (d["version"], d["key"]["strategy"]) == (2, "ring")  # replaced
+    assert (d["version"], d["key"]["strategy"]) == (VERSION, "ring")  # replaced
 
 
 # ------------------------------------------------------------------ online profiling (ranks as threads)
@@ -647,7 +651,8 @@ def test_profile_online_reuses_cache_and_reprofiles_when_the_link_changed(tmp_pa
     files = list(tmp_path.glob("*__ring.json"))
     assert len(files) == 1
     d = json.loads(files[0].read_text())
-    assert set(d["curves"]) == {"send", "enc", "dec", "enc_plain", "dec_plain"}
+    # the loopback transport has an allreduce: measured, for the uncompressed buckets
+    assert set(d["curves"]) == {"send", "enc", "dec", "enc_plain", "dec_plain", "allreduce"}
     assert d["key"]["strategy"] == "ring" and d["task_s"] > 0
     ps = run_all("ps")  # CaSync-PS also measures its exchanges with a single aggregator
     assert ps[0] == ps[1] and ps[0]["key"]["strategy"] == "ps" and "send_one" in ps[0]["curves"]
@@ -729,6 +734,6 @@ def test_profile_online_replaces_an_old_version_file(tmp_path):
     assert out[0] == out[1] and out[0]["key"]["strategy"] == "ring"
     messages = [str(x.message) for x in w]
     assert any("version 1" in m and "re-profiling" in m for m in messages), messages
-    assert json.loads(path.read_text())["version"] == 2
+    assert json.loads(path.read_text())["version"] == VERSION
     with pytest.raises(ValueError, match="executed strategy"):
         profile_online(QuarterCompressor(), None, "casync_ring", cache_dir=tmp_path)
