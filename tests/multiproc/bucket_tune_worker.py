@@ -75,7 +75,9 @@ def measured_link(send_s_per_byte):
     def profile(*args, **kw):
         prof = real(*args, **kw)
         link = AffineCurve(1e-4, send_s_per_byte)
-        return dataclasses.replace(prof, send=link, send_one=link if prof.send_one is not None else None)
+        # the allreduce priced from that link too (the measured one is loopback's)
+        return dataclasses.replace(prof, send=link, send_one=link if prof.send_one is not None else None,
+                                   allreduce=None)
     optimizer.profile_online = profile
     try:
         yield
