@@ -37,6 +37,10 @@ FORMAT = "hipress-planner-profile"
 # 3: the backend's allreduce is measured (curve "allreduce", where the transport has one); a
 #    version-2 file would price it from the transfers until re-profiled, so it is stale.
 VERSION = 3
+# Versions a checkpoint's profile may have and still load (Profile.from_dict(accept_older=True)):
+# version 2 lacks only the optional allreduce curve, so the plans it made can be made again. A cached
+# file of version 2 stays stale, so that the allreduce gets measured.
+READABLE_VERSIONS = (2, VERSION)
 KB, MB = 1 << 10, 1 << 20
 #: 4 KB, 16 KB, ..., 64 MB (x4 steps)
 DEFAULT_LADDER: Tuple[int, ...] = tuple(4 * KB * 4 ** i for i in range(8))
@@ -210,7 +214,8 @@ class Profile:
         }
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "<dict>") -> "Profile":
+    def from_dict(cls, d: dict, source: str = "<dict>", accept_older: bool = False) -> "Profile":
+        """accept_older: also a profile of an older version in READABLE_VERSIONS (a checkpoint's)."""
         def bad(msg):
             return ProfileError(f"{source}: invalid hipress planner profile: {msg}")
 
@@ -218,7 +223,7 @@ class Profile:
             raise bad(f"top level is {type(d).__name__}, expected an object")
         if d.get("format") != FORMAT:
             raise bad(f"format is {d.get('format')!r}, expected {FORMAT!r}")
-        if d.get("version") != VERSION:
+        if d.get("version") != VERSION and not (accept_older and d.get("version") in READABLE_VERSIONS):
             raise StaleProfileError(f"{source}: hipress planner profile version {d.get('version')!r}, this hipress "
                                     f"reads version {VERSION} (re-profile to replace it)")
         for k in ("key", "category", "rate", "curves"):

@@ -1704,7 +1704,7 @@ class _HipressOptimizer:
         mine = self._hp_plan_profile
         if saved is None or mine is None or saved == mine.to_dict():
             return
-        prof = Profile.from_dict(saved, source="the checkpoint's plan_profile")
+        prof = Profile.from_dict(saved, source="the checkpoint's plan_profile", accept_older=True)
         if prof.key != mine.key:
             return  # another kind of job (e.g. another world size): its own profile plans it
         self._hp_plans, self._hp_trial = self._hp_make_plans(self._hp_plan_option, self._hp_fusion_bytes, prof)

@@ -598,6 +598,23 @@ def test_one_strategy_vocabulary():
             CostModel(AffineCurve(0, 1), AffineCurve(0, 1), AffineCurve(0, 1), 4, old)
 
 
+def test_a_checkpoints_version_2_profile_loads_a_cached_one_is_stale():
+    """Version 2 lacks only the measured allreduce: a checkpoint's profile of it loads (its plans
+    can be made again, the allreduce priced from the transfers); as a cache file it is stale, so
+    the allreduce gets measured. Version 1 named the strategies otherwise: stale either way."""
+    from hipress.planner.profile import StaleProfileError
+
+    d = make_profile(strategy="ring", n=4).to_dict()
+    d["version"] = 2
+    with pytest.raises(StaleProfileError, match="version 2"):
+        Profile.from_dict(d)
+    old = Profile.from_dict(d, accept_older=True)
+    assert old.allreduce is None and old.key == make_profile(strategy="ring", n=4).key
+    d["version"] = 1
+    with pytest.raises(StaleProfileError, match="version 1"):
+        Profile.from_dict(d, accept_older=True)
+
+
 def test_old_profile_version_is_reprofiled_not_fatal(tmp_path):
     from hipress.planner.profile import StaleProfileError
 
