@@ -9,5 +9,5 @@ from hipress.planner.cost_model import (  # noqa: F401
     curve_from_dict, rounds, sync_params,
 )
 from hipress.planner.plan import (  # noqa: F401
-    Overrides, Plan, PlanEntry, chunk_bounds, make_plan, plan_one,
+    Overrides, Plan, PlanEntry, chunk_bounds, fastest_plan, make_plan, plan_one,
 )

@@ -223,6 +223,16 @@ def make_plan(gradients: Union[Mapping[str, int], Sequence[Tuple[str, int]]], mo
     return Plan((plan_one(n, b, model, overrides) for n, b in items), model, overrides)
 
 
+def fastest_plan(gradients: Union[Mapping[str, int], Sequence[Tuple[str, int]]], models: Sequence[CostModel],
+                 overrides: Optional[Overrides] = None) -> Plan:
+    """The plan, among one per model (e.g. one per strategy, on the same profile), whose predicted
+    time summed over the gradients is lowest; a tie goes to the first model listed."""
+    if not models:
+        raise ValueError("fastest_plan needs at least one model")
+    plans = [make_plan(gradients, m, overrides) for m in models]
+    return min(plans, key=lambda p: p.predicted_time()[2])  # min keeps the first of equals
+
+
 # ---------------------------------------------------------------------------- printing
 def fmt_bytes(n: float) -> str:
     for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):

@@ -7,9 +7,10 @@
   is safe (``compressor.reencode_safe``: no compression), allgather where it is not (every
   built-in lossy algorithm: it never re-encodes; its traffic, N-1 payloads received per
   rank, stays below an uncompressed ring's 2(N-1)/N while N < 2 / rate, e.g. 32 ranks for
-  TernGrad's 2 bits); with a planner, PS: it re-encodes once, at the aggregator, and its
-  traffic, 2(N-1)/N payloads per rank, is below allgather's N-1 from 3 ranks on (VGG19-like at
-  1 Gbit/s, 4 ranks, compression="auto": PS 1.68x DDP, allgather 1.59x; docs/planner.md).
+  TernGrad's 2 bits); with a planner, "ps" here, the strategy profiled, and then the optimizer
+  keeps PS or allgather, whichever plan the planner's model predicts faster (a tie: allgather).
+  PS re-encodes once, at the aggregator, and its traffic, 2(N-1)/N payloads per rank, is below
+  allgather's N-1 from 3 ranks on; allgather has one exchange, not two (docs/planner.md).
 * multi-round aggregatable compressors (PowerSGD) always use the low-rank strategy.
 * uncompressed gradients (compressor "none": ``compression="none"`` or the planner's choice)
   go through the backend's own allreduce (``allreduce.py``) whatever the strategy name, which

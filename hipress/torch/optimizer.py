@@ -49,7 +49,7 @@ from hipress.comm.exchange import open_exchanges, waiting_words
 from hipress.comm.transport.base import TransportError
 from hipress.compression.none import NoneCompressor
 from hipress.engine import Handle, get_engine
-from hipress.planner import Overrides, Plan, chunk_bounds, make_plan
+from hipress.planner import Overrides, Plan, chunk_bounds, fastest_plan, make_plan
 from hipress.planner.online import profile_online
 from hipress.planner.profile import Profile
 from hipress.sync import STRATEGIES, StateStore, make_sync, resolve_strategy, use_local_aggregation
@@ -502,6 +502,10 @@ class _HipressOptimizer:
                              f"compressors only; {self._hp_compressor.name!r} is low-rank (whole matrices)")
         self._hp_strategy_name = ("ring" if options.dear
                                   else resolve_strategy(options.strategy, self._hp_compressor, options.plan is not None))
+        # strategy "auto" under a plan: PS or allgather, whichever plan the model predicts faster
+        # (_hp_make_plans; both priced on PS's profile: allgather's exchange is PS's with N aggregators)
+        self._hp_choose_strategy = (options.strategy == "auto" and options.plan is not None and not options.dear
+                                    and self._hp_strategy_name == "ps")
         self._hp_clip = clipping.resolve(options.grad_clip, self._hp_compressor.name)
         self._hp_names = {id(p): n for n, p in named}
         self._hp_momentum = (momentum.MomentumCorrection(self, self._hp_names,
@@ -542,6 +546,7 @@ class _HipressOptimizer:
                              self._hp_average, self._hp_hierarchical, world.size(), world.local_rank() == 0,
                              wire=wire)
 
+        self._hp_sync_for = sync_for
         self._hp_split_tensors = splits_tensors(self._hp_compressor, self._hp_strategy_name)
         # Compressed and plain gradients share the exchanges, so communication keeps one order per rank.
         self._hp_compressed = sync_for(self._hp_compressor)
@@ -655,22 +660,36 @@ class _HipressOptimizer:
         # Profiled over the world ring (its slowest link is the one that matters), by every
         # rank, so all ranks hold the same plan; N is the number of peers of the compressed sync.
         if prof is None:
-            prof = profile_online(self._hp_compressor, self._hp_transport, self._hp_strategy_name)
+            prof = profile_online(self._hp_compressor, self._hp_transport,
+                                  "ps" if self._hp_choose_strategy else self._hp_strategy_name)
         self._hp_plan_profile = prof
         n_sync = len(set(world.hostnames())) if self._hp_hierarchical else world.size()
         plain = getattr(self._hp_plain.strategy, "cross", self._hp_plain.strategy)  # across hosts, if hierarchical
         plain_allreduce = plain.name == "allreduce"
-        model = prof.cost_model(n=n_sync, plain_allreduce=plain_allreduce,
-                                plain16=torch.bfloat16 in self._hp_transport.allreduce_dtypes,
-                                plain_fusion_bytes=min(fusion_bytes, sum(4 * b.numel for b in self._hp_buckets))
-                                if plain_allreduce else 0)
+        kw = dict(n=n_sync, plain_allreduce=plain_allreduce,
+                  plain16=torch.bfloat16 in self._hp_transport.allreduce_dtypes,
+                  plain_fusion_bytes=min(fusion_bytes, sum(4 * b.numel for b in self._hp_buckets))
+                  if plain_allreduce else 0)
         sizes = [(b.name, 4 * b.numel) for b in self._hp_buckets]
-        plans = {"model": make_plan(sizes, model, overrides)}
+        if self._hp_choose_strategy:  # allgather first: a tie goes to it (it never re-encodes)
+            plans = {"model": fastest_plan(sizes, [prof.cost_model(strategy=s, **kw) for s in ("allgather", "ps")],
+                                           overrides)}
+            self._hp_use_strategy(plans["model"].model.strategy)
+        else:
+            plans = {"model": make_plan(sizes, prof.cost_model(**kw), overrides)}
+        model = plans["model"].model
         if (not overrides.measure or self._hp_transport.size == 1 or self._hp_unmovable_state()
                 or not any(e.compress for e in plans["model"])):
             return plans, None
         plans["plain"] = make_plan(sizes, model, dataclasses.replace(overrides, max_compress_bytes=0, force={}))
         return plans, PlanTrial(overrides.measure)
+
+    def _hp_use_strategy(self, name: str) -> None:
+        """Compressed buckets sync with strategy ``name`` from now on (strategy "auto" under a plan:
+        the planner's choice, made again from a checkpoint's profile before its states load)."""
+        if name != self._hp_strategy_name:
+            self._hp_strategy_name = name
+            self._hp_compressed = self._hp_sync_for(self._hp_compressor)
 
     def _hp_plan_layout(self, name: str) -> List["_Bucket"]:
         """Puts the candidate plan ``name`` in force (a copy: fusing merges its entries) and

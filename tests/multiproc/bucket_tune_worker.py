@@ -200,6 +200,7 @@ def main():
             rec["done"] = opt.bucket_tuner.done
         if opt.plan_trial is not None:
             rec["trial"] = {"seconds": dict(opt.plan_trial.seconds), "chosen": opt.plan_trial.chosen}
+        rec["strategy"] = opt._hp_strategy_name
         rec["buckets"] = [{"name": b.name, "params": [(n, p.numel()) for n, p in b.params],
                            "offsets": list(b.offsets), "bounds": opt._hp_route(b)[1]} for b in opt._hp_buckets]
         if "bytes" in saved and "load_into" in cfg:  # the checkpoint loaded by optimizers of other plan= options
@@ -219,7 +220,7 @@ def main():
             ck = torch.load(io.BytesIO(saved["bytes"]), weights_only=False)
             clock2 = [12345.0 + rank]  # a new process's clock: elsewhere again
             model2, opt2 = make(cfg, rank, clock2, cfg.get("links", {}).get("resumed"))
-            compressed_before = compressed(opt2)
+            compressed_before, strategy_before = compressed(opt2), opt2._hp_strategy_name
             model2.load_state_dict(ck["model"])
             opt2.load_state_dict(ck["opt"])
             res = {"grads": {}, "skipped": {}, "size": {}, "layout": {}, "params": {}, "carry": {}, "plan": {},
@@ -228,6 +229,7 @@ def main():
             hipress_state(opt2, cfg)
             res["final"] = params(model2)
             res["compressed"] = {"before_load": compressed_before, "after": compressed(opt2)}
+            res["strategy"] = {"before_load": strategy_before, "after": opt2._hp_strategy_name}
             res["history"] = list(opt2.bucket_tuner.history) if opt2.bucket_tuner is not None else None
             rec["resumed"] = res
         results.append(rec)

@@ -162,6 +162,24 @@ def test_resume_plans_from_the_checkpoints_profile(results):
                 assert torch.equal(res["final"][name], rec["final"][name]), f"rank {r} {name}"
 
 
+def test_strategy_auto_resumes_with_the_checkpoints_choice(tmp_path):
+    """Strategy "auto" under a plan keeps PS or allgather, whichever plan the model predicts faster.
+    3 ranks: over the saving job's slow link PS (2(N-1)/N payloads per rank against allgather's
+    N-1); the resumed job's own profile says a fast link, where allgather's one exchange wins. It
+    plans and picks the strategy again from the checkpoint's profile, before the compressor states
+    load, and goes on bit-identically."""
+    plan = {"force": {w: True for w in WEIGHTS}, "min_compress_bytes": 1 << 20, "bf16": False, "measure": 0}
+    cfg = {"strategy": "auto", "compression": "onebit", "steps": 6, "plan": plan, "kwargs": {"bucket_bytes": 0},
+           "save_at": 3, "links": LINKS}
+    got = launch_worker("bucket_tune_worker.py", tmp_path, 3, [cfg], 240)
+    for r in range(3):
+        rec, res = got[r][0], got[r][0]["resumed"]
+        assert rec["strategy"] == "ps" and res["strategy"] == {"before_load": "allgather", "after": "ps"}, \
+            (rec["strategy"], res["strategy"])
+        for name in rec["final"]:
+            assert torch.equal(res["final"][name], rec["final"][name]), f"rank {r} {name}"
+
+
 def test_checkpoints_across_plan_options(results):
     base = len(CONFIGS) - len(ACROSS)
     for r in range(NP):

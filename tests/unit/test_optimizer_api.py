@@ -281,8 +281,8 @@ def test_momentum_correction_choices(model):
 
 def test_auto_strategy_is_the_fastest_safe_one(model):
     """Ring where re-encoding merged sums is safe (no compression), allgather where it is not
-    (every built-in lossy algorithm), PS for those when a planner decides (less traffic than
-    allgather from 3 ranks on)."""
+    (every built-in lossy algorithm); under a planner PS is profiled, and the optimizer then keeps
+    PS or allgather, whichever plan the model predicts faster."""
     from hipress.sync import resolve_strategy
 
     assert wrap(model, strategy="auto")._hp_strategy_name == "ring"

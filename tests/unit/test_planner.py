@@ -1,5 +1,6 @@
 """Selective compression and partitioning planner (paper section 3.3): formulas, optimum,
 Fig. 14 reproduction, profiling/caching, plans and the CLI. No C++ core or GPU needed."""
+import dataclasses
 import json
 import warnings
 
@@ -138,6 +139,33 @@ def test_executed_allgather_hand_computed():
     assert plain.t_sync(3200, False, 2) == pytest.approx(6 * 810 + 0.25 + 33)
     # one rank sends nothing: encode, its own payload decoded, divided
     assert executed_model("allgather", n=1).t_sync(400, True, 1) == pytest.approx(0.25 + 203 + 2 + 0.25 + 27 + 5)
+
+
+def test_fastest_plan_picks_the_strategy_whose_plan_is_predicted_faster():
+    """Strategy "auto" under a plan: one plan per strategy on the same curves, the lower predicted
+    sum kept, a tie to the first listed. Latency-bound (a transfer: 1000 units + 1/1000 per byte)
+    allgather's one exchange wins; bandwidth-bound (1 unit per byte, N = 8) PS's 2(N-1)/N payloads
+    beat allgather's N-1."""
+    from hipress.planner import fastest_plan
+
+    def pick(n, sizes, send):
+        models = [CostModel(send, AffineCurve(3, 0.5), AffineCurve(2, 0.25), n, s, "quantization", 0.25,
+                            enc_plain=AffineCurve(0.5, 0), dec_plain=AffineCurve(1, 0.01), task_s=0.25)
+                  for s in ("allgather", "ps")]
+        plan = fastest_plan(sizes, models)
+        totals = {m.strategy: make_plan(sizes, m).predicted_time()[2] for m in models}
+        assert plan.predicted_time()[2] == min(totals.values())
+        return plan.model.strategy, totals
+
+    small = [("a", 1 << 10), ("b", 4 << 10)]
+    strategy, t = pick(4, small, AffineCurve(1000, 1e-3))
+    assert strategy == "allgather" and t["allgather"] < t["ps"], t
+    strategy, t = pick(8, [("big", 8 << 20)], AffineCurve(0, 1))
+    assert strategy == "ps" and t["ps"] < t["allgather"], t
+    same = executed_model("ps", n=4)
+    assert fastest_plan(small, [same, dataclasses.replace(same)]).model is same  # a tie: the first
+    with pytest.raises(ValueError, match="at least one model"):
+        fastest_plan(small, [])
 
 
 def test_executed_model_of_a_legacy_profile_charges_only_its_curves():
