@@ -299,8 +299,9 @@ def summarize(records: List[dict], bandwidths: Sequence[str], systems: Sequence[
                     for t in tuned)
             plan = ok[0].get("plan")
             if plan and "gradients" in plan:
+                via = f", {plan['strategy']}" if "strategy" in plan else ""
                 row["note"] = f"plan: {plan['compressed_gradients']}/{plan['gradients']} gradients compressed " \
-                              f"({plan['compressed_mb']:.1f} MB), {plan.get('bf16_mb', 0):.1f} MB as bf16"
+                              f"({plan['compressed_mb']:.1f} MB{via}), {plan.get('bf16_mb', 0):.1f} MB as bf16"
             rows.append(row)
         base = next((r for r in rows if r["bandwidth"] == bw and r["system"] == "ddp" and r.get("throughput")), None)
         for r in rows:

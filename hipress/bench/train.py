@@ -132,7 +132,8 @@ def _plan_info(opt) -> dict:
     and the measured choice that put it there."""
     planned = [(b, opt._hp_plan.entry(b.name, b.numel)) for b in opt._hp_buckets]
     trial = opt.plan_trial
-    return {"compressed_gradients": sum(len(b.params) for b, e in planned if e.compress),
+    return {"strategy": opt._hp_strategy_name,  # what compressed buckets sync with (strategy "auto": chosen)
+            "compressed_gradients": sum(len(b.params) for b, e in planned if e.compress),
             "gradients": sum(len(b.params) for b, _ in planned),
             "compressed_mb": sum(4 * b.numel for b, e in planned if e.compress) / 2**20,
             "bf16_mb": sum(4 * b.numel for b, e in planned if e.bf16) / 2**20,
