@@ -16,7 +16,7 @@ for single-round algorithms; docs/convergence.md). Algorithm parameters are hipr
 
 The algorithms train one after another in one launch of the ranks, each from a model, data and
 optimizer built anew from the seed: the same figures, to the last bit, as a launch per algorithm,
-in 40% of the time. Where that launch fails, the algorithms it left unfinished run again in a
+in 40-52% of the time (5 and 3 algorithms, 2 ranks, digits, on a 2-core machine). Where that launch fails, the algorithms it left unfinished run again in a
 launch each, so a failure is reported against its own algorithm.
 
 Beside each hipress run, the ``reference`` column is the same training simulated in this
@@ -246,7 +246,8 @@ def main(argv=None) -> dict:
     p.add_argument("--reference-only", action="store_true", help="run only the reference simulator (no hipress)")
     p.add_argument("--no-reference", action="store_true", help="run only hipress (no reference simulator)")
     p.add_argument("--out-dir", default="results")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per algorithm (a launch of k algorithms: k times it)")
+    p.add_argument("--timeout", type=float, default=1800,
+                   help="seconds per algorithm (a launch of k algorithms: k times it)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--runs", help=argparse.SUPPRESS)  # the worker's: JSON [{"algo": ..., "kwargs": {...}}]
