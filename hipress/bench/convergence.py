@@ -16,8 +16,9 @@ for single-round algorithms; docs/convergence.md). Algorithm parameters are hipr
 
 The algorithms train one after another in one launch of the ranks, each from a model, data and
 optimizer built anew from the seed: the same figures, to the last bit, as a launch per algorithm,
-in 40-52% of the time (5 and 3 algorithms, 2 ranks, digits, on a 2-core machine). Where that launch fails, the algorithms it left unfinished run again in a
-launch each, so a failure is reported against its own algorithm.
+in 40-52% of the time (5 and 3 algorithms, 2 ranks, digits, on a 2-core machine). Where that
+launch fails, the algorithms it left unfinished run again in a launch each, so a failure is
+reported against its own algorithm.
 
 Beside each hipress run, the ``reference`` column is the same training simulated in this
 process by hipress/bench/simulate.py: N workers, pure torch and the algorithms' numpy

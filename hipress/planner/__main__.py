@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="saved profile JSON: use its curves, N, strategy, category and rate")
     g = p.add_argument_group("cluster and algorithm (ignored where --profile gives them)")
     g.add_argument("--n", type=int, default=16, help="workers (ring) or aggregators (ps); default 16")
-    g.add_argument("--strategy", choices=STRATEGIES, default=None, help="paper_* rows of the paper's Table 3, or hipress's executed ring / ps / allgather; default paper_ps_colocated")
+    g.add_argument("--strategy", choices=STRATEGIES, default=None,
+                   help="paper_* rows of the paper's Table 3, or hipress's executed ring / ps / allgather; "
+                        "default paper_ps_colocated")
     g.add_argument("--category", choices=CATEGORIES, default="quantization")
     g.add_argument("--rate", type=float, default=1 / 16, help="compressed/original bytes; default 0.0625")
     g = p.add_argument_group("affine curves when no --profile (defaults: the Fig. 14 setting, docs/planner.md)")
