@@ -24,6 +24,7 @@ Steps (every rank calls it at the same point, e.g. when DistributedOptimizer is 
 """
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -99,23 +100,17 @@ def transfer_once(transport, strategy: str, engine=None, aggregators: Optional[i
         bcast = (others if r in aggs else [], {a for a in aggs if a != r}, True)
         plan = [gather, bcast]
         per_transfer, chained = max(1, n - 1), lambda nbytes: True
-    cache = {}
+    payload = functools.lru_cache(maxsize=1)(lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8))
 
     def send_once(nbytes: int) -> float:
-        if nbytes not in cache:
-            cache.clear()
-            cache[nbytes] = torch.zeros(nbytes, dtype=torch.uint8)
-        out = cache[nbytes]
+        out = payload(nbytes)
         steps = plan if chained(nbytes) else plan[:1]
 
         def transfers():
             for dsts, srcs, bulk in steps:
                 transfer(transport, {j: out for j in dsts}, srcs, pairwise=not bulk)
 
-        transport.barrier()
-        t0 = time.perf_counter()
-        engine.submit("profile.send", transfers, queue="comm").result(TASK_TIMEOUT_S)
-        return reduce(time.perf_counter() - t0) / (len(steps) * per_transfer)
+        return _timed_task(transport, engine, reduce, "profile.send", transfers, "comm") / (len(steps) * per_transfer)
 
     return send_once
 
@@ -128,18 +123,12 @@ def allreduce_once(transport, engine=None):
 
     engine = engine or get_engine()
     reduce = slowest(transport)
-    cache = {}
+    buffer = functools.lru_cache(maxsize=1)(lambda nbytes: torch.zeros(max(1, nbytes // 4), dtype=torch.float32))
 
     def once(nbytes: int) -> float:
-        if nbytes not in cache:
-            cache.clear()
-            cache[nbytes] = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-        values = cache[nbytes]
-        transport.barrier()
-        t0 = time.perf_counter()
-        engine.submit("profile.allreduce", lambda: transport.allreduce(values, sizes_agreed=True),
-                      queue="comm").result(TASK_TIMEOUT_S)
-        return reduce(time.perf_counter() - t0)
+        values = buffer(nbytes)
+        return _timed_task(transport, engine, reduce, "profile.allreduce",
+                           lambda: transport.allreduce(values, sizes_agreed=True), "comm")
 
     return once
 
@@ -153,12 +142,18 @@ def task_once(transport, engine=None):
     reduce = slowest(transport)
 
     def once() -> float:
-        transport.barrier()
-        t0 = time.perf_counter()
-        engine.submit("profile.task", lambda: None, queue="compute").result(TASK_TIMEOUT_S)
-        return reduce(time.perf_counter() - t0)
+        return _timed_task(transport, engine, reduce, "profile.task", lambda: None, "compute")
 
     return once
+
+
+def _timed_task(transport, engine, reduce, name: str, work, queue: str) -> float:
+    """Seconds of ``work`` run as one engine task on ``queue``, every rank starting after a barrier;
+    ``reduce`` makes it the slowest rank's time."""
+    transport.barrier()
+    t0 = time.perf_counter()
+    engine.submit(name, work, queue=queue).result(TASK_TIMEOUT_S)
+    return reduce(time.perf_counter() - t0)
 
 
 def _link_changed(transport, cached: Optional[Profile], send_once) -> bool:
