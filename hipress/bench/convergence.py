@@ -70,7 +70,12 @@ def worker(a) -> None:
     else:
         hipress.init()
     for run in json.loads(a.runs):
-        _train(a, run["algo"], run["kwargs"], os.path.join(a.result_dir, f"{run['algo']}.json"))
+        _train(a, run["algo"], run["kwargs"], _result_path(a.result_dir, run["algo"]))
+
+
+def _result_path(d: str, algo: str) -> str:
+    """Where the worker writes an algorithm's run (rank 0) and the driver reads it."""
+    return os.path.join(d, f"{algo}.json")
 
 
 def _train(a, algo: str, kw: dict, result: str) -> None:
@@ -169,7 +174,7 @@ def _launch(a, algos: list, kwargs: dict, d: str, env: dict) -> dict:
     code, logs = run(cmd, a.np, timeout=a.timeout * len(algos), quiet=True, env=env)
     out = {}
     for algo in algos:
-        res = os.path.join(d, f"{algo}.json")
+        res = _result_path(d, algo)
         if os.path.exists(res):
             with open(res) as f:
                 out[algo] = json.load(f)
