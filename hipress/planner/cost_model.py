@@ -463,6 +463,12 @@ class CostModel:
         if not (math.isfinite(self.plain_fusion_bytes) and self.plain_fusion_bytes >= 0):
             raise ValueError(f"plain_fusion_bytes must be a finite number >= 0, got {self.plain_fusion_bytes}")
 
+    @property
+    def offers_bf16(self) -> bool:
+        """Whether an uncompressed gradient may travel as bf16: through the backend's allreduce
+        (plain_allreduce) where it sums bf16 (plain16), under an executed strategy."""
+        return self.plain16 and self.plain_allreduce and self.strategy in EXECUTED_STRATEGIES
+
     def params(self, k: int) -> SyncParams:
         return sync_params(self.strategy, self.category, self.n, k)
 
@@ -515,7 +521,7 @@ class CostModel:
             raise ValueError(f"need 1 <= k_min <= k_max, got k_min={k_min}, k_max={k_max}")
         t_o, k_o = min((self.t_sync(m, False, k), k) for k in range(k_min, k_max + 1))
         if bf16 is not False:
-            if not (self.plain16 and self.plain_allreduce and self.strategy in EXECUTED_STRATEGIES):
+            if not self.offers_bf16:
                 if bf16:
                     raise ValueError("bf16=True needs a backend whose allreduce sums bf16 (CostModel.plain16)")
                 bf16 = False

@@ -568,11 +568,10 @@ class _HipressOptimizer:
         if options.plan is not None:
             self._hp_plans, self._hp_trial = self._hp_make_plans(options.plan, options.plain_fusion_bytes)
             self._hp_buckets = self._hp_plan_layout(self._hp_trial.in_use if self._hp_trial is not None else "model")
-        # a plan's uncompressed buckets that travel as bf16 (hipress.sync.allreduce; the model offers
-        # bf16 only where the plain sync is that allreduce, not under the coordinator)
-        cost = self._hp_plan.model if self._hp_plan is not None else None
+        # a plan's uncompressed buckets that travel as bf16 (hipress.sync.allreduce; not where the
+        # plain sync is another, as under the coordinator: CostModel.offers_bf16)
         self._hp_plain16 = (sync_for(NoneCompressor(), torch.bfloat16)
-                            if cost is not None and cost.plain16 and cost.plain_allreduce else None)
+                            if self._hp_plan is not None and self._hp_plan.model.offers_bf16 else None)
         self._hp_covap = self._hp_make_covap(options.covap) if options.covap is not None else None
         self._hp_passes = options.backward_passes_per_step
         self._hp_partition_bytes = options.partition_bytes
