@@ -382,6 +382,12 @@ def goals(model: str, rows: List[dict], bandwidths: Sequence[str]) -> List[dict]
     def row_of(bw, s):
         return next((r for r in rows if r["bandwidth"] == bw and r["system"] == s and r.get("throughput")), None)
 
+    def overlap_limits(bw) -> Dict[str, dict]:
+        """The ceilings measured on bw (overlap-limit[-<fraction>] rows: the step's bytes overlapping
+        the whole step, no framework), by system name."""
+        return {r["system"]: r for r in rows
+                if r["bandwidth"] == bw and r["system"].startswith("overlap-limit") and r.get("throughput")}
+
     for bw in bandwidths:  # issue 17: uncompressed DeAR against DDP, beside what eq. 6 allows it
         d, r = row_of(bw, "ddp"), row_of(bw, "hipress-dear")
         if d and r and r.get("eq6_bound") and d.get("compute_s"):
@@ -390,8 +396,13 @@ def goals(model: str, rows: List[dict], bandwidths: Sequence[str]) -> List[dict]
             ceiling = r["eq6_bound"] / (r["workers"] * d["compute_s"] / d["step_s"])
             target = 1.10 if d["exposed_comm_s"] >= 0.05 * d["step_s"] else 0.97  # where DDP exposes communication
             ratio = r["throughput"] / d["throughput"]
-            out.append({"goal": f"{model} @ {bw}: hipress-dear >= {target:.2f}x ddp (eq. 6 allows {ceiling:.2f}x)",
-                        "best": "hipress-dear", "ratio": ratio, "met": ratio >= target, "eq6_x_ddp": ceiling})
+            goal = {"goal": f"{model} @ {bw}: hipress-dear >= {target:.2f}x ddp (eq. 6 allows {ceiling:.2f}x)",
+                    "best": "hipress-dear", "ratio": ratio, "met": ratio >= target, "eq6_x_ddp": ceiling}
+            limit = overlap_limits(bw).get("overlap-limit")
+            if limit:  # the same bytes overlapping the whole step, with their CPU: measured, not modelled
+                goal["overlap_limit_x_ddp"] = limit["throughput"] / d["throughput"]
+                goal["goal"] = goal["goal"][:-1] + f"; overlap-limit measures {goal['overlap_limit_x_ddp']:.2f}x)"
+            out.append(goal)
             out.append({"goal": f"{model} @ {bw}: hipress-dear within 10% of its eq. 6 bound", "best": "hipress-dear",
                         "ratio": r["of_bound"], "met": r["of_bound"] >= 0.90})
     for s in ("hipress-covap", "ddp-covap-hook"):  # COVAP's targets (issue 18)
@@ -399,8 +410,10 @@ def goals(model: str, rows: List[dict], bandwidths: Sequence[str]) -> List[dict]
             bw = next((b for b in bandwidths if by_rate[b] == 1e9), None)
             r = row_of(bw, s) if bw else None
             if r and r.get("x_compute") is not None:
-                out.append({"goal": f"vgg19 @ {bw}: {s} >= 0.90 of compute-only", "best": s,
-                            "ratio": r["x_compute"], "met": r["x_compute"] >= 0.90})
+                limits = {n: x["x_compute"] for n, x in overlap_limits(bw).items() if x.get("x_compute") is not None}
+                seen = "".join(f"; {n} reaches {v:.2f}" for n, v in sorted(limits.items()))
+                out.append({"goal": f"vgg19 @ {bw}: {s} >= 0.90 of compute-only{seen}", "best": s,
+                            "ratio": r["x_compute"], "met": r["x_compute"] >= 0.90, "overlap_limits": limits})
             if r and tp(bw, "ddp"):
                 ratio = r["throughput"] / tp(bw, "ddp")
                 out.append({"goal": f"vgg19 @ {bw}: {s} >= 1.5x ddp", "best": s, "ratio": ratio, "met": ratio >= 1.5})

@@ -29,6 +29,9 @@ group; hipress wraps it), each on a freshly built model with the same seed:
   hipress-bf16             hipress.DistributedOptimizer(compression="auto", plan={"max_compress_bytes": 0,
                            "bf16": True}): nothing compressed, every bucket through the backend's
                            allreduce in bf16 (hipress's counterpart of ddp-fp16)
+  overlap-limit[-<f>]      not a training system: a ceiling. Local SGD with an allreduce of f x the
+                           model's fp32 gradient bytes (default 1) overlapping each whole step
+                           (_OverlapLimit): the most a schedule sending those bytes can reach here
 
 COVAP's systems profile before they filter: their warm-up runs on until the filter is on
 (at least ``--warmup`` steps), and the record holds the profile (CCR and the interval).
@@ -47,6 +50,7 @@ communication = step time - compute time. Rank 0 appends one JSON record per sys
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -90,6 +94,12 @@ def parse_system(name: str) -> dict:
                                         "ddp-covap-hook": "covap"}[name]}
     if name == "horovod":
         return {"kind": "horovod"}
+    limit = re.fullmatch(r"overlap-limit(?:-(\d*\.?\d+))?", name)
+    if limit:
+        fraction = float(limit[1] or 1.0)
+        if not 0 < fraction <= 4:
+            raise ValueError(f"system {name!r}: the fraction of the gradient's bytes must be in (0, 4]")
+        return {"kind": "overlap-limit", "fraction": fraction}
     if name == "hipress-covap":
         return {"kind": "hipress", "strategy": "auto", "compression": "covap", "plan": None}
     if name == "hipress-bf16":  # compression="auto" with its plan pinned: nothing compressed, all as bf16
@@ -109,7 +119,8 @@ def parse_system(name: str) -> dict:
             return {"kind": "hipress", "strategy": parts[1], "compression": parts[2], "plan": plan}
     raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, hipress-covap, "
                      f"hipress-bf16, hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, "
-                     f"hipress-acpsgd, hipress-auto, hipress-dear[-<{'|'.join(DEAR_ALGOS)}>]")
+                     f"hipress-acpsgd, hipress-auto, hipress-dear[-<{'|'.join(DEAR_ALGOS)}>], "
+                     f"overlap-limit[-<fraction>]")
 
 
 COVAP_MAX_WARMUP = 30  # a bound on COVAP's warm-up (settling DDP's buckets, profiling)
@@ -210,6 +221,47 @@ class _Skip(Exception):
     """A system that cannot run here (recorded as skipped, not failed)."""
 
 
+class _OverlapLimit:
+    """The ``overlap-limit[-<fraction>]`` system: not a way to train, a ceiling to measure others
+    against. Each step's forward starts (a pre-hook) an allreduce of ``fraction`` x the model's fp32
+    gradient bytes on the default (gloo) group, and step() waits for it before a local SGD step. The
+    communication thus overlaps the whole step, with no dependency on the gradients and no
+    framework work of any kind: a schedule that sends those bytes through the backend cannot do
+    better. Where ranks share cores (4 on this 2-core machine), the bytes' CPU (gloo's, and the
+    kernel's for TCP and the emulated links) comes out of the model's computation all the same,
+    which the compute-only figure never pays. So ``overlap-limit`` is the most DDP or uncompressed
+    dear could reach on a link, and ``overlap-limit-0.25`` the most COVAP at interval 4 could. The
+    buffer's values are not used."""
+
+    def __init__(self, opt: torch.optim.Optimizer, model: torch.nn.Module, fraction: float):
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.opt, self.buffer = opt, torch.zeros(max(1, int(numel * fraction)))
+        self.work, self.skip, self.started = None, False, 0
+        model.register_forward_pre_hook(self._start)
+
+    def _start(self, *_):
+        if not self.skip and self.work is None:
+            self.work = dist.all_reduce(self.buffer, async_op=True)
+            self.started += 1
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+    def step(self):
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.opt.step()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.skip = True
+        try:
+            yield
+        finally:
+            self.skip = False
+
+
 def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
     """Returns (net to call, optimizer, no_sync context factory, base step fn, info)."""
     import contextlib
@@ -254,6 +306,10 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
         info["horovod"] = {"version": getattr(__import__("horovod"), "__version__", "?"), "size": hvd.size(),
                            "controller": "gloo"}
         return model, opt, None, (plain, plain_opt), info
+    if cfg["kind"] == "overlap-limit":
+        limit = _OverlapLimit(opt, model, cfg["fraction"])
+        info["overlap_limit"] = {"fraction": cfg["fraction"], "bytes": limit.buffer.numel() * 4}
+        return model, limit, limit.no_sync, opt.step, info
     import hipress
     import hipress.ddp
 
@@ -398,6 +454,8 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
         _progress(out, f"{tag} {done}/{nsteps}")
     cpu_compute = (time.process_time() - cpu0) / max(a.compute_steps, 1)
     opt.zero_grad()
+    if cfg["kind"] == "overlap-limit":
+        rec["overlap_limit"]["allreduces"] = opt.started  # one per warm-up and timed step, none in compute
     dist.barrier()
     ctimes.sort()
     compute_local = ctimes[len(ctimes) // 2] if ctimes else float("nan")

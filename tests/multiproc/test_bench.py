@@ -46,6 +46,14 @@ def test_worker_emits_records_for_ddp_and_hipress(tmp_path):
     assert (tmp_path / "progress").read_text().strip()
 
 
+def test_worker_runs_the_overlap_limit(tmp_path):
+    """The ceiling system: one allreduce of its share of the gradient bytes per warm-up and timed
+    step, none in the compute-only steps."""
+    recs = _run_worker(tmp_path, ["overlap-limit-0.5"])
+    numel = recs[0]["profile"]["parameters"]
+    assert recs[0]["overlap_limit"] == {"fraction": 0.5, "bytes": numel // 2 * 4, "allreduces": 1 + 2}
+
+
 def test_worker_runs_dear_systems(tmp_path):
     recs = _run_worker(tmp_path, ["hipress-dear", "hipress-dear-terngrad"])
     for r, comp in zip(recs, ("none", "terngrad")):
@@ -156,7 +164,10 @@ def test_parse_system_names():
                                                  "plan": None, "bucket_bytes": "tune"}
     assert parse_system("hipress-ring-onebit-b0.5")["bucket_bytes"] == 1 << 19
     assert parse_system("hipress-dear-tbq-b4")["bucket_bytes"] == 4 << 20
-    for name in ("hipress-ring-tbq-plan-tune", "hipress-covap-tune", "hipress-dear-b0", "ddp-tune"):
+    assert parse_system("overlap-limit") == {"kind": "overlap-limit", "fraction": 1.0}
+    assert parse_system("overlap-limit-0.25") == {"kind": "overlap-limit", "fraction": 0.25}
+    for name in ("hipress-ring-tbq-plan-tune", "hipress-covap-tune", "hipress-dear-b0", "ddp-tune",
+                 "overlap-limit-0", "overlap-limit-x", "overlap-limit-tune"):
         with pytest.raises(ValueError):
             parse_system(name)
 
