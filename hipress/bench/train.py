@@ -72,6 +72,7 @@ ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop", "powersgd", "ac
 STRATEGIES = ("ring", "ps", "allgather", "auto")
 # hipress-bf16's plan: every bucket through the backend's allreduce in bf16, hipress's counterpart of
 # DDP's fp16 hook (and the branch of `compression="auto"` that compresses nothing)
+FINAL_DENSITY = ("dgc", "graddrop")  # sparsifiers whose density warms up: timed without the warm-up
 BF16_PLAN = {"max_compress_bytes": 0, "bf16": True}
 DEAR_ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")  # single-round: the ring's phases carry them
 
@@ -326,6 +327,11 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
         kw["bucket_bytes"] = cfg["bucket_bytes"]
         if cfg["bucket_bytes"] == "tune":
             kw["bucket_tune"] = cfg["bucket_tune"]
+    if cfg["compression"] in FINAL_DENSITY:
+        # timed at the final density: their warm-up (dense first, 2040 steps by default) is an
+        # accuracy feature of a training's first steps, and a few timed steps would see only it
+        kw["warmup_steps"] = 0
+        info["warmup_steps"] = 0
     opt = hipress.DistributedOptimizer(opt, compression=cfg["compression"], strategy=cfg["strategy"], **kw)
     base = type(opt).__mro__[1]
     info["hipress"] = {"strategy": "dear" if cfg["strategy"] == "dear" else opt._hp_strategy_name, "compressor": opt._hp_compressor.name,
