@@ -84,6 +84,37 @@ def partition_shape(segments, s: int, e: int) -> Optional[Tuple[int, int]]:
     return None
 
 
+def _sparsifier(comp: Compressor) -> bool:
+    """Whether ``comp`` keeps a fraction of the elements that grows with the ranks summed
+    (for_sum_of: DGC, GradDrop, top-k, ...), so that a re-encoded sum may outgrow dense fp32."""
+    return comp.for_sum_of(2) is not comp
+
+
+def no_larger_than_dense(comp: Compressor, payload: torch.Tensor, numel: int) -> torch.Tensor:
+    """``payload`` of ``numel`` elements as it is sent by the ring and PS. A sparsifier's payload
+    (a value and an index per kept element) outgrows the ``numel`` fp32 values it stands for above
+    half density: a sum re-encoded at the density of its union (four ranks' 25% in DGC's warm-up:
+    all of them, 8 bytes an element), or a ratio set that high. Such a payload travels as those
+    values instead, decoded here: the same numbers in half the bytes or fewer. A sparse payload
+    that is sent is thus always smaller than 4 x numel bytes, which is how :func:`decode_payload`
+    tells the two apart."""
+    if payload.numel() < 4 * numel or not _sparsifier(comp):
+        return payload
+    dense = torch.empty(numel, dtype=torch.float32)
+    comp.decode(payload, dense)
+    return dense.view(torch.uint8)
+
+
+def decode_payload(comp: Compressor, payload: torch.Tensor, out: torch.Tensor, add: bool = False) -> torch.Tensor:
+    """comp.decode (``add``: decode_add) of a payload that :func:`no_larger_than_dense` may have
+    turned into fp32 values."""
+    if payload.numel() == 4 * out.numel() and _sparsifier(comp):
+        values = payload if payload.storage_offset() % 4 == 0 else payload.clone()  # a frame's record may be unaligned
+        values = values.view(torch.float32).view_as(out)
+        return out.add_(values) if add else out.copy_(values)
+    return comp.decode_add(payload, out) if add else comp.decode(payload, out)
+
+
 def frame_bound(bounds: Sequence[Optional[int]]) -> Optional[int]:
     """The size bound of :func:`frame` of payloads with these bounds (None if any is None)."""
     if any(b is None for b in bounds):

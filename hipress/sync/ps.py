@@ -25,7 +25,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from hipress.engine import Handle
-from hipress.sync.base import Strategy, SyncContext, frame, frame_bound, partition_shape, payload_bound, unframe
+from hipress.sync.base import (Strategy, SyncContext, decode_payload, frame, frame_bound, no_larger_than_dense,
+                               partition_shape, payload_bound, unframe)
 
 
 class PSStrategy(Strategy):
@@ -98,8 +99,9 @@ class PSStrategy(Strategy):
         def encode():
             per_dst: Dict[int, List[torch.Tensor]] = {a: [] for a in aggregators}
             for (key, s, e), a in zip(parts, owners):
-                per_dst[a].append(comp.encode(flat[s:e], ctx.states.get(f"{key}/worker", comp, e - s,
-                                                                                 partition_shape(segments, s, e))))
+                payload = comp.encode(flat[s:e], ctx.states.get(f"{key}/worker", comp, e - s,
+                                                                partition_shape(segments, s, e)))
+                per_dst[a].append(no_larger_than_dense(comp, payload, e - s))
             slot["gather_out"] = {a: frame(p) for a, p in per_dst.items()}
 
         def aggregate():
@@ -109,9 +111,10 @@ class PSStrategy(Strategy):
                 key, s, e = parts[i]
                 acc = torch.zeros(e - s, dtype=torch.float32)
                 for src in range(n):
-                    comp.decode_add(received[src][j], acc)
+                    decode_payload(comp, received[src][j], acc, add=True)
                 m = comp.merged_for(n)  # error feedback at the aggregator: what its re-encode drops is not lost
-                out.append(m.encode(acc, ctx.states.get(f"{key}/aggregator", m, e - s, partition_shape(segments, s, e))))
+                payload = m.encode(acc, ctx.states.get(f"{key}/aggregator", m, e - s, partition_shape(segments, s, e)))
+                out.append(no_larger_than_dense(comp, payload, e - s))
             slot["bcast_out"] = frame(out)
 
         def decode():
@@ -119,7 +122,7 @@ class PSStrategy(Strategy):
                 idx = [i for i, o in enumerate(owners) if o == a]
                 for i, payload in zip(idx, unframe(slot["bcast_in"].pop(a), len(idx))):
                     _, s, e = parts[i]
-                    comp.decode(payload, flat[s:e])
+                    decode_payload(comp, payload, flat[s:e])
             if self.average:
                 flat.div_(n)
 

@@ -32,7 +32,7 @@ import torch
 
 from hipress.engine import Handle
 from hipress.planner.plan import chunk_bounds
-from hipress.sync.base import Strategy, SyncContext, payload_bound
+from hipress.sync.base import Strategy, SyncContext, decode_payload, no_larger_than_dense, payload_bound
 
 
 class RingStrategy(Strategy):
@@ -87,7 +87,7 @@ class RingStrategy(Strategy):
 
         def encode_owned():
             p = encode_chunk(ctx, key, views, owned, n)
-            comp.decode(p, views[owned])
+            decode_payload(comp, p, views[owned])
             slot[("fwd", 0)] = p
 
         prev = ctx.compute(f"encode.{key}.ag", encode_owned, list(deps))
@@ -99,7 +99,7 @@ class RingStrategy(Strategy):
                 slot[("fwd", t + 1)] = slot[("dec", t)] = buf
 
             def decode(t=t, c=c_in):
-                comp.decode(slot.pop(("dec", t)), views[c])
+                decode_payload(comp, slot.pop(("dec", t)), views[c])
 
             prev = ctx.exchange.sendrecv(f"sendrecv.{key}.ag{t}", lambda t=t: slot.pop(("fwd", t)), nxt,
                                          received, prv, [prev],
@@ -119,9 +119,11 @@ def encode_chunk(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], c: i
     of the reduce-scatter encodes this rank's own gradient (1); later encodes see merged partial
     sums and use the compressor's merged form for that many (error feedback at every site; a
     sparsifier keeps the density of their union). A chunk key has one role per rank, so its
-    state always belongs to the same compressor."""
+    state always belongs to the same compressor. A sparsifier's sum denser than half travels as
+    fp32 values (no_larger_than_dense)."""
     enc = ctx.compressor if contributions == 1 else ctx.compressor.merged_for(contributions)
-    return enc.encode(views[c], ctx.states.get(f"{key}/c{c}", enc, views[c].numel()))
+    payload = enc.encode(views[c], ctx.states.get(f"{key}/c{c}", enc, views[c].numel()))
+    return no_larger_than_dense(ctx.compressor, payload, views[c].numel())
 
 
 def reduce_scatter(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], deps: Sequence[Handle] = (),
@@ -148,7 +150,7 @@ def reduce_scatter(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], de
             slot[("out", s)] = encode_chunk(ctx, key, views, cs, s + 1)
 
         def merge(s=s, cr=cr):
-            comp.decode_add(slot.pop(("in", s)), views[cr])
+            decode_payload(comp, slot.pop(("in", s)), views[cr], add=True)
 
         nbytes = 4 * views[cs].numel()
         enc = ctx.compute(f"encode.{key}.rs{s}", encode, last_compute, nbytes=nbytes)

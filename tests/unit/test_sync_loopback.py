@@ -321,6 +321,44 @@ def test_merged_sums_keep_the_density_of_the_union(strategy, algo, kw):
     assert (got[0][0] != 0).sum().item() > 2 * 0.02 * numel
 
 
+@pytest.mark.parametrize("strategy", ["ring", "ps"])
+def test_a_sparse_sum_denser_than_half_travels_as_fp32(monkeypatch, strategy):
+    """DGC in its warm-up's first stage keeps 25%: four ranks' sum is re-encoded at 100%, whose sparse
+    form (a value and an index, 8 bytes an element) is twice the fp32 it stands for. It travels as
+    fp32 instead: bit-identical to the oracle (which decodes the sparse form), and no message
+    received is larger than the fp32 of its elements (and a frame's length)."""
+    from hipress.comm.transport.base import Transport
+    sizes = []
+    real_sr, real_a2a = Transport.sendrecv_alloc, Transport.alltoallv_alloc
+
+    def sendrecv_alloc(self, send_buf, dst, src, max_bytes=None):
+        got = real_sr(self, send_buf, dst, src, max_bytes=max_bytes)
+        sizes.append(got.numel())
+        return got
+
+    def alltoallv_alloc(self, send_buf, send_counts, max_bytes=None):
+        buf, rc = real_a2a(self, send_buf, send_counts, max_bytes=max_bytes)
+        sizes.extend(rc)
+        return buf, rc
+
+    monkeypatch.setattr(Transport, "sendrecv_alloc", sendrecv_alloc)
+    monkeypatch.setattr(Transport, "alltoallv_alloc", alltoallv_alloc)
+    n, numel = 4, 4000
+    grads, bounds = grads_for(n, numel, seed=9), [(0, numel)]
+    got, owners = run_strategy(strategy, lambda: compression.get("dgc"), grads, bounds, steps=2)
+    stores = [StateStore(r) for r in range(n)]
+    for step in range(2):
+        want = (reference.ring(grads, compression.get("dgc"), stores, "w", bounds) if strategy == "ring" else
+                reference.ps(grads, compression.get("dgc"), stores, "w", bounds, owners[0]))
+        for r in range(n):
+            assert torch.equal(got[r][step], want[r]), (step, r)
+    element_bytes = 4 * (numel // n if strategy == "ring" else numel)
+    assert sizes and max(sizes) <= 8 + element_bytes, (max(sizes), element_bytes)
+    # more than half the elements arrived (the union of four 25% selections, re-encoded at 100%):
+    # in the sparse form that is more than 4 bytes an element
+    assert (got[0][0] != 0).sum().item() > numel // 2
+
+
 @pytest.mark.parametrize("strategy,algo,kw", [("ring", "dgc", {"ratio": 0.05}), ("ring", "terngrad", {"bitwidth": 2}),
                                               ("ps", "graddrop", {"ratio": 0.05}), ("allgather", "tbq", {}),
                                               ("lowrank", "powersgd", {"rank": 2})])
