@@ -359,6 +359,29 @@ def test_a_sparse_sum_denser_than_half_travels_as_fp32(monkeypatch, strategy):
     assert (got[0][0] != 0).sum().item() > numel // 2
 
 
+def test_dense_form_of_a_sparse_payload_decodes_from_any_offset():
+    """no_larger_than_dense keeps a payload below 4 bytes an element and turns a denser one into
+    the fp32 it decodes to; decode_payload reads that form from an unaligned place in a frame as
+    well (records follow odd-sized ones), sets or adds; a quantizer's payload is never touched."""
+    from hipress.sync.base import decode_payload, no_larger_than_dense
+    n, x = 1000, torch.randn(1000)
+    sparse = compression.get("dgc", ratio=0.01)
+    small = sparse.encode(x)
+    assert no_larger_than_dense(sparse, small, n) is small
+    dense_sparse = compression.get("dgc", ratio=0.9)
+    big = dense_sparse.encode(x)
+    want = dense_sparse.decode(big, torch.zeros(n))
+    sent = no_larger_than_dense(dense_sparse, big, n)
+    assert big.numel() > 4 * n and sent.numel() == 4 * n
+    for record in unframe(frame([torch.zeros(3, dtype=torch.uint8), sent]), 2)[1:]:
+        assert record.storage_offset() % 4 != 0  # after an 8-byte length and 3 bytes
+        assert torch.equal(decode_payload(dense_sparse, record, torch.zeros(n)), want)
+        assert torch.equal(decode_payload(dense_sparse, record, torch.ones(n), add=True), want + 1)
+    onebit = compression.get("onebit")
+    p = onebit.encode(x)
+    assert no_larger_than_dense(onebit, p, n) is p
+
+
 @pytest.mark.parametrize("strategy,algo,kw", [("ring", "dgc", {"ratio": 0.05}), ("ring", "terngrad", {"bitwidth": 2}),
                                               ("ps", "graddrop", {"ratio": 0.05}), ("allgather", "tbq", {}),
                                               ("lowrank", "powersgd", {"rank": 2})])
