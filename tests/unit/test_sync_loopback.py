@@ -321,28 +321,35 @@ def test_merged_sums_keep_the_density_of_the_union(strategy, algo, kw):
     assert (got[0][0] != 0).sum().item() > 2 * 0.02 * numel
 
 
+def record_receives(monkeypatch) -> list:
+    """Every receive the strategies make from now on, as (its max_bytes bound, bytes received):
+    the transports' sendrecv_alloc and alltoallv_alloc (one entry per source) wrapped."""
+    from hipress.comm.transport.base import Transport
+    seen = []
+    real_sr, real_a2a = Transport.sendrecv_alloc, Transport.alltoallv_alloc
+
+    def sendrecv_alloc(self, send_buf, dst, src, max_bytes=None):
+        got = real_sr(self, send_buf, dst, src, max_bytes=max_bytes)
+        seen.append((max_bytes, got.numel()))
+        return got
+
+    def alltoallv_alloc(self, send_buf, send_counts, max_bytes=None):
+        buf, rc = real_a2a(self, send_buf, send_counts, max_bytes=max_bytes)
+        seen.extend((None if max_bytes is None else max_bytes[src], c) for src, c in enumerate(rc))
+        return buf, rc
+
+    monkeypatch.setattr(Transport, "sendrecv_alloc", sendrecv_alloc)
+    monkeypatch.setattr(Transport, "alltoallv_alloc", alltoallv_alloc)
+    return seen
+
+
 @pytest.mark.parametrize("strategy", ["ring", "ps"])
 def test_a_sparse_sum_denser_than_half_travels_as_fp32(monkeypatch, strategy):
     """DGC in its warm-up's first stage keeps 25%: four ranks' sum is re-encoded at 100%, whose sparse
     form (a value and an index, 8 bytes an element) is twice the fp32 it stands for. It travels as
     fp32 instead: bit-identical to the oracle (which decodes the sparse form), and no message
     received is larger than the fp32 of its elements (and a frame's length)."""
-    from hipress.comm.transport.base import Transport
-    sizes = []
-    real_sr, real_a2a = Transport.sendrecv_alloc, Transport.alltoallv_alloc
-
-    def sendrecv_alloc(self, send_buf, dst, src, max_bytes=None):
-        got = real_sr(self, send_buf, dst, src, max_bytes=max_bytes)
-        sizes.append(got.numel())
-        return got
-
-    def alltoallv_alloc(self, send_buf, send_counts, max_bytes=None):
-        buf, rc = real_a2a(self, send_buf, send_counts, max_bytes=max_bytes)
-        sizes.extend(rc)
-        return buf, rc
-
-    monkeypatch.setattr(Transport, "sendrecv_alloc", sendrecv_alloc)
-    monkeypatch.setattr(Transport, "alltoallv_alloc", alltoallv_alloc)
+    seen = record_receives(monkeypatch)
     n, numel = 4, 4000
     grads, bounds = grads_for(n, numel, seed=9), [(0, numel)]
     got, owners = run_strategy(strategy, lambda: compression.get("dgc"), grads, bounds, steps=2)
@@ -353,7 +360,8 @@ def test_a_sparse_sum_denser_than_half_travels_as_fp32(monkeypatch, strategy):
         for r in range(n):
             assert torch.equal(got[r][step], want[r]), (step, r)
     element_bytes = 4 * (numel // n if strategy == "ring" else numel)
-    assert sizes and max(sizes) <= 8 + element_bytes, (max(sizes), element_bytes)
+    largest = max(c for _, c in seen)
+    assert largest <= 8 + element_bytes, (largest, element_bytes)
     # more than half the elements arrived (the union of four 25% selections, re-encoded at 100%):
     # in the sparse form that is more than 4 bytes an element
     assert (got[0][0] != 0).sum().item() > numel // 2
@@ -373,10 +381,10 @@ def test_dense_form_of_a_sparse_payload_decodes_from_any_offset():
     want = dense_sparse.decode(big, torch.zeros(n))
     sent = no_larger_than_dense(dense_sparse, big, n)
     assert big.numel() > 4 * n and sent.numel() == 4 * n
-    for record in unframe(frame([torch.zeros(3, dtype=torch.uint8), sent]), 2)[1:]:
-        assert record.storage_offset() % 4 != 0  # after an 8-byte length and 3 bytes
-        assert torch.equal(decode_payload(dense_sparse, record, torch.zeros(n)), want)
-        assert torch.equal(decode_payload(dense_sparse, record, torch.ones(n), add=True), want + 1)
+    record = unframe(frame([torch.zeros(3, dtype=torch.uint8), sent]), 2)[1]
+    assert record.storage_offset() % 4 != 0  # after two 8-byte lengths and 3 bytes
+    assert torch.equal(decode_payload(dense_sparse, record, torch.zeros(n)), want)
+    assert torch.equal(decode_payload(dense_sparse, record, torch.ones(n), add=True), want + 1)
     onebit = compression.get("onebit")
     p = onebit.encode(x)
     assert no_larger_than_dense(onebit, p, n) is p
@@ -388,27 +396,11 @@ def test_dense_form_of_a_sparse_payload_decodes_from_any_offset():
 def test_strategies_bound_what_peers_send(monkeypatch, strategy, algo, kw):
     """Every receive the strategies make is bounded by the receiver's own max_encoded_bytes
     (framed where they frame), never unbounded, and the bound admits what peers really send."""
-    from hipress.comm.transport.base import Transport
-    seen = []
-    real_sr, real_a2a = Transport.sendrecv_alloc, Transport.alltoallv_alloc
-
-    def sendrecv_alloc(self, send_buf, dst, src, max_bytes=None):
-        got = real_sr(self, send_buf, dst, src, max_bytes=max_bytes)
-        seen.append(("sr", max_bytes, got.numel()))
-        return got
-
-    def alltoallv_alloc(self, send_buf, send_counts, max_bytes=None):
-        buf, rc = real_a2a(self, send_buf, send_counts, max_bytes=max_bytes)
-        for src, c in enumerate(rc):
-            seen.append(("a2a", None if max_bytes is None else max_bytes[src], c))
-        return buf, rc
-
-    monkeypatch.setattr(Transport, "sendrecv_alloc", sendrecv_alloc)
-    monkeypatch.setattr(Transport, "alltoallv_alloc", alltoallv_alloc)
+    seen = record_receives(monkeypatch)
     n, numel = 3, 2000
     bounds = chunk_bounds(numel, 2)
     run_strategy(strategy, lambda: compression.get(algo, **kw), grads_for(n, numel, seed=3), bounds)
-    received = [(b, c) for _, b, c in seen if c > 0]
+    received = [(b, c) for b, c in seen if c > 0]
     assert received and all(b is not None and c <= b for b, c in received), received
     comp = compression.get(algo, **kw)
     if strategy == "ring":  # exactly the chunk's max_encoded_bytes (a merged sum's of n ranks where larger)
