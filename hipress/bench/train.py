@@ -265,8 +265,6 @@ class _OverlapLimit:
 
 def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
     """Returns (net to call, optimizer, no_sync context factory, base step fn, info)."""
-    import contextlib
-
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     info: dict = {}
     if cfg["kind"] == "ddp":
@@ -442,7 +440,6 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     dist.barrier()
     ctimes = []
     if no_sync is None:    # compute on an unhooked copy (horovod)
-        import contextlib
         net, opt = base_step
         no_sync, base_step = contextlib.nullcontext, opt.step
     fftimes = []
