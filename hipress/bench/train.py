@@ -531,6 +531,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("HIPRESS_TRANSPORT", "torch")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if a.out and rank == 0:
+        os.makedirs(a.out, exist_ok=True)
     for i, s in enumerate(systems):
         _progress(a.out, f"{i + 1}/{len(systems)} {s} start")
         try:

@@ -83,6 +83,11 @@ def flat_f32(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1)
 
 
+def is_f32_flat(t: torch.Tensor) -> bool:
+    """Whether t is already what :func:`flat_f32` makes of it (a kernel may write into it)."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
 def check_payload(p: torch.Tensor) -> torch.Tensor:
     if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8:
         raise TypeError("a payload is a uint8 torch.Tensor")
@@ -267,10 +272,14 @@ class Compressor:
         numbers in the same order), divided by their number if average: the allgather
         strategy's aggregation of one partition. A ported GRACE compressor overrides it with
         its communicator's reduction."""
-        acc = torch.zeros(out.numel(), dtype=torch.float32)
+        # The sum is taken in out itself where it is flat fp32 (the strategies' buckets): a fresh
+        # zeroed buffer of a 32 MB gradient faults its pages in again every step (glibc maps a
+        # block that large anew), which took twice as long as the four decodes it held.
+        acc = out.view(-1).zero_() if is_f32_flat(out) else torch.zeros(out.numel(), dtype=torch.float32)
         for p in payloads:
             self.decode_add(p, acc)
-        out.copy_(acc.view(out.shape))
+        if acc.data_ptr() != out.data_ptr():
+            out.copy_(acc.view(out.shape))
         if average:
             out.div_(len(payloads))
         return out

@@ -11,13 +11,10 @@ from typing import Optional, Tuple
 import torch
 
 from hipress import _C
-from hipress.compression.base import (CompressorState, Compressor, check_payload, flat_f32, out_buffer)
+from hipress.compression.base import (CompressorState, Compressor, check_payload, flat_f32, is_f32_flat,
+                                       out_buffer)
 
 PayloadError = _C.PayloadError
-
-
-def _is_f32_flat(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
 class NativeCompressor(Compressor):
@@ -87,7 +84,7 @@ class NativeCompressor(Compressor):
 
     def decode(self, payload, out):
         p = check_payload(payload)
-        if _is_f32_flat(out):
+        if is_f32_flat(out):
             self._c.decode(p.data_ptr(), p.numel(), out.data_ptr(), out.numel(), 1.0, False)
         else:
             tmp = torch.empty(out.numel(), dtype=torch.float32)
@@ -97,7 +94,7 @@ class NativeCompressor(Compressor):
 
     def decode_add(self, payload, acc, alpha: float = 1.0):
         p = check_payload(payload)
-        if _is_f32_flat(acc):
+        if is_f32_flat(acc):
             self._c.decode(p.data_ptr(), p.numel(), acc.data_ptr(), acc.numel(), float(alpha), True)
         else:
             tmp = torch.empty(acc.numel(), dtype=torch.float32)
@@ -269,8 +266,8 @@ class PowerSGD(NativeCompressor):
 
     def finish(self, payload, state, out, add=False):
         p = check_payload(payload)
-        target = out if _is_f32_flat(out) else torch.zeros(out.numel(), dtype=torch.float32)
-        if not _is_f32_flat(out) and add:
+        target = out if is_f32_flat(out) else torch.zeros(out.numel(), dtype=torch.float32)
+        if not is_f32_flat(out) and add:
             target.copy_(out.reshape(-1))
         self._c.finish(p.data_ptr(), p.numel(), target.data_ptr(), target.numel(), state.native(), bool(add))
         if target is not out:

@@ -36,6 +36,21 @@ class UndoLog:
             s.copy_(t)
         self._saved[key] = spare
 
+    def replace(self, key: Hashable, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Where to write the new values of ``tensors``, for a caller that computes them out of
+        place: ``tensors`` themselves (update them in place) unless a copy must be kept this step;
+        then spare buffers, and ``tensors``, left as they were, are the copy (and, once committed,
+        the spare buffers of the next step). That saves :meth:`touch`'s copy: the caller stores the
+        buffers returned as its state."""
+        if not self.enabled or key in self._saved:
+            return list(tensors)
+        spare = self._spare.get(key)
+        if spare is None or len(spare) != len(tensors) or any(
+                s.shape != t.shape or s.dtype != t.dtype for s, t in zip(spare, tensors)):
+            spare = [torch.empty_like(t) for t in tensors]
+        self._saved[key] = self._spare[key] = list(tensors)
+        return spare
+
     def created(self, key: Hashable, info=None) -> None:
         """``key`` did not exist before this step (``info``: what ``undo`` needs to drop it)."""
         if self.enabled and key not in self._saved:

@@ -122,9 +122,9 @@ class MomentumCorrection:
         if u is None:
             self.undo_log.created(name)
             self.velocity[name] = u = grad.detach().clone()
-        else:
-            self.undo_log.touch(name, [u])
-            u.mul_(m).add_(grad, alpha=1.0 - group.get("dampening", 0.0))
+        else:  # into a spare buffer when the step's old velocity must be kept (no copy of it)
+            new = self.undo_log.replace(name, [u])[0]
+            self.velocity[name] = u = torch.mul(u, m, out=new).add_(grad, alpha=1.0 - group.get("dampening", 0.0))
         if group.get("nesterov", False):
             grad.add_(u, alpha=m)
         else:
@@ -159,7 +159,7 @@ class MomentumCorrection:
         def restore(name, copies, _):
             if copies is None:
                 self.velocity.pop(name, None)
-            else:
+            else:  # into the current buffer: the copy is the next step's spare (UndoLog.replace)
                 self.velocity[name].copy_(copies[0])
 
         self.undo_log.undo(restore)

@@ -52,6 +52,28 @@ def test_undo_log_copies_on_first_touch_only():
     assert log._spare["a"][0] is spare  # the copy's buffer is kept from step to step
 
 
+def test_undo_log_replace_keeps_the_old_tensors_as_the_copy():
+    """replace(): the new values go into spare buffers and the old tensors are the copy, with no
+    copy made; after commit the old tensors are the next step's buffers; after an undo (restored by
+    copying into the current state) the buffers still alternate, never aliasing the state."""
+    log = UndoLog()
+    u = torch.arange(4.0)
+    assert log.replace("u", [u])[0] is u  # disabled: in place
+    log.enabled = True
+    state = u
+    for step in range(4):
+        new = log.replace("u", [state])[0]
+        assert new is not state and log.replace("u", [new])[0] is new  # once per step
+        torch.add(state, 1.0, out=new)
+        before, state = state, new
+        assert torch.equal(state, before + 1)  # the old one is left as it was
+        if step == 2:
+            log.undo(lambda k, copies, _: state.copy_(copies[0]))
+            assert torch.equal(state, before)
+        else:
+            log.commit()
+    assert torch.equal(state, torch.arange(4.0) + 3)  # steps 0, 1 and 3 taken, 2 undone
+
 @pytest.mark.parametrize("name", sorted(set(compression.available()) - {"powersgd"}))
 def test_state_store_undo_restores_exactly(name):
     comp = compression.get(name)
