@@ -178,4 +178,6 @@ HIPRESS_BINDINGS(compress, m) {
         Release());
   m.def("ops_axpby", [](uintptr_t y, float beta, uintptr_t x, float gamma, size_t n) {
     ops::axpby(P<float>(y), beta, P<const float>(x), gamma, n); }, Release());
+  m.def("ops_momentum_update", [](uintptr_t u_out, uintptr_t u_in, float m, uintptr_t g, size_t n) {
+    ops::momentum_update(P<float>(u_out), P<const float>(u_in), m, P<float>(g), n); }, Release());
 }

@@ -166,6 +166,22 @@ void add(float* y, const float* x, size_t n) {
   });
 }
 
+// No FMA contraction here (GCC contracts m * u + g across statements by default): the
+// product must be rounded before the sum, as in torch's two passes.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t n) {
+  parallel_range(n, kGrain, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) {
+      float v = m * u_in[i];
+      v += g[i];
+      u_out[i] = v;
+      g[i] = v;
+    }
+  });
+}
+#pragma GCC pop_options
+
 // ---- reduce ----------------------------------------------------------------
 MinMax reduce_minmax(const float* in, size_t n) {
   if (n == 0) return {0.0f, 0.0f};

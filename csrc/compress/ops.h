@@ -48,6 +48,10 @@ void map(const float* in, size_t n, float* out, F f) {
 void axpby(float* y, float beta, const float* x, float gamma, size_t n);
 // y[i] += x[i]
 void add(float* y, const float* x, size_t n);
+// SGD's momentum update (dampening 0) and its result as the gradient, in one pass:
+// u_out = m * u_in + g; g = u_out. Rounded as torch's u.mul_(m).add_(g) rounds it (the
+// product, then the sum; never fused), so the result is bit for bit SGD's. u_out may be u_in.
+void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t n);
 
 // ---- reduce ----------------------------------------------------------------
 struct MinMax {

@@ -39,6 +39,8 @@ from typing import Dict, Optional, Set
 
 import torch
 
+from hipress import _C
+from hipress.compression.base import is_f32_flat
 from hipress.sync.undo import UndoLog
 
 #: the group settings momentum correction takes over from the wrapped SGD during step()
@@ -126,9 +128,13 @@ class MomentumCorrection:
                 return  # grad is u already
         else:  # into a spare buffer when the step's old velocity must be kept (no copy of it)
             new = self.undo_log.replace(name, [u])[0]
-            # (torch.add(grad, u, alpha=m) would be one pass, but fused: other roundings, which
-            # moved onebit's digits accuracy by 2.4 points at one seed; SGD's own arithmetic kept)
-            self.velocity[name] = u = torch.mul(u, m, out=new).add_(grad, alpha=1.0 - group.get("dampening", 0.0))
+            nesterov, d = group.get("nesterov", False), group.get("dampening", 0.0)
+            if not nesterov and not d and all(is_f32_flat(t) for t in (u, new, grad)):
+                # SGD's default: the update and its copy into grad in one pass, with SGD's roundings
+                _C.ops_momentum_update(new.data_ptr(), u.data_ptr(), float(m), grad.data_ptr(), grad.numel())
+                self.velocity[name] = new
+                return
+            self.velocity[name] = u = torch.mul(u, m, out=new).add_(grad, alpha=1.0 - d)
         if group.get("nesterov", False):
             grad.add_(u, alpha=m)
         else:

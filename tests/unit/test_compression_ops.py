@@ -212,3 +212,24 @@ def test_axpby_rounding_matches_numpy():
     y2 = y.copy()
     _C.ops_axpby(ptr(y2), 0.9, ptr(x), 0.3, x.size)
     np.testing.assert_array_equal(y2, np.float32(0.9) * y + np.float32(0.3) * x)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("n", [0, 1, 7, 65537, 200003])
+def test_momentum_update_is_sgds_two_passes_bit_for_bit(n, in_place, threads):
+    """u.mul_(m).add_(g) as torch's SGD computes it (the product rounded before the sum), and g
+    set to the result: the same bits, whether the velocity is updated in place or into a spare."""
+    import torch
+    gen = torch.Generator().manual_seed(n)
+    u = torch.randn(n, generator=gen) * 10
+    g = torch.randn(n, generator=gen) * 1e-3
+    for m in (0.9, 0.99, 0.5, 1.0):
+        want = u.clone().mul_(m).add_(g)
+        out = u.clone() if in_place else torch.full((n,), float("nan"))
+        g2 = g.clone()
+        _C.ops_momentum_update(out.data_ptr(), out.data_ptr() if in_place else u.data_ptr(), m, g2.data_ptr(), n)
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), m
+        assert torch.equal(g2.view(torch.int32), want.view(torch.int32)), m
+    if n > 1000:  # it would differ from a fused multiply-add: the test can tell the two apart
+        fused = torch.from_numpy((u.double() * 0.9 + g.double()).float().numpy())
+        assert not torch.equal(fused, u.clone().mul_(0.9).add_(g))

@@ -264,6 +264,25 @@ def test_momentum_correction_is_sgd_without_compression(kw, limited):
         ([2, 3] if limited else [])
 
 
+@pytest.mark.parametrize("undo", [False, True])
+def test_momentum_correction_velocity_is_sgds_bit_for_bit(undo):
+    """Each step's velocity and corrected gradient are exactly u.mul_(m).add_(g) (SGD's roundings;
+    the fused native pass), with the undo log on (new values into its spare buffer) or off."""
+    from hipress.torch.momentum import MomentumCorrection
+    p = nn.Parameter(torch.zeros(3, 1000))
+    mc = MomentumCorrection(torch.optim.SGD([p], lr=0.1, momentum=0.9), {id(p): "w"})
+    mc.undo_log.enabled = undo
+    u = None
+    for step in range(4):
+        g = torch.randn(3, 1000)
+        grad = g.clone()
+        mc.apply(p, grad)
+        u = g.clone() if u is None else u.mul_(0.9).add_(g)
+        assert torch.equal(grad.view(torch.int32), u.view(torch.int32)), step
+        assert torch.equal(mc.velocity["w"].view(torch.int32), u.view(torch.int32)), step
+        mc.commit()
+
+
 def test_momentum_correction_choices(model):
     sgd = lambda **kw: torch.optim.SGD(model.parameters(), lr=0.1, **kw)  # noqa: E731
     with pytest.raises(ValueError, match="needs torch.optim.SGD"):
