@@ -160,6 +160,9 @@ HIPRESS_BINDINGS(compress, m) {
   m.def("ops_reduce_sign_sums", [](uintptr_t in, size_t n) {
     auto r = ops::reduce_sign_sums(P<const float>(in), n);
     return std::make_tuple(r.pos_sum, r.neg_sum, r.pos_count, r.neg_count); }, Release());
+  m.def("ops_filter_abs_ge", [](uintptr_t in, size_t n, float thr, uintptr_t idx, uintptr_t val, size_t cap) {
+    return ops::filter_abs_ge(P<const float>(in), n, thr, P<uint32_t>(idx), P<float>(val), cap);
+  }, Release());
   m.def("ops_topk_abs", [](uintptr_t in, size_t n, size_t k, uintptr_t idx, uintptr_t val, size_t sample, uint64_t seed,
                            uint64_t counter) {
     return ops::topk_abs_exact(P<const float>(in), n, k, P<uint32_t>(idx), P<float>(val), sample, rng_key(seed), counter);

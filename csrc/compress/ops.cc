@@ -166,10 +166,7 @@ void add(float* y, const float* x, size_t n) {
   });
 }
 
-// No FMA contraction here (GCC contracts m * u + g across statements by default): the
-// product must be rounded before the sum, as in torch's two passes.
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
+// The product is rounded before the sum, as in torch's two passes (this file's fp-contract=off).
 void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t n) {
   parallel_range(n, kGrain, [&](size_t b, size_t e) {
     for (size_t i = b; i < e; ++i) {
@@ -180,7 +177,6 @@ void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t 
     }
   });
 }
-#pragma GCC pop_options
 
 // ---- reduce ----------------------------------------------------------------
 MinMax reduce_minmax(const float* in, size_t n) {
@@ -733,30 +729,52 @@ float kth_largest_abs(const float* in, size_t n, size_t k) {
   return a[k - 1];
 }
 
+namespace {
+// hit(i) for every i in [b, e) with |in[i]| >= thr and |in[i]| > 0, in ascending order. For thr > 0
+// a block of elements is first tested as integers, lanes at a time: the bits of non-negative floats
+// are ordered as their values, so a block without |x|'s bits >= thr's holds no hit and is skipped
+// (at DGC's densities most are). A block that passes is checked element by element, as before.
+template <class F>
+void scan_abs_ge(const float* in, size_t b, size_t e, float thr, F&& hit) {
+  size_t i = b;
+  if (thr > 0.0f) {
+    constexpr size_t kBlock = 4 * kVecFloats;
+    const vint tb = vint{} + static_cast<int32_t>(float_bits(thr));
+    for (; i + kBlock <= e; i += kBlock) {
+      vint any = {};
+      for (size_t j = 0; j < kBlock; j += kVecFloats)
+        any |= (reinterpret_cast<vint>(vload(in + i + j)) & 0x7fffffff) >= tb;
+      bool some = false;
+      for (size_t l = 0; l < kVecFloats; ++l) some |= any[l] != 0;
+      if (!some) continue;
+      for (size_t j = i; j < i + kBlock; ++j)
+        if (std::fabs(in[j]) >= thr) hit(j);  // (> 0 as thr is)
+    }
+  }
+  for (; i < e; ++i) {
+    float a = std::fabs(in[i]);
+    if (a >= thr && a > 0.0f) hit(i);
+  }
+}
+}  // namespace
+
 size_t filter_abs_ge(const float* in, size_t n, float thr, uint32_t* idx, float* val, size_t cap) {
   size_t nc = nchunks_of(n);
   if (nc <= 1) {
     size_t cnt = 0;
-    for (size_t i = 0; i < n; ++i) {
-      float a = std::fabs(in[i]);
-      if (a >= thr && a > 0.0f) {
-        if (cnt < cap) {
-          idx[cnt] = static_cast<uint32_t>(i);
-          val[cnt] = in[i];
-        }
-        ++cnt;
+    scan_abs_ge(in, 0, n, thr, [&](size_t i) {
+      if (cnt < cap) {
+        idx[cnt] = static_cast<uint32_t>(i);
+        val[cnt] = in[i];
       }
-    }
+      ++cnt;
+    });
     return cnt;
   }
   std::vector<std::vector<uint32_t>> part(nc);
   parallel_for(nc, [&](size_t c) {
     auto& v = part[c];
-    size_t b = c * kGrain, e = chunk_end(c, n);
-    for (size_t i = b; i < e; ++i) {
-      float a = std::fabs(in[i]);
-      if (a >= thr && a > 0.0f) v.push_back(static_cast<uint32_t>(i));
-    }
+    scan_abs_ge(in, c * kGrain, chunk_end(c, n), thr, [&](size_t i) { v.push_back(static_cast<uint32_t>(i)); });
   });
   size_t cnt = 0;
   for (auto& v : part) {

@@ -233,3 +233,27 @@ def test_momentum_update_is_sgds_two_passes_bit_for_bit(n, in_place, threads):
     if n > 1000:  # it would differ from a fused multiply-add: the test can tell the two apart
         fused = torch.from_numpy((u.double() * 0.9 + g.double()).float().numpy())
         assert not torch.equal(fused, u.clone().mul_(0.9).add_(g))
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1000, 70001])
+def test_filter_abs_ge_matches_numpy(n, threads):
+    """The indices and values of every |x| >= thr with |x| > 0, in order: the block test on the
+    floats' bits may skip only blocks without one. Values at the threshold exactly, -0.0, denormals,
+    infinities and NaN; thresholds positive, denormal, zero and negative; cap below the count."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(np.float32)
+    if n:
+        special = np.array([0.5, -0.5, -0.0, 0.0, 1e-42, -1e-42, np.inf, -np.inf, np.nan, 3.0], np.float32)
+        x[rng.integers(0, n, size=min(n, 40))] = special[rng.integers(0, special.size, size=min(n, 40))]
+    for thr in (0.5, 2.5, 1e-42, 0.0, -1.0, np.inf):
+        a = np.abs(x)
+        with np.errstate(invalid="ignore"):
+            want = np.flatnonzero((a >= np.float32(thr)) & (a > 0))
+        for cap in (n, max(0, want.size - 3)):
+            idx = np.zeros(max(cap, 1), np.uint32)
+            val = np.zeros(max(cap, 1), np.float32)
+            cnt = _C.ops_filter_abs_ge(ptr(x), n, thr, ptr(idx), ptr(val), cap)
+            assert cnt == want.size, (thr, cap)
+            kept = min(cnt, cap)
+            np.testing.assert_array_equal(idx[:kept], want[:kept])
+            np.testing.assert_array_equal(val[:kept], x[want[:kept]])
