@@ -88,6 +88,14 @@ def is_f32_flat(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
+def zeroed_f32(out: torch.Tensor) -> torch.Tensor:
+    """A zeroed flat fp32 buffer to sum into for ``out``: ``out`` itself where it is flat fp32 (a
+    strategy's bucket), else a new one. A fresh block of 32 MiB or more is mapped anew by glibc on
+    every allocation, and its pages fault in again each step: for a 32 MB gradient that took twice
+    as long as the four decodes summed in it."""
+    return out.view(-1).zero_() if is_f32_flat(out) else torch.zeros(out.numel(), dtype=torch.float32)
+
+
 def check_payload(p: torch.Tensor) -> torch.Tensor:
     if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8:
         raise TypeError("a payload is a uint8 torch.Tensor")
@@ -272,10 +280,7 @@ class Compressor:
         numbers in the same order), divided by their number if average: the allgather
         strategy's aggregation of one partition. A ported GRACE compressor overrides it with
         its communicator's reduction."""
-        # The sum is taken in out itself where it is flat fp32 (the strategies' buckets): a fresh
-        # zeroed buffer of a 32 MB gradient faults its pages in again every step (glibc maps a
-        # block that large anew), which took twice as long as the four decodes it held.
-        acc = out.view(-1).zero_() if is_f32_flat(out) else torch.zeros(out.numel(), dtype=torch.float32)
+        acc = zeroed_f32(out)
         for p in payloads:
             self.decode_add(p, acc)
         if acc.data_ptr() != out.data_ptr():

@@ -24,7 +24,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from hipress.compression.base import is_f32_flat
+from hipress.compression.base import zeroed_f32
 from hipress.engine import Handle
 from hipress.sync.base import (Strategy, SyncContext, decode_payload, frame, frame_bound, no_larger_than_dense,
                                partition_shape, payload_bound, unframe)
@@ -110,9 +110,7 @@ class PSStrategy(Strategy):
             out = []
             for j, i in enumerate(mine):
                 key, s, e = parts[i]
-                # the sum is taken in this rank's own piece of the bucket, encoded already and
-                # overwritten by decode() (a fresh 32 MB buffer faults its pages in every step)
-                acc = flat[s:e].zero_() if is_f32_flat(flat) else torch.zeros(e - s, dtype=torch.float32)
+                acc = zeroed_f32(flat[s:e])  # this rank's piece: encoded already, overwritten by decode()
                 for src in range(n):
                     decode_payload(comp, received[src][j], acc, add=True)
                 m = comp.merged_for(n)  # error feedback at the aggregator: what its re-encode drops is not lost

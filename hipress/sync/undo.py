@@ -28,10 +28,7 @@ class UndoLog:
         """Copies ``tensors`` (about to change) unless ``key`` was touched this step."""
         if not self.enabled or key in self._saved:
             return
-        spare = self._spare.get(key)
-        if spare is None or len(spare) != len(tensors) or any(
-                s.shape != t.shape or s.dtype != t.dtype for s, t in zip(spare, tensors)):
-            spare = self._spare[key] = [torch.empty_like(t) for t in tensors]
+        spare = self._spare[key] = self._spare_like(key, tensors)
         for s, t in zip(spare, tensors):
             s.copy_(t)
         self._saved[key] = spare
@@ -44,11 +41,16 @@ class UndoLog:
         buffers returned as its state."""
         if not self.enabled or key in self._saved:
             return list(tensors)
+        spare = self._spare_like(key, tensors)
+        self._saved[key] = self._spare[key] = list(tensors)
+        return spare
+
+    def _spare_like(self, key: Hashable, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The buffers kept for ``key`` if they match ``tensors`` in number, shapes and dtypes, else new ones."""
         spare = self._spare.get(key)
         if spare is None or len(spare) != len(tensors) or any(
                 s.shape != t.shape or s.dtype != t.dtype for s, t in zip(spare, tensors)):
             spare = [torch.empty_like(t) for t in tensors]
-        self._saved[key] = self._spare[key] = list(tensors)
         return spare
 
     def created(self, key: Hashable, info=None) -> None:

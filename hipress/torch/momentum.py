@@ -120,22 +120,22 @@ class MomentumCorrection:
         if not m or not self._velocity:
             return
         name = self._names[id(p)]
+        nesterov, d = group.get("nesterov", False), group.get("dampening", 0.0)
         u = self.velocity.get(name)
         if u is None:
             self.undo_log.created(name)
             self.velocity[name] = u = grad.detach().clone()
-            if not group.get("nesterov", False):
+            if not nesterov:
                 return  # grad is u already
         else:  # into a spare buffer when the step's old velocity must be kept (no copy of it)
             new = self.undo_log.replace(name, [u])[0]
-            nesterov, d = group.get("nesterov", False), group.get("dampening", 0.0)
             if not nesterov and not d and all(is_f32_flat(t) for t in (u, new, grad)):
                 # SGD's default: the update and its copy into grad in one pass, with SGD's roundings
                 _C.ops_momentum_update(new.data_ptr(), u.data_ptr(), float(m), grad.data_ptr(), grad.numel())
                 self.velocity[name] = new
                 return
             self.velocity[name] = u = torch.mul(u, m, out=new).add_(grad, alpha=1.0 - d)
-        if group.get("nesterov", False):
+        if nesterov:
             grad.add_(u, alpha=m)
         else:
             grad.copy_(u)
