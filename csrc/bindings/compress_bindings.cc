@@ -99,12 +99,16 @@ HIPRESS_BINDINGS(compress, m) {
            py::arg("n"), py::arg("rows") = 0, py::arg("cols") = 0)
       .def("max_encoded_bytes", &Compressor::max_encoded_bytes, py::arg("n"), py::arg("rows") = 0, py::arg("cols") = 0)
       .def("encode",
-           [](const Compressor& c, uintptr_t in, size_t n, uintptr_t out, size_t cap, std::optional<PyState> st) {
+           [](const Compressor& c, uintptr_t in, size_t n, uintptr_t out, size_t cap, std::optional<PyState> st,
+              uintptr_t residual_in) {
              StateArg s(st);
+             if (residual_in && !s.ptr) throw std::invalid_argument("residual_in needs a state to write the residual into");
+             if (s.ptr) s.view.residual_in = P<const float>(residual_in);
              py::gil_scoped_release nogil;
              return c.encode(P<const float>(in), n, P<uint8_t>(out), cap, s.ptr);
            },
-           py::arg("in_ptr"), py::arg("n"), py::arg("out_ptr"), py::arg("cap"), py::arg("state") = py::none())
+           py::arg("in_ptr"), py::arg("n"), py::arg("out_ptr"), py::arg("cap"), py::arg("state") = py::none(),
+           py::arg("residual_in") = 0)
       .def("decode",
            [](const Compressor& c, uintptr_t in, size_t bytes, uintptr_t out, size_t n, float alpha, bool add) {
              c.decode(P<const uint8_t>(in), bytes, P<float>(out), n, alpha, add);
@@ -180,7 +184,7 @@ HIPRESS_BINDINGS(compress, m) {
   m.def("ops_orthogonalize", [](uintptr_t Pm, size_t rows, size_t r) { ops::orthogonalize(P<float>(Pm), rows, r); },
         Release());
   m.def("ops_axpby", [](uintptr_t y, float beta, uintptr_t x, float gamma, size_t n) {
-    ops::axpby(P<float>(y), beta, P<const float>(x), gamma, n); }, Release());
+    ops::axpby(P<float>(y), P<const float>(y), beta, P<const float>(x), gamma, n); }, Release());
   m.def("ops_momentum_update", [](uintptr_t u_out, uintptr_t u_in, float m, uintptr_t g, size_t n) {
     ops::momentum_update(P<float>(u_out), P<const float>(u_in), m, P<float>(g), n); }, Release());
 }

@@ -121,9 +121,10 @@ size_t ErrorFeedback::encode(const float* in, size_t n, uint8_t* out, size_t cap
   if (!st) return inner_->encode(in, n, out, cap, nullptr);
   int ri = st->nbufs - 1;
   float* res = state_buf(st, ri, n, info_.name.c_str(), "residual");
-  ops::axpby(res, beta_, in, gamma_, n);  // compensate
+  ops::axpby(res, st->residual_in ? st->residual_in : res, beta_, in, gamma_, n);  // compensate
   StateView inner_st = *st;
   inner_st.nbufs = ri;
+  inner_st.residual_in = nullptr;
   size_t bytes = inner_->encode(res, n, out, cap, &inner_st);
   inner_->decode(out, bytes, res, n, -1.0f, true);  // residual = compensated - decoded
   return bytes;

@@ -57,6 +57,10 @@ struct StateView {
   int nbufs = 0;
   uint64_t* scalars = nullptr;  // kNumScalars words
   size_t rows = 0, cols = 0;    // matrix view of the tensor (low rank); 0: none
+  // ErrorFeedback only: the residual before this encode (n floats), when the caller keeps it
+  // elsewhere than buf[nbufs - 1]; the new residual is written to buf[nbufs - 1]. That spares
+  // the copy an undo log would take of the residual (hipress/sync/base.py StateStore.encode).
+  const float* residual_in = nullptr;
 };
 
 class Compressor {

@@ -146,16 +146,18 @@ inline void fill_uniform(uint32_t lo, uint32_t k0, uint32_t k1, float* u, size_t
 }  // namespace
 
 // ---- map -------------------------------------------------------------------
-void axpby(float* y, float beta, const float* x, float gamma, size_t n) {
+void axpby(float* out, const float* y, float beta, const float* x, float gamma, size_t n) {
   if (beta == 1.0f && gamma == 1.0f) {
-    add(y, x, n);
+    parallel_range(n, kGrain, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) out[i] = y[i] + x[i];
+    });
     return;
   }
   parallel_range(n, kGrain, [&](size_t b, size_t e) {
     for (size_t i = b; i < e; ++i) {
       float p = beta * y[i];
       float q = gamma * x[i];
-      y[i] = p + q;
+      out[i] = p + q;
     }
   });
 }

@@ -43,9 +43,9 @@ void map(const float* in, size_t n, float* out, F f) {
   });
 }
 
-// y[i] = beta * y[i] + gamma * x[i]  (error-feedback compensation, GRACE eq. 4).
-// beta == 1 and gamma == 1 use y += x (exact same rounding as numpy y + x).
-void axpby(float* y, float beta, const float* x, float gamma, size_t n);
+// out[i] = beta * y[i] + gamma * x[i]  (error-feedback compensation, GRACE eq. 4); out may be y.
+// beta == 1 and gamma == 1 compute y + x (exact same rounding as numpy y + x).
+void axpby(float* out, const float* y, float beta, const float* x, float gamma, size_t n);
 // y[i] += x[i]
 void add(float* y, const float* x, size_t n);
 // SGD's momentum update (dampening 0) and its result as the gradient, in one pass:

@@ -117,8 +117,9 @@ def out_buffer(out: Optional[torch.Tensor], need: int) -> torch.Tensor:
 
 class CompressorState:
     """Per-tensor state of a compressor: named fp32 buffers plus a few int64 scalars
-    (RNG counter, step, flags). Buffers are updated in place by the kernels, so
-    their storage never changes after creation; ``load_state_dict`` copies into them.
+    (RNG counter, step, flags). The kernels update buffers in place, and ``load_state_dict``
+    copies into them; only the undo log's out-of-place encode (StateStore.encode) swaps in other
+    tensors, so read them from ``buffers`` when used, not once for good.
     """
 
     __slots__ = ("algorithm", "numel", "shape", "matrix", "buffers", "scalars", "key", "__weakref__")
@@ -203,6 +204,10 @@ class Compressor:
     # (hipress/compression/grace_api.py) has "allgather": its communicator's reduction runs
     # in aggregate_payloads, which only the allgather strategy calls.
     fixed_strategy: Optional[str] = None
+    # encode(..., residual_in=t) reads the residual before this encode from t and writes the new
+    # one into the state's "residual" buffer (error feedback): a caller that must keep the old
+    # residual (the undo log, StateStore.encode) then does not copy it first.
+    takes_residual_in: bool = False
 
     @property
     def lowrank(self) -> bool:

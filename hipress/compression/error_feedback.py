@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 
 from hipress import _C
 from hipress.compression.base import Compressor, CompressorState, flat_f32
@@ -21,6 +22,8 @@ from hipress.compression.native import NativeCompressor
 
 
 class ErrorFeedback(Compressor):
+    takes_residual_in = True
+
     def __init__(self, inner: Compressor, beta: float = 1.0, gamma: float = 1.0):
         if not isinstance(inner, Compressor):
             raise TypeError("ErrorFeedback wraps a hipress.compression.Compressor")
@@ -59,21 +62,30 @@ class ErrorFeedback(Compressor):
         st.algorithm = f"ef({st.algorithm})"
         return st
 
-    def encode(self, grad, state: Optional[CompressorState] = None, out=None):
+    def encode(self, grad, state: Optional[CompressorState] = None, out=None,
+               residual_in: Optional[torch.Tensor] = None):
+        """residual_in: the residual before this encode, when it is not the state's buffer (which
+        then only receives the new residual; Compressor.takes_residual_in)."""
         if state is None:
+            if residual_in is not None:
+                raise ValueError("residual_in needs a state to write the residual into")
             return self.inner.encode(grad, None, out)
         if "residual" not in state.buffers:
             raise ValueError("state has no residual: make it with this ErrorFeedback's new_state")
-        if self._native is not None:
-            return self.inner._encode_with(self._native, grad, state, out)
-        g = flat_f32(grad)
         res = state.buffers["residual"]
+        if residual_in is not None and (residual_in.dtype != torch.float32 or residual_in.numel() != res.numel()
+                                        or not residual_in.is_contiguous()):
+            raise ValueError(f"residual_in must be {res.numel()} contiguous fp32 elements, like the state's residual")
+        if self._native is not None:
+            return self.inner._encode_with(self._native, grad, state, out, residual_in)
+        g = flat_f32(grad)
         if g.numel() != res.numel():
             raise ValueError(f"state was made for {res.numel()} elements, the gradient has {g.numel()}")
+        old = res if residual_in is None else residual_in.view(-1)
         if self.beta == 1.0 and self.gamma == 1.0:
-            res.add_(g)
+            torch.add(old, g, out=res)
         else:
-            res.mul_(self.beta).add_(g * self.gamma)
+            torch.mul(old, self.beta, out=res).add_(g * self.gamma)
         payload = self.inner.encode(res, state, out)
         self.inner.decode_add(payload, res, alpha=-1.0)
         return payload

@@ -70,13 +70,14 @@ class NativeCompressor(Compressor):
             raise ValueError(f"state was made for {state.numel} elements, the gradient has {n}")
         return state.native()
 
-    def _encode_with(self, native, grad, state, out):
+    def _encode_with(self, native, grad, state, out, residual_in: Optional[torch.Tensor] = None):
         g = flat_f32(grad)
         n = g.numel()
         st = self._state_arg(state, n)
         m = state.matrix if state is not None else (0, 0)
         buf = out_buffer(out, native.max_encoded_bytes(n, *m))
-        nb = native.encode(g.data_ptr(), n, buf.data_ptr(), buf.numel(), st)
+        nb = native.encode(g.data_ptr(), n, buf.data_ptr(), buf.numel(), st,
+                           0 if residual_in is None else residual_in.data_ptr())
         return buf[:nb]
 
     def encode(self, grad, state=None, out=None):

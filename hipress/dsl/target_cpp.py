@@ -313,7 +313,7 @@ class CppTarget:
             if k is not None and k.ty == "float" and not mentions(k, x) and not mentions(k, y) and \
                     not has_udf_call(k):
                 g.idioms.append("map(A, B, k * a + b) -> ops::axpby")
-                g.emit(f"{OPS}axpby(dst, {g.ex(k, UdfEnv())}, {bc}.p, 1.0f, {ac}.n);", ind)
+                g.emit(f"{OPS}axpby(dst, dst, {g.ex(k, UdfEnv())}, {bc}.p, 1.0f, {ac}.n);", ind)
                 return True
         return False
 

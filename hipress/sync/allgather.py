@@ -47,8 +47,7 @@ class AllgatherStrategy(Strategy):
         slot = {"in": {}}
 
         def encode():
-            slot["out"] = frame([comp.encode(flat[s:e], ctx.states.get(f"{key}/worker", comp, e - s,
-                                                                       partition_shape(segments, s, e)))
+            slot["out"] = frame([ctx.states.encode(f"{key}/worker", comp, flat[s:e], partition_shape(segments, s, e))
                                  for key, s, e in parts])
 
         def aggregate():

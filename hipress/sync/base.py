@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -175,6 +176,27 @@ class StateStore:
         else:
             self.undo_log.touch(key, [*st.buffers.values(), st.scalars])
         return st
+
+    def encode(self, key: str, compressor, x: torch.Tensor, shape=None) -> torch.Tensor:
+        """``compressor.encode(x)`` with the state stored under ``key`` (``get``). Where the undo
+        log must keep this step's first copy of an error-feedback state, the new residual goes into
+        the log's spare buffer and the old one stays as the copy (UndoLog.replace): the encode
+        reads it anyway, so the residual is not copied first (one pass over it saved per step)."""
+        st = self._states.get(key)
+        if st is None or not compressor.takes_residual_in:
+            return compressor.encode(x, self.get(key, compressor, x.numel(), shape))
+        names = list(st.buffers)
+        r = names.index("residual")
+        old = [*st.buffers.values(), st.scalars]
+        new = self.undo_log.replace(key, old)
+        if new[0] is old[0]:  # nothing to keep: in place
+            return compressor.encode(x, st)
+        for i, (dst, src) in enumerate(zip(new, old)):
+            if i != r:  # the other buffers and the counters, copied as touch copies them
+                dst.copy_(src)
+        st.buffers = OrderedDict(zip(names, new[:-1]))
+        st.scalars = new[-1]
+        return compressor.encode(x, st, residual_in=old[r])
 
     def commit(self) -> None:
         """Keeps this step's changes (forgets the undo log's copies)."""

@@ -100,8 +100,7 @@ class PSStrategy(Strategy):
         def encode():
             per_dst: Dict[int, List[torch.Tensor]] = {a: [] for a in aggregators}
             for (key, s, e), a in zip(parts, owners):
-                payload = comp.encode(flat[s:e], ctx.states.get(f"{key}/worker", comp, e - s,
-                                                                partition_shape(segments, s, e)))
+                payload = ctx.states.encode(f"{key}/worker", comp, flat[s:e], partition_shape(segments, s, e))
                 per_dst[a].append(no_larger_than_dense(comp, payload, e - s))
             slot["gather_out"] = {a: frame(p) for a, p in per_dst.items()}
 
@@ -114,7 +113,7 @@ class PSStrategy(Strategy):
                 for src in range(n):
                     decode_payload(comp, received[src][j], acc, add=True)
                 m = comp.merged_for(n)  # error feedback at the aggregator: what its re-encode drops is not lost
-                payload = m.encode(acc, ctx.states.get(f"{key}/aggregator", m, e - s, partition_shape(segments, s, e)))
+                payload = ctx.states.encode(f"{key}/aggregator", m, acc, partition_shape(segments, s, e))
                 out.append(no_larger_than_dense(comp, payload, e - s))
             slot["bcast_out"] = frame(out)
 

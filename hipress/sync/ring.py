@@ -122,7 +122,7 @@ def encode_chunk(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], c: i
     state always belongs to the same compressor. A sparsifier's sum denser than half travels as
     fp32 values (no_larger_than_dense)."""
     enc = ctx.compressor if contributions == 1 else ctx.compressor.merged_for(contributions)
-    payload = enc.encode(views[c], ctx.states.get(f"{key}/c{c}", enc, views[c].numel()))
+    payload = ctx.states.encode(f"{key}/c{c}", enc, views[c])
     return no_larger_than_dense(ctx.compressor, payload, views[c].numel())
 
 

@@ -97,6 +97,73 @@ def test_state_store_undo_restores_exactly(name):
     assert torch.equal(st_a.scalars, st_b.scalars)
 
 
+
+class _Scaled(compression.Compressor):
+    """A user compressor in Python with a state buffer and a counter of its own: fp16 values
+    times a scale that it keeps (1.5, then 1 after its first encode)."""
+    name, category, rate = "scaled_test", "quantization", 0.5
+
+    def max_encoded_bytes(self, numel, shape=None):
+        return 2 * numel
+
+    def new_state(self, numel, shape=None):
+        st = super().new_state(numel, shape)
+        st.add_buffer("scale", 1).fill_(1.5)
+        return st
+
+    def encode(self, grad, state=None, out=None):
+        scale = 1.0 if state is None else float(state.buffers["scale"])
+        if state is not None:
+            state.buffers["scale"].fill_(1.0)
+            state.scalars[1] += 1
+        return (grad.reshape(-1) * scale).to(torch.float16).view(torch.uint8).clone()
+
+    def decode(self, payload, out):
+        out.copy_(payload.view(torch.float16).to(torch.float32).view(out.shape))
+        return out
+
+
+_EF = sorted(n for n in compression.available() if compression.get(n).takes_residual_in)
+
+
+@pytest.mark.parametrize("name", _EF + ["python"])
+def test_state_store_encode_writes_the_residual_out_of_place(name):
+    """StateStore.encode with the undo log on: an error-feedback residual is written into the
+    log's spare buffer and the old tensor is the log's copy (nothing copied); payloads and states
+    are bit for bit those of a store without the log, also after a step undone and taken again."""
+    assert {"onebit", "tbq", "graddrop"} <= set(_EF)
+    comp = compression.ErrorFeedback(_Scaled()) if name == "python" else compression.get(name)
+    logged, plain = StateStore(rank=1), StateStore(rank=1)
+    logged.undo_log.enabled = True
+    shape = (20, 100)
+    for step in range(5):
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(step)).view(-1)
+        if step == 3:  # taken, then undone: the next encode must see the state of step 2
+            logged.encode("k", comp, g * 7, shape)
+            logged.undo()
+        old = logged._states["k"].buffers["residual"] if step else None
+        a, b = logged.encode("k", comp, g, shape), plain.encode("k", comp, g, shape)
+        assert torch.equal(a, b), step
+        sa, sb = logged.state_dict()["k"], plain.state_dict()["k"]
+        for k in sb["buffers"]:
+            assert torch.equal(sa["buffers"][k], sb["buffers"][k]), (step, k)
+        assert torch.equal(sa["scalars"], sb["scalars"]), step
+        if step:
+            st = logged._states["k"]
+            assert st.buffers["residual"] is not old
+            r = list(st.buffers).index("residual")
+            assert logged.undo_log._saved["k"][r] is old  # the old residual is the copy, not copied
+        logged.commit()
+
+
+def test_error_feedback_residual_in_checks_it():
+    comp = compression.get("onebit")
+    st = comp.new_state(10)
+    with pytest.raises(ValueError, match="residual_in must be 10"):
+        comp.encode(torch.randn(10), st, residual_in=torch.zeros(9))
+    with pytest.raises(ValueError, match="needs a state"):
+        comp.encode(torch.randn(10), None, residual_in=torch.zeros(10))
+
 def test_state_store_undo_puts_pending_back():
     comp = compression.get("tbq")
     store = StateStore()
