@@ -361,8 +361,11 @@ class DGCReference:
 
     def encode(self, g: np.ndarray) -> bytes:
         g = np.asarray(g, dtype=np.float32).reshape(-1)
-        self.u = self.momentum * self.u + g
-        self.v = self.v + self.u
+        if self.momentum != 0:
+            self.u = self.momentum * self.u + g
+            self.v = self.v + self.u
+        else:  # u is not kept (it stays zeros); v accumulates g itself
+            self.v = self.v + g
         d = self.density(self.step)
         idx, val = topk_abs_exact(self.v, count_for(d, g.size))
         self.v[idx] = 0

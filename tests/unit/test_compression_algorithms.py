@@ -243,7 +243,9 @@ def test_dgc_summands_scale_every_density_like_the_reference(n, threads):
         g = grad(n, 300 + step)
         p = c.encode(g, st)
         assert pbytes(p) == r.encode(as_np(g)), f"step {step}"
+        np.testing.assert_array_equal(st.buffers["accum"].numpy(), r.v)
         assert p.numel() <= c.max_encoded_bytes(n)
+    assert not st.buffers["momentum"].any()  # momentum 0: v accumulates g itself, u is not kept
     assert [r.density(s) for s in (0, 1, 35)] == [0.75, 0.1875, 0.003]
 
 
