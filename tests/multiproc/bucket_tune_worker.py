@@ -16,6 +16,7 @@ by ``plan_seconds`` of the candidate plan in force; ``load_into``: plan= options
 the checkpoint is loaded into (recorded: the error, or the trial's state and the plan in force);
 ``links``: {"saved": s, "resumed": s}, the link's seconds per byte the planner's profile says when
 the job that saves starts and when the resumed one does (which buckets each compresses recorded).
+``hidden``: the width of the model's hidden layer (40).
 
 Recorded per step (after step()): the size in force and the bucket layout, the raw gradients
 (this rank's, before hipress sees them) and whether the step was skipped, the carry added to them,
@@ -43,10 +44,10 @@ from hipress.torch.nonfinite import NonFiniteGradientWarning
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, hidden=40):
         super().__init__()
-        self.a = nn.Linear(6, 40)
-        self.b = nn.Linear(40, 5)
+        self.a = nn.Linear(6, hidden)
+        self.b = nn.Linear(hidden, 5)
         self.c = nn.Linear(5, 1)
         self.unused = nn.Linear(2, 2)  # zero gradients every step
 
@@ -93,7 +94,7 @@ def make(cfg, rank, clock, link=None):
 
 def _make(cfg, rank, clock):
     torch.manual_seed(0)
-    model = Net()
+    model = Net(cfg.get("hidden", 40))
     if cfg.get("momentum", True):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     else:  # plain SGD: p_T = p_0 - lr * (sum of the averaged gradients), for the conservation check
