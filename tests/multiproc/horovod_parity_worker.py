@@ -56,6 +56,20 @@ def both(what, fn):
         COUNT[0] += 1
 
 
+def hipress_raises_as_horovod_would(what, fn):
+    """An op Horovod's reducescatter rejects: Horovod raises HorovodInternalError for it, but now
+    and then its background thread aborts every rank instead (operations.cc logs the same
+    message), so only hipress is called and must raise that type."""
+    COUNT[0] += 1
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        if type(e).__name__ != "HorovodInternalError":
+            DIFFS.append(f"{what}: hipress raised {type(e).__name__}: {e}, Horovod raises HorovodInternalError")
+        return
+    DIFFS.append(f"{what}: hipress did not raise; Horovod raises HorovodInternalError")
+
+
 def inputs(r, dtype, shape):
     k = 1
     for s in shape:
@@ -80,8 +94,12 @@ def main():
                          lambda m: m.allreduce(x, op=ho if m is H else po, prescale_factor=pre, postscale_factor=post))
                 for rows in (1, n, 2 * n + 1):
                     x = inputs(r, dtype, (rows, 2))
-                    both(f"reducescatter {dtype} {name} rows {rows}",
-                         lambda m: m.reducescatter(x, op=ho if m is H else po))
+                    if name in ("Average", "Sum"):
+                        both(f"reducescatter {dtype} {name} rows {rows}",
+                             lambda m: m.reducescatter(x, op=ho if m is H else po))
+                    else:
+                        hipress_raises_as_horovod_would(f"reducescatter {dtype} {name} rows {rows}",
+                                                        lambda: P.reducescatter(x, op=po))
         for dtype in (torch.int32, torch.float32, torch.float64, torch.int64):
             x = inputs(r, dtype, (r + 1, 3))
             both(f"allgather {dtype}", lambda m: m.allgather(x))
