@@ -280,23 +280,37 @@ def test_shell_booleans_parse_like_config(script):
             assert out.stdout.strip() == ("off" if want == "default" else want), raw
 
 
-def _threads_in_child(value):
-    env = {k: v for k, v in os.environ.items() if k != "HIPRESS_COMPRESS_THREADS"}
-    if value is not None:
-        env["HIPRESS_COMPRESS_THREADS"] = value
+def _threads_in_children(values):
+    """{value: (returncode, stdout, stderr)} of a child per value (None: unset), run side by side
+    (each spends seconds importing torch)."""
     code = "from hipress import compression; print(compression.num_threads())"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    procs = {}
+    for value in values:
+        env = {k: v for k, v in os.environ.items() if k != "HIPRESS_COMPRESS_THREADS"}
+        if value is not None:
+            env["HIPRESS_COMPRESS_THREADS"] = value
+        procs[value] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=env)
+    out = {}
+    for value, p in procs.items():
+        try:
+            stdout, stderr = p.communicate(timeout=120)
+        finally:
+            p.kill()
+        out[value] = (p.returncode, stdout, stderr)
+    return out
 
 
 def test_compress_threads_cpp_agrees_with_the_table():
     """The C++ pool (csrc/compress/thread_pool.cc) reads HIPRESS_COMPRESS_THREADS itself."""
+    runs = _threads_in_children([None, "", "3", "0", "-1", "four"])
     results = {}
     for value in (None, "", "3", "0", "-1"):
-        out = _threads_in_child(value)
-        assert out.returncode == 0, (value, out.stderr)
-        results[value] = int(out.stdout)
+        rc, stdout, stderr = runs[value]
+        assert rc == 0, (value, stderr)
+        results[value] = int(stdout)
     assert results[None] == results[""] == config.get("HIPRESS_COMPRESS_THREADS", {}) == 1
     assert results["3"] == 3
     assert results["0"] == results["-1"] >= 1  # all hardware threads
-    bad = _threads_in_child("four")
-    assert bad.returncode != 0 and "ConfigError" in bad.stderr and "HIPRESS_COMPRESS_THREADS='four'" in bad.stderr
+    rc, _, stderr = runs["four"]
+    assert rc != 0 and "ConfigError" in stderr and "HIPRESS_COMPRESS_THREADS='four'" in stderr
