@@ -292,12 +292,13 @@ def _threads_in_children(values):
         procs[value] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, env=env)
     out = {}
-    for value, p in procs.items():
-        try:
+    try:
+        for value, p in procs.items():
             stdout, stderr = p.communicate(timeout=120)
-        finally:
+            out[value] = (p.returncode, stdout, stderr)
+    finally:  # a timeout leaves none of them running
+        for p in procs.values():
             p.kill()
-        out[value] = (p.returncode, stdout, stderr)
     return out
 
 
