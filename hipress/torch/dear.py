@@ -16,11 +16,11 @@ update itself and the syncs.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from hipress import config
+from hipress import _C, config
 
 
 def hyperparameters(groups: Sequence[dict]) -> List[dict]:
@@ -82,12 +82,16 @@ class Schedule:
     ``buckets``: the optimizer's fusion buckets (objects with ``name`` and ``params``, a
     list of (name, parameter)); ``update(bucket, hyper)`` applies one bucket's reduced
     gradient with the optimizer settings ``hyper``; ``waiting_for()`` says, in words, whom this
-    rank waits for (a timeout's message)."""
+    rank waits for (a timeout's message). ``trace(name, start_ns, end_ns)``, where given (the
+    engine's timeline is on), records each wait for an all-gather and each update, so a step's
+    timeline shows where the forward stood still."""
 
     def __init__(self, buckets: Sequence, model: torch.nn.Module, names: Dict[int, str],
-                 update: Callable[[object, List[dict]], None], waiting_for: Callable[[], str]):
+                 update: Callable[[object, List[dict]], None], waiting_for: Callable[[], str],
+                 trace: Optional[Callable[[str, int, int], None]] = None):
         self._update = update
         self._waiting_for = waiting_for
+        self._trace = trace
         self._names = names
         self._model = model
         self._pending: Dict[str, _Pending] = {}
@@ -145,6 +149,7 @@ class Schedule:
     def _apply(self, name: str) -> None:
         item = self._pending.pop(name)
         h = item.handle
+        t0 = _C.now_ns() if self._trace else 0
         if h is not None:
             deadline = config.get("HIPRESS_TIMEOUT_S")
             if not h.wait(deadline):
@@ -153,7 +158,12 @@ class Schedule:
             err = h.exception(0)
             if err is not None:
                 raise RuntimeError(f"strategy='dear': all-gather of '{name}' failed: {err}")
+        if self._trace:
+            t1 = _C.now_ns()
+            self._trace(f"wait.allgather.{name}", t0, t1)
         self._update(item.bucket, item.hyper)
+        if self._trace:
+            self._trace(f"update.{name}", t1, _C.now_ns())
 
     def begin_backward(self) -> None:
         """The first gradient of a step is final: every update still pending belongs to a bucket

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -592,9 +593,14 @@ class _HipressOptimizer:
         if self._hp_timeline:
             engine.timeline_row(2, "backward (gradient ready)")
         # before any hook is registered: it refuses parameters no module of the model holds
-        self._hp_dear = (dear.Schedule(self._hp_buckets, model, self._hp_names, self._hp_dear_update,
-                                      self._hp_waiting_for)
-                         if options.dear else None)
+        self._hp_dear = None
+        if options.dear:
+            trace = None
+            if self._hp_timeline:  # row 3: where dear's forward and step() wait for the link
+                engine.timeline_row(3, "dear (waits, updates)")
+                trace = functools.partial(engine.timeline_slice, 3)
+            self._hp_dear = dear.Schedule(self._hp_buckets, model, self._hp_names, self._hp_dear_update,
+                                          self._hp_waiting_for, trace)
         self._hp_index_buckets()
         self._hp_trainable = tuple(p.requires_grad for _, p in named)  # the set the buckets were built for
         self._hp_hooks = {id(p): p.register_post_accumulate_grad_hook(self._hp_on_grad)
@@ -1598,7 +1604,10 @@ class _HipressOptimizer:
                                "skip_synchronize()")
         # the all-gathers' sizes follow from the layout this step's reduce-scatters compared
         agreed = self._hp_layout_check == "compared"
+        t0 = _C.now_ns()
         self._hp_wait_gradients()
+        if self._hp_timeline:
+            self._hp_engine.timeline_slice(3, "step.wait.reduce_scatters", t0, _C.now_ns())
         self._hp_synchronized = False
         if self._hp_skip_step:  # a rank's gradient was not finite: nothing gathered, nothing updated
             self._hp_skip_step = False
