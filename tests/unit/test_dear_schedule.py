@@ -75,6 +75,22 @@ def test_flush_runs_pending_in_order_and_state_dict_flushes():
     assert [u for u, _ in updates] == ["a", "b", "b", "a"]
 
 
+def test_trace_records_each_wait_and_update_in_order():
+    """With a trace (the timeline on), each released bucket leaves a wait slice, then an update
+    slice, ordered in time; without one nothing is recorded (the default)."""
+    model = make_model()
+    buckets = [Bucket("b", list(model.b.named_parameters())), Bucket("a", list(model.a.named_parameters()))]
+    slices = []
+    s = dear.Schedule(buckets, model, names(model), lambda bucket, hyper: None, lambda: "nobody",
+                      trace=lambda name, t0, t1: slices.append((name, t0, t1)))
+    for b in s.forward_order:
+        s.defer(b, None, [])
+    model(torch.randn(3, 4))
+    assert [n for n, _, _ in slices] == ["wait.allgather.a", "update.a", "wait.allgather.b", "update.b"]
+    assert all(t0 <= t1 for _, t0, t1 in slices)
+    assert all(a[2] <= b[1] for a, b in zip(slices, slices[1:])), slices
+
+
 def test_parameter_used_without_its_module_hook_is_refused():
     model = make_model()
     s, buckets, _ = schedule(model)
