@@ -1604,7 +1604,7 @@ class _HipressOptimizer:
                                "skip_synchronize()")
         # the all-gathers' sizes follow from the layout this step's reduce-scatters compared
         agreed = self._hp_layout_check == "compared"
-        t0 = _C.now_ns()
+        t0 = _C.now_ns() if self._hp_timeline else 0
         self._hp_wait_gradients()
         if self._hp_timeline:
             self._hp_engine.timeline_slice(3, "step.wait.reduce_scatters", t0, _C.now_ns())

@@ -32,12 +32,12 @@ def names(model):
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def schedule(model):
+def schedule(model, trace=None):
     """Buckets as the optimizer makes them (reverse parameter order): b's, then a's."""
     updates = []
     buckets = [Bucket("b", list(model.b.named_parameters())), Bucket("a", list(model.a.named_parameters()))]
     s = dear.Schedule(buckets, model, names(model), lambda bucket, hyper: updates.append((bucket.name, hyper)),
-                      lambda: "nobody")
+                      lambda: "nobody", trace)
     return s, buckets, updates
 
 
@@ -77,12 +77,10 @@ def test_flush_runs_pending_in_order_and_state_dict_flushes():
 
 def test_trace_records_each_wait_and_update_in_order():
     """With a trace (the timeline on), each released bucket leaves a wait slice, then an update
-    slice, ordered in time; without one nothing is recorded (the default)."""
+    slice, ordered in time."""
     model = make_model()
-    buckets = [Bucket("b", list(model.b.named_parameters())), Bucket("a", list(model.a.named_parameters()))]
     slices = []
-    s = dear.Schedule(buckets, model, names(model), lambda bucket, hyper: None, lambda: "nobody",
-                      trace=lambda name, t0, t1: slices.append((name, t0, t1)))
+    s, _, _ = schedule(model, trace=lambda name, t0, t1: slices.append((name, t0, t1)))
     for b in s.forward_order:
         s.defer(b, None, [])
     model(torch.randn(3, 4))
