@@ -12,8 +12,9 @@ its allreduces at the end of backward, hipress in ``opt.step()``; strategy "dear
 forward too, and its block ends with ``synchronize()``, its last step's all-gathers and updates,
 counted in opt.step), and every rank's CPU time per step, of the whole process (every thread)
 and of the training thread alone. Where the first system is DDP, a ``compute-only`` row runs its
-model under ``no_sync()`` (no communication at all): the limit every system is measured against. Where ranks outnumber cores (this 2-core machine runs 4), a framework's own work
-costs throughput one for one, and CPU time shows it with far less noise than wall time.
+model under ``no_sync()`` (no communication at all): the limit every system is measured against.
+Where ranks outnumber cores (this 2-core machine runs 4), a framework's own work costs throughput
+one for one, and CPU time shows it with far less noise than wall time.
 
 After the timed blocks, a probe step per hipress system times its gradient hook (the Python work
 per gradient per step on the training thread: ``_hp_on_grad``), so the table also gives the hook's
