@@ -838,7 +838,8 @@ class _HipressOptimizer:
         gradients are checked for NaN/Inf once per bucket, when the bucket is full, rather than
         one by one in backward (one pass and one call per bucket instead of per gradient). That
         is where nothing changes a gradient before it is in its bucket: no clipping, no momentum
-        correction, no COVAP residual, no dear, and more than one rank (one rank fills no bucket)."""
+        correction, no COVAP residual, and more than one rank (one rank submits no bucket). Under
+        dear too: its buckets are checked where they are submitted, before their reduce-scatter."""
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
         self._hp_bucket_named = {b.name: b for b in self._hp_buckets}
         # compared by the step's first allreduce, so that its later ones skip their check (_hp_submit)
@@ -846,13 +847,12 @@ class _HipressOptimizer:
         self._hp_layout_check = "open"
         mc = self._hp_momentum
         self._hp_check_per_bucket = set() if (not self._hp_guard or self._hp_transport.size == 1
-                                              or self._hp_dear is not None
                                               or self._hp_covap is not None) else {
             b.name for b in self._hp_buckets
             if self._hp_clip_for(b) is None and (mc is None or not any(mc.corrects(p) for _, p in b.params))}
         # parameters whose final gradient is the gradient itself (nothing to clip, correct, divide
         # or check one by one): _hp_take only puts them in their bucket
-        self._hp_as_is = set() if self._hp_predivide != 1.0 or self._hp_dear is not None else {
+        self._hp_as_is = set() if self._hp_predivide != 1.0 else {
             id(p) for b in self._hp_buckets
             if self._hp_clip_for(b) is None and (not self._hp_guard or b.name in self._hp_check_per_bucket)
             for _, p in b.params if mc is None or not mc.corrects(p)}

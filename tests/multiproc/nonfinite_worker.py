@@ -4,7 +4,8 @@
 
 Reuses the resume test's model, batches and optimizer (momentum SGD, every parameter its own
 gradient unless the config sets bucket_bytes, the large one in two partitions: several
-states, PS aggregators on both ranks).
+states, PS aggregators on both ranks). Strategy "dear" gets the model and is synchronized
+before parameters are read (its updates wait for the next forward).
 For every config {compression, strategy, kwargs} it trains T steps:
   * "nan" / "inf": rank 1's gradient of "0.weight" gets a NaN (an Inf) at step K, injected
     during backward (a tensor hook, before hipress sees the gradient); recorded: parameters
@@ -51,8 +52,10 @@ def hipress_state(opt):
 def train(cfg, rank, k, t, kind):
     model = make_model()
     # resume_worker.make_optimizer's, with a bucket size of the config's (default 0: one per parameter)
+    dear = cfg["strategy"] == "dear"  # updates deferred to the next forward: synchronize() before reading
+    where = {"model": model} if dear else {"named_parameters": model.named_parameters()}
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                       named_parameters=model.named_parameters(), compression=cfg["compression"],
+                                       **where, compression=cfg["compression"],
                                        strategy=cfg["strategy"], bucket_bytes=cfg.get("bucket_bytes", 0),
                                        partition_bytes=16 << 10, nonfinite="raise" if kind == "raise" else "skip",
                                        **cfg["kwargs"])
@@ -63,6 +66,8 @@ def train(cfg, rank, k, t, kind):
         if kind == "reference" and step == k:
             continue
         if step == k:
+            if dear:
+                opt.synchronize()
             out["params_before"], out["state_before"] = params(model), hipress_state(opt)
             if rank == 1 and kind != "plain":
                 poison(named[POISONED], float("inf") if kind in ("inf", "amp") else float("nan"))
@@ -88,8 +93,12 @@ def train(cfg, rank, k, t, kind):
         out["warnings"] += [{"step": step, "message": str(w.message), "category": w.category.__name__}
                             for w in caught]
         if step == k:
+            if dear:
+                opt.synchronize()
             out["params_after"], out["state_after"] = params(model), hipress_state(opt)
             out["last_nonfinite"] = dict(opt.last_nonfinite)
+    if dear:
+        opt.synchronize()
     out["final"] = params(model)
     return out
 

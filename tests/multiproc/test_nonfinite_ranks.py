@@ -1,6 +1,6 @@
 """Non-finite gradients with real ranks (2 local processes over gloo; hipress/torch/nonfinite.py).
 
-For every registered algorithm, every strategy it runs under, and COVAP: rank 1's gradient
+For every registered algorithm, every strategy it runs under, COVAP and dear: rank 1's gradient
 of one parameter gets a NaN (another run: an Inf) at step K. On every rank: step K is
 skipped (parameters unchanged), the compressor and momentum state after it equals the state
 before it exactly, the warning names the parameter and rank 1, and the final parameters equal,
@@ -38,6 +38,10 @@ CONFIGS = [{"compression": a, "strategy": s, "kwargs": KWARGS.get(a, {}), "amp":
 # one fused bucket (all four gradients in one buffer) through a ring; PS through the coordinator
 CONFIGS.append({"compression": "tbq", "strategy": "ring", "kwargs": {}, "bucket_bytes": 1 << 20, "amp": False})
 CONFIGS.append({"compression": "onebit", "strategy": "ps", "kwargs": {"coordinator": True}, "amp": True})
+# strategy "dear" (one fused bucket, checked for NaN/Inf where it is submitted): uncompressed and with
+# error feedback; no AMP (dear has no synchronize()-then-step() form)
+CONFIGS += [{"compression": a, "strategy": "dear", "kwargs": {}, "bucket_bytes": 1 << 20, "amp": False}
+            for a in ("none", "onebit")]
 
 
 def name(cfg):
