@@ -123,7 +123,7 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
         t, c, m = time.perf_counter(), time.process_time(), time.thread_time()
         for _ in range(n):
             runs[s]["step"]()
-        if runs[s].get("dear"):  # strategy "dear": its last step's all-gathers and updates: part of these n steps' work
+        if runs[s].get("dear"):  # its last step's all-gathers and updates: part of these n steps' work
             t3 = time.perf_counter()
             runs[s]["opt"].synchronize()
             phases[2] += time.perf_counter() - t3
@@ -147,7 +147,7 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
     for s, r in runs.items():
         if r["opt"] is not None:
             probes[s] = _hook_probe(r["opt"], r["step"])
-            if r["dear"]:  # the probe step's all-gathers and updates, before any other system runs
+            if r.get("dear"):  # the probe step's all-gathers and updates, before any other system runs
                 r["opt"].synchronize()
     if rank == 0:
         with open(out, "w") as f:
