@@ -60,7 +60,7 @@ from hipress.compression import reference as ref
 from hipress.compression.error_feedback import ErrorFeedback
 from hipress.compression.grace_api import Ported
 from hipress.sync.base import partition_shape, rng_stream_start
-from hipress.sync.lowrank import matrix_shape
+from hipress.sync.lowrank import matrix_shape, sent_raw
 from hipress.torch import clipping, momentum
 from hipress.torch.optimizer import (DistributedOptimizer, auto_bucket_bytes, bucket_bounds, final_gradient,
                                      fusion_buckets, splits_tensors)
@@ -384,6 +384,9 @@ class Reference:
         out = np.empty(bucket.numel, np.float32)
         segments = [sg for sg in bucket.segments if sg[1] > 0]
         for i, (off, numel, shape) in enumerate(segments):
+            if sent_raw(self.inner, numel, shape):  # summed as it is (hipress.sync.lowrank)
+                out[off:off + numel] = sum_in_rank_order(f[off:off + numel] for f in flats)
+                continue
             key = f"{bucket.name}/lowrank" + ("" if len(segments) == 1 else f"/{i}")  # the low-rank strategy's
             if key not in self._states and self.name == "acpsgd":
                 rows, cols = matrix_shape(shape, numel)

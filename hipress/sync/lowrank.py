@@ -13,7 +13,6 @@ the dense gradient it replaces.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -29,13 +28,34 @@ def matrix_shape(shape: Optional[Sequence[int]], numel: int) -> Tuple[int, int]:
     return (int(shape[0]), numel // max(1, int(shape[0])))
 
 
+def sent_raw(comp, numel: int, shape) -> bool:
+    """Whether a matrix is summed as it is, in the first round, instead of through its factors: where
+    a multi-round compressor's factors would take no fewer bytes than the matrix (PowerSGD's rank-r P
+    and Q of a 1-D tensor, n x 1, or of a matrix with few rows or columns). What the PowerSGD paper
+    and DDP's PowerSGD hook do with such tensors: the sum is exact, needs no state, and a bucket of
+    only such tensors (a bias before a large layer that has a bucket of its own) takes one round
+    trip instead of two. Single-round compressors (ACP-SGD) send every matrix through its factor."""
+    if comp.rounds < 2:
+        return False
+    try:
+        return comp.max_encoded_bytes(numel, matrix_shape(shape, numel)) >= 4 * numel
+    except NotImplementedError:
+        return False
+
+
+def _floats(payload: torch.Tensor) -> torch.Tensor:
+    """A received block of raw fp32 bytes as floats (copied where it does not start 4-aligned)."""
+    return payload.view(torch.float32) if payload.storage_offset() % 4 == 0 else payload.clone().view(torch.float32)
+
+
 class LowRankStrategy(Strategy):
     """``segments`` (keyword of build): the matrices a fused buffer holds, as
     (offset, numel, shape) each. Their payloads of one round travel as one exchange (their
     concatenation) and are summed matrix by matrix: the same sums, bit for bit, as one sync
     per matrix, at one exchange per round per bucket instead of per matrix (as DDP's
     PowerSGD hook batches a bucket's P and Q factors). Without it the buffer is one matrix
-    of ``shape``."""
+    of ``shape``. Matrices sent raw (:func:`sent_raw`) travel together as one block of floats
+    at the end of the first round's payload."""
 
     name = "lowrank"
 
@@ -54,29 +74,41 @@ class LowRankStrategy(Strategy):
             raise ValueError(f"{tensor_name}: segments {segments} do not fit a buffer of {flat.numel()} elements")
         keys = [f"{tensor_name}/lowrank"] if len(segments) == 1 else \
             [f"{tensor_name}/lowrank/{i}" for i in range(len(segments))]
-        states = [ctx.states.get(key, comp, numel, matrix_shape(sh, numel))
-                  for key, (_, numel, sh) in zip(keys, segments)]
         views = [flat[off:off + numel] for off, numel, _ in segments]
+        raw = [i for i, (_, numel, sh) in enumerate(segments) if sent_raw(comp, numel, sh)]
+        low = [i for i in range(len(segments)) if i not in set(raw)]
+        states = [ctx.states.get(keys[i], comp, segments[i][1], matrix_shape(segments[i][2], segments[i][1]))
+                  for i in low]
         # What each rank's round payload may take, from this rank's own knowledge of the matrices:
-        # a round carries P or Q, at most the single-process payload (P and Q) of each matrix.
-        seg_bounds = [payload_bound(comp, numel, sh) for _, numel, sh in segments]
-        round_max = None if any(b is None for b in seg_bounds) else sum(seg_bounds)
+        # a round carries P or Q, at most the single-process payload (P and Q) of each matrix,
+        # and the first round the raw block too.
+        seg_bounds = [payload_bound(comp, segments[i][1], segments[i][2]) for i in low]
+        round_max = None if any(b is None for b in seg_bounds) else \
+            sum(seg_bounds) + 4 * sum(segments[i][1] for i in raw)
         slot = {}
         prev = list(deps)
-        for k in range(comp.rounds):
+        for k in range(comp.rounds if low else 1):
             def encode(k=k):
-                inputs = views if k == 0 else slot.pop("sums")
+                inputs = [views[i] for i in low] if k == 0 else slot.pop("sums")
                 parts = [comp.encode_round(k, inp, st) for inp, st in zip(inputs, states)]
+                if k == 0 and raw:  # a copy: the block must not change while it is sent and summed
+                    parts.append(torch.cat([views[i] for i in raw]).view(torch.uint8))
                 slot["sizes"] = [p.numel() for p in parts]  # the same on every rank (same shapes)
                 slot["mine"] = parts[0] if len(parts) == 1 else torch.cat(parts)
 
             got = {}  # src -> concatenated payloads of this round
 
-            def combine(got=got):
+            def combine(k=k, got=got):
                 sizes = slot.pop("sizes")
                 per_rank = [got.pop(r).split(sizes) for r in range(n)]
                 sums = []
                 for i in range(len(sizes)):  # rank order: every rank holds bit-identical sums
+                    if k == 0 and raw and i == len(sizes) - 1:  # the raw block, summed as floats
+                        acc = per_rank[0][i].clone().view(torch.float32)
+                        for r in range(1, n):
+                            acc += _floats(per_rank[r][i])
+                        slot["raw"] = acc
+                        continue
                     acc = per_rank[0][i].clone()
                     for r in range(1, n):
                         comp.combine(acc, per_rank[r][i], out=acc)
@@ -90,8 +122,13 @@ class LowRankStrategy(Strategy):
             prev = [ctx.compute(f"combine.{tensor_name}.r{k}", combine, [g])]
 
         def finish():
-            for payload, st, view in zip(slot.pop("sums"), states, views):
-                comp.finish(payload, st, view)
+            for payload, st, i in zip(slot.pop("sums"), states, low):
+                comp.finish(payload, st, views[i])
+            if raw:
+                total, at = slot.pop("raw"), 0
+                for i in raw:
+                    views[i].copy_(total[at:at + views[i].numel()])
+                    at += views[i].numel()
             if self.average:
                 flat.div_(n)
 

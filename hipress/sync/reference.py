@@ -99,17 +99,27 @@ def lowrank(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], n
     """Multi-round aggregatable compressors: per round every rank encodes, payloads are
     summed in rank order, and the last sum is decoded on every rank. segments: the
     (offset, numel, shape) of each matrix of a fused buffer, each synced on its own
-    (default: the whole buffer is one matrix of ``shape``)."""
-    from hipress.sync.lowrank import matrix_shape
+    (default: the whole buffer is one matrix of ``shape``); those sent raw (``sent_raw``) are
+    summed as they are."""
+    from hipress.sync.lowrank import matrix_shape, sent_raw
 
     n = len(grads)
     out = [g.detach().float().clone().view(-1) for g in grads]
     segments = [(0, out[0].numel(), shape)] if segments is None else segments
     segments = [sg for sg in segments if sg[1] > 0]
     for i, (off, numel, sh) in enumerate(segments):
+        parts = [o[off:off + numel] for o in out]
+        if sent_raw(comp, numel, sh):
+            total = parts[0].clone()
+            for p in parts[1:]:
+                total += p
+            for r in range(n):
+                parts[r].copy_(total)
+                if average:
+                    parts[r].div_(n)
+            continue
         key = f"{name}/lowrank" if len(segments) == 1 else f"{name}/lowrank/{i}"
         states = [st.get(key, comp, numel, matrix_shape(sh, numel)) for st in stores]
-        parts = [o[off:off + numel] for o in out]
         total = None
         for k in range(comp.rounds):
             payloads = [comp.encode_round(k, parts[r] if k == 0 else total.clone(), states[r]) for r in range(n)]

@@ -5,7 +5,7 @@ import torch
 from hipress import compression
 from hipress.compression.none import NoneCompressor
 from hipress.comm.coordinator import Executor
-from hipress.sync.lowrank import LowRankStrategy
+from hipress.sync.lowrank import LowRankStrategy, sent_raw
 from hipress.engine import Engine
 from hipress.comm.exchange import CommChain, CoordinatedExchange, DirectExchange
 from hipress.sync import STRATEGIES, StateStore, SyncContext, reference
@@ -221,6 +221,49 @@ def test_lowrank_fused_bucket_exchanges_once_per_round():
 
     loopback.spawn(2, body, timeout_s=60)
     assert sorted(set(Counting.names)) == ["allgather.b.r0", "allgather.b.r1"] and len(Counting.names) == 4
+
+
+def test_lowrank_sends_tensors_its_factors_do_not_shrink_raw_in_one_round():
+    """PowerSGD's rank-r factors of a 1-D tensor (n x 1), or of a matrix with r columns, take no fewer
+    bytes than the tensor: such tensors are summed as they are. A bucket of only them (a bias before a
+    layer that has a bucket of its own) takes one round instead of two, keeps no state, and ends as
+    the exact sum in rank order over N."""
+    psgd, acp = compression.get("powersgd", rank=2), compression.get("acpsgd", rank=2)
+    assert sent_raw(psgd, 64, (64,)) and sent_raw(psgd, 64, (32, 2)) and sent_raw(psgd, 64, None)
+    assert not sent_raw(psgd, 64 * 64, (64, 64))
+    assert not sent_raw(acp, 64, (64,))  # one round: nothing to save, its factor is sent
+
+    class Counting(DirectExchange):
+        names = []
+
+        def _exchange(self, name, *a, **kw):
+            Counting.names.append(name)
+            return super()._exchange(name, *a, **kw)
+
+    n, segments = 3, [(0, 64, (64,)), (64, 64, (32, 2))]
+    grads = grads_for(n, 128, seed=4)
+    results, saved = [None] * n, [None] * n
+
+    def body(tr):
+        eng = Engine()
+        try:
+            ctx = SyncContext(eng, Counting(eng, tr, CommChain()), compression.get("powersgd", rank=2),
+                              StateStore(tr.rank))
+            flat = grads[tr.rank].clone()
+            LowRankStrategy().build(ctx, "b", flat, [(0, 128)], segments=segments).result(timeout=30)
+            results[tr.rank], saved[tr.rank] = flat, ctx.states.state_dict()
+        finally:
+            eng.shutdown()
+
+    loopback.spawn(n, body, timeout_s=60)
+    assert Counting.names == ["allgather.b.r0"] * n
+    want = grads[0].clone()
+    for g in grads[1:]:
+        want += g
+    want /= n
+    for r in range(n):
+        assert torch.equal(results[r], want), r
+        assert saved[r] == {}
 
 
 def test_ps_owners_spread_a_gradients_partitions_over_distinct_aggregators():
