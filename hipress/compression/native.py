@@ -217,7 +217,8 @@ class PowerSGD(NativeCompressor):
     two aggregatable rounds (P then Q, summed across ranks). See base.py for the protocol.
 
     The matrix view of a tensor of shape (d0, d1, ...) is d0 x (d1 * ...); 1-D tensors
-    are n x 1 (not compressible: the payload is as large as the input).
+    are n x 1 (not compressible: the payload is as large as the input, so the low-rank sync
+    sums them raw instead: hipress.sync.lowrank.sent_raw).
 
     Rank 8 by default: at rank 4 the char LM ends 22% above uncompressed perplexity and digits
     1.3 points short; rank 8 meets both accuracy targets (docs/convergence.md, cause 8)."""
