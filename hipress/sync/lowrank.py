@@ -75,8 +75,9 @@ class LowRankStrategy(Strategy):
         keys = [f"{tensor_name}/lowrank"] if len(segments) == 1 else \
             [f"{tensor_name}/lowrank/{i}" for i in range(len(segments))]
         views = [flat[off:off + numel] for off, numel, _ in segments]
-        raw = [i for i, (_, numel, sh) in enumerate(segments) if sent_raw(comp, numel, sh)]
-        low = [i for i in range(len(segments)) if i not in set(raw)]
+        as_is = [sent_raw(comp, numel, sh) for _, numel, sh in segments]
+        raw = [i for i, r in enumerate(as_is) if r]
+        low = [i for i, r in enumerate(as_is) if not r]
         states = [ctx.states.get(keys[i], comp, segments[i][1], matrix_shape(segments[i][2], segments[i][1]))
                   for i in low]
         # What each rank's round payload may take, from this rank's own knowledge of the matrices:
