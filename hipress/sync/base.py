@@ -106,12 +106,17 @@ def no_larger_than_dense(comp: Compressor, payload: torch.Tensor, numel: int) ->
     return dense.view(torch.uint8)
 
 
+def fp32_view(payload: torch.Tensor) -> torch.Tensor:
+    """Received bytes of raw fp32 values as floats (copied where they do not start 4-aligned: a
+    record inside a frame or a concatenated payload may not)."""
+    return (payload if payload.storage_offset() % 4 == 0 else payload.clone()).view(torch.float32)
+
+
 def decode_payload(comp: Compressor, payload: torch.Tensor, out: torch.Tensor, add: bool = False) -> torch.Tensor:
     """comp.decode (``add``: decode_add) of a payload that :func:`no_larger_than_dense` may have
     turned into fp32 values."""
     if payload.numel() == 4 * out.numel() and _sparsifier(comp):
-        values = payload if payload.storage_offset() % 4 == 0 else payload.clone()  # a frame's record may be unaligned
-        values = values.view(torch.float32).view_as(out)
+        values = fp32_view(payload).view_as(out)
         return out.add_(values) if add else out.copy_(values)
     return comp.decode_add(payload, out) if add else comp.decode(payload, out)
 

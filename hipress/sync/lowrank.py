@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from hipress.engine import Handle
-from hipress.sync.base import Strategy, SyncContext, payload_bound
+from hipress.sync.base import Strategy, SyncContext, fp32_view, payload_bound
 
 
 def matrix_shape(shape: Optional[Sequence[int]], numel: int) -> Tuple[int, int]:
@@ -41,11 +41,6 @@ def sent_raw(comp, numel: int, shape) -> bool:
         return comp.max_encoded_bytes(numel, matrix_shape(shape, numel)) >= 4 * numel
     except NotImplementedError:
         return False
-
-
-def _floats(payload: torch.Tensor) -> torch.Tensor:
-    """A received block of raw fp32 bytes as floats (copied where it does not start 4-aligned)."""
-    return payload.view(torch.float32) if payload.storage_offset() % 4 == 0 else payload.clone().view(torch.float32)
 
 
 class LowRankStrategy(Strategy):
@@ -107,7 +102,7 @@ class LowRankStrategy(Strategy):
                     if k == 0 and raw and i == len(sizes) - 1:  # the raw block, summed as floats
                         acc = per_rank[0][i].clone().view(torch.float32)
                         for r in range(1, n):
-                            acc += _floats(per_rank[r][i])
+                            acc += fp32_view(per_rank[r][i])
                         slot["raw"] = acc
                         continue
                     acc = per_rank[0][i].clone()
