@@ -19,6 +19,18 @@ def grads_for(n_ranks, numel, seed=0):
     return [torch.randn(numel, generator=g) for _ in range(n_ranks)]
 
 
+def counting_exchange():
+    """A DirectExchange class of its own that records the name of every exchange made (``names``)."""
+    class Counting(DirectExchange):
+        names = []
+
+        def _exchange(self, name, *a, **kw):
+            Counting.names.append(name)
+            return super()._exchange(name, *a, **kw)
+
+    return Counting
+
+
 def run_strategy(strategy, comp_factory, grads, bounds, name="w", coordinator=False, steps=1):
     n = len(grads)
     results, states, owners = [None] * n, [None] * n, [None] * n
@@ -202,12 +214,7 @@ def test_lowrank_fused_bucket_equals_one_sync_per_matrix(n):
 
 
 def test_lowrank_fused_bucket_exchanges_once_per_round():
-    class Counting(DirectExchange):
-        names = []
-
-        def _exchange(self, name, *a, **kw):
-            Counting.names.append(name)
-            return super()._exchange(name, *a, **kw)
+    Counting = counting_exchange()
 
     def body(tr):
         eng = Engine()
@@ -233,12 +240,7 @@ def test_lowrank_sends_tensors_its_factors_do_not_shrink_raw_in_one_round():
     assert not sent_raw(psgd, 64 * 64, (64, 64))
     assert not sent_raw(acp, 64, (64,))  # one round: nothing to save, its factor is sent
 
-    class Counting(DirectExchange):
-        names = []
-
-        def _exchange(self, name, *a, **kw):
-            Counting.names.append(name)
-            return super()._exchange(name, *a, **kw)
+    Counting = counting_exchange()
 
     n, segments = 3, [(0, 64, (64,)), (64, 64, (32, 2))]
     grads = grads_for(n, 128, seed=4)
