@@ -310,5 +310,13 @@ class Compressor:
             return self.decode_add(payload, out) if add else self.decode(payload, out)
         raise NotImplementedError
 
+    def scale_sum(self, payload: torch.Tensor, factor: float) -> bool:
+        """Multiplies the last round's sum, ``payload``, in place by ``factor``, where ``finish``
+        decodes it linearly (PowerSGD's Q: the gradient is P Q^T), so that the decoded gradient is
+        ``factor`` times the sum's. Averaging there touches a few factors instead of the whole
+        decoded matrix. False (nothing done) where the compressor cannot: the caller scales the
+        decoded tensor instead."""
+        return False
+
     def __repr__(self):
         return f"{type(self).__name__}(name={self.name!r}, category={self.category!r}, rate={self.rate:g})"

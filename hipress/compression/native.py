@@ -15,6 +15,8 @@ from hipress.compression.base import (CompressorState, Compressor, check_payload
                                        out_buffer)
 
 PayloadError = _C.PayloadError
+_HEADER_BYTES = 48  # csrc/compress/format.h: kHeaderBytes, the payload header before its body
+_KIND_BYTE = 7      # the header's payload kind (a low-rank payload's is its round + 1)
 
 
 class NativeCompressor(Compressor):
@@ -247,7 +249,7 @@ class PowerSGD(NativeCompressor):
         n = state.numel
         rows, cols = state.matrix
         r = min(int(self.params["rank"]), rows, cols)
-        need = 48 + 4 * r * (rows if round == 0 else cols)
+        need = _HEADER_BYTES + 4 * r * (rows if round == 0 else cols)
         buf = out_buffer(out, need)
         if round == 0:
             g = flat_f32(inp)
@@ -275,6 +277,15 @@ class PowerSGD(NativeCompressor):
         if target is not out:
             out.copy_(target.view(out.shape))
         return out
+
+    def scale_sum(self, payload, factor):
+        """The Q sum's floats (after the payload's header), in place: finish's product is linear in them."""
+        p = check_payload(payload)
+        if p.numel() < _HEADER_BYTES or int(p[_KIND_BYTE]) != self.rounds or (p.numel() - _HEADER_BYTES) % 4:
+            raise ValueError(f"{self.name}: scale_sum takes the sum of the last round ({self.rounds}), a payload of "
+                             f"kind {int(p[_KIND_BYTE]) if p.numel() > _KIND_BYTE else '?'} and {p.numel()} bytes")
+        p[_HEADER_BYTES:].view(torch.float32).mul_(factor)
+        return True
 
 
 # ------------------------------------------------------------------ GRACE's quantizers (docs/grace.md)

@@ -43,6 +43,16 @@ def sent_raw(comp, numel: int, shape) -> bool:
         return False
 
 
+def finish_average(comp, payload: torch.Tensor, state, out: torch.Tensor, n: int) -> None:
+    """``out`` = the decoded sum ``payload`` divided by ``n``: where the compressor can, the sum's
+    factors are divided before the decode (a few floats) instead of the decoded matrix after it (a
+    pass over the whole tensor)."""
+    scaled = n == 1 or comp.scale_sum(payload, 1.0 / n)
+    comp.finish(payload, state, out)
+    if not scaled:
+        out.div_(n)
+
+
 class LowRankStrategy(Strategy):
     """``segments`` (keyword of build): the matrices a fused buffer holds, as
     (offset, numel, shape) each. Their payloads of one round travel as one exchange (their
@@ -119,13 +129,13 @@ class LowRankStrategy(Strategy):
 
         def finish():
             for payload, st, i in zip(slot.pop("sums"), states, low):
-                comp.finish(payload, st, views[i])
+                finish_average(comp, payload, st, views[i], n if self.average else 1)
             if raw:
                 total, at = slot.pop("raw"), 0
+                if self.average:
+                    total.div_(n)
                 for i in raw:
                     views[i].copy_(total[at:at + views[i].numel()])
                     at += views[i].numel()
-            if self.average:
-                flat.div_(n)
 
         return ctx.compute(f"decode.{tensor_name}", finish, prev)

@@ -101,7 +101,7 @@ def lowrank(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], n
     (offset, numel, shape) of each matrix of a fused buffer, each synced on its own
     (default: the whole buffer is one matrix of ``shape``); those sent raw (``sent_raw``) are
     summed as they are."""
-    from hipress.sync.lowrank import matrix_shape, sent_raw
+    from hipress.sync.lowrank import finish_average, matrix_shape, sent_raw
 
     n = len(grads)
     out = [g.detach().float().clone().view(-1) for g in grads]
@@ -127,7 +127,5 @@ def lowrank(grads: Sequence[torch.Tensor], comp, stores: Sequence[StateStore], n
             for p in payloads[1:]:
                 comp.combine(total, p, out=total)
         for r in range(n):
-            comp.finish(total.clone(), states[r], parts[r])
-            if average:
-                parts[r].div_(n)
+            finish_average(comp, total.clone(), states[r], parts[r], n if average else 1)
     return out

@@ -82,18 +82,42 @@ def same_rounds(g_c, h_c, what):
 def test_three_rank_lowrank_reference(gen):
     """The low-rank strategy's sequential reference (hipress/sync/reference.py, what the multi-process
     optimizer test compares DistributedOptimizer with) gives the same result, bit for bit, with the
-    generated and the hand-written PowerSGD, over 2 steps of state."""
+    generated and the hand-written PowerSGD, over 2 steps of state. Sums, not averages: the hand-written
+    one averages its Q sum before the product (scale_sum), a generated one the product after it."""
     g_c, h_c = gen(rank=2), PowerSGD(rank=2)
     for shape in [(64, 33), (17,), (9, 5, 2)]:
         stores = {c: [StateStore(r) for r in range(3)] for c in ("gen", "hand")}
         for step in range(2):
             grads = [grad(shape, seed=1000 * step + r) for r in range(3)]
-            a = reference.lowrank(grads, g_c, stores["gen"], "w", shape)
-            b = reference.lowrank(grads, h_c, stores["hand"], "w", shape)
+            a = reference.lowrank(grads, g_c, stores["gen"], "w", shape, average=False)
+            b = reference.lowrank(grads, h_c, stores["hand"], "w", shape, average=False)
             for r in range(3):
                 assert torch.equal(a[r], b[r]), f"{shape} step {step} rank {r}"
             for r in range(1, 3):
                 assert torch.equal(a[r], a[0])  # every rank ends bit-identical
+
+
+def test_average_taken_in_the_q_sum_or_after_the_product(gen):
+    """Averaging over 3 ranks: the hand-written PowerSGD scales its Q sum (scale_sum: 4 x rank floats per
+    row instead of a pass over the matrix), a generated one has no scale_sum and the decoded matrix is
+    divided. Both give the sum's decode / 3 to float rounding, over 2 steps (the second warm-started from
+    the scaled Q). scale_sum refuses a payload of the first round (P: its decode is not linear in it)."""
+    shape = (64, 33)
+    for comp, scales in ((PowerSGD(rank=2), True), (gen(rank=2), False)):
+        stores = {avg: [StateStore(r) for r in range(3)] for avg in (True, False)}
+        for step in range(2):
+            grads = [grad(shape, seed=1000 * step + r) for r in range(3)]
+            mean = reference.lowrank(grads, comp, stores[True], "w", shape)
+            total = reference.lowrank(grads, comp, stores[False], "w", shape, average=False)
+            for r in range(3):
+                assert torch.allclose(mean[r], total[r] / 3, rtol=1e-5, atol=1e-7), f"{comp.name} step {step}"
+        state = comp.new_state(64 * 33, shape)
+        p_payload = comp.encode_round(0, grad(shape, seed=1), state)
+        if scales:
+            with pytest.raises(ValueError, match="last round"):
+                comp.scale_sum(p_payload, 0.5)
+        else:
+            assert not comp.scale_sum(p_payload, 0.5)
 
 
 def test_loopback_lowrank_strategy_matches_reference(gen):
