@@ -117,14 +117,17 @@ HIPRESS_BINDINGS(compress, m) {
            py::arg("add") = false, Release())
       .def("encode_round",
            [](const Compressor& c, int round, uintptr_t in, size_t n, uintptr_t prev, size_t prev_bytes, uintptr_t out,
-              size_t cap, std::optional<PyState> st) {
+              size_t cap, std::optional<PyState> st, uintptr_t residual_in) {
              StateArg s(st);
+             if (residual_in && (!s.ptr || round != 0))
+               throw std::invalid_argument("residual_in is for round 0, with a state to write the residual into");
+             if (s.ptr) s.view.residual_in = P<const float>(residual_in);
              py::gil_scoped_release nogil;
              return c.encode_round(round, P<const float>(in), n, P<const uint8_t>(prev), prev_bytes, P<uint8_t>(out), cap,
                                    s.ptr);
            },
            py::arg("round"), py::arg("in_ptr"), py::arg("n"), py::arg("prev_ptr"), py::arg("prev_bytes"),
-           py::arg("out_ptr"), py::arg("cap"), py::arg("state"))
+           py::arg("out_ptr"), py::arg("cap"), py::arg("state"), py::arg("residual_in") = 0)
       .def("finish",
            [](const Compressor& c, uintptr_t in, size_t bytes, uintptr_t out, size_t n, std::optional<PyState> st,
               bool add) {

@@ -57,9 +57,11 @@ struct StateView {
   int nbufs = 0;
   uint64_t* scalars = nullptr;  // kNumScalars words
   size_t rows = 0, cols = 0;    // matrix view of the tensor (low rank); 0: none
-  // ErrorFeedback only: the residual before this encode (n floats), when the caller keeps it
-  // elsewhere than buf[nbufs - 1]; the new residual is written to buf[nbufs - 1]. That spares
-  // the copy an undo log would take of the residual (hipress/sync/base.py StateStore.encode).
+  // The residual before this encode, when the caller keeps it elsewhere than its state buffer; the
+  // new residual is written to the buffer. That spares the copy an undo log would take of the
+  // residual (hipress/sync/base.py StateStore.encode). ErrorFeedback: n floats, the buffer is
+  // buf[nbufs - 1]. A low-rank built-in of the DSL (PowerSGD): the old values of the state array its
+  // encode (round 0) first updates with a fused add, its "matrix" (hipress/dsl/target_lowrank.py).
   const float* residual_in = nullptr;
 };
 

@@ -902,11 +902,12 @@ constexpr size_t kGroup = 4;  // outputs per pass: 4 chains of 16 lanes fit the 
 
 // acc[r][g] += the 16-lane partial sums of dot(row r of a, b[g]) over [0, len), for R rows of a,
 // `stride` floats apart (len a multiple of 16; lane l takes the elements l mod 16). With x (rows at the
-// same stride), each row += x first, in the same pass (the sum is what the dots read). Each load of
-// b[g] serves the R rows: fewer loads per multiply-add, and R * G independent accumulator chains.
+// same stride), each row = a_in + x first, in the same pass (the sum is what the dots read; a_in is a
+// itself or where a's old values are). Each load of b[g] serves the R rows: fewer loads per
+// multiply-add, and R * G independent accumulator chains.
 template <size_t G, size_t R, bool ADD>
-inline void dot_lanes_block(float* a, const float* x, size_t stride, const float* const* b, size_t len,
-                            float (*acc)[kGroup][kLanes]) {
+inline void dot_lanes_block(float* a, const float* a_in, const float* x, size_t stride, const float* const* b,
+                            size_t len, float (*acc)[kGroup][kLanes]) {
   constexpr size_t V = kVecFloats, P = kLanes / V;  // 16 lanes as P native vectors
   vfloat s[R][G][P];
   for (size_t r = 0; r < R; ++r)
@@ -916,13 +917,13 @@ inline void dot_lanes_block(float* a, const float* x, size_t stride, const float
     for (size_t q = 0; q < P; ++q) {
       if (q == 0)  // 2 KB ahead: the blocks break the row stream
         for (size_t r = 0; r < R; ++r) {
-          __builtin_prefetch(a + r * stride + i + 512);
+          __builtin_prefetch(a_in + r * stride + i + 512);
           if (ADD) __builtin_prefetch(x + r * stride + i + 512);
         }
       vfloat bv[G];
       for (size_t g = 0; g < G; ++g) bv[g] = vload(b[g] + i + q * V);
       for (size_t r = 0; r < R; ++r) {
-        vfloat av = vload(a + r * stride + i + q * V);
+        vfloat av = vload(a_in + r * stride + i + q * V);
         if (ADD) {
           av += vload(x + r * stride + i + q * V);
           vstore(a + r * stride + i + q * V, av);
@@ -939,13 +940,13 @@ inline void dot_lanes_block(float* a, const float* x, size_t stride, const float
 constexpr size_t kDotRows = kVecFloats == 16 ? 4 : 1;
 // dot_lanes_block for G = 1..kGroup outputs, chosen at run time
 template <size_t R, bool ADD>
-inline void dot_lanes(size_t G, float* a, const float* x, size_t stride, const float* const* b, size_t len,
-                      float (*acc)[kGroup][kLanes]) {
+inline void dot_lanes(size_t G, float* a, const float* a_in, const float* x, size_t stride, const float* const* b,
+                      size_t len, float (*acc)[kGroup][kLanes]) {
   switch (G) {
-    case 4: return dot_lanes_block<4, R, ADD>(a, x, stride, b, len, acc);
-    case 3: return dot_lanes_block<3, R, ADD>(a, x, stride, b, len, acc);
-    case 2: return dot_lanes_block<2, R, ADD>(a, x, stride, b, len, acc);
-    default: return dot_lanes_block<1, R, ADD>(a, x, stride, b, len, acc);
+    case 4: return dot_lanes_block<4, R, ADD>(a, a_in, x, stride, b, len, acc);
+    case 3: return dot_lanes_block<3, R, ADD>(a, a_in, x, stride, b, len, acc);
+    case 2: return dot_lanes_block<2, R, ADD>(a, a_in, x, stride, b, len, acc);
+    default: return dot_lanes_block<1, R, ADD>(a, a_in, x, stride, b, len, acc);
   }
 }
 // Row stride of a scratch matrix of `cols` floats: off a multiple of 4 KiB, so that rows updated
@@ -954,8 +955,10 @@ inline size_t padded_stride(size_t cols) { return (cols * sizeof(float)) % 4096 
 }  // namespace
 
 namespace {
-// matmul_nn, and with X: A += X in the same pass (A is then written; X == nullptr: A is only read).
-void matmul_nn_impl(float* A, const float* X, const float* B, float* C, size_t m, size_t k, size_t n) {
+// matmul_nn, and with X: A = A_in + X in the same pass (A is then written; X == nullptr: A is only read).
+// A_in: A itself, or where A's old values are (add_matmul_nn).
+void matmul_nn_impl(float* A, const float* A_in, const float* X, const float* B, float* C, size_t m, size_t k,
+                    size_t n) {
   // B^T (n x k) so every output is a contiguous dot product: 16 lane sums, the lanes added in order,
   // then the tail. The dot products of a chunk of rows run over column blocks of kColBlock, so that the
   // block of kGroup rows of B^T they read stays in cache across the chunk's rows (L2 at 4096 floats:
@@ -969,7 +972,7 @@ void matmul_nn_impl(float* A, const float* X, const float* B, float* C, size_t m
     float acc[kRowGrain][kGroup][kLanes];
     if (X)  // the rows' tails (past the last 16 lanes) first; the first group's pass adds the rest
       for (size_t i = b; i < e; ++i)
-        for (size_t c = kfull; c < k; ++c) A[i * k + c] += X[i * k + c];
+        for (size_t c = kfull; c < k; ++c) A[i * k + c] = A_in[i * k + c] + X[i * k + c];
     for (size_t j = 0; j < n; j += kGroup) {
       const size_t G = std::min(kGroup, n - j);
       std::memset(acc, 0, sizeof acc);
@@ -981,14 +984,14 @@ void matmul_nn_impl(float* A, const float* X, const float* B, float* C, size_t m
         size_t i = b;
         for (; i + kDotRows <= e; i += kDotRows)
           if (add)
-            dot_lanes<kDotRows, true>(G, A + i * k + cb, X + i * k + cb, k, bt, len, acc + (i - b));
+            dot_lanes<kDotRows, true>(G, A + i * k + cb, A_in + i * k + cb, X + i * k + cb, k, bt, len, acc + (i - b));
           else
-            dot_lanes<kDotRows, false>(G, A + i * k + cb, nullptr, k, bt, len, acc + (i - b));
+            dot_lanes<kDotRows, false>(G, A + i * k + cb, A + i * k + cb, nullptr, k, bt, len, acc + (i - b));
         for (; i < e; ++i)
           if (add)
-            dot_lanes<1, true>(G, A + i * k + cb, X + i * k + cb, k, bt, len, acc + (i - b));
+            dot_lanes<1, true>(G, A + i * k + cb, A_in + i * k + cb, X + i * k + cb, k, bt, len, acc + (i - b));
           else
-            dot_lanes<1, false>(G, A + i * k + cb, nullptr, k, bt, len, acc + (i - b));
+            dot_lanes<1, false>(G, A + i * k + cb, A + i * k + cb, nullptr, k, bt, len, acc + (i - b));
       }
       for (size_t i = b; i < e; ++i)
         for (size_t g = 0; g < G; ++g) {
@@ -1005,13 +1008,14 @@ void matmul_nn_impl(float* A, const float* X, const float* B, float* C, size_t m
 }  // namespace
 
 void matmul_nn(const float* A, const float* B, float* C, size_t m, size_t k, size_t n) {
-  matmul_nn_impl(const_cast<float*>(A), nullptr, B, C, m, k, n);  // without X, A is only read
+  matmul_nn_impl(const_cast<float*>(A), A, nullptr, B, C, m, k, n);  // without X, A is only read
 }
 
-void add_matmul_nn(float* A, const float* X, const float* B, float* C, size_t m, size_t k, size_t n) {
+void add_matmul_nn(float* A, const float* X, const float* B, float* C, size_t m, size_t k, size_t n,
+                   const float* A_in) {
   // PowerSGD's error feedback and first product in one pass over the matrix instead of two (the
   // add's result is the same floats, and so is the product).
-  matmul_nn_impl(A, X, B, C, m, k, n);
+  matmul_nn_impl(A, A_in ? A_in : A, X, B, C, m, k, n);
 }
 
 void matmul_tn(const float* A, const float* B, float* C, size_t m_, size_t k_, size_t n_) {

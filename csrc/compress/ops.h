@@ -122,8 +122,10 @@ void scatter(const uint32_t* idx, const float* val, size_t k, float alpha, bool 
 // Row-major matrices. C (m x n) = A (m x k) * B (k x n)
 void matmul_nn(const float* A, const float* B, float* C, size_t m, size_t k, size_t n);
 // A += X (both m x k), then C = A * B as matmul_nn, in one pass over A: the same results as add and
-// matmul_nn one after the other
-void add_matmul_nn(float* A, const float* X, const float* B, float* C, size_t m, size_t k, size_t n);
+// matmul_nn one after the other. A_in (not null): A = A_in + X instead, A's old values read from A_in
+// (where an undo log keeps them: the copy it would take of A is spared)
+void add_matmul_nn(float* A, const float* X, const float* B, float* C, size_t m, size_t k, size_t n,
+                   const float* A_in = nullptr);
 // C (k x n) = A^T * B with A (m x k), B (m x n)
 void matmul_tn(const float* A, const float* B, float* C, size_t m, size_t k, size_t n);
 // C (m x n) (+)= alpha * A (m x r) * B^T with B (n x r)

@@ -204,10 +204,12 @@ class Compressor:
     # (hipress/compression/grace_api.py) has "allgather": its communicator's reduction runs
     # in aggregate_payloads, which only the allgather strategy calls.
     fixed_strategy: Optional[str] = None
-    # encode(..., residual_in=t) reads the residual before this encode from t and writes the new
-    # one into the state's "residual" buffer (error feedback): a caller that must keep the old
-    # residual (the undo log, StateStore.encode) then does not copy it first.
+    # encode(..., residual_in=t) (a low-rank one: encode_round(0, ..., residual_in=t)) reads the
+    # residual before this encode from t and writes the new one into the state's buffer named
+    # residual_buffer (error feedback's residual, PowerSGD's matrix): a caller that must keep the
+    # old residual (the undo log, StateStore.encode) then does not copy it first.
     takes_residual_in: bool = False
+    residual_buffer: str = "residual"
 
     @property
     def lowrank(self) -> bool:

@@ -240,12 +240,30 @@ class PowerSGD(NativeCompressor):
             return self.new_state(grad.numel(), tuple(grad.shape))
         return state
 
-    def encode(self, grad, state=None, out=None):
-        return self._encode_with(self._c, grad, self._state_for(grad, state), out)
+    # the residual (M, then e) is the first state the encode updates, with its fused add
+    takes_residual_in = True
+    residual_buffer = "matrix"
 
-    def encode_round(self, round, inp, state, out=None):
+    def encode(self, grad, state=None, out=None, residual_in=None):
+        st = self._state_for(grad, state)
+        return self._encode_with(self._c, grad, st, out, self._residual_in(residual_in, state, st))
+
+    def _residual_in(self, residual_in, state, st):
+        if residual_in is None:
+            return None
+        if state is None:
+            raise ValueError(f"{self.name}: residual_in needs a state to write the residual into")
+        want = st.buffers[self.residual_buffer]
+        if residual_in.dtype != torch.float32 or residual_in.numel() != want.numel() or not residual_in.is_contiguous():
+            raise ValueError(f"residual_in must be {want.numel()} contiguous fp32 elements, like the state's matrix")
+        return residual_in
+
+    def encode_round(self, round, inp, state, out=None, residual_in=None):
         if state is None:
             raise ValueError("powersgd encode_round needs a state (new_state(numel, shape))")
+        if residual_in is not None and round != 0:
+            raise ValueError(f"{self.name}: residual_in is for round 0, got round {round}")
+        residual_in = self._residual_in(residual_in, state, state)
         n = state.numel
         rows, cols = state.matrix
         r = min(int(self.params["rank"]), rows, cols)
@@ -255,7 +273,8 @@ class PowerSGD(NativeCompressor):
             g = flat_f32(inp)
             if g.numel() != n:
                 raise ValueError(f"state was made for {n} elements, the gradient has {g.numel()}")
-            nb = self._c.encode_round(0, g.data_ptr(), n, 0, 0, buf.data_ptr(), buf.numel(), state.native())
+            nb = self._c.encode_round(0, g.data_ptr(), n, 0, 0, buf.data_ptr(), buf.numel(), state.native(),
+                                      0 if residual_in is None else residual_in.data_ptr())
         else:
             p = check_payload(inp)
             nb = self._c.encode_round(int(round), 0, n, p.data_ptr(), p.numel(), buf.data_ptr(), buf.numel(),

@@ -89,6 +89,7 @@ class CppTarget:
                  "  bool ss_done = false;", f"  {OPS}SignSums ss{{}};", "  int64_t has_state = 0;"]
         if self.g.s.view is not None:
             lines.append("  size_t v_rows = 0, v_cols = 0, v_rank = 0;  // the matrix view and the factors' rank")
+            lines.append("  const float* residual_in = nullptr;  // the old values of the first fused add's state (or null)")
         lines.append("  std::vector<float> st_tmp;  // zero state of a stateless call (its updates are dropped)")
         return lines
 

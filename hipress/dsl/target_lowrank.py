@@ -16,6 +16,7 @@ from hipress.dsl.types import is_arr
 class LowRank:
     def __init__(self, gen):
         self.g = gen
+        self.residual_in_free = False  # an entry's residual_in not yet given to a fused add (nn)
 
     def decode_prologue(self):
         """decode of a low-rank payload reads it like a round's sum (kind 0, no state)."""
@@ -129,12 +130,13 @@ class LowRank:
             self.g.emit(f"{tgt}.own = std::move(res); {tgt}.p = {tgt}.own.data(); {tgt}.n = {tgt}.own.size();", i2)
         self.g.emit("}", ind)
 
-    @staticmethod
-    def nn(ac, bc, dst, m, k, n, add_first) -> str:
+    def nn(self, ac, bc, dst, m, k, n, add_first) -> str:
         if add_first is None:
             return f"hipress::compress::ops::matmul_nn({ac}.p, {bc}.p, {dst}, {m}, {k}, {n});"
+        old = "c.residual_in" if self.residual_in_free else "nullptr"
+        self.residual_in_free = False
         return (f"hipress::compress::ops::add_matmul_nn(const_cast<float*>({ac}.p), {add_first}.p, {bc}.p, {dst}, "
-                f"{m}, {k}, {n});")
+                f"{m}, {k}, {n}, {old});")
 
     def decomp_op(self, tgt, sym, call, env, ind):
         """decomp(P): ops::orthogonalize (the hand-written PowerSGD's Gram-Schmidt), in place when P = decomp(P)."""
@@ -291,8 +293,11 @@ class LowRank:
     def view_entries(self):
         """hp_enc_<entry>: encode (kind 0) and encode_round<k> (kind k + 1); hp_finish."""
         s = self.g.s
+        # residual_in: where the old values of the state array that the entry's first fused add
+        # (map(X, Y, a + b); matmul(X, W): add_matmul) updates are, when the caller keeps them elsewhere
+        # than the state's buffer (an undo log's copy); the add then writes X's buffer from them.
         sig_tail = ("size_t n, size_t rows, size_t cols, uint8_t* out, size_t cap, uint64_t* scalars, "
-                    "float* const* bufs, const uint64_t* lens, int nbufs")
+                    "float* const* bufs, const uint64_t* lens, int nbufs, const float* residual_in = nullptr")
         entries = [(s.encode, 0, None)] + [(f, k + 1, s.concats[s.rounds[k - 1].name] if k else None)
                                            for k, f in enumerate(s.rounds)]
         for f, kind, layout in entries:
@@ -302,6 +307,8 @@ class LowRank:
                 self.g.emit(f"size_t hp_enc_{f.name}(const Params& P, const uint8_t* pin, size_t pbytes, {sig_tail}) {{",
                           0)
             self.view_state_setup(f.name, need_state=layout is not None)
+            self.g.emit("c.residual_in = residual_in;")
+            self.residual_in_free = True  # the entry's first fused add takes it (nn)
             self.g.emit(f"if (cap < hp_kind_bytes(c, {kind})) throw std::invalid_argument(kName + std::string(\": "
                       f"output buffer has \") + std::to_string(cap) + \" bytes, needs \" + "
                       f"std::to_string(hp_kind_bytes(c, {kind})) + \" (max_encoded_bytes)\");")

@@ -117,7 +117,8 @@ HIPRESS_REGISTER_COMPRESSOR("{s.name}", Builtin);
         k = len(s.state_arrays)
         names = ", ".join(f"\"{g.name}\"" for g in s.state_arrays)
         rounds = "".join(f"    if (round == {i}) return hp_enc_{f.name}(P_, {'in' if i == 0 else 'prev, prev_bytes'}, "
-                         f"n, rows, cols, out, cap, sc, bufs, lens, nb);\n" for i, f in enumerate(s.rounds))
+                         f"n, rows, cols, out, cap, sc, bufs, lens, nb, st ? st->residual_in : nullptr);\n"
+                         for i, f in enumerate(s.rounds))
         fin = ""
         if s.finish is not None:
             fin = """  void finish(const uint8_t* in, size_t bytes, float* out, size_t n, StateView* st, bool add) const override {
@@ -153,7 +154,7 @@ HIPRESS_REGISTER_COMPRESSOR("{s.name}", Builtin);
   }}
   size_t encode(const float* in, size_t n, uint8_t* out, size_t cap, StateView* st) const override {{
     {state_args}
-    return hp_enc_encode(P_, in, n, rows, cols, out, cap, sc, bufs, lens, nb);
+    return hp_enc_encode(P_, in, n, rows, cols, out, cap, sc, bufs, lens, nb, st ? st->residual_in : nullptr);
   }}
   void decode(const uint8_t* in, size_t bytes, float* out, size_t n, float alpha, bool add) const override {{
     hp_decode(in, bytes, out, n, alpha, add);

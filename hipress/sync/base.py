@@ -183,25 +183,39 @@ class StateStore:
         return st
 
     def encode(self, key: str, compressor, x: torch.Tensor, shape=None) -> torch.Tensor:
-        """``compressor.encode(x)`` with the state stored under ``key`` (``get``). Where the undo
-        log must keep this step's first copy of an error-feedback state, the new residual goes into
-        the log's spare buffer and the old one stays as the copy (UndoLog.replace): the encode
-        reads it anyway, so the residual is not copied first (one pass over it saved per step)."""
+        """``compressor.encode(x)`` with the state stored under ``key`` (``get``; ``_for_update``)."""
+        st, old = self._for_update(key, compressor, x.numel(), shape)
+        return compressor.encode(x, st) if old is None else compressor.encode(x, st, residual_in=old)
+
+    def encode_round0(self, key: str, compressor, x: torch.Tensor, shape=None):
+        """(``compressor.encode_round(0, x, state)``, the state): a low-rank sync's first round, the
+        state got as :meth:`encode` gets it."""
+        st, old = self._for_update(key, compressor, x.numel(), shape)
+        if old is None:
+            return compressor.encode_round(0, x, st), st
+        return compressor.encode_round(0, x, st, residual_in=old), st
+
+    def _for_update(self, key: str, compressor, numel: int, shape):
+        """The state under ``key`` for an encode that updates it, and where the residual's old values
+        are (None: in the state). Where the undo log must keep this step's first copy of the state of
+        a compressor that takes ``residual_in``, the new residual goes into the log's spare buffer and
+        the old one stays as the copy (UndoLog.replace): the encode reads it anyway, so the residual is
+        not copied first (one pass over it saved per step)."""
         st = self._states.get(key)
         if st is None or not compressor.takes_residual_in:
-            return compressor.encode(x, self.get(key, compressor, x.numel(), shape))
+            return self.get(key, compressor, numel, shape), None
         names = list(st.buffers)
-        r = names.index("residual")
+        r = names.index(compressor.residual_buffer)
         old = [*st.buffers.values(), st.scalars]
         new = self.undo_log.replace(key, old)
         if new[0] is old[0]:  # nothing to keep: in place
-            return compressor.encode(x, st)
+            return st, None
         for i, (dst, src) in enumerate(zip(new, old)):
             if i != r:  # the other buffers and the counters, copied as touch copies them
                 dst.copy_(src)
         st.buffers = OrderedDict(zip(names, new[:-1]))
         st.scalars = new[-1]
-        return compressor.encode(x, st, residual_in=old[r])
+        return st, old[r]
 
     def commit(self) -> None:
         """Keeps this step's changes (forgets the undo log's copies)."""

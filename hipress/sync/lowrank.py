@@ -83,8 +83,7 @@ class LowRankStrategy(Strategy):
         as_is = [sent_raw(comp, numel, sh) for _, numel, sh in segments]
         raw = [i for i, r in enumerate(as_is) if r]
         low = [i for i, r in enumerate(as_is) if not r]
-        states = [ctx.states.get(keys[i], comp, segments[i][1], matrix_shape(segments[i][2], segments[i][1]))
-                  for i in low]
+        states = []  # of the compressed matrices, got by the first round's encode (StateStore.encode_round0)
         # What each rank's round payload may take, from this rank's own knowledge of the matrices:
         # a round carries P or Q, at most the single-process payload (P and Q) of each matrix,
         # and the first round the raw block too.
@@ -95,8 +94,15 @@ class LowRankStrategy(Strategy):
         prev = list(deps)
         for k in range(comp.rounds if low else 1):
             def encode(k=k):
-                inputs = [views[i] for i in low] if k == 0 else slot.pop("sums")
-                parts = [comp.encode_round(k, inp, st) for inp, st in zip(inputs, states)]
+                if k == 0:
+                    parts = []
+                    for i in low:
+                        part, st = ctx.states.encode_round0(keys[i], comp, views[i],
+                                                            matrix_shape(segments[i][2], segments[i][1]))
+                        parts.append(part)
+                        states.append(st)
+                else:
+                    parts = [comp.encode_round(k, inp, st) for inp, st in zip(slot.pop("sums"), states)]
                 if k == 0 and raw:  # a copy: the block must not change while it is sent and summed
                     parts.append(torch.cat([views[i] for i in raw]).view(torch.uint8))
                 slot["sizes"] = [p.numel() for p in parts]  # the same on every rank (same shapes)

@@ -141,19 +141,55 @@ def test_state_store_encode_writes_the_residual_out_of_place(name):
         if step == 3:  # taken, then undone: the next encode must see the state of step 2
             logged.encode("k", comp, g * 7, shape)
             logged.undo()
-        old = logged._states["k"].buffers["residual"] if step else None
+        res = comp.residual_buffer
+        old = logged._states["k"].buffers[res] if step else None
         a, b = logged.encode("k", comp, g, shape), plain.encode("k", comp, g, shape)
         assert torch.equal(a, b), step
-        sa, sb = logged.state_dict()["k"], plain.state_dict()["k"]
-        for k in sb["buffers"]:
-            assert torch.equal(sa["buffers"][k], sb["buffers"][k]), (step, k)
-        assert torch.equal(sa["scalars"], sb["scalars"]), step
-        if step:
-            st = logged._states["k"]
-            assert st.buffers["residual"] is not old
-            r = list(st.buffers).index("residual")
-            assert logged.undo_log._saved["k"][r] is old  # the old residual is the copy, not copied
-        logged.commit()
+        _same_state_then_commit(logged, plain, comp, old, step)
+
+
+def _same_state_then_commit(logged, plain, comp, old, step):
+    """logged's state "k" is plain's, bit for bit, and (after the first step) the old residual is
+    the undo log's copy, not copied; then logged's step is committed."""
+    sa, sb = logged.state_dict()["k"], plain.state_dict()["k"]
+    for k in sb["buffers"]:
+        assert torch.equal(sa["buffers"][k], sb["buffers"][k]), (step, k)
+    assert torch.equal(sa["scalars"], sb["scalars"]), step
+    if step:
+        st = logged._states["k"]
+        assert st.buffers[comp.residual_buffer] is not old
+        r = list(st.buffers).index(comp.residual_buffer)
+        assert logged.undo_log._saved["k"][r] is old  # the old residual is the copy, not copied
+    logged.commit()
+
+
+@pytest.mark.parametrize("name", ["powersgd", "powersgd_grace"])
+def test_state_store_lowrank_round0_writes_the_matrix_out_of_place(name):
+    """StateStore.encode_round0 (the low-rank sync's first round) with the undo log on: PowerSGD's
+    matrix (gradient + residual) is written into the log's spare buffer, the old one stays as the
+    copy. Both rounds' payloads, the decoded gradient and the states are bit for bit those of a
+    store without the log, also after a step undone and taken again."""
+    comp = compression.get(name, rank=2)
+    logged, plain = StateStore(rank=1), StateStore(rank=1)
+    logged.undo_log.enabled = True
+    shape = (20, 100)
+
+    def step_of(store, g):
+        p, st = store.encode_round0("k", comp, g, shape)
+        q = comp.encode_round(1, p, st)
+        out = torch.empty(g.numel())
+        comp.finish(q, st, out)
+        return p, q, out
+
+    for step in range(5):
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(step)).view(-1)
+        if step == 3:  # taken, then undone: the next encode must see the state of step 2
+            step_of(logged, g * 7)
+            logged.undo()
+        old = logged._states["k"].buffers["matrix"] if step else None
+        for a, b in zip(step_of(logged, g), step_of(plain, g)):
+            assert torch.equal(a, b), step
+        _same_state_then_commit(logged, plain, comp, old, step)
 
 
 def test_error_feedback_residual_in_checks_it():
