@@ -117,7 +117,7 @@ HIPRESS_REGISTER_COMPRESSOR("{s.name}", Builtin);
         k = len(s.state_arrays)
         names = ", ".join(f"\"{g.name}\"" for g in s.state_arrays)
         rounds = "".join(f"    if (round == {i}) return hp_enc_{f.name}(P_, {'in' if i == 0 else 'prev, prev_bytes'}, "
-                         f"n, rows, cols, out, cap, sc, bufs, lens, nb, st ? st->residual_in : nullptr);\n"
+                         f"n, rows, cols, out, cap, sc, bufs, lens, nb{', st ? st->residual_in : nullptr' if i == 0 else ''});\n"
                          for i, f in enumerate(s.rounds))
         fin = ""
         if s.finish is not None:
