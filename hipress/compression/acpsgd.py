@@ -56,6 +56,7 @@ class ACPSGD(Compressor):
     category = "lowrank"
     aggregatable = True
     rounds = 1
+    takes_residual_in = True  # encode_round reads the residual once, into M, before writing the new one
 
     def __init__(self, rank: int = 32, seed: int = 0, error_feedback: bool = True):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -125,9 +126,11 @@ class ACPSGD(Compressor):
 
     # ---------------------------------------------------------------- low-rank protocol
     def encode_round(self, round: int, inp: torch.Tensor, state: CompressorState,
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None, residual_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         """This step's factor of M = gradient + residual: P = M orth(Q) on even steps, Q = M^T
-        orth(P) on odd ones; the residual becomes M minus this rank's own projection."""
+        orth(P) on odd ones; the residual becomes M minus this rank's own projection. residual_in:
+        the residual before this step, where it is not the state's buffer (which then only receives
+        the new one; Compressor.takes_residual_in)."""
         st = self._check_state(state, "encode_round")
         if round != 0:
             raise ValueError(f"acpsgd has one round per step, got round {round}")
@@ -138,8 +141,11 @@ class ACPSGD(Compressor):
         r = self._r(rows, cols)
         m = g.view(rows, cols)
         res = st.buffers["residual"]
+        old = res if residual_in is None else residual_in
+        if old.dtype != torch.float32 or old.numel() != res.numel() or not old.is_contiguous():
+            raise ValueError(f"residual_in must be {res.numel()} contiguous fp32 elements, like the state's residual")
         if self.error_feedback:
-            m = m + res.view(rows, cols)
+            m = m + old.view(rows, cols)
         p, q = st.buffers["p"].view(rows, r), st.buffers["q"].view(cols, r)
         kind = st.step % 2
         if kind == _P:
@@ -153,6 +159,15 @@ class ACPSGD(Compressor):
             if self.error_feedback:
                 torch.addmm(m, p, local.T, alpha=-1, out=res.view(rows, cols))
         return self._payload(kind, rows, cols, r, [local], out)
+
+    def scale_sum(self, payload: torch.Tensor, factor: float) -> bool:
+        """The summed factor's floats, in place: finish's product is linear in them, and the next
+        step orthonormalizes the factor it keeps, whatever its scale."""
+        kind = self._parse(payload)[0]
+        if kind == _BOTH:
+            raise ValueError("acpsgd scale_sum takes a step's summed factor (kind P or Q), not encode's")
+        check_payload(payload)[_HEADER:].view(torch.float32).mul_(factor)
+        return True
 
     def combine(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         ka, ra, ca, rka, fa = self._parse(a)
@@ -178,23 +193,26 @@ class ACPSGD(Compressor):
             p.copy_(f.view(rows, r))
         else:
             q.copy_(f.view(cols, r))
-        full = p @ q.T
         st.scalars[1] += 1
         target = out.view(-1)
         if add:
-            target.add_(full.reshape(-1).to(out.dtype))
+            target.add_((p @ q.T).reshape(-1).to(out.dtype))
+        elif out.dtype == torch.float32 and out.is_contiguous():  # the product straight into out
+            torch.mm(p, q.T, out=target.view(rows, cols))
         else:
-            target.copy_(full.reshape(-1))
+            target.copy_((p @ q.T).reshape(-1))
         return out
 
     # ---------------------------------------------------------------- single process
     def encode(self, grad: torch.Tensor, state: Optional[CompressorState] = None,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, residual_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One step alone (a world of one rank): the factor and the one it is paired with, so that
         ``decode`` needs no state. With a state, the state advances as in a 1-rank sync."""
+        if residual_in is not None and state is None:
+            raise ValueError("acpsgd: residual_in needs a state to write the residual into")
         st = state if state is not None else self.new_state(grad.numel(), tuple(grad.shape))
         st = self._check_state(st, "encode")
-        own = self.encode_round(0, grad, st)
+        own = self.encode_round(0, grad, st, residual_in=residual_in)
         rows, cols = st.matrix
         r = self._r(rows, cols)
         self.finish(own, st, torch.empty(st.numel, dtype=torch.float32))

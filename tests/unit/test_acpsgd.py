@@ -43,6 +43,30 @@ def test_three_ranks_match_the_reference_over_both_parities():
         assert states[0].step == step + 1
 
 
+def test_average_in_the_summed_factor_over_both_parities():
+    """scale_sum(total, 1/3) then finish gives the sum's decode / 3 to float rounding, step after step:
+    the scaled factor it keeps is orthonormalized before the next step uses it. encode's payload
+    (both factors) is refused."""
+    comp = ACPSGD(rank=RANK, seed=5)
+    scaled, summed = ([comp.new_state(ROWS * COLS, (ROWS, COLS)) for _ in range(3)] for _ in range(2))
+    for step in range(5):
+        gs = grads(step, 3)
+        outs = []
+        for states, scale in ((scaled, True), (summed, False)):
+            pays = [comp.encode_round(0, g, s) for g, s in zip(gs, states)]
+            total = pays[0].clone()
+            for p in pays[1:]:
+                total = comp.combine(total, p)
+            if scale:
+                assert comp.scale_sum(total, 1 / 3)
+            outs.append(comp.finish(total, states[0], torch.empty(ROWS * COLS)))
+            for s in states[1:]:
+                comp.finish(total, s, torch.empty(ROWS * COLS))
+        torch.testing.assert_close(outs[0], outs[1] / 3, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="summed factor"):
+        comp.scale_sum(comp.encode(gs[0]), 0.5)
+
+
 def test_low_rank_gradient_is_exact_from_the_second_step():
     """Step 0 projects on a random Q; step 1's P^ spans the gradient's columns, so with error
     feedback the two steps together deliver exactly twice the gradient and the residual is 0."""

@@ -163,30 +163,32 @@ def _same_state_then_commit(logged, plain, comp, old, step):
     logged.commit()
 
 
-@pytest.mark.parametrize("name", ["powersgd", "powersgd_grace"])
+@pytest.mark.parametrize("name", ["powersgd", "powersgd_grace", "acpsgd"])
 def test_state_store_lowrank_round0_writes_the_matrix_out_of_place(name):
     """StateStore.encode_round0 (the low-rank sync's first round) with the undo log on: PowerSGD's
-    matrix (gradient + residual) is written into the log's spare buffer, the old one stays as the
-    copy. Both rounds' payloads, the decoded gradient and the states are bit for bit those of a
-    store without the log, also after a step undone and taken again."""
+    matrix (gradient + residual; ACP-SGD's residual) is written into the log's spare buffer, the old
+    one stays as the copy. Every round's payload, the decoded gradient and the states are bit for
+    bit those of a store without the log, also after a step undone and taken again."""
     comp = compression.get(name, rank=2)
     logged, plain = StateStore(rank=1), StateStore(rank=1)
     logged.undo_log.enabled = True
     shape = (20, 100)
 
     def step_of(store, g):
-        p, st = store.encode_round0("k", comp, g, shape)
-        q = comp.encode_round(1, p, st)
+        payloads = [store.encode_round0("k", comp, g, shape)[0]]
+        st = store._states["k"]
+        for k in range(1, comp.rounds):
+            payloads.append(comp.encode_round(k, payloads[-1], st))
         out = torch.empty(g.numel())
-        comp.finish(q, st, out)
-        return p, q, out
+        comp.finish(payloads[-1].clone(), st, out)
+        return payloads + [out]
 
     for step in range(5):
         g = torch.randn(shape, generator=torch.Generator().manual_seed(step)).view(-1)
         if step == 3:  # taken, then undone: the next encode must see the state of step 2
             step_of(logged, g * 7)
             logged.undo()
-        old = logged._states["k"].buffers["matrix"] if step else None
+        old = logged._states["k"].buffers[comp.residual_buffer] if step else None
         for a, b in zip(step_of(logged, g), step_of(plain, g)):
             assert torch.equal(a, b), step
         _same_state_then_commit(logged, plain, comp, old, step)
