@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from hipress.compression.base import Compressor, CompressorState, check_payload, flat_f32, out_buffer
+from hipress.compression.base import Compressor, CompressorState, check_payload, check_residual_in, flat_f32, out_buffer
 from hipress.compression.reference import acpsgd_first_q
 
 _MAGIC = 0x31504341  # "ACP1"
@@ -141,9 +141,7 @@ class ACPSGD(Compressor):
         r = self._r(rows, cols)
         m = g.view(rows, cols)
         res = st.buffers["residual"]
-        old = res if residual_in is None else residual_in
-        if old.dtype != torch.float32 or old.numel() != res.numel() or not old.is_contiguous():
-            raise ValueError(f"residual_in must be {res.numel()} contiguous fp32 elements, like the state's residual")
+        old = res if check_residual_in(residual_in, st, "residual") is None else residual_in
         if self.error_feedback:
             m = m + old.view(rows, cols)
         p, q = st.buffers["p"].view(rows, r), st.buffers["q"].view(cols, r)
@@ -208,8 +206,7 @@ class ACPSGD(Compressor):
                out: Optional[torch.Tensor] = None, residual_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One step alone (a world of one rank): the factor and the one it is paired with, so that
         ``decode`` needs no state. With a state, the state advances as in a 1-rank sync."""
-        if residual_in is not None and state is None:
-            raise ValueError("acpsgd: residual_in needs a state to write the residual into")
+        check_residual_in(residual_in, state, "residual")
         st = state if state is not None else self.new_state(grad.numel(), tuple(grad.shape))
         st = self._check_state(st, "encode")
         own = self.encode_round(0, grad, st, residual_in=residual_in)

@@ -104,6 +104,19 @@ def check_payload(p: torch.Tensor) -> torch.Tensor:
     return p.contiguous().view(-1)
 
 
+def check_residual_in(residual_in: Optional[torch.Tensor], state, buffer: str) -> Optional[torch.Tensor]:
+    """``residual_in`` (see Compressor.takes_residual_in), checked against the state's buffer named
+    ``buffer`` that receives the new residual: None passes through."""
+    if residual_in is None:
+        return None
+    if state is None:
+        raise ValueError("residual_in needs a state to write the residual into")
+    want = state.buffers[buffer].numel()
+    if residual_in.dtype != torch.float32 or residual_in.numel() != want or not residual_in.is_contiguous():
+        raise ValueError(f"residual_in must be {want} contiguous fp32 elements, like the state's {buffer}")
+    return residual_in
+
+
 def out_buffer(out: Optional[torch.Tensor], need: int) -> torch.Tensor:
     if out is None:
         return torch.empty(need, dtype=torch.uint8)

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from hipress import _C
-from hipress.compression.base import Compressor, CompressorState, flat_f32
+from hipress.compression.base import Compressor, CompressorState, check_residual_in, flat_f32
 from hipress.compression.native import NativeCompressor
 
 
@@ -67,15 +67,12 @@ class ErrorFeedback(Compressor):
         """residual_in: the residual before this encode, when it is not the state's buffer (which
         then only receives the new residual; Compressor.takes_residual_in)."""
         if state is None:
-            if residual_in is not None:
-                raise ValueError("residual_in needs a state to write the residual into")
+            check_residual_in(residual_in, None, "residual")
             return self.inner.encode(grad, None, out)
         if "residual" not in state.buffers:
             raise ValueError("state has no residual: make it with this ErrorFeedback's new_state")
         res = state.buffers["residual"]
-        if residual_in is not None and (residual_in.dtype != torch.float32 or residual_in.numel() != res.numel()
-                                        or not residual_in.is_contiguous()):
-            raise ValueError(f"residual_in must be {res.numel()} contiguous fp32 elements, like the state's residual")
+        check_residual_in(residual_in, state, "residual")
         if self._native is not None:
             return self.inner._encode_with(self._native, grad, state, out, residual_in)
         g = flat_f32(grad)

@@ -11,8 +11,8 @@ from typing import Optional, Tuple
 import torch
 
 from hipress import _C
-from hipress.compression.base import (CompressorState, Compressor, check_payload, flat_f32, is_f32_flat,
-                                       out_buffer)
+from hipress.compression.base import (CompressorState, Compressor, check_payload, check_residual_in, flat_f32,
+                                       is_f32_flat, out_buffer)
 
 PayloadError = _C.PayloadError
 _HEADER_BYTES = 48  # csrc/compress/format.h: kHeaderBytes, the payload header before its body
@@ -245,25 +245,15 @@ class PowerSGD(NativeCompressor):
     residual_buffer = "matrix"
 
     def encode(self, grad, state=None, out=None, residual_in=None):
-        st = self._state_for(grad, state)
-        return self._encode_with(self._c, grad, st, out, self._residual_in(residual_in, state, st))
-
-    def _residual_in(self, residual_in, state, st):
-        if residual_in is None:
-            return None
-        if state is None:
-            raise ValueError(f"{self.name}: residual_in needs a state to write the residual into")
-        want = st.buffers[self.residual_buffer]
-        if residual_in.dtype != torch.float32 or residual_in.numel() != want.numel() or not residual_in.is_contiguous():
-            raise ValueError(f"residual_in must be {want.numel()} contiguous fp32 elements, like the state's matrix")
-        return residual_in
+        check_residual_in(residual_in, state, self.residual_buffer)
+        return self._encode_with(self._c, grad, self._state_for(grad, state), out, residual_in)
 
     def encode_round(self, round, inp, state, out=None, residual_in=None):
         if state is None:
             raise ValueError("powersgd encode_round needs a state (new_state(numel, shape))")
         if residual_in is not None and round != 0:
             raise ValueError(f"{self.name}: residual_in is for round 0, got round {round}")
-        residual_in = self._residual_in(residual_in, state, state)
+        check_residual_in(residual_in, state, self.residual_buffer)
         n = state.numel
         rows, cols = state.matrix
         r = min(int(self.params["rank"]), rows, cols)

@@ -175,8 +175,8 @@ def test_state_store_lowrank_round0_writes_the_matrix_out_of_place(name):
     shape = (20, 100)
 
     def step_of(store, g):
-        payloads = [store.encode_round0("k", comp, g, shape)[0]]
-        st = store._states["k"]
+        first, st = store.encode_round0("k", comp, g, shape)
+        payloads = [first]
         for k in range(1, comp.rounds):
             payloads.append(comp.encode_round(k, payloads[-1], st))
         out = torch.empty(g.numel())
