@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
 
 from hipress import _C, config
 
@@ -41,14 +41,17 @@ _NOT_SET = object()
 class Handle:
     """Returned by :meth:`Engine.submit` at once; poll, wait or get a future."""
 
-    __slots__ = ("_task", "_box", "waits_on", "exchange_key")
+    __slots__ = ("_task", "_box", "waits_on", "after_all", "exchange_key")
 
-    def __init__(self, task: "_C.TaskHandle", box: list, waits_on: tuple = ()):
+    def __init__(self, task: "_C.TaskHandle", box: list, waits_on: tuple = (), after_all: tuple = ()):
         self._task = task
         self._box = box  # [return value of a Python task], filled by the task itself
         # The unfinished coordinated exchanges this task waits on, directly or through other
         # tasks (the global coordinator plans a message only after them; empty without it).
         self.waits_on = waits_on
+        # The same, finished or not: what the task graph says, whatever the timing (the
+        # coordinator's prediction of the next step's exchanges compares graphs by it).
+        self.after_all = after_all
         self.exchange_key: Optional[int] = None  # set on a coordinated exchange's own handle
 
     @property
@@ -109,15 +112,19 @@ class Handle:
         return f"<hipress task {self.name!r} {self.state}>"
 
 
-def _exchanges_waited_on(deps: Sequence[Handle]) -> tuple:
-    """The unfinished coordinated exchanges that tasks waiting on ``deps`` wait on. A finished
-    one is left out: its messages have moved, so they were planned long ago."""
-    out: list = []
+def exchanges_waited_on(deps: Sequence[Handle]) -> Tuple[tuple, tuple]:
+    """(waits_on, after_all) of a task waiting on ``deps``: the coordinated exchanges it waits
+    on, unfinished ones only (a finished one's messages have moved, so they were planned long
+    ago), and all of them."""
+    unfinished: list = []
+    every: list = []
     for d in deps:
-        for h in d.waits_on:
-            if h not in out and not h._task.finished:
-                out.append(h)
-    return tuple(out)
+        for h in d.after_all:
+            if h not in every:
+                every.append(h)
+                if not h._task.finished:
+                    unfinished.append(h)
+    return tuple(unfinished), tuple(every)
 
 
 def _batch_key(name: str) -> int:
@@ -176,7 +183,7 @@ class Engine:
                 raise TypeError(f"dependencies of task {name!r} must be Handles, got {type(d).__name__}")
         key = _batch_key(batch) if batch else 0
         return Handle(self._engine.submit(name, QUEUES[queue], body, [d._task for d in deps], key), box,
-                      _exchanges_waited_on(deps))
+                      *exchanges_waited_on(deps))
 
     def submit_deferred(self, name: str, post: Callable[["Completion"], None], queue: str = "comm",
                         deps: Iterable[Handle] = ()) -> Handle:
@@ -189,7 +196,7 @@ class Engine:
         deps = list(deps)
         eng = self._engine
         task = eng.submit_deferred(name, QUEUES[queue], lambda h: post(Completion(eng, h)), [d._task for d in deps])
-        return Handle(task, [_NOT_SET], _exchanges_waited_on(deps))
+        return Handle(task, [_NOT_SET], *exchanges_waited_on(deps))
 
     def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
         self._engine.shutdown(drain, -1.0 if timeout is None else float(timeout))

@@ -48,8 +48,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from hipress.comm.coordinator.executor import message_key
-from hipress.engine import Engine, Handle
+from hipress import config
+from hipress.comm.coordinator.ahead import StepPredictor
+from hipress.engine import Engine, Handle, exchanges_waited_on
 
 __all__ = ["Exchange", "DirectExchange", "CoordinatedExchange", "CommChain", "Exchanges", "open_exchanges",
            "transfer"]
@@ -265,39 +266,42 @@ class CoordinatedExchange(Exchange):
     No allreduce: the coordinator plans point-to-point messages only, so uncompressed gradients
     take hipress's ring through it."""
 
-    def __init__(self, engine: Engine, executor, members: Sequence[int]):
+    def __init__(self, engine: Engine, executor, members: Sequence[int], predictor: Optional[StepPredictor] = None):
+        """``predictor``: names and declares the exchanges, and may declare the next step's ahead
+        (hipress.comm.coordinator.ahead); one is shared by the groups of an optimizer. None: this
+        group's own, which never predicts (nobody tells it where steps end)."""
         me = executor.rank
         if me not in members:
             raise ValueError(f"world rank {me} is not a member of the group {list(members)}")
         super().__init__(engine, list(members).index(me), len(members))
         self.executor = executor
+        self.predictor = predictor if predictor is not None else StepPredictor(executor, enabled=False)
+        self.group = self.predictor.add_group()
         self.members = list(members)
-        self._occurrence: Dict[str, int] = {}
 
     def _exchange(self, name, sends, sinks, deps, pairwise, max_bytes=None):
         # max_bytes is not enforced here (see the module docstring): the receiver learns each
         # payload's size from its sender's batch.
-        occ = self._occurrence.get(name, 0)  # the same sequence of names on every rank of the group
-        self._occurrence[name] = occ + 1
-        key_name = f"{name}#{occ}"
         ex, world, me = self.executor, self.members, self.executor.rank
-        key = message_key(key_name)
+        deps = list(deps)
+        # Declared now (before anything submitted after it; or confirmed, if the last step's end
+        # declared it ahead), planned ahead of its payloads: after the exchanges its tasks wait on.
+        waits_on, after_all = exchanges_waited_on(deps)
+        dsts, srcs = [world[d] for d in sends if world[d] != me], [world[s] for s in sinks if world[s] != me]
+        key_name, key = self.predictor.exchange(self.group, name, dsts, srcs, after_all, waits_on)
 
         def post(completion):
             ex.post(key_name, key, {world[d]: f() for d, f in sends.items()},
                     {world[s]: sink for s, sink in sinks.items()}, completion)
 
         handle = self.engine.submit_deferred(name, post, queue="comm", deps=deps)
-        # Declared now (before anything submitted after it), planned ahead of its payloads: after
-        # the exchanges its tasks wait on, which the engine gave the handle.
-        waits_on = handle.waits_on
-        dsts, srcs = [world[d] for d in sends if world[d] != me], [world[s] for s in sinks if world[s] != me]
-        ex.declare(key, dsts, srcs, [h.exchange_key for h in waits_on])
         handle.exchange_key = key
+        self.predictor.submitted(handle)
         # What waits on this exchange waits on its predecessors through it: its messages are
         # planned after theirs. With nothing on the network here, it has no messages to order
         # by, so it passes its predecessors on.
-        handle.waits_on = (handle,) if dsts or srcs else waits_on
+        if dsts or srcs:
+            handle.waits_on = handle.after_all = (handle,)
         return handle
 
     def broadcast(self, name, buf, root, deps=()):
@@ -317,6 +321,7 @@ class Exchanges:
     world: Exchange
     local: Exchange
     cross: Exchange
+    predictor: Optional[StepPredictor] = None  # the coordinator's (hipress.comm.coordinator.ahead); None without
 
     def rebind(self, world_transport, local_transport, cross_transport) -> None:
         """Moves the direct exchanges onto fresh transports (after ``world.reconnect()``)."""
@@ -328,6 +333,14 @@ class Exchanges:
         chain = getattr(self.world, "chain", None)
         if chain is not None:
             chain.reset()
+        if self.predictor is not None:
+            self.predictor.reset()
+
+    def step_done(self) -> None:
+        """A training step's communication is all finished (the coordinator may declare the next
+        step's ahead: hipress.comm.coordinator.ahead)."""
+        if self.predictor is not None:
+            self.predictor.step_done()
 
 
 def waiting_for(world_exchange) -> Optional[tuple]:
@@ -359,8 +372,9 @@ def open_exchanges(engine: Engine, coordinated: bool = False) -> Exchanges:
         from hipress.comm import coordinator
 
         ex = coordinator.start(world.transport())
-        make = {g: CoordinatedExchange(engine, ex, world.members(g)) for g in ("world", "local", "cross")}
-        return Exchanges(make["world"], make["local"], make["cross"])
+        predictor = StepPredictor(ex, enabled=config.get("HIPRESS_COORDINATOR_AHEAD"))
+        make = {g: CoordinatedExchange(engine, ex, world.members(g), predictor) for g in ("world", "local", "cross")}
+        return Exchanges(make["world"], make["local"], make["cross"], predictor)
     chain = CommChain()  # one order for all of this rank's communication
     return Exchanges(DirectExchange(engine, world.transport(), chain, world.members("world")),
                      DirectExchange(engine, world.local_transport(), chain, world.members("local")),

@@ -1326,6 +1326,8 @@ class _HipressOptimizer:
             shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
             raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(shown))
         self._hp_handles.clear()
+        if self._hp_dear is None:  # (dear's all-gathers of this step run in the next forward)
+            self._hp_exchanges.step_done()
         self._hp_layout_check = "open"
         self._hp_finish_gradients()
         self._hp_steps += 1

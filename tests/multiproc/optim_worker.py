@@ -99,7 +99,9 @@ def main():
                             "wire": str(getattr(sync.strategy, "wire", torch.float32))})
         results.append({"config": cfg, "steps": steps, "owners": owners, "buckets": buckets,
                         "hierarchical": opt._hp_hierarchical,
-                        "coordinated": type(opt._hp_compressed.ctx.exchange).__name__ == "CoordinatedExchange"})
+                        "coordinated": type(opt._hp_compressed.ctx.exchange).__name__ == "CoordinatedExchange",
+                        "predicted": None if opt._hp_exchanges.predictor is None
+                        else dict(opt._hp_exchanges.predictor.stats)})
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     hipress.shutdown()
 

@@ -62,7 +62,7 @@ def test_average_in_the_summed_factor_over_both_parities():
             outs.append(comp.finish(total, states[0], torch.empty(ROWS * COLS)))
             for s in states[1:]:
                 comp.finish(total, s, torch.empty(ROWS * COLS))
-        torch.testing.assert_close(outs[0], outs[1] / 3, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(outs[0], outs[1] / 3, rtol=1e-4, atol=1e-5)  # 5 steps of float rounding
     with pytest.raises(ValueError, match="summed factor"):
         comp.scale_sum(comp.encode(gs[0]), 0.5)
 

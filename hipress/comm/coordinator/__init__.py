@@ -1,6 +1,7 @@
 """Global coordinator (paper 000 §3.2): compression-aware bulk synchronization over
 non-conflicting links. ``planner.py`` gates and plans slots, ``protocol.py`` is the wire
-format, ``executor.py`` runs the rounds and the slots on every rank.
+format, ``executor.py`` runs the rounds and the slots on every rank, ``ahead.py`` declares a
+training step's exchanges at the end of the one before.
 
 Every rank's executor runs the same planning over the all-gathered declarations (so every
 rank holds the same global plan) on one thread, and its slots on a second one where the

@@ -35,9 +35,11 @@ ready from earlier slots' data and local compute.
 
 A round where nobody declared anything is idle: ranks sleep briefly (backing off up to
 ``idle_max_s``) before the next one. Shutdown: a closing rank says so in its HEAD once every
-exchange it posted has finished; when every rank says so in one round, all leave. A step
-given up holds nobody: after ``close()``, a slot whose payloads were never posted goes as an
-empty batch, and its receiver fails the exchange that waited for it. A late or
+exchange it posted has finished; when every rank says so in one round, all leave. A message
+may be **void**: its sender gives it up (``void``: a prediction of the next step that did not
+come true; or, after ``close()``, a payload never posted) and sends a size of -1 in its slot
+instead of the payload, so nobody waits for it; its receiver drops it if it gave the exchange
+up too, and fails the exchange that waited for it otherwise. A late or
 dead rank makes a transfer or a round time out (HIPRESS_TIMEOUT_S); the executor then fails
 every pending exchange with that error. Self-messages (src == dst) never touch the network
 and are not declared.
@@ -49,6 +51,7 @@ import queue
 import random
 import threading
 import time
+from collections import deque
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -63,6 +66,9 @@ Part = Tuple[int, int, int, List[int], List[int]]
 
 def message_key(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
+
+
+_GAVE_UP = "gave its part up (at shutdown, or its exchanges in this step differ from this rank's)"
 
 
 def _pad(nbytes: int) -> int:
@@ -95,12 +101,15 @@ class Executor:
         self.idle_max_s = idle_max_s
         self._cv = threading.Condition()
         self._decls: List[P.Decl] = []  # declared since the last round
+        self._waves: "deque[List[P.Decl]]" = deque()  # declared ahead, one wave per round (declare_ahead)
+        self.round_s = 0.0025  # how long a round with declarations takes (a moving average)
         self._unfinished = 0            # posted exchanges with messages on the network, not finished
         self._sends: Dict[Tuple[int, int], Tuple[torch.Tensor, PostedExchange]] = {}  # (dst, key) -> posted payload
         self._expect: Dict[Tuple[int, int], PostedExchange] = {}   # (src, key) -> exchange waiting for it
         self._early: Dict[Tuple[int, int], torch.Tensor] = {}      # (src, key) -> payload that came first
         self._in_flight: List[PostedExchange] = []                  # senders of the slot being moved
-        self._abandoned: set = set()  # (src, key) whose sender gave it up at shutdown, before it was posted
+        self._abandoned: set = set()  # (src, key) that came void before this rank posted (or voided) its exchange
+        self._dropped: set = set()    # (src, key) of exchanges this rank voided: what comes is dropped
         self._slots: "queue.Queue[Optional[Part]]" = queue.Queue()
         self._closing = threading.Event()
         self._woken = threading.Event()  # set by a declaration: an idle control thread starts its round
@@ -129,6 +138,29 @@ class Executor:
         with self._cv:
             self._decls.append((key, list(dsts), list(srcs), list(after)))
         self._woken.set()
+
+    def declare_ahead(self, waves: List[List[P.Decl]]) -> None:
+        """Declarations of exchanges not submitted yet (hipress.comm.coordinator.ahead), one wave
+        per round: a wave's messages are planned before the next wave's arrive, so they do not
+        share slots with them."""
+        with self._cv:
+            self._waves.extend(waves)
+        self._woken.set()
+
+    def void(self, key: int, dsts: Sequence[int], srcs: Sequence[int]) -> None:
+        """This rank will not run declared exchange ``key`` (a prediction that did not come true):
+        its messages to ``dsts`` go void in their slots, and what comes from ``srcs`` is dropped.
+        The waves still to declare go in the next round, so that every declaration is planned."""
+        with self._cv:
+            while self._waves:
+                self._decls.extend(self._waves.popleft())
+            for dst in dsts:
+                self._sends[(dst, key)] = (None, None)
+            for src in srcs:
+                if self._early.pop((src, key), None) is None and (src, key) not in self._abandoned:
+                    self._dropped.add((src, key))
+                self._abandoned.discard((src, key))
+            self._cv.notify_all()
 
     def post(self, name: str, key: int, sends: Dict[int, torch.Tensor], sinks: Dict[int, Callable], completion) -> None:
         """When the exchange's dependencies are done (on the comm queue's thread)."""
@@ -162,7 +194,7 @@ class Executor:
         if not sends and not sinks:
             completion.done()
         if given_up:
-            self._abandon(ex, f"rank(s) {given_up} gave up their part at shutdown")
+            self._abandon(ex, f"rank(s) {given_up} {_GAVE_UP}")
             return
         for src, payload in now:
             ex.sinks[src](payload)
@@ -190,24 +222,26 @@ class Executor:
         if finished:
             ex.completion.done()
 
-    def _deliver(self, src: int, key: int, payload: torch.Tensor) -> None:
+    def _deliver(self, src: int, key: int, payload: Optional[torch.Tensor]) -> None:
+        """``payload`` from ``src`` for exchange ``key``; None: ``src`` sent it void. A void message
+        fails the exchange waiting for it here, now or when it is posted, so that it does not keep
+        this rank from closing."""
         with self._cv:
+            if (src, key) in self._dropped:  # this rank gave the exchange up too
+                self._dropped.discard((src, key))
+                return
             ex = self._expect.pop((src, key), None)
             if ex is None:
-                self._early[(src, key)] = payload
+                if payload is None:
+                    self._abandoned.add((src, key))
+                else:
+                    self._early[(src, key)] = payload
                 return
+        if payload is None:
+            self._abandon(ex, f"rank {src} {_GAVE_UP}")
+            return
         ex.sinks[src](payload)
         self._progress(ex)
-
-    def _given_up(self, src: int, key: int) -> None:
-        """``src`` will never send its message of exchange ``key``: that exchange fails here, now
-        or when it is posted, so that it does not keep this rank from closing."""
-        with self._cv:
-            ex = self._expect.pop((src, key), None)
-            if ex is None:
-                self._abandoned.add((src, key))
-                return
-        self._abandon(ex, f"rank {src} gave up its part at shutdown")
 
     def _abandon(self, ex: PostedExchange, why: str) -> None:
         with self._cv:
@@ -222,7 +256,7 @@ class Executor:
             if self._error is None:
                 self._error = message
             pending = {id(e): e for e in self._expect.values()}
-            pending.update({id(e): e for _, e in self._sends.values()})
+            pending.update({id(e): e for _, e in self._sends.values() if e is not None})
             pending.update({id(e): e for e in self._in_flight})
             self._expect.clear()
             self._sends.clear()
@@ -236,46 +270,43 @@ class Executor:
     # ------------------------------------------------------------------ data
     def _run_slot(self, part: Part) -> None:
         slot, dst, src, sent_keys, recv_keys = part
-        items: List[Tuple[torch.Tensor, PostedExchange]] = []
+        items: List[Tuple[Optional[torch.Tensor], Optional[PostedExchange]]] = []
         buf = None
         if dst >= 0:
             with self._cv:  # the payloads are posted once their tasks ran (local compute, earlier slots)
                 while not all((dst, k) in self._sends for k in sent_keys):
                     if self._error is not None:
                         return
-                    if self._closing.is_set():  # nobody posted this by now (a step given up): an
-                        break                   # empty batch tells dst, so no peer waits for it
+                    if self._closing.is_set():  # nobody posted the rest by now (a step given up):
+                        break                   # they go void, so no peer waits for them
                     self._cv.wait(0.1)
-                else:
-                    items = [self._sends.pop((dst, k)) for k in sent_keys]
-                    self._in_flight = [ex for _, ex in items]
-            if items:
-                sizes = torch.tensor([p.numel() for p, _ in items], dtype=torch.int64)
-                parts = [sizes.view(torch.uint8)]
-                for p, _ in items:  # each payload starts 8-aligned, so decoders can view it as floats
+                items = [self._sends.pop((dst, k), (None, None)) for k in sent_keys]
+                self._in_flight = [ex for _, ex in items if ex is not None]
+            # A void message's size is -1; each payload starts 8-aligned, so decoders can view it as floats.
+            sizes = torch.tensor([-1 if p is None else p.numel() for p, _ in items], dtype=torch.int64)
+            parts = [sizes.view(torch.uint8)]
+            for p, _ in items:
+                if p is not None:
                     parts += [p, torch.zeros(_pad(p.numel()), dtype=torch.uint8)]
-                buf = torch.cat(parts)
-            else:
-                buf = torch.empty(0, dtype=torch.uint8)
+            buf = torch.cat(parts)
         got = self.tr.sendrecv_alloc(buf, dst if dst >= 0 else None, src if src >= 0 else None)
-        if src >= 0 and got.numel() == 0:  # the sender gave these up at shutdown (a real batch holds its sizes)
-            for key in recv_keys:
-                self._given_up(src, key)
-        elif src >= 0:
+        if src >= 0:
             head = 8 * len(recv_keys)
             sizes = got[:head].view(torch.int64).tolist() if got.numel() >= head else None
-            if sizes is None or min(sizes, default=0) < 0 or head + sum(s + _pad(s) for s in sizes) != got.numel():
+            if (sizes is None or min(sizes, default=0) < -1
+                    or head + sum(s + _pad(s) for s in sizes if s >= 0) != got.numel()):
                 raise P.ProtocolError(f"slot {slot}: rank {src} sent {got.numel()} bytes that do not hold "
                                       f"{len(recv_keys)} planned messages")
             off = head
             for key, size in zip(recv_keys, sizes):
-                self._deliver(src, key, got[off:off + size])
-                off += size + _pad(size)
+                self._deliver(src, key, None if size < 0 else got[off:off + size])
+                off += max(size, 0) + _pad(max(size, 0))
         self._in_flight = []
         for _, ex in items:
-            self._progress(ex)
+            if ex is not None:
+                self._progress(ex)
         self.stats["slots"] += 1
-        self.stats["messages"] += len(items)
+        self.stats["messages"] += sum(p is not None for p, _ in items)
         self.stats["bytes"] += 0 if buf is None else int(buf.numel())
 
     def _data_loop(self) -> None:
@@ -340,7 +371,10 @@ class Executor:
             while self._error is None:
                 with self._cv:
                     decls, self._decls = self._decls, []
+                    if self._waves:
+                        decls += self._waves.popleft()
                     closing = self._closing.is_set() and self._unfinished == 0 and not decls
+                t0 = time.perf_counter()
                 flags, declared = self._gather(rnd, decls, P.CLOSING if closing else 0)
                 rnd += 1
                 self.stats["rounds"] += 1
@@ -355,6 +389,7 @@ class Executor:
                     self._woken.clear()
                     continue
                 idle = 0.0
+                self.round_s += 0.25 * (time.perf_counter() - t0 - self.round_s)
                 for part in self._plan(declared):
                     if self.overlap:
                         self._slots.put(part)

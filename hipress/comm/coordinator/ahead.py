@@ -1,0 +1,177 @@
+"""Declaring the next step's exchanges ahead, so the coordinator's plan exists before the payloads.
+
+Without this, an exchange is declared when its bucket is submitted, and its first slot waits
+for the next control round: two all-gathers, 2.5 ms on an idle cluster of 4 ranks and about 10 ms
+while they compute (docs/benchmarks.md). With tensor fusion a step has few buckets, so that round
+is paid on nearly every one, and the coordinator lost to leaving it off.
+
+Training runs the same exchanges every step. ``StepPredictor`` records a step's exchanges (the
+optimizer marks each step's end: ``step_done``); once two steps in a row ran the same ones
+(names, peers and the exchanges each waits on in the task graph, in order), it declares the next
+step's at once, under the keys they will have. Their rounds then run during the next forward and
+backward, and a real exchange that finds its declaration made is *confirmed*: nothing more to
+declare.
+
+The predictions come in *waves*, one declared per round, each planned after the one before: an
+exchange starts a new wave if it came more than one control round after its wave's first (the
+online coordinator would not have planned them together, so a bucket's slots are not shared with
+a bucket ready much later), or if some exchange of the step had finished before it was made (the
+program may have waited for that one before making this one: planned in one slot, or ahead of
+it, the two would wait for each other).
+
+Every rank runs the same exchanges in the same order (the optimizer submits them from its training
+thread, in backward-hook order), so every rank confirms the same predictions and gives up the same
+ones at the same point: at the first exchange that differs from the prediction, at the step's end
+(a shorter step), or at ``reset``. Given up, the predictions left are *voided*
+(``Executor.void``): their messages go void in their slots, both ways, so nobody waits for them,
+and later key names carry a new epoch, so no real exchange meets a voided key.
+
+Why a prediction cannot deadlock: its exchanges are declared with what they wait on taken from the
+task graph (``Handle.after_all``, finished or not) and after every exchange of the wave before, so
+the gate plans them in an order the real graph and the program's own waits allow; a confirmed
+exchange has that same graph (or it would not be confirmed), and an exchange that is not
+confirmed voids every prediction left before it is declared.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+from hipress.comm.coordinator.executor import message_key
+
+# (group, name, world ranks sent to, world ranks heard from, positions in the step of the
+# exchanges it waits on)
+Entry = Tuple[int, str, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]
+
+
+class StepPredictor:
+    """Shared by the coordinated exchanges (world, local, cross) of one optimizer; see the module
+    docstring."""
+
+    def __init__(self, executor, enabled: bool = True):
+        self.executor = executor
+        self.enabled = enabled
+        self.epoch = 0
+        self.occurrences: List[Dict[str, int]] = []  # per group: its name -> uses so far
+        self._lock = threading.Lock()
+        self._window: List[Entry] = []              # this step's exchanges, in order
+        self._times: List[float] = []               # when each was declared
+        self._waited: List[bool] = []               # whether some exchange before it had finished by then
+        self._finished = 0                          # exchanges of this step finished so far
+        self._step = 0                              # steps ended (a late completion is not counted in the next)
+        self._position: Dict[int, int] = {}         # key -> position in _window
+        self._last: Optional[List[Entry]] = None
+        self._pending: Deque[Tuple[Entry, str, int]] = deque()  # predicted, not met yet: (entry, key name, key)
+        self.stats = {"predicted": 0, "confirmed": 0, "voided": 0, "waves": 0}
+
+    def add_group(self) -> int:
+        self.occurrences.append({})
+        return len(self.occurrences) - 1
+
+    def _key_name(self, name: str, occ: int) -> str:
+        return f"{name}#{occ}" if not self.epoch else f"{name}#{occ}@{self.epoch}"
+
+    def exchange(self, group: int, name: str, dsts: Sequence[int], srcs: Sequence[int], after_all,
+                 waits_on) -> Tuple[str, int]:
+        """A real exchange of ``group``: returns its (key name, key), declared, or confirmed."""
+        with self._lock:
+            uses = self.occurrences[group]
+            occ = uses.get(name, 0)  # the same sequence of names on every rank of the group
+            uses[name] = occ + 1
+            after = tuple(sorted({self._position[h.exchange_key] for h in after_all
+                                  if h.exchange_key in self._position}))
+            entry = (group, name, tuple(dsts), tuple(srcs), after)
+            key_name = self._key_name(name, occ)
+            confirmed = False
+            if self._pending:
+                head, predicted_name, key = self._pending[0]
+                if head == entry and predicted_name == key_name:
+                    self._pending.popleft()
+                    self.stats["confirmed"] += 1
+                    confirmed = True
+                else:
+                    self._void_pending()
+                    key_name = self._key_name(name, occ)
+            if not confirmed:
+                key = message_key(key_name)
+                if dsts or srcs:
+                    self.executor.declare(key, dsts, srcs, [h.exchange_key for h in waits_on])
+            self._position[key] = len(self._window)
+            self._window.append(entry)
+            self._times.append(time.monotonic())
+            self._waited.append(self._finished > 0)
+            return key_name, key
+
+    def submitted(self, handle) -> None:
+        """The exchange's task (which the program may wait for before its next exchange)."""
+        step = self._step
+
+        def finished(_):
+            with self._lock:
+                self._finished += step == self._step
+
+        handle.add_done_callback(finished)
+
+    def step_done(self) -> None:
+        """The step's exchanges are all finished: learn them, and declare the next step's when two
+        steps in a row ran the same."""
+        with self._lock:
+            self._void_pending()  # a step shorter than predicted
+            window, times, waited = self._window, self._times, self._waited
+            self._clear()
+            repeated, self._last = window == self._last, window
+            if self.enabled and repeated and window:
+                self._predict(window, times, waited)
+
+    def reset(self) -> None:
+        """After a failed step: nothing predicted is left, and nothing is predicted until two
+        steps in a row ran the same exchanges again."""
+        with self._lock:
+            self._void_pending()
+            self._clear()
+            self._last = None
+
+    def _clear(self) -> None:
+        self._window, self._times, self._waited, self._position = [], [], [], {}
+        self._finished = 0
+        self._step += 1
+
+    def _predict(self, window: List[Entry], times: List[float], waited: List[bool]) -> None:
+        round_s = self.executor.round_s
+        seen: Dict[Tuple[int, str], int] = {}
+        keys: List[int] = []
+        waves: List[list] = []
+        wave_keys: List[int] = []
+        before: List[int] = []  # the keys of the wave before
+        start = None
+        for entry, t, w in zip(window, times, waited):
+            group, name, dsts, srcs, after = entry
+            n = seen.get((group, name), 0)
+            seen[(group, name)] = n + 1
+            key_name = self._key_name(name, self.occurrences[group].get(name, 0) + n)
+            key = message_key(key_name)
+            keys.append(key)
+            self._pending.append((entry, key_name, key))
+            if not (dsts or srcs):
+                continue
+            if start is None or w or t - start > round_s:
+                waves.append([])
+                before, wave_keys = wave_keys, []
+                start = t
+            waves[-1].append((key, list(dsts), list(srcs), sorted({keys[j] for j in after} | set(before))))
+            wave_keys.append(key)
+        self.executor.declare_ahead(waves)
+        self.stats["predicted"] += len(window)
+        self.stats["waves"] += len(waves)
+
+    def _void_pending(self) -> None:
+        if not self._pending:
+            return
+        for (_, _, dsts, srcs, _), _, key in self._pending:
+            if dsts or srcs:
+                self.executor.void(key, dsts, srcs)
+        self.stats["voided"] += len(self._pending)
+        self._pending.clear()
+        self.epoch += 1

@@ -1,0 +1,125 @@
+"""The coordinator declaring the next step's exchanges ahead (hipress/comm/coordinator/ahead.py),
+over the in-process loopback transport: real executors, real strategies and compressors."""
+import pytest
+import torch
+
+from hipress import compression
+from hipress.comm.coordinator import Executor
+from hipress.comm.coordinator.ahead import StepPredictor
+from hipress.comm.exchange import CommChain, CoordinatedExchange, DirectExchange
+from hipress.comm.transport import loopback
+from hipress.engine import Engine
+from hipress.planner.plan import chunk_bounds
+from hipress.sync import STRATEGIES, StateStore, SyncContext
+
+N = 3
+NUMEL = 2000
+# The buckets synchronized at each step. Steps 0-2 repeat (predictions from the end of step 1),
+# step 3 differs in its second bucket (the predictions left are voided there), step 4 is shorter
+# (voided at its end), then the steps repeat again and are predicted again from the end of step 6.
+SCHEDULE = [("a", "b")] * 3 + [("a", "c"), ("a",)] + [("a", "b")] * 4
+
+
+def _grad(rank: int, step: int, bucket: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + ord(bucket))
+    return torch.randn(NUMEL, generator=g)
+
+
+def _train(strategy: str, mode: str):
+    """Per rank: the synchronized buckets of every step, and the predictor's counts after each
+    step (None with the direct exchange)."""
+    def body(tr):
+        eng = Engine()
+        ex = predictor = None
+        if mode != "direct":
+            ex = Executor(tr.split(0, key=tr.rank), tr.split(0, key=tr.rank) if mode == "two threads" else None)
+            predictor = StepPredictor(ex)
+            exchange = CoordinatedExchange(eng, ex, range(tr.size), predictor)
+        else:
+            exchange = DirectExchange(eng, tr, CommChain())
+        ctx = SyncContext(eng, exchange, compression.get("tbq", threshold=0.05), StateStore(tr.rank))
+        strat = STRATEGIES[strategy]()
+        out, counts = [], []
+        try:
+            for step, buckets in enumerate(SCHEDULE):
+                flats = {b: _grad(tr.rank, step, b) for b in buckets}
+                handles = [strat.build(ctx, b, flats[b], chunk_bounds(NUMEL, 2)) for b in buckets]
+                for h in handles:
+                    h.result(timeout=30)
+                if predictor is not None:
+                    predictor.step_done()
+                    counts.append(dict(predictor.stats))
+                out.append(flats)
+        finally:
+            if ex is not None:
+                ex.close(timeout=20)  # the last step's predictions were never met: given up here
+            eng.shutdown()
+        return out, counts
+
+    return loopback.spawn(N, body, timeout_s=120)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ps"])
+@pytest.mark.parametrize("mode", ["one thread", "two threads"])
+def test_predicted_steps_give_the_direct_results_and_recover_from_changed_steps(strategy, mode):
+    """Every step, predicted or not, gives the bits of the direct exchange (TBQ with error
+    feedback: its residuals carry every step into the next); the steps that repeat are declared
+    ahead and confirmed, the ones that differ void what was predicted, and prediction resumes."""
+    direct = _train(strategy, "direct")
+    ahead = _train(strategy, mode)
+    for r in range(N):
+        for step in range(len(SCHEDULE)):
+            for b, want in direct[r][0][step].items():
+                assert torch.equal(ahead[r][0][step][b], want), (r, step, b)
+    # every rank predicted, confirmed and voided the same (how they fell in waves is each rank's timing)
+    counts = [[{k: v for k, v in c.items() if k != "waves"} for c in per_rank] for _, per_rank in ahead]
+    assert all(c == counts[0] for c in counts)
+    counts = counts[0]
+    before = [{"predicted": 0, "confirmed": 0, "voided": 0}] + counts[:-1]
+    delta = [{k: c[k] - b[k] for k in c} for b, c in zip(before, counts)]
+    # nothing predicted for steps 0-2; step 2's exchanges all confirmed
+    assert delta[0]["predicted"] == 0 and delta[1]["predicted"] > 0
+    assert delta[2]["confirmed"] == delta[1]["predicted"] and delta[2]["voided"] == 0
+    # step 3: bucket a confirmed, then c differs from b: b's predictions voided
+    assert 0 < delta[3]["confirmed"] < delta[2]["predicted"] and delta[3]["voided"] > 0
+    assert delta[3]["confirmed"] + delta[3]["voided"] == delta[2]["predicted"]
+    # steps 3-5 differ from the step before: nothing predicted for steps 4-6
+    assert delta[3]["predicted"] == delta[4]["predicted"] == delta[5]["predicted"] == 0
+    assert delta[4]["confirmed"] == delta[5]["confirmed"] == delta[6]["confirmed"] == 0
+    # steps 5 and 6 repeat: step 7 and 8 predicted and confirmed in full
+    assert delta[6]["predicted"] == delta[2]["confirmed"]
+    assert delta[7]["confirmed"] == delta[8]["confirmed"] == delta[2]["confirmed"]
+    assert delta[7]["voided"] == delta[8]["voided"] == 0
+
+
+def test_a_step_shorter_than_predicted_voids_the_rest_at_its_end():
+    """The predictions a step does not meet are voided when it ends, so the next step's slots are
+    not held behind them (nor is close())."""
+    def body(tr):
+        eng = Engine()
+        ex = Executor(tr.split(0, key=tr.rank), tr.split(0, key=tr.rank))
+        predictor = StepPredictor(ex)
+        exchange = CoordinatedExchange(eng, ex, range(tr.size), predictor)
+        nxt, prv = (tr.rank + 1) % tr.size, (tr.rank - 1) % tr.size
+        got = []
+        try:
+            for step, names in enumerate([("x", "y")] * 3 + [("x",)] + [("x", "y")]):
+                for name in names:
+                    box = {}
+                    exchange.sendrecv(name, lambda: torch.full((4,), float(10 * step + tr.rank)), nxt,
+                                      lambda t, box=box: box.setdefault("t", t.clone()), prv).result(timeout=30)
+                    got.append(float(box["t"].view(torch.float32)[0]))
+                predictor.step_done()
+        finally:
+            ex.close(timeout=20)
+            eng.shutdown()
+        return got, dict(predictor.stats)
+
+    out = loopback.spawn(N, body, timeout_s=60)
+    for r, (got, stats) in enumerate(out):
+        prv = (r - 1) % N
+        want = [10 * s + prv for s, names in enumerate([("x", "y")] * 3 + [("x",)] + [("x", "y")]) for _ in names]
+        assert got == want
+        # steps 2 and 3 predicted (2 each, one wave each: y was made after x finished); step 3 met x
+        # only: y voided at its end
+        assert stats == {"predicted": 4, "confirmed": 3, "voided": 1, "waves": 4}
