@@ -336,11 +336,11 @@ class Exchanges:
         if self.predictor is not None:
             self.predictor.reset()
 
-    def step_done(self) -> None:
-        """A training step's communication is all finished (the coordinator may declare the next
+    def step_submitted(self) -> None:
+        """A training step's communication is all submitted (the coordinator may declare the next
         step's ahead: hipress.comm.coordinator.ahead)."""
         if self.predictor is not None:
-            self.predictor.step_done()
+            self.predictor.step_submitted()
 
 
 def waiting_for(world_exchange) -> Optional[tuple]:

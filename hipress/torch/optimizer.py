@@ -1312,6 +1312,8 @@ class _HipressOptimizer:
                 table = self._hp_agree(self._hp_bad)
             except TransportError as e:  # on the control channel: a peer that died or stalled
                 errors.append(f"the step's agreement (non-finite gradients, trainable set) failed: {e}")
+        if self._hp_dear is None:  # the step's exchanges are all submitted (dear's all-gathers: next forward)
+            self._hp_exchanges.step_submitted()
         # the last step's parameter averages (COVAP's local mode) are due now
         due, self._hp_averaged, self._hp_averaging = self._hp_averaged, self._hp_averaging, []
         self._hp_handles.update({f"params.{a.name}@{a.start}": a.handle for a in due if a.handle is not None})
@@ -1326,8 +1328,6 @@ class _HipressOptimizer:
             shown = errors[:3] + ([f"... and {len(errors) - 3} more gradient(s)"] if len(errors) > 3 else [])
             raise RuntimeError("hipress gradient synchronization failed:\n  " + "\n  ".join(shown))
         self._hp_handles.clear()
-        if self._hp_dear is None:  # (dear's all-gathers of this step run in the next forward)
-            self._hp_exchanges.step_done()
         self._hp_layout_check = "open"
         self._hp_finish_gradients()
         self._hp_steps += 1

@@ -47,7 +47,7 @@ def _train(strategy: str, mode: str):
                 for h in handles:
                     h.result(timeout=30)
                 if predictor is not None:
-                    predictor.step_done()
+                    predictor.step_submitted()
                     counts.append(dict(predictor.stats))
                 out.append(flats)
         finally:
@@ -109,7 +109,7 @@ def test_a_step_shorter_than_predicted_voids_the_rest_at_its_end():
                     exchange.sendrecv(name, lambda: torch.full((4,), float(10 * step + tr.rank)), nxt,
                                       lambda t, box=box: box.setdefault("t", t.clone()), prv).result(timeout=30)
                     got.append(float(box["t"].view(torch.float32)[0]))
-                predictor.step_done()
+                predictor.step_submitted()
         finally:
             ex.close(timeout=20)
             eng.shutdown()

@@ -6,13 +6,14 @@ while they compute (docs/benchmarks.md). With tensor fusion a step has few bucke
 is paid on nearly every one, and the coordinator lost to leaving it off.
 
 Training runs the same exchanges every step. ``StepPredictor`` records a step's exchanges (the
-optimizer marks each step's end: ``step_done``); once two steps in a row ran the same ones
-(names, peers and the exchanges each waits on in the task graph, in order), it declares the next
-step's at once, under the keys they will have. Their rounds then run during the next forward and
-backward, and a real exchange that finds its declaration made is *confirmed*: nothing more to
-declare.
+optimizer says when a step's are all submitted: ``step_submitted``, before it waits for them);
+once two steps in a row ran the same ones (names, peers and the exchanges each waits on in the
+task graph, in order), it declares the next step's at once, under the keys they will have. Their
+rounds then run beside this step's data and the next forward and backward, and a real exchange
+that finds its declaration made is *confirmed*: nothing more to declare.
 
-The predictions come in *waves*, one declared per round, each planned after the one before: an
+The predictions come in *waves*, one declared per round, each planned after the one before (the
+first after this step's last exchanges): an
 exchange starts a new wave if it came more than one control round after its wave's first (the
 online coordinator would not have planned them together, so a bucket's slots are not shared with
 a bucket ready much later), or if some exchange of the step had finished before it was made (the
@@ -114,16 +115,21 @@ class StepPredictor:
 
         handle.add_done_callback(finished)
 
-    def step_done(self) -> None:
-        """The step's exchanges are all finished: learn them, and declare the next step's when two
-        steps in a row ran the same."""
+    def step_submitted(self) -> None:
+        """The step's exchanges are all submitted: learn them, and declare the next step's when
+        two steps in a row ran the same."""
         with self._lock:
             self._void_pending()  # a step shorter than predicted
             window, times, waited = self._window, self._times, self._waited
+            # the step's last exchanges (none of the step waits on them): the prediction comes after
+            keys = {p: k for k, p in self._position.items()}
+            waited_on = {j for _, _, _, _, after in window for j in after}
+            last = [keys[p] for p, (_, _, dsts, srcs, _) in enumerate(window)
+                    if p not in waited_on and (dsts or srcs)]
             self._clear()
             repeated, self._last = window == self._last, window
             if self.enabled and repeated and window:
-                self._predict(window, times, waited)
+                self._predict(window, times, waited, last)
 
     def reset(self) -> None:
         """After a failed step: nothing predicted is left, and nothing is predicted until two
@@ -138,12 +144,12 @@ class StepPredictor:
         self._finished = 0
         self._step += 1
 
-    def _predict(self, window: List[Entry], times: List[float], waited: List[bool]) -> None:
+    def _predict(self, window: List[Entry], times: List[float], waited: List[bool], last: List[int]) -> None:
         round_s = self.executor.round_s
         seen: Dict[Tuple[int, str], int] = {}
         keys: List[int] = []
         waves: List[list] = []
-        wave_keys: List[int] = []
+        wave_keys: List[int] = last  # the wave before the first: the step's last exchanges
         before: List[int] = []  # the keys of the wave before
         start = None
         for entry, t, w in zip(window, times, waited):
