@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
 
 from hipress import _C, config
@@ -64,11 +65,11 @@ class Handle:
 
     def poll(self) -> bool:
         """Whether the task finished (successfully or not)."""
-        return self._task.finished
+        return _observed(self._task.finished)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until finished; False if timeout (seconds) passed first."""
-        return self._task.wait(-1.0 if timeout is None else max(0.0, float(timeout)))
+        return _observed(self._task.wait(-1.0 if timeout is None else max(0.0, float(timeout))))
 
     def exception(self, timeout: Optional[float] = None) -> Optional[TaskError]:
         if not self.wait(timeout):
@@ -110,6 +111,22 @@ class Handle:
 
     def __repr__(self) -> str:
         return f"<hipress task {self.name!r} {self.state}>"
+
+
+_LAST_OBSERVED = [0.0]
+
+
+def _observed(finished: bool) -> bool:
+    if finished:
+        _LAST_OBSERVED[0] = time.monotonic()
+    return finished
+
+
+def last_observed() -> float:
+    """When (time.monotonic()) a wait or poll last found a task finished: after it, the program
+    may act on that task's results (the coordinator's step prediction does not plan an
+    exchange made after it in one slot with, or ahead of, one made before)."""
+    return _LAST_OBSERVED[0]
 
 
 def exchanges_waited_on(deps: Sequence[Handle]) -> Tuple[tuple, tuple]:

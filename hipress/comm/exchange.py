@@ -296,7 +296,6 @@ class CoordinatedExchange(Exchange):
 
         handle = self.engine.submit_deferred(name, post, queue="comm", deps=deps)
         handle.exchange_key = key
-        self.predictor.submitted(handle)
         # What waits on this exchange waits on its predecessors through it: its messages are
         # planned after theirs. With nothing on the network here, it has no messages to order
         # by, so it passes its predecessors on.

@@ -12,13 +12,16 @@ task graph, in order), it declares the next step's at once, under the keys they 
 rounds then run beside this step's data and the next forward and backward, and a real exchange
 that finds its declaration made is *confirmed*: nothing more to declare.
 
-The predictions come in *waves*, one declared per round, each planned after the one before (the
-first after this step's last exchanges): an
-exchange starts a new wave if it came more than one control round after its wave's first (the
-online coordinator would not have planned them together, so a bucket's slots are not shared with
-a bucket ready much later), or if some exchange of the step had finished before it was made (the
-program may have waited for that one before making this one: planned in one slot, or ahead of
-it, the two would wait for each other).
+The predictions come in *waves*, each declared once everything this rank declared before is
+planned (the first, once this step's exchanges are), so every wave is planned after the one
+before: an
+exchange starts a new wave if it came later after its wave's first than a ring's worth of small
+slots (2 (n - 1) slots: what sharing them saves) or a control round (the online coordinator would
+not have planned them together), so a bucket's slots are not shared with a bucket ready much
+later; or if the program had found a task finished (``Handle.wait`` or
+``poll``) since its wave began: it may have waited for an exchange of the wave before making this
+one, and planned in one slot, or ahead of it, the two would wait for each other (the waves before
+are planned before it anyway).
 
 Every rank runs the same exchanges in the same order (the optimizer submits them from its training
 thread, in backward-hook order), so every rank confirms the same predictions and gives up the same
@@ -41,6 +44,7 @@ from collections import deque
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from hipress.comm.coordinator.executor import message_key
+from hipress.engine import last_observed
 
 # (group, name, world ranks sent to, world ranks heard from, positions in the step of the
 # exchanges it waits on)
@@ -59,9 +63,7 @@ class StepPredictor:
         self._lock = threading.Lock()
         self._window: List[Entry] = []              # this step's exchanges, in order
         self._times: List[float] = []               # when each was declared
-        self._waited: List[bool] = []               # whether some exchange before it had finished by then
-        self._finished = 0                          # exchanges of this step finished so far
-        self._step = 0                              # steps ended (a late completion is not counted in the next)
+        self._observed: List[float] = []            # when, before each was made, a wait last found a task done
         self._position: Dict[int, int] = {}         # key -> position in _window
         self._last: Optional[List[Entry]] = None
         self._pending: Deque[Tuple[Entry, str, int]] = deque()  # predicted, not met yet: (entry, key name, key)
@@ -102,34 +104,19 @@ class StepPredictor:
             self._position[key] = len(self._window)
             self._window.append(entry)
             self._times.append(time.monotonic())
-            self._waited.append(self._finished > 0)
+            self._observed.append(last_observed())
             return key_name, key
-
-    def submitted(self, handle) -> None:
-        """The exchange's task (which the program may wait for before its next exchange)."""
-        step = self._step
-
-        def finished(_):
-            with self._lock:
-                self._finished += step == self._step
-
-        handle.add_done_callback(finished)
 
     def step_submitted(self) -> None:
         """The step's exchanges are all submitted: learn them, and declare the next step's when
         two steps in a row ran the same."""
         with self._lock:
             self._void_pending()  # a step shorter than predicted
-            window, times, waited = self._window, self._times, self._waited
-            # the step's last exchanges (none of the step waits on them): the prediction comes after
-            keys = {p: k for k, p in self._position.items()}
-            waited_on = {j for _, _, _, _, after in window for j in after}
-            last = [keys[p] for p, (_, _, dsts, srcs, _) in enumerate(window)
-                    if p not in waited_on and (dsts or srcs)]
+            window, times, observed = self._window, self._times, self._observed
             self._clear()
             repeated, self._last = window == self._last, window
             if self.enabled and repeated and window:
-                self._predict(window, times, waited, last)
+                self._predict(window, times, observed)
 
     def reset(self) -> None:
         """After a failed step: nothing predicted is left, and nothing is predicted until two
@@ -140,19 +127,16 @@ class StepPredictor:
             self._last = None
 
     def _clear(self) -> None:
-        self._window, self._times, self._waited, self._position = [], [], [], {}
-        self._finished = 0
-        self._step += 1
+        self._window, self._times, self._observed, self._position = [], [], [], {}
 
-    def _predict(self, window: List[Entry], times: List[float], waited: List[bool], last: List[int]) -> None:
-        round_s = self.executor.round_s
+    def _predict(self, window: List[Entry], times: List[float], observed: List[float]) -> None:
+        ex = self.executor
+        window_s = max(ex.round_s, 2 * (ex.n - 1) * ex.slot_s)
         seen: Dict[Tuple[int, str], int] = {}
         keys: List[int] = []
         waves: List[list] = []
-        wave_keys: List[int] = last  # the wave before the first: the step's last exchanges
-        before: List[int] = []  # the keys of the wave before
         start = None
-        for entry, t, w in zip(window, times, waited):
+        for entry, t, seen_done in zip(window, times, observed):
             group, name, dsts, srcs, after = entry
             n = seen.get((group, name), 0)
             seen[(group, name)] = n + 1
@@ -160,14 +144,11 @@ class StepPredictor:
             key = message_key(key_name)
             keys.append(key)
             self._pending.append((entry, key_name, key))
-            if not (dsts or srcs):
-                continue
-            if start is None or w or t - start > round_s:
-                waves.append([])
-                before, wave_keys = wave_keys, []
-                start = t
-            waves[-1].append((key, list(dsts), list(srcs), sorted({keys[j] for j in after} | set(before))))
-            wave_keys.append(key)
+            if dsts or srcs:
+                if start is None or seen_done > start or t - start > window_s:
+                    waves.append([])
+                    start = t
+                waves[-1].append((key, list(dsts), list(srcs), [keys[j] for j in after]))
         self.executor.declare_ahead(waves)
         self.stats["predicted"] += len(window)
         self.stats["waves"] += len(waves)

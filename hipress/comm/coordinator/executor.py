@@ -68,6 +68,7 @@ def message_key(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
 
 
+SMALL_SLOT_BYTES = 64 << 10  # a slot moving no more is latency, not bandwidth (slot_s)
 _GAVE_UP = "gave its part up (at shutdown, or its exchanges in this step differ from this rank's)"
 
 
@@ -103,6 +104,7 @@ class Executor:
         self._decls: List[P.Decl] = []  # declared since the last round
         self._waves: "deque[List[P.Decl]]" = deque()  # declared ahead, one wave per round (declare_ahead)
         self.round_s = 0.0025  # how long a round with declarations takes (a moving average)
+        self.slot_s = 0.0      # how long a slot of small batches takes (a moving average; 0: none yet)
         self._unfinished = 0            # posted exchanges with messages on the network, not finished
         self._sends: Dict[Tuple[int, int], Tuple[torch.Tensor, PostedExchange]] = {}  # (dst, key) -> posted payload
         self._expect: Dict[Tuple[int, int], PostedExchange] = {}   # (src, key) -> exchange waiting for it
@@ -140,9 +142,9 @@ class Executor:
         self._woken.set()
 
     def declare_ahead(self, waves: List[List[P.Decl]]) -> None:
-        """Declarations of exchanges not submitted yet (hipress.comm.coordinator.ahead), one wave
-        per round: a wave's messages are planned before the next wave's arrive, so they do not
-        share slots with them."""
+        """Declarations of exchanges not submitted yet (hipress.comm.coordinator.ahead), in
+        waves: each is declared once everything this rank declared before it is planned, so
+        every message of this rank's wave goes in a later slot than all its earlier ones."""
         with self._cv:
             self._waves.extend(waves)
         self._woken.set()
@@ -289,7 +291,11 @@ class Executor:
                 if p is not None:
                     parts += [p, torch.zeros(_pad(p.numel()), dtype=torch.uint8)]
             buf = torch.cat(parts)
+        t0 = time.perf_counter()
         got = self.tr.sendrecv_alloc(buf, dst if dst >= 0 else None, src if src >= 0 else None)
+        if (0 if buf is None else buf.numel()) + (0 if got is None else got.numel()) <= SMALL_SLOT_BYTES:
+            took = time.perf_counter() - t0
+            self.slot_s += 0.25 * (took - self.slot_s) if self.slot_s else took
         if src >= 0:
             head = 8 * len(recv_keys)
             sizes = got[:head].view(torch.int64).tolist() if got.numel() >= head else None
@@ -371,7 +377,7 @@ class Executor:
             while self._error is None:
                 with self._cv:
                     decls, self._decls = self._decls, []
-                    if self._waves:
+                    if self._waves and not self.gate.unplanned.get(self.rank):
                         decls += self._waves.popleft()
                     closing = self._closing.is_set() and self._unfinished == 0 and not decls
                 t0 = time.perf_counter()

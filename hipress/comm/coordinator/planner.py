@@ -176,10 +176,12 @@ class DependencyGate:
     later exchange that waits on q would be planned ahead of p on that rank.
 
     ``open[(rank, key)]`` counts the messages of exchange ``key`` that ``rank`` declared and
-    that are not planned yet; an absent entry means nothing is left to wait for."""
+    that are not planned yet; an absent entry means nothing is left to wait for;
+    ``unplanned[rank]``, all of them."""
 
     def __init__(self):
         self.open: Dict[Tuple[int, int], int] = {}
+        self.unplanned: Dict[int, int] = {}
         self._half: Dict[Tuple[int, int, int], Tuple[int, list]] = {}  # (key, src, dst) -> (rank, after) declared
         self._blocked: Dict[Tuple[int, int], List[list]] = {}          # (rank, key) -> [[msg, unmet], ...]
         self.held = 0
@@ -189,6 +191,7 @@ class DependencyGate:
         exchanges ``after``; returns the messages this admits to planning."""
         if dsts or srcs:
             self.open[(rank, key)] = self.open.get((rank, key), 0) + len(dsts) + len(srcs)
+            self.unplanned[rank] = self.unplanned.get(rank, 0) + len(dsts) + len(srcs)
         ready: List[Msg] = []
         for src, dst in [(rank, d) for d in dsts] + [(s, rank) for s in srcs]:
             other = self._half.pop((key, src, dst), None)
@@ -211,6 +214,7 @@ class DependencyGate:
         released: List[Msg] = []
         for m in msgs:
             for end in ((m.src, m.key), (m.dst, m.key)):
+                self.unplanned[end[0]] -= 1
                 left = self.open[end] - 1
                 if left:
                     self.open[end] = left
