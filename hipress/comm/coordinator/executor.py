@@ -377,8 +377,8 @@ class Executor:
             while self._error is None:
                 with self._cv:
                     decls, self._decls = self._decls, []
-                    if self._waves and not self.gate.unplanned.get(self.rank):
-                        decls += self._waves.popleft()
+                    if self._waves and not decls and not self.gate.unplanned.get(self.rank):
+                        decls = self._waves.popleft()  # (after what this rank declared before: planned)
                     closing = self._closing.is_set() and self._unfinished == 0 and not decls
                 t0 = time.perf_counter()
                 flags, declared = self._gather(rnd, decls, P.CLOSING if closing else 0)
