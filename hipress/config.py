@@ -142,8 +142,8 @@ VARIABLES: Sequence[Var] = (
     _V("HIPRESS_COORDINATOR", _bool, False,
        "route all gradient communication through the global coordinator (`docs/coordinator.md`)"),
     _V("HIPRESS_COORDINATOR_AHEAD", _bool, True,
-       "with the coordinator, declare a step's exchanges at the end of the last one, once two steps in a "
-       "row ran the same (`docs/coordinator.md`)"),
+       "with the coordinator, declare a step's exchanges ahead, while the step before runs, once two steps "
+       "in a row ran the same (`docs/coordinator.md`)"),
     _V("HIPRESS_BATCH_COMPUTE_BYTES", _nonneg_int, 256 << 10,
        "partitions up to this size run their encode/merge/decode tasks in batches",
        shown_default="262144 (256 KiB)"),

@@ -12,16 +12,16 @@ task graph, in order), it declares the next step's at once, under the keys they 
 rounds then run beside this step's data and the next forward and backward, and a real exchange
 that finds its declaration made is *confirmed*: nothing more to declare.
 
-The predictions come in *waves*, each declared once everything this rank declared before is
-planned (the first, once this step's exchanges are), so every wave is planned after the one
-before: an
-exchange starts a new wave if it came later after its wave's first than a ring's worth of small
-slots (2 (n - 1) slots: what sharing them saves) or a control round (the online coordinator would
-not have planned them together), so a bucket's slots are not shared with a bucket ready much
-later; or if the program had found a task finished (``Handle.wait`` or
-``poll``) since its wave began: it may have waited for an exchange of the wave before making this
-one, and planned in one slot, or ahead of it, the two would wait for each other (the waves before
-are planned before it anyway).
+The predictions come in *waves*, each declared in a round of its own once everything this rank
+declared before is planned (the first, once this step's exchanges are), so every wave is planned
+after the one before. An exchange starts a new wave
+
+  - if, in the last step, it came later after its wave's first than a ring's worth of small slots
+    (2 (n - 1) of them: what sharing slots saves) or a control round: a bucket's slots are not
+    shared with those of a bucket ready much later;
+  - or if the program had found a task finished (``Handle.wait`` or ``poll``) since its wave
+    began: it may have waited for an exchange of the wave before making this one, and planned
+    in one slot with it, or ahead of it, the two would wait for each other.
 
 Every rank runs the same exchanges in the same order (the optimizer submits them from its training
 thread, in backward-hook order), so every rank confirms the same predictions and gives up the same

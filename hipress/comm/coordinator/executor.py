@@ -102,7 +102,7 @@ class Executor:
         self.idle_max_s = idle_max_s
         self._cv = threading.Condition()
         self._decls: List[P.Decl] = []  # declared since the last round
-        self._waves: "deque[List[P.Decl]]" = deque()  # declared ahead, one wave per round (declare_ahead)
+        self._waves: "deque[List[P.Decl]]" = deque()  # declared ahead (declare_ahead), a wave per round
         self.round_s = 0.0025  # how long a round with declarations takes (a moving average)
         self.slot_s = 0.0      # how long a slot of small batches takes (a moving average; 0: none yet)
         self._unfinished = 0            # posted exchanges with messages on the network, not finished
