@@ -25,7 +25,7 @@ import struct
 from typing import List, Sequence, Tuple
 
 MAGIC = b"HPCO"
-VERSION = 3
+VERSION = 4  # 4: a slot's batch may hold void messages (size -1; hipress/comm/coordinator/executor.py)
 HEAD = 1
 CLOSING = 1
 
