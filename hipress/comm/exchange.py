@@ -288,11 +288,12 @@ class CoordinatedExchange(Exchange):
         # declared it ahead), planned ahead of its payloads: after the exchanges its tasks wait on.
         waits_on, after_all = exchanges_waited_on(deps)
         dsts, srcs = [world[d] for d in sends if world[d] != me], [world[s] for s in sinks if world[s] != me]
-        key_name, key = self.predictor.exchange(self.group, name, dsts, srcs, after_all, waits_on)
+        key_name, key, position = self.predictor.exchange(self.group, name, dsts, srcs, after_all, waits_on)
 
         def post(completion):
-            ex.post(key_name, key, {world[d]: f() for d, f in sends.items()},
-                    {world[s]: sink for s, sink in sinks.items()}, completion)
+            payloads = {world[d]: f() for d, f in sends.items()}
+            self.predictor.posted(position, max((p.numel() * p.element_size() for p in payloads.values()), default=0))
+            ex.post(key_name, key, payloads, {world[s]: sink for s, sink in sinks.items()}, completion)
 
         handle = self.engine.submit_deferred(name, post, queue="comm", deps=deps)
         handle.exchange_key = key

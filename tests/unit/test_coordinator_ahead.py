@@ -26,8 +26,8 @@ def _grad(rank: int, step: int, bucket: str) -> torch.Tensor:
 
 
 def _train(strategy: str, mode: str):
-    """Per rank: the synchronized buckets of every step, and the predictor's counts after each
-    step (None with the direct exchange)."""
+    """Per rank: the synchronized buckets of every step, the predictor's counts after each step
+    (none with the direct exchange), and the executor's slots with several peers."""
     def body(tr):
         eng = Engine()
         ex = predictor = None
@@ -39,7 +39,7 @@ def _train(strategy: str, mode: str):
             exchange = DirectExchange(eng, tr, CommChain())
         ctx = SyncContext(eng, exchange, compression.get("tbq", threshold=0.05), StateStore(tr.rank))
         strat = STRATEGIES[strategy]()
-        out, counts = [], []
+        out, counts, fan_slots = [], [], 0
         try:
             for step, buckets in enumerate(SCHEDULE):
                 flats = {b: _grad(tr.rank, step, b) for b in buckets}
@@ -53,8 +53,9 @@ def _train(strategy: str, mode: str):
         finally:
             if ex is not None:
                 ex.close(timeout=20)  # the last step's predictions were never met: given up here
+                fan_slots = ex.stats["fan_slots"]
             eng.shutdown()
-        return out, counts
+        return out, counts, fan_slots
 
     return loopback.spawn(N, body, timeout_s=120)
 
@@ -72,7 +73,7 @@ def test_predicted_steps_give_the_direct_results_and_recover_from_changed_steps(
             for b, want in direct[r][0][step].items():
                 assert torch.equal(ahead[r][0][step][b], want), (r, step, b)
     # every rank predicted, confirmed and voided the same (how they fell in waves is each rank's timing)
-    counts = [[{k: v for k, v in c.items() if k != "waves"} for c in per_rank] for _, per_rank in ahead]
+    counts = [[{k: v for k, v in c.items() if k != "waves"} for c in per_rank] for _, per_rank, _ in ahead]
     assert all(c == counts[0] for c in counts)
     counts = counts[0]
     before = [{"predicted": 0, "confirmed": 0, "voided": 0}] + counts[:-1]
@@ -90,6 +91,8 @@ def test_predicted_steps_give_the_direct_results_and_recover_from_changed_steps(
     assert delta[6]["predicted"] == delta[2]["confirmed"]
     assert delta[7]["confirmed"] == delta[8]["confirmed"] == delta[2]["confirmed"]
     assert delta[7]["voided"] == delta[8]["voided"] == 0
+    if strategy == "ps":  # predicted steps declare their sizes: the small partitions go to every peer at once
+        assert all(fan > 0 for _, _, fan in ahead)
 
 
 def test_a_step_shorter_than_predicted_voids_the_rest_at_its_end():

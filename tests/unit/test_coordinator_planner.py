@@ -9,14 +9,16 @@ msgs_strategy = st.integers(2, 9).flatmap(lambda n: st.tuples(
     st.just(n),
     st.lists(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1), st.integers(0, 5000)),
                       max_size=12), min_size=1, max_size=8),
-    st.integers(1, 8000), st.integers(0, 3)))
+    st.integers(1, 8000), st.integers(0, 3), st.sampled_from([0, 1000])))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(msgs_strategy)
 def test_slots_are_matchings_fifo_and_complete(args):
-    n, waves, batch_bytes, timeout = args
-    planner = SlotPlanner(n, batch_bytes=batch_bytes, timeout_slots=timeout)
+    """Slots are matchings, except that small messages (known size up to fan_bytes) go in batches
+    of their own that any rank may send or receive beside its matched link."""
+    n, waves, batch_bytes, timeout, fan = args
+    planner = SlotPlanner(n, batch_bytes=batch_bytes, timeout_slots=timeout, fan_bytes=fan)
     sent_order = {}  # link -> keys in submission order
     key = 0
     scheduled = []
@@ -32,16 +34,20 @@ def test_slots_are_matchings_fifo_and_complete(args):
                 key += 1
             planner.add(batch)
         slot = planner.plan()
-        ups = [s for s, _ in slot.batches]
-        downs = [d for _, d in slot.batches]
+        small = {link for link, b in slot.batches.items() if 0 < b[0].nbytes <= fan}
+        ups = [s for s, _ in slot.batches.keys() - small]
+        downs = [d for _, d in slot.batches.keys() - small]
         assert len(ups) == len(set(ups)), "a node sends on two links in one slot"
         assert len(downs) == len(set(downs)), "a node receives on two links in one slot"
         # A batch stops at batch_bytes, or at the slot's largest single message if larger.
-        cap = max([batch_bytes] + [b[0].nbytes for b in slot.batches.values()])
+        cap = max([batch_bytes] + [b[0].nbytes for link, b in slot.batches.items() if link not in small])
         for (s, d), b in slot.batches.items():
             assert b, "empty batch planned"
             assert all(m.src == s and m.dst == d for m in b)
-            assert sum(m.nbytes for m in b) <= cap or len(b) == 1
+            if (s, d) in small:
+                assert all(m.nbytes > 0 for m in b) and sum(m.nbytes for m in b) <= fan
+            else:
+                assert sum(m.nbytes for m in b) <= cap or len(b) == 1
             scheduled.extend((s, d, m.key) for m in b)
         if not waves and planner.pending() == 0:
             break
@@ -91,6 +97,29 @@ def test_oldest_link_first_and_starvation_free():
     assert {**first.batches, **second.batches}.keys() == {(2, 1), (0, 1)}
 
 
+def test_small_messages_go_to_and_from_every_peer_in_one_slot():
+    """A PS gather of small partitions (every rank to every other) is one slot with fan_bytes,
+    n - 1 matchings without; a large message still takes its destination's link alone, and an
+    unknown size (0) counts as large."""
+    n = 4
+    alltoall = [Msg(10 * s + d, s, d, 4096) for s in range(n) for d in range(n) if s != d]
+    fan = SlotPlanner(n, fan_bytes=64 << 10)
+    fan.add(alltoall)
+    assert len(fan.plan(flush=True).batches) == n * (n - 1) and not fan.pending()
+    plain = SlotPlanner(n)
+    plain.add(alltoall)
+    slots = 0
+    while plain.pending():
+        assert len(plain.plan(flush=True).batches) <= n
+        slots += 1
+    assert slots == n - 1
+    mixed = SlotPlanner(3, fan_bytes=64 << 10)
+    mixed.add([Msg(1, 0, 2, 1 << 20), Msg(2, 1, 2, 0), Msg(3, 1, 2, 100), Msg(4, 0, 1, 100)])
+    first = mixed.plan(flush=True)
+    assert set(first.batches) == {(0, 2), (0, 1)}  # node 2's downlink holds one large (or unknown) batch
+    assert [m.key for m in mixed.plan(flush=True).batches[(1, 2)]] == [2, 3]  # a large batch takes the queue
+
+
 def test_bad_messages():
     p = SlotPlanner(2)
     with pytest.raises(ValueError):
@@ -100,9 +129,9 @@ def test_bad_messages():
 
 
 def test_protocol_round_trip_and_validation():
-    decls = [(9, [1], [0, 3], [5, 6]), (11, [], [1], [])]
+    decls = [(9, [1], [0, 3], [5, 6], 4096), (11, [], [1], [], 0)]
     body = P.pack_decls(decls)
-    assert len(body) == 2 * 20 + 4 * 4 + 2 * 8  # sized to its content, no padding
+    assert len(body) == 2 * 28 + 4 * 4 + 2 * 8  # sized to its content, no padding
     assert P.unpack_decls(body, 2, 2, 4) == decls
     assert P.pack_decls([]) == b"" and P.unpack_decls(b"", 0, 2, 4) == []
     head = P.pack_head(2, 77, 5, P.CLOSING, 2, len(body))
@@ -121,14 +150,14 @@ def test_protocol_round_trip_and_validation():
     with pytest.raises(P.ProtocolError, match="peer 3"):
         P.unpack_decls(body, 2, 2, 3)  # rank 3 is outside a job of 3
     with pytest.raises(P.ProtocolError, match="peer 1"):
-        P.unpack_decls(P.pack_decls([(9, [1], [], [])]), 1, 1, 3)  # to itself
+        P.unpack_decls(P.pack_decls([(9, [1], [], [], 0)]), 1, 1, 3)  # to itself
     with pytest.raises(P.ProtocolError, match="ends inside"):
         P.unpack_decls(body[:-1], 2, 2, 4)
     with pytest.raises(P.ProtocolError, match="ends inside"):
         P.unpack_decls(body, 3, 2, 4)  # the head claims more declarations than the body holds
     with pytest.raises(P.ProtocolError, match="holds"):
         P.unpack_decls(body + b"\0", 2, 2, 4)
-    many = [(1, [0], [], list(range(70000)))]  # an exchange may wait on many others
+    many = [(1, [0], [], list(range(70000)), 1 << 40)]  # an exchange may wait on many others
     assert P.unpack_decls(P.pack_decls(many), 1, 1, 2) == many
 
 

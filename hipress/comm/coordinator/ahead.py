@@ -66,6 +66,7 @@ class StepPredictor:
         self._observed: List[float] = []            # when, before each was made, a wait last found a task done
         self._position: Dict[int, int] = {}         # key -> position in _window
         self._last: Optional[List[Entry]] = None
+        self._sizes: Dict[int, int] = {}            # position in the step -> the largest payload it last sent
         self._pending: Deque[Tuple[Entry, str, int]] = deque()  # predicted, not met yet: (entry, key name, key)
         self.stats = {"predicted": 0, "confirmed": 0, "voided": 0, "waves": 0}
 
@@ -77,8 +78,9 @@ class StepPredictor:
         return f"{name}#{occ}" if not self.epoch else f"{name}#{occ}@{self.epoch}"
 
     def exchange(self, group: int, name: str, dsts: Sequence[int], srcs: Sequence[int], after_all,
-                 waits_on) -> Tuple[str, int]:
-        """A real exchange of ``group``: returns its (key name, key), declared, or confirmed."""
+                 waits_on) -> Tuple[str, int, int]:
+        """A real exchange of ``group``: returns its (key name, key, position in the step), declared,
+        or confirmed."""
         with self._lock:
             uses = self.occurrences[group]
             occ = uses.get(name, 0)  # the same sequence of names on every rank of the group
@@ -101,11 +103,18 @@ class StepPredictor:
                 key = message_key(key_name)
                 if dsts or srcs:
                     self.executor.declare(key, dsts, srcs, [h.exchange_key for h in waits_on])
-            self._position[key] = len(self._window)
+            position = self._position[key] = len(self._window)
             self._window.append(entry)
             self._times.append(time.monotonic())
             self._observed.append(last_observed())
-            return key_name, key
+            return key_name, key, position
+
+    def posted(self, position: int, nbytes: int) -> None:
+        """The exchange at ``position`` in its step sends payloads of at most ``nbytes``: what its
+        prediction in a later step declares it expects (the planner sends small ones to several
+        peers per slot). Sizes are advisory: a wrong one costs planning quality, not correctness."""
+        with self._lock:
+            self._sizes[position] = nbytes
 
     def step_submitted(self) -> None:
         """The step's exchanges are all submitted: learn them, and declare the next step's when
@@ -125,6 +134,7 @@ class StepPredictor:
             self._void_pending()
             self._clear()
             self._last = None
+            self._sizes.clear()
 
     def _clear(self) -> None:
         self._window, self._times, self._observed, self._position = [], [], [], {}
@@ -136,7 +146,7 @@ class StepPredictor:
         keys: List[int] = []
         waves: List[list] = []
         start = None
-        for entry, t, seen_done in zip(window, times, observed):
+        for position, (entry, t, seen_done) in enumerate(zip(window, times, observed)):
             group, name, dsts, srcs, after = entry
             n = seen.get((group, name), 0)
             seen[(group, name)] = n + 1
@@ -148,7 +158,8 @@ class StepPredictor:
                 if start is None or seen_done > start or t - start > window_s:
                     waves.append([])
                     start = t
-                waves[-1].append((key, list(dsts), list(srcs), [keys[j] for j in after]))
+                waves[-1].append((key, list(dsts), list(srcs), [keys[j] for j in after],
+                                  self._sizes.get(position, 0)))
         self.executor.declare_ahead(waves)
         self.stats["predicted"] += len(window)
         self.stats["waves"] += len(waves)

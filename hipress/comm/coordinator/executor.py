@@ -21,12 +21,15 @@ has to travel back from rank 0 (two collectives per round instead of four; one w
     nothing admitted is left: a whole ring is planned in one round, its steps in
     consecutive slots, and the steps of buckets declared together share slots.
 
-Data, every rank over another duplicate: its slots in global order, each one
-``sendrecv_alloc`` with its destination and source once the payloads it sends are posted
-(the batch carries its messages' sizes first). There is no lock step: a rank waits only for
-the peers of its own slots. Where the backend can run two transports at once
-(``concurrent_splits``) the rounds have their own thread beside the data, so planning is off
-the data's path; elsewhere one thread runs a round, then that round's slots.
+Data, every rank over another duplicate: its slots in global order, each one ``exchange``
+with its destinations and sources once the payloads it sends are posted (one destination and
+one source, but several where the slot holds small messages and the backend can post them at
+once). Each link's batch starts with its messages' sizes and is as long as the plan expects
+from the declared sizes; a longer one sends the rest in a second round (``_run_slot``). There
+is no lock step: a rank waits only for the peers of its own slots. Where the backend can run
+two transports at once (``concurrent_splits``) the rounds have their own thread beside the
+data, so planning is off the data's path; elsewhere one thread runs a round, then that round's
+slots.
 
 Why this cannot deadlock: every rank runs its slots in the same global order, and each of a
 rank's messages is planned in a slot after all of that rank's messages of the exchanges it
@@ -60,15 +63,17 @@ from hipress.comm.coordinator import protocol as P
 from hipress.comm.coordinator.planner import DependencyGate, SlotPlanner
 
 
-# One rank's part of a slot: (slot, destination or -1, source or -1, keys sent, keys received).
-Part = Tuple[int, int, int, List[int], List[int]]
+# One rank's part of a slot: (slot, {destination: (keys sent, bytes expected)}, {source: (keys
+# received, bytes expected)}); several peers where the planner put small messages beside the
+# slot's matching (planner.py). Bytes expected: see Executor._run_slot.
+Part = Tuple[int, Dict[int, Tuple[List[int], int]], Dict[int, Tuple[List[int], int]]]
 
 
 def message_key(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
 
 
-SMALL_SLOT_BYTES = 64 << 10  # a slot moving no more is latency, not bandwidth (slot_s)
+SMALL_SLOT_BYTES = 64 << 10  # a slot or message moving no more is latency, not bandwidth (slot_s, fan_bytes)
 _GAVE_UP = "gave its part up (at shutdown, or its exchanges in this step differ from this rank's)"
 
 
@@ -76,6 +81,19 @@ def _pad(nbytes: int) -> int:
     """Zero bytes after a payload of ``nbytes`` in a slot's batch, so the next starts 8-aligned:
     a decoder may view its bytes as floats (the identity compressor does, without a copy)."""
     return -nbytes % 8
+
+
+def _fit(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``buf``'s first ``nbytes``, zero-padded where it is shorter."""
+    if buf.numel() >= nbytes:
+        return buf[:nbytes]
+    return torch.cat([buf, torch.zeros(nbytes - buf.numel(), dtype=torch.uint8)])
+
+
+def _link_part(batch) -> Tuple[List[int], int]:
+    """A link's keys in a slot, and the bytes its batch takes if every message is as large as
+    declared (its sizes, then each payload padded)."""
+    return [m.key for m in batch], 8 * len(batch) + sum(m.nbytes + _pad(m.nbytes) for m in batch)
 
 
 class PostedExchange:
@@ -116,13 +134,16 @@ class Executor:
         self._closing = threading.Event()
         self._woken = threading.Event()  # set by a declaration: an idle control thread starts its round
         self._error: Optional[str] = None
-        self.stats = {"rounds": 0, "idle_rounds": 0, "slots": 0, "bytes": 0, "messages": 0, "plan_s": 0.0}
+        self.stats = {"rounds": 0, "idle_rounds": 0, "slots": 0, "fan_slots": 0, "second_rounds": 0, "bytes": 0,
+                      "messages": 0, "plan_s": 0.0}
         # Job token: rank 0 draws it, everyone learns it; every frame must carry it.
         tok = torch.tensor([random.getrandbits(62) if self.rank == 0 else 0], dtype=torch.int64)
         self.ctl.broadcast(tok.view(torch.uint8), 0)
         self.token = int(tok[0])
         # Every rank plans the same slots from the same declarations (see the module docstring).
-        self.planner = SlotPlanner(self.n)  # sizes are not known ahead: a link's batch is all it holds
+        # A link's batch is all it holds (sizes are not known ahead); messages declared with a size
+        # up to SMALL_SLOT_BYTES may go to several peers in one slot where the backend posts them at once.
+        self.planner = SlotPlanner(self.n, fan_bytes=SMALL_SLOT_BYTES if transport.p2p_many else 0)
         self.gate = DependencyGate()
         self._threads = [threading.Thread(target=self._control_loop, name="hipress-coordinator", daemon=True)]
         if self.overlap:
@@ -132,13 +153,15 @@ class Executor:
             t.start()
 
     # ------------------------------------------------------------------ strategies' side
-    def declare(self, key: int, dsts: Sequence[int], srcs: Sequence[int], after: Sequence[int]) -> None:
+    def declare(self, key: int, dsts: Sequence[int], srcs: Sequence[int], after: Sequence[int],
+                nbytes: int = 0) -> None:
         """At submission: this rank will send exchange ``key``'s messages to ``dsts`` and hear from
-        ``srcs`` (world ranks, not this one), once the exchanges ``after`` (keys) are planned."""
+        ``srcs`` (world ranks, not this one), once the exchanges ``after`` (keys) are planned;
+        ``nbytes``: the size expected of each (0: unknown), for planning only."""
         if not dsts and not srcs:
             return
         with self._cv:
-            self._decls.append((key, list(dsts), list(srcs), list(after)))
+            self._decls.append((key, list(dsts), list(srcs), list(after), int(nbytes)))
         self._woken.set()
 
     def declare_ahead(self, waves: List[List[P.Decl]]) -> None:
@@ -271,49 +294,77 @@ class Executor:
 
     # ------------------------------------------------------------------ data
     def _run_slot(self, part: Part) -> None:
-        slot, dst, src, sent_keys, recv_keys = part
-        items: List[Tuple[Optional[torch.Tensor], Optional[PostedExchange]]] = []
-        buf = None
-        if dst >= 0:
+        """One rank's part of a slot. Each link's batch goes as one message of the bytes its plan
+        expects (zero-padded if smaller), so no size travels first: one round of latency where the
+        declared sizes hold (a step declared ahead carries the last step's). Where a batch is
+        larger (an unknown size is 0), the rest follows in a second round, which both ends know
+        of: the sender from its batch, the receiver from the sizes at the batch's head."""
+        slot, sends, recvs = part
+        items: Dict[int, List[Tuple[Optional[torch.Tensor], Optional[PostedExchange]]]] = {}
+        if sends:
             with self._cv:  # the payloads are posted once their tasks ran (local compute, earlier slots)
-                while not all((dst, k) in self._sends for k in sent_keys):
+                while not all((dst, k) in self._sends for dst, (keys, _) in sends.items() for k in keys):
                     if self._error is not None:
                         return
                     if self._closing.is_set():  # nobody posted the rest by now (a step given up):
                         break                   # they go void, so no peer waits for them
                     self._cv.wait(0.1)
-                items = [self._sends.pop((dst, k), (None, None)) for k in sent_keys]
-                self._in_flight = [ex for _, ex in items if ex is not None]
-            # A void message's size is -1; each payload starts 8-aligned, so decoders can view it as floats.
-            sizes = torch.tensor([-1 if p is None else p.numel() for p, _ in items], dtype=torch.int64)
-            parts = [sizes.view(torch.uint8)]
-            for p, _ in items:
-                if p is not None:
-                    parts += [p, torch.zeros(_pad(p.numel()), dtype=torch.uint8)]
-            buf = torch.cat(parts)
+                items = {dst: [self._sends.pop((dst, k), (None, None)) for k in keys]
+                         for dst, (keys, _) in sends.items()}
+                self._in_flight = [ex for its in items.values() for _, ex in its if ex is not None]
+        bufs = {dst: self._batch(its) for dst, its in items.items()}
         t0 = time.perf_counter()
-        got = self.tr.sendrecv_alloc(buf, dst if dst >= 0 else None, src if src >= 0 else None)
-        if (0 if buf is None else buf.numel()) + (0 if got is None else got.numel()) <= SMALL_SLOT_BYTES:
+        heads = {src: torch.empty(expected, dtype=torch.uint8) for src, (_, expected) in recvs.items()}
+        self.tr.exchange({dst: _fit(buf, sends[dst][1]) for dst, buf in bufs.items()}, heads)
+        totals = {src: self._batch_bytes(slot, src, len(recvs[src][0]), head) for src, head in heads.items()}
+        rest_in = {src: torch.empty(t - heads[src].numel(), dtype=torch.uint8)
+                   for src, t in totals.items() if t > heads[src].numel()}
+        rest_out = {dst: buf[sends[dst][1]:] for dst, buf in bufs.items() if buf.numel() > sends[dst][1]}
+        if rest_in or rest_out:
+            self.tr.exchange(rest_out, rest_in)
+        moved = sum(b.numel() for b in bufs.values()) + sum(totals.values())
+        if moved <= SMALL_SLOT_BYTES:
             took = time.perf_counter() - t0
             self.slot_s += 0.25 * (took - self.slot_s) if self.slot_s else took
-        if src >= 0:
-            head = 8 * len(recv_keys)
-            sizes = got[:head].view(torch.int64).tolist() if got.numel() >= head else None
-            if (sizes is None or min(sizes, default=0) < -1
-                    or head + sum(s + _pad(s) for s in sizes if s >= 0) != got.numel()):
-                raise P.ProtocolError(f"slot {slot}: rank {src} sent {got.numel()} bytes that do not hold "
-                                      f"{len(recv_keys)} planned messages")
-            off = head
-            for key, size in zip(recv_keys, sizes):
-                self._deliver(src, key, None if size < 0 else got[off:off + size])
-                off += max(size, 0) + _pad(max(size, 0))
+        for src, (keys, _) in recvs.items():
+            got = torch.cat([heads[src], rest_in[src]]) if src in rest_in else heads[src][:totals[src]]
+            self._unbatch(src, keys, got)
         self._in_flight = []
-        for _, ex in items:
-            if ex is not None:
-                self._progress(ex)
+        for its in items.values():
+            for _, ex in its:
+                if ex is not None:
+                    self._progress(ex)
         self.stats["slots"] += 1
-        self.stats["messages"] += sum(p is not None for p, _ in items)
-        self.stats["bytes"] += 0 if buf is None else int(buf.numel())
+        self.stats["fan_slots"] += len(sends) > 1 or len(recvs) > 1
+        self.stats["second_rounds"] += bool(rest_in or rest_out)
+        self.stats["messages"] += sum(p is not None for its in items.values() for p, _ in its)
+        self.stats["bytes"] += sum(b.numel() for b in bufs.values())
+
+    @staticmethod
+    def _batch(items) -> torch.Tensor:
+        """One link's batch: its messages' sizes (a void message's is -1), then each payload, each
+        starting 8-aligned so that decoders can view it as floats."""
+        sizes = torch.tensor([-1 if p is None else p.numel() for p, _ in items], dtype=torch.int64)
+        parts = [sizes.view(torch.uint8)]
+        for p, _ in items:
+            if p is not None:
+                parts += [p, torch.zeros(_pad(p.numel()), dtype=torch.uint8)]
+        return torch.cat(parts)
+
+    @staticmethod
+    def _batch_bytes(slot: int, src: int, count: int, head: torch.Tensor) -> int:
+        """The bytes of ``src``'s batch of ``count`` messages, from the sizes at its head."""
+        sizes = head[:8 * count].view(torch.int64).tolist() if head.numel() >= 8 * count else None
+        if sizes is None or min(sizes, default=0) < -1:
+            raise P.ProtocolError(f"slot {slot}: rank {src}'s batch does not start with {count} message sizes")
+        return 8 * count + sum(s + _pad(s) for s in sizes if s >= 0)
+
+    def _unbatch(self, src: int, keys: List[int], got: torch.Tensor) -> None:
+        sizes = got[:8 * len(keys)].view(torch.int64).tolist()
+        off = 8 * len(keys)
+        for key, size in zip(keys, sizes):
+            self._deliver(src, key, None if size < 0 else got[off:off + size])
+            off += max(size, 0) + _pad(max(size, 0))
 
     def _data_loop(self) -> None:
         part = None
@@ -355,21 +406,18 @@ class Executor:
         t0 = time.perf_counter()
         planner, gate = self.planner, self.gate
         for src in range(self.n):
-            for key, dsts, srcs, after in declared.get(src, ()):
-                planner.add(gate.declare(src, key, dsts, srcs, after))
-        mine: Dict[int, list] = {}
+            for key, dsts, srcs, after, nbytes in declared.get(src, ()):
+                planner.add(gate.declare(src, key, dsts, srcs, after, nbytes))
+        mine: List[Part] = []
         while planner.pending():
             slot = planner.plan(flush=True)
-            for (s, d), batch in slot.batches.items():
-                if self.rank in (s, d):
-                    part = mine.setdefault(slot.number, [slot.number, -1, -1, [], []])
-                    if s == self.rank:
-                        part[1], part[3] = d, [m.key for m in batch]
-                    else:
-                        part[2], part[4] = s, [m.key for m in batch]
+            sends = {d: _link_part(b) for (s, d), b in slot.batches.items() if s == self.rank}
+            recvs = {s: _link_part(b) for (s, d), b in slot.batches.items() if d == self.rank}
+            if sends or recvs:
+                mine.append((slot.number, sends, recvs))
             planner.add(gate.planned([m for b in slot.batches.values() for m in b]))
         self.stats["plan_s"] += time.perf_counter() - t0
-        return [tuple(p) for _, p in sorted(mine.items())]
+        return mine
 
     def _control_loop(self) -> None:
         rnd, idle = 0, 0.0

@@ -57,7 +57,18 @@ class _Link:
     def take(self, cap: int) -> Tuple[List[Msg], int]:
         """The head's FIFO batch: at least one message, then more while the batch stays within
         ``cap`` bytes; returns it and its bytes."""
-        end = max(self.head + 1, bisect_right(self.ends, self.sent + cap, self.head))
+        return self._advance(max(self.head + 1, bisect_right(self.ends, self.sent + cap, self.head)))
+
+    def take_small(self, cap: int) -> Tuple[List[Msg], int]:
+        """The head (of known size), then more of known size (> 0 bytes) while the batch stays
+        within ``cap`` bytes."""
+        end, size = self.head + 1, self.msgs[self.head].nbytes
+        while end < len(self.msgs) and 0 < self.msgs[end].nbytes <= cap - size:
+            size += self.msgs[end].nbytes
+            end += 1
+        return self._advance(end)
+
+    def _advance(self, end: int) -> Tuple[List[Msg], int]:
         batch = self.msgs[self.head:end]
         size = self.ends[end - 1] - self.sent
         self.head, self.sent = end, self.ends[end - 1]
@@ -82,7 +93,9 @@ class Slot:
 
 
 class SlotPlanner:
-    def __init__(self, n: int, batch_bytes: int = 4 << 20, timeout_slots: int = 0, probes_per_node: int = 4):
+    def __init__(self, n: int, batch_bytes: int = 4 << 20, timeout_slots: int = 0, probes_per_node: int = 4,
+                 fan_bytes: int = 0):
+        """``fan_bytes``: messages of known size (``nbytes`` > 0) up to this are *small*; see ``plan``."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if batch_bytes < 1:
@@ -91,6 +104,7 @@ class SlotPlanner:
         self.batch_bytes = int(batch_bytes)
         self.timeout_slots = int(timeout_slots)
         self.probes = max(1, probes_per_node)
+        self.fan_bytes = int(fan_bytes)
         self.links: Dict[Tuple[int, int], _Link] = {}
         self.slot = 0
         self.queued = 0
@@ -124,6 +138,12 @@ class SlotPlanner:
         queued bytes (the busiest node first: it bounds the iteration); each takes the
         first link of its own heap (oldest head, then largest) whose destination is
         still free, looking at no more than ``probes_per_node`` links.
+
+        Small messages (``fan_bytes``) are latency, not bandwidth: a link whose head is small
+        sends its small head messages in this slot whatever else the source or the destination
+        does in it, so a rank may send to and hear from several ranks in one slot (one all-to-all
+        of a PS's small partitions instead of n - 1 matchings); the matching rule holds for the
+        rest.
         """
         slot = Slot(self.slot, {})
         order = sorted((h[0][0], -self._out_bytes[s], s) for s, h in enumerate(self._out) if h)
@@ -132,34 +152,41 @@ class SlotPlanner:
         for _, _, s in order:
             heap = self._out[s]
             skipped = []
-            chosen = None
+            chosen = False
             while heap and len(skipped) < self.probes:
                 entry = heapq.heappop(heap)
                 head_slot, _, d = entry
                 link = self.links[(s, d)]
-                if d in busy_down or not (flush or link.nbytes >= self.batch_bytes
-                                          or self.slot - head_slot >= self.timeout_slots):
+                if not (flush or link.nbytes >= self.batch_bytes or self.slot - head_slot >= self.timeout_slots):
                     skipped.append(entry)
                     continue
-                chosen = (d, link)
-                break
+                small = self._small(link)
+                if small:
+                    batch, size = link.take_small(self.fan_bytes)
+                elif chosen or d in busy_down:
+                    skipped.append(entry)
+                    continue
+                else:
+                    chosen = True
+                    busy_down.add(d)
+                    batch, size = link.take(cap)
+                    cap = max(cap, size)
+                self._out_bytes[s] -= size
+                self.queued -= len(batch)
+                slot.batches[(s, d)] = batch
+                if not link.empty:  # not again in this slot: back with the skipped
+                    skipped.append((link.arrived[link.head], -link.nbytes, d))
+                else:
+                    del self.links[(s, d)]  # only non-empty links are kept
+                if chosen and not small and not self.fan_bytes:
+                    break  # nothing else can join this source's part of the slot
             for e in skipped:
                 heapq.heappush(heap, e)
-            if chosen is None:
-                continue
-            d, link = chosen
-            busy_down.add(d)
-            batch, size = link.take(cap)
-            cap = max(cap, size)
-            self._out_bytes[s] -= size
-            self.queued -= len(batch)
-            slot.batches[(s, d)] = batch
-            if not link.empty:
-                heapq.heappush(heap, (link.arrived[link.head], -link.nbytes, d))
-            else:
-                del self.links[(s, d)]  # only non-empty links are kept
         self.slot += 1
         return slot
+
+    def _small(self, link: "_Link") -> bool:
+        return 0 < link.msgs[link.head].nbytes <= self.fan_bytes
 
 
 class DependencyGate:
@@ -182,13 +209,15 @@ class DependencyGate:
     def __init__(self):
         self.open: Dict[Tuple[int, int], int] = {}
         self.unplanned: Dict[int, int] = {}
-        self._half: Dict[Tuple[int, int, int], Tuple[int, list]] = {}  # (key, src, dst) -> (rank, after) declared
+        self._half: Dict[Tuple[int, int, int], Tuple[int, list, int]] = {}  # (key, src, dst) -> (rank, after, nbytes)
         self._blocked: Dict[Tuple[int, int], List[list]] = {}          # (rank, key) -> [[msg, unmet], ...]
         self.held = 0
 
-    def declare(self, rank: int, key: int, dsts, srcs, after) -> List[Msg]:
+    def declare(self, rank: int, key: int, dsts, srcs, after, nbytes: int = 0) -> List[Msg]:
         """``rank`` sends exchange ``key``'s messages to ``dsts`` and hears from ``srcs``, after its
-        exchanges ``after``; returns the messages this admits to planning."""
+        exchanges ``after``; returns the messages this admits to planning. ``nbytes``: the size
+        this rank expects of each message it sends (0: unknown); a message is as large as its
+        sender expects (or its receiver, if the sender does not say)."""
         if dsts or srcs:
             self.open[(rank, key)] = self.open.get((rank, key), 0) + len(dsts) + len(srcs)
             self.unplanned[rank] = self.unplanned.get(rank, 0) + len(dsts) + len(srcs)
@@ -196,10 +225,11 @@ class DependencyGate:
         for src, dst in [(rank, d) for d in dsts] + [(s, rank) for s in srcs]:
             other = self._half.pop((key, src, dst), None)
             if other is None:  # the other end has not declared it yet
-                self._half[(key, src, dst)] = (rank, after)
+                self._half[(key, src, dst)] = (rank, after, nbytes)
                 continue
-            m = Msg(key, src, dst, 0)
-            unmet = [(r, p) for r, waits in (other, (rank, after)) for p in waits if (r, p) in self.open]
+            sender, receiver = (nbytes, other[2]) if rank == src else (other[2], nbytes)
+            m = Msg(key, src, dst, sender or receiver)
+            unmet = [(r, p) for r, waits, _ in (other, (rank, after, nbytes)) for p in waits if (r, p) in self.open]
             if not unmet:
                 ready.append(m)
                 continue

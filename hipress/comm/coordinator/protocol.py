@@ -8,7 +8,8 @@ declarations, so no plan travels.
   HEAD  <4s H H i Q Q I I I>  magic b"HPCO", version, type, rank, job token, round, flags,
                               number of declarations, body bytes                 (40 bytes)
   DECL body: the exchanges the rank declared since the last round, in submission order, each
-          <Q I I I>  key, number of destinations, of sources, of predecessors
+          <Q I I I Q>  key, number of destinations, of sources, of predecessors, expected bytes
+                     of each message (0: unknown; the planner's small messages, planner.py)
           int32 x (destinations + sources)   world ranks the rank sends to / hears from
           uint64 x predecessors              keys of the rank's earlier exchanges that the
                                              exchange waits on (through its tasks)
@@ -25,15 +26,17 @@ import struct
 from typing import List, Sequence, Tuple
 
 MAGIC = b"HPCO"
-VERSION = 4  # 4: a slot's batch may hold void messages (size -1; hipress/comm/coordinator/executor.py)
+# 4: a slot's batch may hold void messages (size -1; hipress/comm/coordinator/executor.py);
+# 5: declarations carry expected message sizes, and a slot may pair a rank with several peers.
+VERSION = 5
 HEAD = 1
 CLOSING = 1
 
 _HEAD = struct.Struct("<4sHHiQQIII")
-_DECL = struct.Struct("<QIII")  # key, destinations, sources, predecessors
+_DECL = struct.Struct("<QIIIQ")  # key, destinations, sources, predecessors, expected bytes
 HEAD_BYTES = _HEAD.size
 
-Decl = Tuple[int, List[int], List[int], List[int]]  # key, destinations, sources, predecessor keys
+Decl = Tuple[int, List[int], List[int], List[int], int]  # key, destinations, sources, predecessor keys, bytes
 
 
 class ProtocolError(RuntimeError):
@@ -42,9 +45,9 @@ class ProtocolError(RuntimeError):
 
 def pack_decls(decls: Sequence[Decl]) -> bytes:
     body = []
-    for key, dsts, srcs, after in decls:
+    for key, dsts, srcs, after, nbytes in decls:
         peers = list(dsts) + list(srcs)
-        body += [_DECL.pack(key, len(dsts), len(srcs), len(after)), struct.pack(f"<{len(peers)}i", *peers),
+        body += [_DECL.pack(key, len(dsts), len(srcs), len(after), nbytes), struct.pack(f"<{len(peers)}i", *peers),
                  struct.pack(f"<{len(after)}Q", *after)]
     return b"".join(body)
 
@@ -86,12 +89,12 @@ def unpack_decls(body: bytes, count: int, rank: int, n: int) -> List[Decl]:
         return got
 
     for _ in range(count):
-        key, nd, ns, na = take(_DECL)
+        key, nd, ns, na, nbytes = take(_DECL)
         peers = list(take(struct.Struct(f"<{nd + ns}i")))
         for p in peers:
             if not 0 <= p < n or p == rank:
                 raise ProtocolError(f"peer {p} is not another rank of {n} (declared by rank {rank})")
-        out.append((key, peers[:nd], peers[nd:], list(take(struct.Struct(f"<{na}Q")))))
+        out.append((key, peers[:nd], peers[nd:], list(take(struct.Struct(f"<{na}Q"))), nbytes))
     if off != len(body):
         raise ProtocolError(f"body of {len(body)} bytes holds {off} bytes of declarations (rank {rank})")
     return out

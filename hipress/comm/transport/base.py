@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import abc
 import struct
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -302,6 +302,40 @@ class Transport(abc.ABC):
         if ns or nr:
             self._raw_sendrecv(send_buf if ns else None, dst, recv_buf if nr else None, src, op)
         return recv_buf
+
+    def exchange(self, sends: Dict[int, torch.Tensor], recvs: Dict[int, torch.Tensor]) -> None:
+        """Point to point with several peers at once: ``sends[dst]`` goes to each ``dst`` while
+        ``recvs[src]`` is filled from each ``src`` (byte buffers of sizes both ends know: no size
+        travels); every peer makes the matching call, ranks named nowhere take no part. All are
+        posted at once, so this costs one round of latency whatever the number of peers. With one
+        destination and one source at most, every backend; more need :attr:`p2p_many`."""
+        op = f"exchange(dsts={sorted(sends)}, srcs={sorted(recvs)})"
+        self._ensure_open(op)
+        peers = sorted(set(sends) | set(recvs))
+        for p in peers:
+            self._check_peer(op, p, "peer")
+            if p == self._rank:
+                raise self._err(op, "this rank cannot be its own peer", peers)
+        for buf in list(sends.values()) + list(recvs.values()):
+            bad = self._check_buf(op, "buffer", buf)
+            if bad:
+                raise self._err(op, bad, peers)
+        out = [(b, d) for d, b in sends.items() if b.numel()]
+        into = [(b, s) for s, b in recvs.items() if b.numel()]
+        if len(out) <= 1 and len(into) <= 1:
+            if out or into:
+                (sb, dst), (rb, src) = out[0] if out else (None, None), into[0] if into else (None, None)
+                self._raw_sendrecv(sb, dst, rb, src, op)
+            return
+        if not self.p2p_many:
+            raise self._err(op, f"the {self.name} transport posts one send and one receive at a time", peers)
+        self._raw_p2p(out, into, op)
+
+    @property
+    def p2p_many(self) -> bool:
+        """Whether the backend posts sends to and receives from many ranks at once and then waits
+        for them all (:meth:`exchange` with several peers)."""
+        return False
 
     def _max_bytes(self, op: str, max_bytes, peers) -> Optional[int]:
         if max_bytes is None:
@@ -706,6 +740,11 @@ class Transport(abc.ABC):
     def _raw_sendrecv(self, send_buf: Optional[torch.Tensor], dst: int,
                       recv_buf: Optional[torch.Tensor], src: int, op: str) -> None:
         """Either side may be None (skip that leg); buffers are non-empty."""
+
+    def _raw_p2p(self, sends, recvs, op: str) -> None:
+        """Posts every send [(buf, dst)] and receive [(buf, src)] at once, then waits for them all
+        (buffers non-empty; at most one of each per peer). Backends with :attr:`p2p_many` override it."""
+        raise NotImplementedError(f"the {self.name} transport posts one send and one receive at a time")
 
     @abc.abstractmethod
     def _raw_alltoallv(self, send_buf: torch.Tensor, send_counts: List[int],

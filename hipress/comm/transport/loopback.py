@@ -112,6 +112,14 @@ class LoopbackTransport(Transport):
         if recv_buf is not None:
             self._raw_recv(recv_buf, src, -1, op)
 
+    p2p_many = True  # sends are buffered, so posting them all and then receiving cannot deadlock
+
+    def _raw_p2p(self, sends, recvs, op):
+        for buf, dst in sends:
+            self._raw_send(buf, dst, -1, op)
+        for buf, src in recvs:
+            self._raw_recv(buf, src, -1, op)
+
     # ------------------------------------------------------------------ collectives
     def _exchange(self, op: str, payload) -> list:
         """Deposit payload for this collective step; return every rank's payload."""

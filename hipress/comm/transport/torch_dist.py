@@ -189,6 +189,18 @@ class TorchDistTransport(Transport):
             self._post_p2p(op, works, peers, self.pg.send, send_buf, dst, _TAG_SENDRECV)
         self._wait(op, works, peers)
 
+    @property
+    def p2p_many(self) -> bool:
+        return self.backend == "gloo"  # NCCL would need its messages in one group call
+
+    def _raw_p2p(self, sends, recvs, op):
+        works, peers = [], []
+        for buf, src in recvs:  # receives first: gloo sends a payload once its receive is posted
+            self._post_p2p(op, works, peers, self.pg.recv, buf, src, _TAG_SENDRECV)
+        for buf, dst in sends:
+            self._post_p2p(op, works, peers, self.pg.send, buf, dst, _TAG_SENDRECV)
+        self._wait(op, works, peers)
+
     # ------------------------------------------------------------------ collectives
     def _others(self) -> List[int]:
         return [p for p in range(self._size) if p != self._rank]
