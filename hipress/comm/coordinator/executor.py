@@ -438,7 +438,7 @@ class Executor:
                     self.stats["idle_rounds"] += 1
                     # Back off while nothing is declared; a declaration here ends the wait (the
                     # other ranks, declaring the same collectives, wake the same way).
-                    idle = min(self.idle_max_s, idle * 2 or 5e-5)
+                    idle = min(self.idle_max_s, idle * 2 or 5e-4)
                     self._woken.wait(idle)
                     self._woken.clear()
                     continue
