@@ -126,3 +126,49 @@ def test_a_step_shorter_than_predicted_voids_the_rest_at_its_end():
         # steps 2 and 3 predicted (2 each, one wave each: y was made after x finished); step 3 met x
         # only: y voided at its end
         assert stats == {"predicted": 4, "confirmed": 3, "voided": 1, "waves": 4}
+
+
+def test_payloads_larger_or_smaller_than_declared_arrive_whole():
+    """A step declared ahead carries the sizes the last step's payloads had, and each link's batch
+    goes as one message of the planned length. Payloads that grew take a second round, smaller
+    ones are padded and cut back, empty ones stay empty: every byte arrives as sent, and the steps
+    whose sizes held moved in one round per slot."""
+    sizes = [100, 100, 100, 100, 3000, 40, 0, 40, 40]  # bytes each rank sends each peer, per step
+
+    def payload(step: int, src: int, dst: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(100 * step + 10 * src + dst)
+        return torch.randint(0, 256, (sizes[step],), dtype=torch.uint8, generator=g)
+
+    def body(tr):
+        eng = Engine()
+        ex = Executor(tr.split(0, key=tr.rank), tr.split(0, key=tr.rank))
+        predictor = StepPredictor(ex)
+        exchange = CoordinatedExchange(eng, ex, range(tr.size), predictor)
+        peers = [p for p in range(tr.size) if p != tr.rank]
+        got, rounds = [], []
+        try:
+            for step in range(len(sizes)):
+                box = {}
+                exchange.bulk("all", {p: (lambda p=p, step=step: payload(step, tr.rank, p)) for p in peers},
+                              {p: (lambda t, p=p: box.__setitem__(p, t.clone())) for p in peers}).result(timeout=30)
+                got.append(box)
+                predictor.step_submitted()
+                rounds.append(ex.stats["second_rounds"])
+        finally:
+            ex.close(timeout=20)
+            eng.shutdown()
+        return got, rounds, dict(predictor.stats), ex.stats["fan_slots"]
+
+    out = loopback.spawn(N, body, timeout_s=60)
+    for r, (got, rounds, stats, fan) in enumerate(out):
+        for step, box in enumerate(got):
+            for p, t in box.items():
+                assert torch.equal(t, payload(step, p, r)), (r, step, p)
+        assert stats["confirmed"] == len(sizes) - 2 and stats["voided"] == 0
+        second = [b - a for a, b in zip([0] + rounds, rounds)]
+        # steps 0-1 declared with no sizes: a second round each; steps 2-3 as declared: none;
+        # step 4 grew past the declared 100 bytes: a second round; steps 5-6 fit what was declared;
+        # step 7 was declared from step 6's empty payloads (0: unknown), step 8 from step 7's
+        assert second[0] > 0 and second[1] > 0 and second[4] > 0 and second[7] > 0
+        assert second[2] == second[3] == second[5] == second[6] == second[8] == 0, second
+        assert fan > 0  # small payloads to and from both peers in one slot

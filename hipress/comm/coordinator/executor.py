@@ -326,6 +326,12 @@ class Executor:
         if moved <= SMALL_SLOT_BYTES:
             took = time.perf_counter() - t0
             self.slot_s += 0.25 * (took - self.slot_s) if self.slot_s else took
+        # Counted before any exchange of the slot finishes, so a program that saw it finish sees them.
+        self.stats["slots"] += 1
+        self.stats["fan_slots"] += len(sends) > 1 or len(recvs) > 1
+        self.stats["second_rounds"] += bool(rest_in or rest_out)
+        self.stats["messages"] += sum(p is not None for its in items.values() for p, _ in its)
+        self.stats["bytes"] += sum(b.numel() for b in bufs.values())
         for src, (keys, _) in recvs.items():
             got = torch.cat([heads[src], rest_in[src]]) if src in rest_in else heads[src][:totals[src]]
             self._unbatch(src, keys, got)
@@ -334,11 +340,6 @@ class Executor:
             for _, ex in its:
                 if ex is not None:
                     self._progress(ex)
-        self.stats["slots"] += 1
-        self.stats["fan_slots"] += len(sends) > 1 or len(recvs) > 1
-        self.stats["second_rounds"] += bool(rest_in or rest_out)
-        self.stats["messages"] += sum(p is not None for its in items.values() for p, _ in its)
-        self.stats["bytes"] += sum(b.numel() for b in bufs.values())
 
     @staticmethod
     def _batch(items) -> torch.Tensor:

@@ -69,6 +69,43 @@ def check_sendrecv_ring(t: Transport) -> None:
             _eq(f"sendrecv_alloc shift {shift} k {k}", t, t.sendrecv_alloc(out, dst, src), want)
 
 
+def check_exchange(t: Transport) -> None:
+    """``exchange`` (sizes known to both ends): a ring step each way, one leg absent on some
+    ranks; where the backend posts many messages at once, every rank to every other (sizes
+    per pair, zero included) and a star (all to rank 0, which sends nothing); elsewhere, several
+    peers are refused before anything moves."""
+    n, r = t.size, t.rank
+
+    def size_of(src: int, dst: int, k: int) -> int:
+        return SIZES[(3 * src + dst + k) % len(SIZES)]
+
+    for k, shift in enumerate((1, -1)):
+        dst, src = (r + shift) % n, (r - shift) % n
+        send_leg = r % 2 == 0 or n == 1  # odd ranks only receive, and their receivers get nothing
+        out = {dst: pattern(900 + 10 * r + k, size_of(r, dst, k))} if send_leg and dst != r else {}
+        src_sends = (src % 2 == 0) and src != r
+        got = {src: torch.full((size_of(src, r, k),), 255, dtype=torch.uint8)} if src_sends else {}
+        t.exchange(out, got)
+        for s, buf in got.items():
+            _eq(f"exchange ring shift {shift}", t, buf, pattern(900 + 10 * s + k, size_of(s, r, k)))
+    if n < 3:
+        return
+    others = [p for p in range(n) if p != r]
+    if not t.p2p_many:
+        _expect_error("exchange with several peers", t, lambda: t.exchange(
+            {p: pattern(1, 4) for p in others}, {p: torch.empty(4, dtype=torch.uint8) for p in others}), True,
+            "one send and one receive at a time")
+        return
+    got = {p: torch.full((size_of(p, r, 7),), 255, dtype=torch.uint8) for p in others}
+    t.exchange({p: pattern(950 + 10 * r + p, size_of(r, p, 7)) for p in others}, got)
+    for p, buf in got.items():
+        _eq(f"exchange all to all from {p}", t, buf, pattern(950 + 10 * p + r, size_of(p, r, 7)))
+    star = {p: torch.empty(100 + p, dtype=torch.uint8) for p in others} if r == 0 else {}
+    t.exchange({} if r == 0 else {0: pattern(990 + r, 100 + r)}, star)
+    for p, buf in star.items():
+        _eq(f"exchange star from {p}", t, buf, pattern(990 + p, 100 + p))
+
+
 def _a2a_counts(n: int, scale: int, variant: int) -> List[List[int]]:
     """counts[i][j]: bytes rank i sends to rank j; uneven, with zeros (self included)."""
     if variant == 0:
@@ -283,6 +320,7 @@ def check_alltoallv_small(t: Transport) -> None:
 CHECKS: Dict[str, Callable[[Transport], None]] = {
     "send_recv": check_send_recv,
     "sendrecv_ring": check_sendrecv_ring,
+    "exchange": check_exchange,
     "alltoallv": check_alltoallv,
     "allgather": check_allgather,
     "allgatherv": check_allgatherv,
