@@ -107,7 +107,7 @@ class PostedExchange:
 
 
 class Executor:
-    def __init__(self, transport, control=None, idle_max_s: float = 0.002):
+    def __init__(self, transport, control=None, idle_max_s: float = 0.01):
         """``transport``: the data's private duplicate of the world transport; ``control``: a
         second one for the rounds, run on their own thread (None: one thread runs both)."""
         if transport.p2p_needs_all_ranks:
@@ -231,6 +231,7 @@ class Executor:
         with self._cv:
             self._closing.set()
             self._cv.notify_all()
+        self._woken.set()  # an idle control thread says CLOSING in its next round at once
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
