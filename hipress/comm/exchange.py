@@ -292,7 +292,7 @@ class CoordinatedExchange(Exchange):
 
         def post(completion):
             payloads = {world[d]: f() for d, f in sends.items()}
-            self.predictor.posted(position, max((p.numel() * p.element_size() for p in payloads.values()), default=0))
+            self.predictor.posted(position, {d: p.numel() * p.element_size() for d, p in payloads.items()})
             ex.post(key_name, key, payloads, {world[s]: sink for s, sink in sinks.items()}, completion)
 
         handle = self.engine.submit_deferred(name, post, queue="comm", deps=deps)

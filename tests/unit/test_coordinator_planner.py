@@ -15,8 +15,9 @@ msgs_strategy = st.integers(2, 9).flatmap(lambda n: st.tuples(
 @settings(max_examples=300, deadline=None)
 @given(msgs_strategy)
 def test_slots_are_matchings_fifo_and_complete(args):
-    """Slots are matchings, except that small messages (known size up to fan_bytes) go in batches
-    of their own that any rank may send or receive beside its matched link."""
+    """Slots are matchings, except that small messages (of known size) go in batches of their own
+    that any rank may send or receive beside its matched link, up to fan_bytes in and out of each
+    rank per slot."""
     n, waves, batch_bytes, timeout, fan = args
     planner = SlotPlanner(n, batch_bytes=batch_bytes, timeout_slots=timeout, fan_bytes=fan)
     sent_order = {}  # link -> keys in submission order
@@ -41,14 +42,18 @@ def test_slots_are_matchings_fifo_and_complete(args):
         assert len(downs) == len(set(downs)), "a node receives on two links in one slot"
         # A batch stops at batch_bytes, or at the slot's largest single message if larger.
         cap = max([batch_bytes] + [b[0].nbytes for link, b in slot.batches.items() if link not in small])
+        small_in, small_out = {}, {}
         for (s, d), b in slot.batches.items():
             assert b, "empty batch planned"
             assert all(m.src == s and m.dst == d for m in b)
             if (s, d) in small:
-                assert all(m.nbytes > 0 for m in b) and sum(m.nbytes for m in b) <= fan
+                assert all(m.nbytes > 0 for m in b)
+                small_out[s] = small_out.get(s, 0) + sum(m.nbytes for m in b)
+                small_in[d] = small_in.get(d, 0) + sum(m.nbytes for m in b)
             else:
                 assert sum(m.nbytes for m in b) <= cap or len(b) == 1
             scheduled.extend((s, d, m.key) for m in b)
+        assert all(v <= fan for v in list(small_in.values()) + list(small_out.values())), "over a node's fan_bytes"
         if not waves and planner.pending() == 0:
             break
     assert planner.pending() == 0, "a message waited forever"
@@ -100,7 +105,8 @@ def test_oldest_link_first_and_starvation_free():
 def test_small_messages_go_to_and_from_every_peer_in_one_slot():
     """A PS gather of small partitions (every rank to every other) is one slot with fan_bytes,
     n - 1 matchings without; a large message still takes its destination's link alone, and an
-    unknown size (0) counts as large."""
+    unknown size (0) counts as large; a rank takes in no more than fan_bytes of small messages
+    per slot, however many send to it."""
     n = 4
     alltoall = [Msg(10 * s + d, s, d, 4096) for s in range(n) for d in range(n) if s != d]
     fan = SlotPlanner(n, fan_bytes=64 << 10)
@@ -118,6 +124,10 @@ def test_small_messages_go_to_and_from_every_peer_in_one_slot():
     first = mixed.plan(flush=True)
     assert set(first.batches) == {(0, 2), (0, 1)}  # node 2's downlink holds one large (or unknown) batch
     assert [m.key for m in mixed.plan(flush=True).batches[(1, 2)]] == [2, 3]  # a large batch takes the queue
+    incast = SlotPlanner(9, fan_bytes=10_000)
+    incast.add([Msg(s, s, 0, 3000) for s in range(1, 9)])  # 8 senders into rank 0, 3000 bytes each
+    per_slot = [sorted(s for s, _ in incast.plan(flush=True).batches) for _ in range(3)]
+    assert per_slot == [[1, 2, 3], [4, 5, 6], [7, 8]] and not incast.pending()
 
 
 def test_bad_messages():
@@ -129,9 +139,9 @@ def test_bad_messages():
 
 
 def test_protocol_round_trip_and_validation():
-    decls = [(9, [1], [0, 3], [5, 6], 4096), (11, [], [1], [], 0)]
+    decls = [(9, [1], [0, 3], [5, 6], [4096]), (11, [], [1], [], [])]
     body = P.pack_decls(decls)
-    assert len(body) == 2 * 28 + 4 * 4 + 2 * 8  # sized to its content, no padding
+    assert len(body) == 2 * 20 + 4 * 4 + 2 * 8 + 1 * 8  # sized to its content, no padding
     assert P.unpack_decls(body, 2, 2, 4) == decls
     assert P.pack_decls([]) == b"" and P.unpack_decls(b"", 0, 2, 4) == []
     head = P.pack_head(2, 77, 5, P.CLOSING, 2, len(body))
@@ -150,14 +160,14 @@ def test_protocol_round_trip_and_validation():
     with pytest.raises(P.ProtocolError, match="peer 3"):
         P.unpack_decls(body, 2, 2, 3)  # rank 3 is outside a job of 3
     with pytest.raises(P.ProtocolError, match="peer 1"):
-        P.unpack_decls(P.pack_decls([(9, [1], [], [], 0)]), 1, 1, 3)  # to itself
+        P.unpack_decls(P.pack_decls([(9, [1], [], [], [0])]), 1, 1, 3)  # to itself
     with pytest.raises(P.ProtocolError, match="ends inside"):
         P.unpack_decls(body[:-1], 2, 2, 4)
     with pytest.raises(P.ProtocolError, match="ends inside"):
         P.unpack_decls(body, 3, 2, 4)  # the head claims more declarations than the body holds
     with pytest.raises(P.ProtocolError, match="holds"):
         P.unpack_decls(body + b"\0", 2, 2, 4)
-    many = [(1, [0], [], list(range(70000)), 1 << 40)]  # an exchange may wait on many others
+    many = [(1, [0], [], list(range(70000)), [1 << 40])]  # an exchange may wait on many others
     assert P.unpack_decls(P.pack_decls(many), 1, 1, 2) == many
 
 

@@ -66,7 +66,7 @@ class StepPredictor:
         self._observed: List[float] = []            # when, before each was made, a wait last found a task done
         self._position: Dict[int, int] = {}         # key -> position in _window
         self._last: Optional[List[Entry]] = None
-        self._sizes: Dict[int, int] = {}            # position in the step -> the largest payload it last sent
+        self._sizes: Dict[int, Dict[int, int]] = {}  # position in the step -> {world dst: bytes it last sent}
         self._pending: Deque[Tuple[Entry, str, int]] = deque()  # predicted, not met yet: (entry, key name, key)
         self.stats = {"predicted": 0, "confirmed": 0, "voided": 0, "waves": 0}
 
@@ -109,12 +109,13 @@ class StepPredictor:
             self._observed.append(last_observed())
             return key_name, key, position
 
-    def posted(self, position: int, nbytes: int) -> None:
-        """The exchange at ``position`` in its step sends payloads of at most ``nbytes``: what its
-        prediction in a later step declares it expects (the planner sends small ones to several
-        peers per slot). Sizes are advisory: a wrong one costs planning quality, not correctness."""
+    def posted(self, position: int, sizes: Dict[int, int]) -> None:
+        """The exchange at ``position`` in its step sends ``sizes[dst]`` bytes to each world rank
+        dst: what its prediction in a later step declares (the slots are as long as the declared
+        sizes, and the planner sends small messages to several peers per slot). Sizes are
+        advisory: a wrong one costs planning quality, not correctness."""
         with self._lock:
-            self._sizes[position] = nbytes
+            self._sizes[position] = sizes
 
     def step_submitted(self) -> None:
         """The step's exchanges are all submitted: learn them, and declare the next step's when
@@ -158,8 +159,9 @@ class StepPredictor:
                 if start is None or seen_done > start or t - start > window_s:
                     waves.append([])
                     start = t
+                sizes = self._sizes.get(position, {})
                 waves[-1].append((key, list(dsts), list(srcs), [keys[j] for j in after],
-                                  self._sizes.get(position, 0)))
+                                  [sizes.get(d, 0) for d in dsts]))
         self.executor.declare_ahead(waves)
         self.stats["predicted"] += len(window)
         self.stats["waves"] += len(waves)

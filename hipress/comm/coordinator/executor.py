@@ -73,7 +73,10 @@ def message_key(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
 
 
-SMALL_SLOT_BYTES = 64 << 10  # a slot or message moving no more is latency, not bandwidth (slot_s, fan_bytes)
+SMALL_SLOT_BYTES = 64 << 10  # a slot moving no more is latency, not bandwidth (slot_s)
+# Small messages each rank may send and receive per slot beside the slot's matching (the planner's
+# fan_bytes): 2 ms at 1 Gbit/s, where the n - 1 matchings they would take cost a round of latency each.
+FAN_BYTES = 256 << 10
 _GAVE_UP = "gave its part up (at shutdown, or its exchanges in this step differ from this rank's)"
 
 
@@ -141,9 +144,9 @@ class Executor:
         self.ctl.broadcast(tok.view(torch.uint8), 0)
         self.token = int(tok[0])
         # Every rank plans the same slots from the same declarations (see the module docstring).
-        # A link's batch is all it holds (sizes are not known ahead); messages declared with a size
-        # up to SMALL_SLOT_BYTES may go to several peers in one slot where the backend posts them at once.
-        self.planner = SlotPlanner(self.n, fan_bytes=SMALL_SLOT_BYTES if transport.p2p_many else 0)
+        # A link's batch is all it holds; messages declared with a size may go to several peers in one
+        # slot, up to FAN_BYTES per rank, where the backend posts them at once.
+        self.planner = SlotPlanner(self.n, fan_bytes=FAN_BYTES if transport.p2p_many else 0)
         self.gate = DependencyGate()
         self._threads = [threading.Thread(target=self._control_loop, name="hipress-coordinator", daemon=True)]
         if self.overlap:
@@ -153,15 +156,14 @@ class Executor:
             t.start()
 
     # ------------------------------------------------------------------ strategies' side
-    def declare(self, key: int, dsts: Sequence[int], srcs: Sequence[int], after: Sequence[int],
-                nbytes: int = 0) -> None:
+    def declare(self, key: int, dsts: Sequence[int], srcs: Sequence[int], after: Sequence[int]) -> None:
         """At submission: this rank will send exchange ``key``'s messages to ``dsts`` and hear from
-        ``srcs`` (world ranks, not this one), once the exchanges ``after`` (keys) are planned;
-        ``nbytes``: the size expected of each (0: unknown), for planning only."""
+        ``srcs`` (world ranks, not this one), once the exchanges ``after`` (keys) are planned. Their
+        sizes are not known yet (a step declared ahead knows them: declare_ahead)."""
         if not dsts and not srcs:
             return
         with self._cv:
-            self._decls.append((key, list(dsts), list(srcs), list(after), int(nbytes)))
+            self._decls.append((key, list(dsts), list(srcs), list(after), []))
         self._woken.set()
 
     def declare_ahead(self, waves: List[List[P.Decl]]) -> None:
@@ -408,8 +410,8 @@ class Executor:
         t0 = time.perf_counter()
         planner, gate = self.planner, self.gate
         for src in range(self.n):
-            for key, dsts, srcs, after, nbytes in declared.get(src, ()):
-                planner.add(gate.declare(src, key, dsts, srcs, after, nbytes))
+            for key, dsts, srcs, after, sizes in declared.get(src, ()):
+                planner.add(gate.declare(src, key, dsts, srcs, after, sizes))
         mine: List[Part] = []
         while planner.pending():
             slot = planner.plan(flush=True)

@@ -16,6 +16,10 @@ Batches are cut at ``batch_bytes``, or at the size of the slot's largest batch s
 when that is larger: the slot lasts as long as its largest batch anyway, so the others
 fill up to it (balanced batches, more useful bytes per slot).
 
+Small messages (of known size) are the exception: latency, not bandwidth, so they go beside
+the matching, to and from any peer, up to ``fan_bytes`` into and out of each node per slot
+(``SlotPlanner.plan``).
+
 ``DependencyGate`` decides when a declared message may enter the queues at all (see it).
 """
 from __future__ import annotations
@@ -95,7 +99,8 @@ class Slot:
 class SlotPlanner:
     def __init__(self, n: int, batch_bytes: int = 4 << 20, timeout_slots: int = 0, probes_per_node: int = 4,
                  fan_bytes: int = 0):
-        """``fan_bytes``: messages of known size (``nbytes`` > 0) up to this are *small*; see ``plan``."""
+        """``fan_bytes``: what each node may send and receive per slot in small messages beside the
+        matching (messages of known size, ``nbytes`` > 0); 0: none. See ``plan``."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if batch_bytes < 1:
@@ -139,20 +144,23 @@ class SlotPlanner:
         first link of its own heap (oldest head, then largest) whose destination is
         still free, looking at no more than ``probes_per_node`` links.
 
-        Small messages (``fan_bytes``) are latency, not bandwidth: a link whose head is small
-        sends its small head messages in this slot whatever else the source or the destination
-        does in it, so a rank may send to and hear from several ranks in one slot (one all-to-all
-        of a PS's small partitions instead of n - 1 matchings); the matching rule holds for the
-        rest.
+        Small messages are latency, not bandwidth: a link whose head message has a known size
+        that fits what both its ends have left of ``fan_bytes`` in this slot sends its head
+        messages that fit, whatever else the two ends do in the slot. So a rank may send to and
+        hear from several ranks in one slot (one all-to-all of a PS's small partitions instead of
+        n - 1 matchings), and no node takes in more than ``fan_bytes`` of them at once, whatever
+        the number of senders (no incast); the matching rule holds for the rest.
         """
         slot = Slot(self.slot, {})
         order = sorted((h[0][0], -self._out_bytes[s], s) for s, h in enumerate(self._out) if h)
         busy_down = set()
         cap = self.batch_bytes  # raised to the first batch's size: see the module docstring
+        fan_in: Dict[int, int] = {}  # small bytes into each node in this slot
         for _, _, s in order:
             heap = self._out[s]
             skipped = []
             chosen = False
+            fan_left = self.fan_bytes  # small bytes this source may still send in this slot
             while heap and len(skipped) < self.probes:
                 entry = heapq.heappop(heap)
                 head_slot, _, d = entry
@@ -160,10 +168,14 @@ class SlotPlanner:
                 if not (flush or link.nbytes >= self.batch_bytes or self.slot - head_slot >= self.timeout_slots):
                     skipped.append(entry)
                     continue
-                small = self._small(link)
-                if small:
-                    batch, size = link.take_small(self.fan_bytes)
-                elif chosen or d in busy_down:
+                head = link.msgs[link.head].nbytes
+                small = 0 < head <= self.fan_bytes
+                room = min(fan_left, self.fan_bytes - fan_in.get(d, 0))
+                if small and head <= room:
+                    batch, size = link.take_small(room)
+                    fan_left -= size
+                    fan_in[d] = fan_in.get(d, 0) + size
+                elif small or chosen or d in busy_down:  # a small one waits for a slot with room
                     skipped.append(entry)
                     continue
                 else:
@@ -184,9 +196,6 @@ class SlotPlanner:
                 heapq.heappush(heap, e)
         self.slot += 1
         return slot
-
-    def _small(self, link: "_Link") -> bool:
-        return 0 < link.msgs[link.head].nbytes <= self.fan_bytes
 
 
 class DependencyGate:
@@ -209,26 +218,25 @@ class DependencyGate:
     def __init__(self):
         self.open: Dict[Tuple[int, int], int] = {}
         self.unplanned: Dict[int, int] = {}
-        self._half: Dict[Tuple[int, int, int], Tuple[int, list, int]] = {}  # (key, src, dst) -> (rank, after, nbytes)
+        self._half: Dict[Tuple[int, int, int], Tuple[int, list, int]] = {}  # (key, src, dst) -> (rank, after, bytes)
         self._blocked: Dict[Tuple[int, int], List[list]] = {}          # (rank, key) -> [[msg, unmet], ...]
         self.held = 0
 
-    def declare(self, rank: int, key: int, dsts, srcs, after, nbytes: int = 0) -> List[Msg]:
+    def declare(self, rank: int, key: int, dsts, srcs, after, sizes=()) -> List[Msg]:
         """``rank`` sends exchange ``key``'s messages to ``dsts`` and hears from ``srcs``, after its
-        exchanges ``after``; returns the messages this admits to planning. ``nbytes``: the size
-        this rank expects of each message it sends (0: unknown); a message is as large as its
-        sender expects (or its receiver, if the sender does not say)."""
+        exchanges ``after``; returns the messages this admits to planning. ``sizes``: the bytes
+        this rank expects to send each destination (0 or none: unknown)."""
         if dsts or srcs:
             self.open[(rank, key)] = self.open.get((rank, key), 0) + len(dsts) + len(srcs)
             self.unplanned[rank] = self.unplanned.get(rank, 0) + len(dsts) + len(srcs)
         ready: List[Msg] = []
-        for src, dst in [(rank, d) for d in dsts] + [(s, rank) for s in srcs]:
+        sizes = list(sizes) or [0] * len(dsts)
+        for src, dst, nbytes in [(rank, d, b) for d, b in zip(dsts, sizes)] + [(s, rank, 0) for s in srcs]:
             other = self._half.pop((key, src, dst), None)
             if other is None:  # the other end has not declared it yet
                 self._half[(key, src, dst)] = (rank, after, nbytes)
                 continue
-            sender, receiver = (nbytes, other[2]) if rank == src else (other[2], nbytes)
-            m = Msg(key, src, dst, sender or receiver)
+            m = Msg(key, src, dst, nbytes if rank == src else other[2])  # the sender's size
             unmet = [(r, p) for r, waits, _ in (other, (rank, after, nbytes)) for p in waits if (r, p) in self.open]
             if not unmet:
                 ready.append(m)

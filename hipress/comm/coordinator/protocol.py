@@ -8,11 +8,12 @@ declarations, so no plan travels.
   HEAD  <4s H H i Q Q I I I>  magic b"HPCO", version, type, rank, job token, round, flags,
                               number of declarations, body bytes                 (40 bytes)
   DECL body: the exchanges the rank declared since the last round, in submission order, each
-          <Q I I I Q>  key, number of destinations, of sources, of predecessors, expected bytes
-                     of each message (0: unknown; the planner's small messages, planner.py)
+          <Q I I I>  key, number of destinations, of sources, of predecessors
           int32 x (destinations + sources)   world ranks the rank sends to / hears from
           uint64 x predecessors              keys of the rank's earlier exchanges that the
                                              exchange waits on (through its tasks)
+          uint64 x destinations              the bytes expected of the message to each
+                                             (0: unknown; planner.py's small messages)
 
 Flags: CLOSING (this rank wants to stop: nothing of its own is pending). When every HEAD of
 a round says CLOSING, every rank leaves.
@@ -33,10 +34,11 @@ HEAD = 1
 CLOSING = 1
 
 _HEAD = struct.Struct("<4sHHiQQIII")
-_DECL = struct.Struct("<QIIIQ")  # key, destinations, sources, predecessors, expected bytes
+_DECL = struct.Struct("<QIII")  # key, destinations, sources, predecessors
 HEAD_BYTES = _HEAD.size
 
-Decl = Tuple[int, List[int], List[int], List[int], int]  # key, destinations, sources, predecessor keys, bytes
+# key, destinations, sources, predecessor keys, bytes expected per destination (empty: all unknown)
+Decl = Tuple[int, List[int], List[int], List[int], List[int]]
 
 
 class ProtocolError(RuntimeError):
@@ -45,10 +47,13 @@ class ProtocolError(RuntimeError):
 
 def pack_decls(decls: Sequence[Decl]) -> bytes:
     body = []
-    for key, dsts, srcs, after, nbytes in decls:
+    for key, dsts, srcs, after, sizes in decls:
         peers = list(dsts) + list(srcs)
-        body += [_DECL.pack(key, len(dsts), len(srcs), len(after), nbytes), struct.pack(f"<{len(peers)}i", *peers),
-                 struct.pack(f"<{len(after)}Q", *after)]
+        sizes = list(sizes) or [0] * len(dsts)
+        if len(sizes) != len(dsts):
+            raise ValueError(f"{len(sizes)} sizes for {len(dsts)} destinations")
+        body += [_DECL.pack(key, len(dsts), len(srcs), len(after)), struct.pack(f"<{len(peers)}i", *peers),
+                 struct.pack(f"<{len(after)}Q", *after), struct.pack(f"<{len(sizes)}Q", *sizes)]
     return b"".join(body)
 
 
@@ -89,12 +94,13 @@ def unpack_decls(body: bytes, count: int, rank: int, n: int) -> List[Decl]:
         return got
 
     for _ in range(count):
-        key, nd, ns, na, nbytes = take(_DECL)
+        key, nd, ns, na = take(_DECL)
         peers = list(take(struct.Struct(f"<{nd + ns}i")))
         for p in peers:
             if not 0 <= p < n or p == rank:
                 raise ProtocolError(f"peer {p} is not another rank of {n} (declared by rank {rank})")
-        out.append((key, peers[:nd], peers[nd:], list(take(struct.Struct(f"<{na}Q"))), nbytes))
+        after = list(take(struct.Struct(f"<{na}Q")))
+        out.append((key, peers[:nd], peers[nd:], after, list(take(struct.Struct(f"<{nd}Q")))))
     if off != len(body):
         raise ProtocolError(f"body of {len(body)} bytes holds {off} bytes of declarations (rank {rank})")
     return out
