@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <tuple>
+#include <vector>
 
 #include "bindings/registry.h"
 #include "transport/mpi_transport.h"
@@ -54,6 +56,18 @@ HIPRESS_BINDINGS(transport_mpi, m) {
            [](Comm& c, uintptr_t sb, size_t sn, int dst, uintptr_t rb, size_t rn, int src, int tag, double t) {
              c.sendrecv(sb ? ptr(sb) : nullptr, sn, dst, rb ? ptr(rb) : nullptr, rn, src, tag, t);
            },
+           py::call_guard<py::gil_scoped_release>())
+      .def("exchange",
+           [](Comm& c, const std::vector<std::tuple<uintptr_t, size_t, int>>& sends,
+              const std::vector<std::tuple<uintptr_t, size_t, int>>& recvs, int tag, double t) {
+             auto legs = [](const std::vector<std::tuple<uintptr_t, size_t, int>>& v) {
+               std::vector<Comm::Leg> out;
+               for (const auto& [b, n, peer] : v) out.push_back({b, n, peer});
+               return out;
+             };
+             c.exchange(legs(sends), legs(recvs), tag, t);
+           },
+           "(buffer address, bytes, peer) sends and receives, all posted at once, then waited for.",
            py::call_guard<py::gil_scoped_release>())
       .def("alltoallv",
            [](Comm& c, uintptr_t sb, std::vector<size_t> sc, uintptr_t rb, std::vector<size_t> rc, double t, bool p2p) {

@@ -29,6 +29,7 @@
 #include <mpi.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -69,6 +70,13 @@ class Comm {
   void recv(void* buf, size_t n, int src, int tag, double timeout_s);
   // Either side may be skipped with a null pointer.
   void sendrecv(const void* sbuf, size_t sn, int dst, void* rbuf, size_t rn, int src, int tag, double timeout_s);
+  // Many peers at once: every (buffer, bytes, peer) receive and send posted, then all waited for.
+  struct Leg {
+    uintptr_t buf;
+    size_t n;
+    int peer;
+  };
+  void exchange(const std::vector<Leg>& sends, const std::vector<Leg>& recvs, int tag, double timeout_s);
   void alltoallv(const void* sbuf, const std::vector<size_t>& scounts, void* rbuf,
                  const std::vector<size_t>& rcounts, double timeout_s, bool force_p2p);
   void allgather(const void* sbuf, size_t n, void* rbuf, double timeout_s);

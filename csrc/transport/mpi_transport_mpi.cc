@@ -247,6 +247,15 @@ void Comm::sendrecv(const void* sbuf, size_t sn, int dst, void* rbuf, size_t rn,
   wait_all(op, p, timeout_s);
 }
 
+void Comm::exchange(const std::vector<Leg>& sends, const std::vector<Leg>& recvs, int tag, double timeout_s) {
+  const std::string op = "exchange";
+  check_usable(op);
+  std::vector<Pending> p;
+  for (const Leg& r : recvs) post_recv(p, reinterpret_cast<void*>(r.buf), r.n, r.peer, tag, op);
+  for (const Leg& s : sends) post_send(p, reinterpret_cast<const void*>(s.buf), s.n, s.peer, tag, op);
+  wait_all(op, p, timeout_s);
+}
+
 void Comm::alltoallv(const void* sbuf, const std::vector<size_t>& sc, void* rbuf, const std::vector<size_t>& rc,
                      double timeout_s, bool force_p2p) {
   const std::string op = "alltoallv";

@@ -231,6 +231,8 @@ class DependencyGate:
             self.unplanned[rank] = self.unplanned.get(rank, 0) + len(dsts) + len(srcs)
         ready: List[Msg] = []
         sizes = list(sizes) or [0] * len(dsts)
+        if len(sizes) != len(dsts):
+            raise ValueError(f"{len(sizes)} sizes for {len(dsts)} destinations of exchange {key}")
         for src, dst, nbytes in [(rank, d, b) for d, b in zip(dsts, sizes)] + [(s, rank, 0) for s in srcs]:
             other = self._half.pop((key, src, dst), None)
             if other is None:  # the other end has not declared it yet

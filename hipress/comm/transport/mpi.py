@@ -123,6 +123,12 @@ class MpiTransport(Transport):
                    recv_buf.data_ptr() if recv_buf is not None else 0, recv_buf.numel() if recv_buf is not None else 0,
                    -1 if recv_buf is None else src, 31999, self.timeout_s)
 
+    p2p_many = True  # nonblocking sends and receives, all posted, then waited for
+
+    def _raw_p2p(self, sends, recvs, op):
+        self._call(op, self._comm.exchange, [(b.data_ptr(), b.numel(), dst) for b, dst in sends],
+                   [(b.data_ptr(), b.numel(), src) for b, src in recvs], 31999, self.timeout_s)
+
     def _raw_alltoallv(self, send_buf, send_counts, recv_buf, recv_counts, op):
         self._call(op, self._comm.alltoallv, send_buf.data_ptr(), list(send_counts), recv_buf.data_ptr(),
                    list(recv_counts), self.timeout_s, self._force_p2p)
