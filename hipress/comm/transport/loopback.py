@@ -107,10 +107,7 @@ class LoopbackTransport(Transport):
         buf.copy_(data)
 
     def _raw_sendrecv(self, send_buf, dst, recv_buf, src, op):
-        if send_buf is not None:
-            self._raw_send(send_buf, dst, -1, op)
-        if recv_buf is not None:
-            self._raw_recv(recv_buf, src, -1, op)
+        self._raw_p2p([] if send_buf is None else [(send_buf, dst)], [] if recv_buf is None else [(recv_buf, src)], op)
 
     p2p_many = True  # sends are buffered, so posting them all and then receiving cannot deadlock
 

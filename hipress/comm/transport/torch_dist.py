@@ -182,12 +182,7 @@ class TorchDistTransport(Transport):
         self._wait(op, [self._post(op, [src], self.pg.recv, [buf], src, tag)], [src])
 
     def _raw_sendrecv(self, send_buf, dst, recv_buf, src, op):
-        works, peers = [], []
-        if recv_buf is not None:
-            self._post_p2p(op, works, peers, self.pg.recv, recv_buf, src, _TAG_SENDRECV)
-        if send_buf is not None:
-            self._post_p2p(op, works, peers, self.pg.send, send_buf, dst, _TAG_SENDRECV)
-        self._wait(op, works, peers)
+        self._raw_p2p([] if send_buf is None else [(send_buf, dst)], [] if recv_buf is None else [(recv_buf, src)], op)
 
     @property
     def p2p_many(self) -> bool:
