@@ -41,21 +41,23 @@ class PSStrategy(Strategy):
 
     def owners(self, parts: Sequence[Tuple[str, int]], size: int) -> List[int]:
         """The aggregator of each (key, bytes) partition of one gradient. A new partition goes
-        to the rank holding the fewest of this gradient's partitions, among those the one with
-        the fewest bytes assigned so far (ties to the lowest rank): a gradient's K <= N
-        partitions land on K distinct aggregators, which then work in parallel, and the load
-        balances across gradients."""
+        to the rank holding the fewest bytes of this gradient's partitions, among those the one
+        with the fewest bytes assigned so far (ties to the lowest rank): a gradient's K <= N
+        equal partitions land on K distinct aggregators, which then work in parallel, partitions
+        of unequal sizes (a fused bucket's tensors, each its own) spread by their bytes, and the
+        load balances across gradients. (By count instead of bytes, a fused bucket of blocks of
+        four tensors put every block's weight on the same one of four ranks.)"""
         if len(self._load) != size:
             self._load = [0] * size
         mine = [0] * size
-        for key, _ in parts:
+        for key, nbytes in parts:
             if key in self._owner:
-                mine[self._owner[key]] += 1
+                mine[self._owner[key]] += nbytes
         for key, nbytes in parts:
             if key not in self._owner:
                 a = min(range(size), key=lambda j: (mine[j], self._load[j], j))
                 self._load[a] += nbytes
-                mine[a] += 1
+                mine[a] += nbytes
                 self._owner[key] = a
         return [self._owner[key] for key, _ in parts]
 

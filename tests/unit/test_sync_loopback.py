@@ -280,6 +280,12 @@ def test_ps_owners_spread_a_gradients_partitions_over_distinct_aggregators():
     # K > N: ceil(K/N) partitions on the busiest aggregator, every rank used
     got = ps.owners([(f"h/p{i}", 10) for i in range(6)], 4)
     assert sorted(got.count(r) for r in range(4)) == [1, 1, 2, 2]
+    # unequal partitions (a fused bucket of blocks of four tensors, each its own partition) spread
+    # by bytes: no rank takes every block's large tensor
+    blocks = [(f"f/p{i}", 36864 if i % 4 == 3 else 384) for i in range(56)]
+    got = PSStrategy().owners(blocks, 4)
+    per_rank = [sum(b for (_, b), o in zip(blocks, got) if o == r) for r in range(4)]
+    assert max(per_rank) <= 1.2 * sum(per_rank) / 4, per_rank
 
 
 def test_ranks_draw_independent_random_numbers_unless_aggregatable():
