@@ -93,10 +93,14 @@ def _fit(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
     return torch.cat([buf, torch.zeros(nbytes - buf.numel(), dtype=torch.uint8)])
 
 
+def _batch_length(sizes: List[int]) -> int:
+    """The bytes of a batch of messages of these sizes (-1: void): the sizes, then each payload padded."""
+    return 8 * len(sizes) + sum(s + _pad(s) for s in sizes if s > 0)
+
+
 def _link_part(batch) -> Tuple[List[int], int]:
-    """A link's keys in a slot, and the bytes its batch takes if every message is as large as
-    declared (its sizes, then each payload padded)."""
-    return [m.key for m in batch], 8 * len(batch) + sum(m.nbytes + _pad(m.nbytes) for m in batch)
+    """A link's keys in a slot, and the bytes its batch takes if every message is as large as declared."""
+    return [m.key for m in batch], _batch_length([m.nbytes for m in batch])
 
 
 class PostedExchange:
@@ -163,7 +167,7 @@ class Executor:
         if not dsts and not srcs:
             return
         with self._cv:
-            self._decls.append((key, list(dsts), list(srcs), list(after), []))
+            self._decls.append((key, list(dsts), list(srcs), list(after), [0] * len(dsts)))
         self._woken.set()
 
     def declare_ahead(self, waves: List[List[P.Decl]]) -> None:
@@ -319,7 +323,8 @@ class Executor:
         t0 = time.perf_counter()
         heads = {src: torch.empty(expected, dtype=torch.uint8) for src, (_, expected) in recvs.items()}
         self.tr.exchange({dst: _fit(buf, sends[dst][1]) for dst, buf in bufs.items()}, heads)
-        totals = {src: self._batch_bytes(slot, src, len(recvs[src][0]), head) for src, head in heads.items()}
+        sizes = {src: self._head_sizes(slot, src, len(recvs[src][0]), head) for src, head in heads.items()}
+        totals = {src: _batch_length(s) for src, s in sizes.items()}
         rest_in = {src: torch.empty(t - heads[src].numel(), dtype=torch.uint8)
                    for src, t in totals.items() if t > heads[src].numel()}
         rest_out = {dst: buf[sends[dst][1]:] for dst, buf in bufs.items() if buf.numel() > sends[dst][1]}
@@ -337,7 +342,7 @@ class Executor:
         self.stats["bytes"] += sum(b.numel() for b in bufs.values())
         for src, (keys, _) in recvs.items():
             got = torch.cat([heads[src], rest_in[src]]) if src in rest_in else heads[src][:totals[src]]
-            self._unbatch(src, keys, got)
+            self._unbatch(src, keys, sizes[src], got)
         self._in_flight = []
         for its in items.values():
             for _, ex in its:
@@ -356,15 +361,14 @@ class Executor:
         return torch.cat(parts)
 
     @staticmethod
-    def _batch_bytes(slot: int, src: int, count: int, head: torch.Tensor) -> int:
-        """The bytes of ``src``'s batch of ``count`` messages, from the sizes at its head."""
+    def _head_sizes(slot: int, src: int, count: int, head: torch.Tensor) -> List[int]:
+        """The sizes of the ``count`` messages of ``src``'s batch, read from its head."""
         sizes = head[:8 * count].view(torch.int64).tolist() if head.numel() >= 8 * count else None
         if sizes is None or min(sizes, default=0) < -1:
             raise P.ProtocolError(f"slot {slot}: rank {src}'s batch does not start with {count} message sizes")
-        return 8 * count + sum(s + _pad(s) for s in sizes if s >= 0)
+        return sizes
 
-    def _unbatch(self, src: int, keys: List[int], got: torch.Tensor) -> None:
-        sizes = got[:8 * len(keys)].view(torch.int64).tolist()
+    def _unbatch(self, src: int, keys: List[int], sizes: List[int], got: torch.Tensor) -> None:
         off = 8 * len(keys)
         for key, size in zip(keys, sizes):
             self._deliver(src, key, None if size < 0 else got[off:off + size])

@@ -37,7 +37,7 @@ _HEAD = struct.Struct("<4sHHiQQIII")
 _DECL = struct.Struct("<QIII")  # key, destinations, sources, predecessors
 HEAD_BYTES = _HEAD.size
 
-# key, destinations, sources, predecessor keys, bytes expected per destination (empty: all unknown)
+# key, destinations, sources, predecessor keys, bytes expected per destination (0: unknown)
 Decl = Tuple[int, List[int], List[int], List[int], List[int]]
 
 
@@ -49,7 +49,6 @@ def pack_decls(decls: Sequence[Decl]) -> bytes:
     body = []
     for key, dsts, srcs, after, sizes in decls:
         peers = list(dsts) + list(srcs)
-        sizes = list(sizes) or [0] * len(dsts)
         if len(sizes) != len(dsts):
             raise ValueError(f"{len(sizes)} sizes for {len(dsts)} destinations")
         body += [_DECL.pack(key, len(dsts), len(srcs), len(after)), struct.pack(f"<{len(peers)}i", *peers),
