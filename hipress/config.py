@@ -144,6 +144,9 @@ VARIABLES: Sequence[Var] = (
     _V("HIPRESS_COORDINATOR_AHEAD", _bool, True,
        "with the coordinator, declare a step's exchanges ahead, while the step before runs, once two steps "
        "in a row ran the same (`docs/coordinator.md`)"),
+    _V("HIPRESS_COORDINATOR_TRIAL_STEPS", _positive_int, 10,
+       "with `coordinator=\"auto\"`, steps measured with the coordinator off, then on, before the faster is kept "
+       "(`docs/coordinator.md`)"),
     _V("HIPRESS_BATCH_COMPUTE_BYTES", _nonneg_int, 256 << 10,
        "partitions up to this size run their encode/merge/decode tasks in batches",
        shown_default="262144 (256 KiB)"),

@@ -45,7 +45,7 @@ import torch
 
 from hipress import _C, config
 from hipress import compression as _compression
-from hipress.comm import world
+from hipress.comm import coordinator, world
 from hipress.comm.exchange import open_exchanges, waiting_words
 from hipress.comm.transport.base import TransportError
 from hipress.compression.none import NoneCompressor
@@ -57,7 +57,7 @@ from hipress.sync import STRATEGIES, StateStore, make_sync, resolve_strategy, us
 from hipress.torch import adasum, bucket_tuner, clipping, covap, dear, momentum, nonfinite, state_layout
 from hipress.torch.collectives import Adasum
 from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWarning  # noqa: F401 (re-exported)
-from hipress.torch.plan_trial import PlanTrial
+from hipress.torch.plan_trial import CoordinatorTrial, PlanTrial
 
 Average = "average"
 Sum = "sum"
@@ -402,7 +402,7 @@ class Options:
     partition_bytes: Optional[int] = 64 << 20
     local_aggregation: object = "auto"
     plan: object = None
-    coordinator: Optional[bool] = None    # None: HIPRESS_COORDINATOR
+    coordinator: object = None            # True, False, "auto" (measured: plan_trial.CoordinatorTrial); None: HIPRESS_COORDINATOR
     bucket_bytes: object = "auto"          # an int, None, "auto" (PLAIN_BUCKET_BYTES / BUCKET_BYTES) or "tune"
     grad_clip: object = "auto"            # hipress.torch.clipping: "auto" (none), "paper", None or a callable
     momentum_correction: object = "auto"  # hipress.torch.momentum: "auto", True or False
@@ -451,6 +451,17 @@ class Options:
             object.__setattr__(self, "plan", self.plan if self.plan is not None else "auto")
         if self.coordinator is None:
             object.__setattr__(self, "coordinator", config.get("HIPRESS_COORDINATOR"))
+        if self.coordinator not in (True, False, "auto") or not isinstance(self.coordinator, (bool, str)):
+            raise ValueError(f"coordinator must be True, False or 'auto', got {self.coordinator!r}")
+        if self.coordinator == "auto":
+            # One measured choice at a time, over one set of syncs: a plan's (or COVAP's) own choices,
+            # the tuner's rebuilt buckets and dear's phases would each need measuring against both modes.
+            other = [name for name, on in (("plan= (or compression='auto')", self.plan is not None),
+                                           ("compression='covap'", self.covap is not None),
+                                           ("bucket_bytes='tune'", self.tune), ("strategy='dear'", self.dear)) if on]
+            if other:
+                raise ValueError(f"coordinator='auto' measures the coordinator on and off while training; it cannot "
+                                 f"be combined with {', '.join(other)}: use coordinator=True or False with it")
         if self.bucket_tune is not None and not self.tune:
             raise ValueError(f"bucket_tune= configures bucket_bytes='tune'; got bucket_bytes={self.bucket_bytes!r}")
         if self.tune:
@@ -525,8 +536,13 @@ class _HipressOptimizer:
         # before anything collective that depends on the options (the coordinator, the planner)
         self._hp_check_same_configuration(options)
         engine = get_engine()
-        exchanges = open_exchanges(engine, coordinated=options.coordinator)
-        self._hp_exchanges = exchanges
+        self._hp_exchanges = open_exchanges(engine, coordinated=options.coordinator is True)
+        # coordinator="auto": the direct exchanges first, then the coordinated ones (opened at the
+        # switch), the faster kept (plan_trial.CoordinatorTrial, _hp_use_coordinator)
+        self._hp_coord_trial = (CoordinatorTrial(config.get("HIPRESS_COORDINATOR_TRIAL_STEPS"))
+                                if options.coordinator == "auto" and world.size() > 1 else None)
+        self._hp_direct = self._hp_exchanges
+        self._hp_coordinated = None
         self._hp_states = StateStore(world.rank())
         # Non-finite gradients (hipress/torch/nonfinite.py): checked per gradient, states logged
         # copy-on-write, agreed on in synchronize()
@@ -543,7 +559,7 @@ class _HipressOptimizer:
 
         def sync_for(compressor, wire=torch.float32):  # uncompressed: the backend's collectives (under dear
             # its alltoallv and allgatherv as the two phases); wire: the dtype uncompressed gradients travel in
-            return make_sync(engine, exchanges, compressor, self._hp_strategy_name, self._hp_states,
+            return make_sync(engine, self._hp_exchanges, compressor, self._hp_strategy_name, self._hp_states,
                              self._hp_average, self._hp_hierarchical, world.size(), world.local_rank() == 0,
                              wire=wire)
 
@@ -610,6 +626,7 @@ class _HipressOptimizer:
         self._hp_steps = 0  # synchronizations finished (successful or skipped): the same count on every rank
         self._hp_skipped = 0  # steps not taken for non-finite gradients (every rank alike): the tuner skips them
         self._hp_skipped_seen = 0
+        self._hp_coord_skipped_seen = 0
         # residuals handed back (a rebuild, a plan switch, COVAP's new units, a checkpoint of another
         # layout), per parameter id, added to the next step's gradients (_hp_take); once added they
         # wait in _hp_carry_sent until that step commits (dropped) or is undone (back in the carry)
@@ -909,6 +926,8 @@ class _HipressOptimizer:
                 self._hp_tune_step()
             if self._hp_trial is not None:
                 self._hp_trial_step()
+            if self._hp_coord_trial is not None:
+                self._hp_coord_trial_step()
         if self._hp_dear is not None:
             self._hp_dear.check_fresh(p)
         grad = p.grad
@@ -1071,6 +1090,47 @@ class _HipressOptimizer:
         if name is not None:
             self._hp_use_plan(name)
             trial.mark()
+
+    @property
+    def coordinator_trial(self) -> Optional[CoordinatorTrial]:
+        """coordinator="auto" (hipress/torch/plan_trial.py): the trial (``in_use``: "off" or "on",
+        ``done``, ``chosen``, ``seconds`` per candidate, ``summary()``); None where there is nothing
+        to choose (another coordinator option, or one rank)."""
+        return self._hp_coord_trial
+
+    def _hp_coord_trial_step(self) -> None:
+        """At a step's first final gradient (as _hp_trial_step): where the trial switches, every rank
+        switches alike; where it keeps the coordinator off, every rank stops its executor."""
+        trial = self._hp_coord_trial
+        if trial.done:
+            return
+        skipped = self._hp_skipped != self._hp_coord_skipped_seen
+        self._hp_coord_skipped_seen = self._hp_skipped
+        name = trial.step_start(skipped, self._hp_slowest, self._hp_transport.rank)
+        if name is not None:
+            self._hp_use_coordinator(name == "on")
+            trial.mark()
+
+    def _hp_use_coordinator(self, on: bool) -> None:
+        """Every exchange from now on goes through the global coordinator (``on``; its executor
+        started here, collectively, on the first switch) or around it. Nothing is in flight: the
+        step's first gradient is not submitted yet. What the coordinator declared ahead for this
+        step is voided (Exchanges.reset), on every rank alike. The syncs are made anew over the
+        other exchanges; compressor states stay in the store they share, and the choices a
+        strategy made on first sight (PS's aggregators) go over, so states stay where they are.
+        Once the trial keeps the coordinator off, its executor stops (collectively too)."""
+        if on and self._hp_coordinated is None:
+            self._hp_coordinated = open_exchanges(self._hp_engine, coordinated=True)
+        new = self._hp_coordinated if on else self._hp_direct
+        if new is not self._hp_exchanges:
+            self._hp_exchanges.reset()
+            layout = self._hp_compressed.layout_state()
+            self._hp_exchanges = new
+            self._hp_compressed = self._hp_plain = self._hp_sync_for(self._hp_compressor)
+            self._hp_compressed.load_layout_state(layout)
+        if not on and self._hp_coordinated is not None and self._hp_coord_trial.done:
+            coordinator.stop(self._hp_coordinated.world.executor)
+            self._hp_coordinated = None
 
     def _hp_use_plan(self, name: str) -> None:
         """Switches to the candidate plan ``name`` (nothing in flight): the old buckets' residuals
@@ -1494,6 +1554,10 @@ class _HipressOptimizer:
             raise RuntimeError("join() while plan='auto' still measures its candidate plans: the working ranks "
                                "measure steps and switch plans, which a joined rank would not take part in; join "
                                "after the choice is made (opt.plan_trial.done)")
+        if self._hp_coord_trial is not None and not self._hp_coord_trial.done:
+            raise RuntimeError("join() while coordinator='auto' still measures the coordinator on and off: the "
+                               "working ranks switch exchanges, which a joined rank would not take part in; join "
+                               "after the choice is made (opt.coordinator_trial.done)")
         if self._hp_handles or self._hp_taken or self._hp_counts:
             raise RuntimeError("join() called while gradients are being synchronized; call step() or "
                                "synchronize() first")
@@ -1543,8 +1607,10 @@ class _HipressOptimizer:
         it returns once all have. Also fine to call when nothing failed (drops the current step)."""
         if self._hp_dear is not None:
             raise RuntimeError("hipress reset(): not supported with strategy='dear'; wrap the optimizer again")
-        if self._hp_transport.size > 1 and not hasattr(self._hp_exchanges.world, "transport"):
-            raise RuntimeError("hipress reset(): not supported with the global coordinator (coordinator=True)")
+        if self._hp_transport.size > 1 and (self._hp_coordinated is not None
+                                            or not hasattr(self._hp_exchanges.world, "transport")):
+            raise RuntimeError("hipress reset(): not supported with the global coordinator (coordinator=True, or "
+                               "'auto' while it measures or where it kept the coordinator on)")
         deadline = config.get("HIPRESS_TIMEOUT_S")
         engine = self._hp_engine
         # a no-op on each queue runs once whatever is running there now has finished
@@ -1676,6 +1742,8 @@ class _HipressOptimizer:
             sd["hipress"]["bucket_tune"] = {"tuner": self._hp_tuner.state_dict()}
         if self._hp_trial is not None:  # the plan the compressor states belong to, and where the trial is
             sd["hipress"]["plan_trial"] = {"trial": self._hp_trial.state_dict()}
+        if self._hp_coord_trial is not None:  # where the trial is, so a resumed job does not measure again
+            sd["hipress"]["coordinator_trial"] = self._hp_coord_trial.state_dict()
         if self._hp_plan_profile is not None:
             sd["hipress"]["plan_profile"] = self._hp_plan_profile.to_dict()
         return sd
@@ -1814,6 +1882,10 @@ class _HipressOptimizer:
             self._hp_load_tuning(hp)
             self._hp_load_plan_profile(hp)
             self._hp_load_trial(hp)
+            if self._hp_coord_trial is not None and "coordinator_trial" in hp:
+                # where the saved job's trial was (every rank loads the same point): its exchanges in force
+                self._hp_coord_trial.load_state_dict(hp["coordinator_trial"])
+                self._hp_use_coordinator(self._hp_coord_trial.in_use == "on")
             self._hp_load_carry(hp)
             self._hp_load_states(hp)  # (adds to the carry where the states do not fit this layout)
             if self._hp_momentum is not None:
@@ -1846,7 +1918,7 @@ def _holds_buffers(states: dict) -> bool:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none",
                          strategy: str = "auto", backward_passes_per_step: int = 1, op: str = Average,
                          partition_bytes: Optional[int] = 64 << 20, local_aggregation="auto", plan=None,
-                         coordinator: Optional[bool] = None, bucket_bytes="auto",
+                         coordinator=None, bucket_bytes="auto",
                          grad_clip="auto", momentum_correction="auto", nonfinite: str = "skip",
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                          sparse_as_dense: bool = False, model: Optional[torch.nn.Module] = None,
@@ -1918,8 +1990,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     momentum (and weight decay) to its own gradient before compression and the SGD steps
     without them (hipress.torch.momentum; DGC's momentum correction, for every algorithm).
     "auto" (default): on for single-round compressors (not "none", not PowerSGD).
-    coordinator: batch all communication through the global coordinator
-    (hipress.comm.coordinator); None reads HIPRESS_COORDINATOR (default off).
+    coordinator: True batches all communication through the global coordinator
+    (hipress.comm.coordinator); "auto" measures it off, then on, for HIPRESS_COORDINATOR_TRIAL_STEPS
+    steps each once training starts and keeps the faster (``opt.coordinator_trial``;
+    hipress/torch/plan_trial.py); None reads HIPRESS_COORDINATOR (default off).
     nonfinite: what a NaN or Inf in some rank's gradient does (hipress.torch.nonfinite). Each
     gradient is checked before clipping, momentum correction and compression (one sum per
     gradient), and every compressor/momentum state is copied on first change in a step.

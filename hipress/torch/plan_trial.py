@@ -1,5 +1,7 @@
-"""plan="auto" (and compression="auto"): the cost model's plan measured against the plan that
-compresses nothing, while training, and the faster one kept.
+"""Measured choices made while training: two candidates run a window of steps each and the faster
+is kept. ``PlanTrial``: plan="auto" (and compression="auto"), the cost model's plan against the
+plan that compresses nothing; ``CoordinatorTrial``: coordinator="auto", the global coordinator
+off against on (below).
 
 The cost model prices a bucket's compression by its encode and decode time alone, measured on
 an idle core. In training, compression runs beside backward on the same cores and slows it:
@@ -22,6 +24,16 @@ same maxima, so every rank decides the same without a broadcast. The optimizer s
 at a step's start, with nothing in flight; what one plan leaves in compressor state
 (error-feedback residuals) and momentum correction's velocities is handed to the other
 (hipress/torch/optimizer.py, ``_hp_use_plan``), so nothing is lost in the switch.
+
+coordinator="auto" measures the same way: ``"off"`` (the direct exchanges) first, then ``"on"``
+(every exchange through the global coordinator, started at that switch), and keeps the faster
+(a tie: "off", less work per step). Whether the coordinator pays depends on the job: without
+tensor fusion it ran 2.5-4x faster than off on the emulated 4-host cluster, with fusion from
+0.84x to 1.09x (docs/benchmarks.md), which no rule of thumb sorts out. Its window starts after
+``CoordinatorTrial.WARMUP`` steps: a step is declared ahead only once two steps in a row ran the
+same exchanges (hipress/comm/coordinator/ahead.py), so the third step under it is the first of
+its steady state. Both candidates run the same syncs over other exchanges, so the switch hands
+nothing over: compressor states stay where they are.
 """
 from __future__ import annotations
 
@@ -29,23 +41,25 @@ from typing import Callable, Dict, Optional
 
 from hipress.torch.step_window import StepWindow
 
-CANDIDATES = ("plain", "model")  # in the order they are measured
-WARMUP = 1  # steps after each switch that are not measured
 
 
 class PlanTrial:
     """The measured choice's state; see the module docstring. ``steps``: measured steps per
     candidate (Overrides.measure); ``clock``: seconds as a float (tests script it)."""
 
+    CANDIDATES = ("plain", "model")  # in the order they are measured; a tie goes to the first
+    WARMUP = 1  # steps after each switch that are not measured
+    WHAT = "plan"  # in messages
+
     def __init__(self, steps: int, clock: Optional[Callable[[], float]] = None, verbose: bool = True):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"a plan trial measures at least 1 step per candidate, got {steps!r}")
+            raise ValueError(f"a {self.WHAT} trial measures at least 1 step per candidate, got {steps!r}")
         self.steps = steps
         self.verbose = verbose
-        self.in_use = CANDIDATES[0]
+        self.in_use = self.CANDIDATES[0]
         self.seconds: Dict[str, float] = {}  # candidate -> the slowest rank's mean seconds per step
         self.done = False
-        self._window = StepWindow(steps, WARMUP, clock)
+        self._window = StepWindow(steps, self.WARMUP, clock)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -76,11 +90,11 @@ class PlanTrial:
             return None
         self.seconds[self.in_use] = slowest(self._window.seconds) / self._window.measured
         old = self.in_use
-        left = [c for c in CANDIDATES if c not in self.seconds]
+        left = [c for c in self.CANDIDATES if c not in self.seconds]
         if left:
             self.in_use = left[0]
         else:
-            self.in_use = min(CANDIDATES, key=lambda c: self.seconds[c])  # the first of equals: "plain"
+            self.in_use = min(self.CANDIDATES, key=lambda c: self.seconds[c])  # the first of equals
             self.done = True
             if self.verbose and rank == 0:
                 print(self.summary(), flush=True)
@@ -94,14 +108,17 @@ class PlanTrial:
 
     def settle(self, name: str) -> None:
         """``name`` for good, unmeasured (a checkpoint of a job that ran it alone)."""
-        if name not in CANDIDATES:
-            raise ValueError(f"no candidate plan {name!r}; the candidates are {CANDIDATES}")
+        if name not in self.CANDIDATES:
+            raise ValueError(f"no candidate {self.WHAT} {name!r}; the candidates are {self.CANDIDATES}")
         self.in_use, self.done = name, True
 
     def summary(self) -> str:
         measured = ", ".join(f"{c} {1e3 * s:.1f}" for c, s in self.seconds.items())
-        head = f"hipress: plan='auto' kept the {'model' if self.in_use == 'model' else 'uncompressed'} plan"
-        return head + (f" (ms per step, slowest rank, {self.steps} steps each: {measured})" if measured else "")
+        return self._kept() + (f" (ms per step, slowest rank, {self.steps} steps each: {measured})"
+                               if measured else "")
+
+    def _kept(self) -> str:
+        return f"hipress: plan='auto' kept the {'model' if self.in_use == 'model' else 'uncompressed'} plan"
 
     def state_dict(self) -> dict:
         window = self._window.state_dict()
@@ -112,9 +129,21 @@ class PlanTrial:
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("version") != 1:
-            raise ValueError(f"plan trial state of version {sd.get('version')!r}; this hipress reads version 1")
-        if sd["in_use"] not in CANDIDATES or set(sd["seconds"]) - set(CANDIDATES):
-            raise ValueError(f"plan trial state names unknown plans: {sd['in_use']!r}, {sorted(sd['seconds'])}")
+            raise ValueError(f"{self.WHAT} trial state of version {sd.get('version')!r}; this hipress reads version 1")
+        if sd["in_use"] not in self.CANDIDATES or set(sd["seconds"]) - set(self.CANDIDATES):
+            raise ValueError(f"{self.WHAT} trial state names unknown {self.WHAT}s: {sd['in_use']!r}, "
+                             f"{sorted(sd['seconds'])}")
         self.in_use, self.done = sd["in_use"], bool(sd["done"])
         self.seconds = {c: float(s) for c, s in sd["seconds"].items()}
         self._window.load_state_dict(sd["window"])
+
+
+class CoordinatorTrial(PlanTrial):
+    """coordinator="auto"'s measured choice (the module docstring): "off", then "on"."""
+
+    CANDIDATES = ("off", "on")
+    WARMUP = 2
+    WHAT = "coordinator"
+
+    def _kept(self) -> str:
+        return f"hipress: coordinator='auto' kept the coordinator {self.in_use}"

@@ -37,22 +37,30 @@ def start(world_transport, **kw) -> Executor:
     return ex
 
 
+def stop(ex: Executor, timeout: float = 30.0) -> None:
+    """Collective: stops one executor (every rank stops its own at the same point: coordinator="auto"
+    keeping the coordinator off) and closes its transports."""
+    with _lock:
+        if ex in _executors:
+            _executors.remove(ex)
+    try:
+        ex.close(timeout)
+    finally:
+        for tr in {id(ex.tr): ex.tr, id(ex.ctl): ex.ctl}.values():
+            try:
+                tr.close()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+
+
 def shutdown_all(timeout: float = 30.0) -> None:
     """Collective: stops every executor of this process (each rank must call it)."""
     with _lock:
         exs = list(_executors)
-        _executors.clear()
     for ex in exs:
-        try:
-            ex.close(timeout)
-        finally:
-            for tr in {id(ex.tr): ex.tr, id(ex.ctl): ex.ctl}.values():
-                try:
-                    tr.close()
-                except Exception:  # noqa: BLE001 - best effort at teardown
-                    pass
+        stop(ex, timeout)
 
 
 atexit.register(shutdown_all, 10.0)
 
-__all__ = ["DependencyGate", "Executor", "Msg", "Slot", "SlotPlanner", "message_key", "shutdown_all", "start"]
+__all__ = ["DependencyGate", "Executor", "Msg", "Slot", "SlotPlanner", "message_key", "shutdown_all", "start", "stop"]
