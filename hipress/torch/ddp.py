@@ -140,7 +140,8 @@ class HookState:
     arrived, the sync and every rank's compressor state.
 
     compression, compression_kwargs, strategy, op, partition_bytes, local_aggregation,
-    coordinator and grad_clip mean what they mean for ``hipress.DistributedOptimizer``.
+    coordinator (True or False; not "auto") and grad_clip mean what they mean for
+    ``hipress.DistributedOptimizer``.
     named_parameters: ``model.named_parameters()`` (of the model or of the DDP wrapper, the same
     on every rank): names the buckets (compressor state keys, as the optimizer names them) and
     orders each bucket's gradients as the optimizer fuses them (reverse parameter order). Without

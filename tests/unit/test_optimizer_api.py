@@ -1,5 +1,6 @@
 """DistributedOptimizer behaviour that needs no peers (a single-rank job)."""
 import copy
+import re
 
 import pytest
 import torch
@@ -346,3 +347,21 @@ def test_auto_bucket_bytes_follow_the_path_a_bucket_takes(kw, want):
     o = Options(**kw)
     assert (o.bucket_bytes, o.first_bucket_bytes) == want
 
+
+
+def test_coordinator_option_is_checked():
+    from hipress.torch.ddp import HookState
+    from hipress.torch.optimizer import Options
+
+    assert Options(coordinator="auto", compression="tbq").coordinator == "auto"
+    for bad in ("yes", 1, "on"):
+        with pytest.raises(ValueError, match="coordinator must be True, False or 'auto'"):
+            Options(coordinator=bad)
+    # one measured choice at a time
+    for kw, named in ((dict(compression="auto"), "compression='auto'"), (dict(plan="auto", compression="tbq"), "plan="),
+                      (dict(compression="covap"), "covap"), (dict(bucket_bytes="tune"), "tune"),
+                      (dict(strategy="dear"), "dear")):
+        with pytest.raises(ValueError, match=f"coordinator='auto' measures.*{re.escape(named)}"):
+            Options(coordinator="auto", **kw)
+    with pytest.raises(ValueError, match="'auto' .* is hipress.DistributedOptimizer's"):
+        HookState("tbq", coordinator="auto")

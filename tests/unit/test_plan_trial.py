@@ -3,7 +3,7 @@ and identities for the collectives (the multi-rank behaviour: tests/multiproc/te
 import pytest
 
 from hipress.planner import Overrides
-from hipress.torch.plan_trial import PlanTrial
+from hipress.torch.plan_trial import CoordinatorTrial, PlanTrial
 
 
 class Clock:
@@ -104,3 +104,21 @@ def test_settle_and_bad_arguments():
         with pytest.raises(ValueError, match="measure"):
             Overrides(measure=bad)
     assert Overrides().measure == 10 and Overrides(measure=0).measure == 0
+
+
+@pytest.mark.parametrize("seconds,kept", [({"off": 2.0, "on": 1.0}, "on"),
+                                          ({"off": 1.0, "on": 2.0}, "off"),
+                                          ({"off": 1.0, "on": 1.0}, "off")])  # a tie: less work per step
+def test_coordinator_trial_measures_off_then_on_after_two_warmup_steps(seconds, kept):
+    clock = Clock()
+    trial = CoordinatorTrial(2, clock, verbose=False)
+    plans, switches = run(trial, clock, seconds, 12)
+    # 1 step to start the clock, 2 warm-up (the coordinator declares a step ahead from its third), 2 measured
+    assert plans[:4] == ["off"] * 4 and plans[4:8] == ["on"] * 4 and plans[8:] == [kept] * 4
+    assert switches == ([4] if kept == "on" else [4, 8])
+    assert trial.done and trial.chosen == kept and trial.seconds == seconds
+    assert f"kept the coordinator {kept}" in trial.summary()
+    with pytest.raises(ValueError, match="unknown coordinators"):  # a plan trial's state is not its own
+        CoordinatorTrial(2).load_state_dict(PlanTrial(2).state_dict())
+    with pytest.raises(ValueError, match="coordinator trial measures at least 1 step"):
+        CoordinatorTrial(0)
