@@ -371,7 +371,9 @@ def open_exchanges(engine: Engine, coordinated: bool = False) -> Exchanges:
     if coordinated and world.size() > 1:
         from hipress.comm import coordinator
 
-        ex = coordinator.start(world.transport())
+        # groups of a few ranks (local aggregation's) make exchanges some ranks do not declare
+        every_rank = all(len(world.members(g)) in (1, world.size()) for g in ("local", "cross"))
+        ex = coordinator.start(world.transport(), every_rank_declares=every_rank)
         predictor = StepPredictor(ex, enabled=config.get("HIPRESS_COORDINATOR_AHEAD"))
         make = {g: CoordinatedExchange(engine, ex, world.members(g), predictor) for g in ("world", "local", "cross")}
         return Exchanges(make["world"], make["local"], make["cross"], predictor)

@@ -32,7 +32,8 @@ def _train(strategy: str, mode: str):
         eng = Engine()
         ex = predictor = None
         if mode != "direct":
-            ex = Executor(tr.split(0, key=tr.rank), tr.split(0, key=tr.rank) if mode == "two threads" else None)
+            ex = Executor(tr.split(0, key=tr.rank), tr.split(0, key=tr.rank) if mode != "one thread" else None,
+                          every_rank_declares=mode == "every rank declares")
             predictor = StepPredictor(ex)
             exchange = CoordinatedExchange(eng, ex, range(tr.size), predictor)
         else:
@@ -61,7 +62,7 @@ def _train(strategy: str, mode: str):
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ps"])
-@pytest.mark.parametrize("mode", ["one thread", "two threads"])
+@pytest.mark.parametrize("mode", ["one thread", "two threads", "every rank declares"])
 def test_predicted_steps_give_the_direct_results_and_recover_from_changed_steps(strategy, mode):
     """Every step, predicted or not, gives the bits of the direct exchange (TBQ with error
     feedback: its residuals carry every step into the next); the steps that repeat are declared
@@ -93,6 +94,39 @@ def test_predicted_steps_give_the_direct_results_and_recover_from_changed_steps(
     assert delta[7]["voided"] == delta[8]["voided"] == 0
     if strategy == "ps":  # predicted steps declare their sizes: the small partitions go to every peer at once
         assert all(fan > 0 for _, _, fan in ahead)
+
+
+def test_where_every_rank_declares_an_idle_executor_sleeps_until_woken():
+    """every_rank_declares: no backing off from 0.5 ms, so an idle executor runs at most one round
+    per IDLE_MAX_S_EVERY_RANK (and one per wake); a declaration still starts its round, and an
+    exchange runs through. Upper bounds only: load makes fewer rounds, not more."""
+    from hipress.comm.coordinator.executor import IDLE_MAX_S_EVERY_RANK
+
+    def body(tr):
+        import time
+
+        eng = Engine()
+        ex = Executor(tr.split(0, key=tr.rank), tr.split(0, key=tr.rank), every_rank_declares=True)
+        exchange = CoordinatedExchange(eng, ex, range(tr.size))
+        nxt, prv = (tr.rank + 1) % tr.size, (tr.rank - 1) % tr.size
+        try:
+            got = []
+            for step in range(2):
+                box = {}
+                exchange.sendrecv(f"x{step}", lambda: torch.full((4,), float(tr.rank)), nxt,
+                                  lambda t, box=box: box.setdefault("t", t.clone()), prv).result(timeout=30)
+                got.append(float(box["t"].view(torch.float32)[0]))
+                before, t0 = ex.stats["idle_rounds"], time.monotonic()
+                time.sleep(0.5)  # nothing declared anywhere
+                idle, elapsed = ex.stats["idle_rounds"] - before, time.monotonic() - t0
+        finally:
+            ex.close(timeout=20)
+            eng.shutdown()
+        return got, idle, elapsed
+
+    for r, (got, idle, elapsed) in enumerate(loopback.spawn(N, body, timeout_s=60)):
+        assert got == [float((r - 1) % N)] * 2
+        assert idle <= elapsed / IDLE_MAX_S_EVERY_RANK + 3, f"rank {r}: {idle} idle rounds in {elapsed:.2f} s"
 
 
 def test_a_step_shorter_than_predicted_voids_the_rest_at_its_end():

@@ -37,7 +37,12 @@ waits on (and so, by induction, of everything its payload needs), so a slot's pa
 ready from earlier slots' data and local compute.
 
 A round where nobody declared anything is idle: ranks sleep briefly (backing off up to
-``idle_max_s``) before the next one. Shutdown: a closing rank says so in its HEAD once every
+``idle_max_s``) before the next one; a declaration (or a void, or ``close``) ends the sleep. Where
+every exchange spans every rank (``every_rank_declares``: no group of a few ranks), every rank
+makes every declaration itself, so a sleeping rank is woken by its own when a round is due
+(the others block in that round's all-gather until then): it sleeps up to ``idle_max_s``
+without backing off, and a steady training step, whose exchanges were all declared ahead,
+runs no idle round at all. Shutdown: a closing rank says so in its HEAD once every
 exchange it posted has finished; when every rank says so in one round, all leave. A message
 may be **void**: its sender gives it up (``void``: a prediction of the next step that did not
 come true; or, after ``close()``, a payload never posted) and sends a size of -1 in its slot
@@ -77,6 +82,11 @@ SMALL_SLOT_BYTES = 64 << 10  # a slot moving no more is latency, not bandwidth (
 # Small messages each rank may send and receive per slot beside the slot's matching (the planner's
 # fan_bytes): 2 ms at 1 Gbit/s, where the n - 1 matchings they would take cost a round of latency each.
 FAN_BYTES = 256 << 10
+# The longest idle sleep between control rounds. Backing off from 0.5 ms to 10 ms, a rank that
+# does not declare an exchange (a group of a few ranks) joins its round within 10 ms. Where every
+# rank declares every exchange, a sleep ends by a declaration: the bound only caps a wake missed.
+IDLE_MAX_S = 0.01
+IDLE_MAX_S_EVERY_RANK = 0.1
 _GAVE_UP = "gave its part up (at shutdown, or its exchanges in this step differ from this rank's)"
 
 
@@ -114,9 +124,11 @@ class PostedExchange:
 
 
 class Executor:
-    def __init__(self, transport, control=None, idle_max_s: float = 0.01):
+    def __init__(self, transport, control=None, idle_max_s: Optional[float] = None, every_rank_declares: bool = False):
         """``transport``: the data's private duplicate of the world transport; ``control``: a
-        second one for the rounds, run on their own thread (None: one thread runs both)."""
+        second one for the rounds, run on their own thread (None: one thread runs both);
+        ``every_rank_declares``: every exchange spans all ranks (see the module docstring);
+        ``idle_max_s``: the longest idle sleep (None: IDLE_MAX_S, or IDLE_MAX_S_EVERY_RANK)."""
         if transport.p2p_needs_all_ranks:
             raise ValueError(f"the coordinator pairs a few ranks per slot, and the {transport.name} transport's "
                              "point-to-point calls need every rank (use a backend with pairwise messages)")
@@ -124,7 +136,8 @@ class Executor:
         self.ctl = control if control is not None else transport
         self.overlap = control is not None
         self.rank, self.n = transport.rank, transport.size
-        self.idle_max_s = idle_max_s
+        self.idle_max_s = idle_max_s or (IDLE_MAX_S_EVERY_RANK if every_rank_declares else IDLE_MAX_S)
+        self.every_rank_declares = every_rank_declares
         self._cv = threading.Condition()
         self._decls: List[P.Decl] = []  # declared since the last round
         self._waves: "deque[List[P.Decl]]" = deque()  # declared ahead (declare_ahead), a wave per round
@@ -192,6 +205,7 @@ class Executor:
                     self._dropped.add((src, key))
                 self._abandoned.discard((src, key))
             self._cv.notify_all()
+        self._woken.set()  # the waves moved above go in the next round
 
     def post(self, name: str, key: int, sends: Dict[int, torch.Tensor], sinks: Dict[int, Callable], completion) -> None:
         """When the exchange's dependencies are done (on the comm queue's thread)."""
@@ -446,7 +460,7 @@ class Executor:
                     self.stats["idle_rounds"] += 1
                     # Back off while nothing is declared; a declaration here ends the wait (the
                     # other ranks, declaring the same collectives, wake the same way).
-                    idle = min(self.idle_max_s, idle * 2 or 5e-4)
+                    idle = self.idle_max_s if self.every_rank_declares else min(self.idle_max_s, idle * 2 or 5e-4)
                     self._woken.wait(idle)
                     self._woken.clear()
                     continue
