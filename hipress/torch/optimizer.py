@@ -402,7 +402,7 @@ class Options:
     partition_bytes: Optional[int] = 64 << 20
     local_aggregation: object = "auto"
     plan: object = None
-    coordinator: object = None            # True, False, "auto" (measured: plan_trial.CoordinatorTrial); None: HIPRESS_COORDINATOR
+    coordinator: object = None            # True, False, "auto" (measured: CoordinatorTrial); None: HIPRESS_COORDINATOR
     bucket_bytes: object = "auto"          # an int, None, "auto" (PLAIN_BUCKET_BYTES / BUCKET_BYTES) or "tune"
     grad_clip: object = "auto"            # hipress.torch.clipping: "auto" (none), "paper", None or a callable
     momentum_correction: object = "auto"  # hipress.torch.momentum: "auto", True or False
@@ -793,7 +793,7 @@ class _HipressOptimizer:
             "op": options.op,
             "nonfinite": options.nonfinite,
             "local aggregation": repr(self._hp_hierarchical),
-            "coordinator": repr(bool(options.coordinator)),
+            "coordinator": repr(options.coordinator),
             "plan": type(options.plan).__name__ if not isinstance(options.plan, str) else options.plan,
             "plan measure": repr(_plan_measure(options.plan)),
             "momentum correction": repr(self._hp_momentum is not None),
@@ -1629,7 +1629,8 @@ class _HipressOptimizer:
         self._hp_bad = set()
         self._hp_undo()
         self._hp_skip_step = self._hp_synchronized = False
-        for search in (self._hp_tuner, self._hp_trial):  # the failed step's time is no measurement
+        # the failed step's time is no measurement
+        for search in (self._hp_tuner, self._hp_trial, self._hp_coord_trial):
             if search is not None:
                 search.restart_window()
         self._hp_exchanges.reset()
