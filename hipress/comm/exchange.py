@@ -324,7 +324,17 @@ class Exchanges:
     predictor: Optional[StepPredictor] = None  # the coordinator's (hipress.comm.coordinator.ahead); None without
 
     def rebind(self, world_transport, local_transport, cross_transport) -> None:
-        """Moves the direct exchanges onto fresh transports (after ``world.reconnect()``)."""
+        """Moves the exchanges onto fresh transports (after ``world.reconnect()``; collective): the
+        direct ones onto the new transports, the coordinated ones onto a new executor over the new
+        world transport (``coordinator.replace``), their predictor starting over."""
+        if self.predictor is not None:
+            from hipress.comm import coordinator
+
+            ex = coordinator.replace(self.predictor.executor, world_transport)
+            self.predictor.restart(ex)
+            for c in (self.world, self.local, self.cross):
+                c.executor = ex
+            return
         for ex, tr in ((self.world, world_transport), (self.local, local_transport), (self.cross, cross_transport)):
             ex.transport = tr
 

@@ -541,7 +541,7 @@ class _HipressOptimizer:
         # switch), the faster kept (plan_trial.CoordinatorTrial, _hp_use_coordinator)
         self._hp_coord_trial = (CoordinatorTrial(config.get("HIPRESS_COORDINATOR_TRIAL_STEPS"))
                                 if options.coordinator == "auto" and world.size() > 1 else None)
-        self._hp_direct = self._hp_exchanges
+        self._hp_direct = self._hp_exchanges if self._hp_coord_trial is not None else None
         self._hp_coordinated = None
         self._hp_states = StateStore(world.rank())
         # Non-finite gradients (hipress/torch/nonfinite.py): checked per gradient, states logged
@@ -1607,10 +1607,6 @@ class _HipressOptimizer:
         it returns once all have. Also fine to call when nothing failed (drops the current step)."""
         if self._hp_dear is not None:
             raise RuntimeError("hipress reset(): not supported with strategy='dear'; wrap the optimizer again")
-        if self._hp_transport.size > 1 and (self._hp_coordinated is not None
-                                            or not hasattr(self._hp_exchanges.world, "transport")):
-            raise RuntimeError("hipress reset(): not supported with the global coordinator (coordinator=True, or "
-                               "'auto' while it measures or where it kept the coordinator on)")
         deadline = config.get("HIPRESS_TIMEOUT_S")
         engine = self._hp_engine
         # a no-op on each queue runs once whatever is running there now has finished
@@ -1633,10 +1629,15 @@ class _HipressOptimizer:
         for search in (self._hp_tuner, self._hp_trial, self._hp_coord_trial):
             if search is not None:
                 search.restart_window()
-        self._hp_exchanges.reset()
+        # the exchanges in use, and under coordinator="auto" the other set too (it may switch back)
+        exchange_sets = {id(e): e for e in (self._hp_exchanges, self._hp_direct, self._hp_coordinated)
+                         if e is not None}.values()
+        for ex in exchange_sets:
+            ex.reset()
         if self._hp_transport.size > 1:
             world.reconnect()
-            self._hp_exchanges.rebind(world.transport(), world.local_transport(), world.cross_transport())
+            for ex in exchange_sets:  # (the coordinated ones: a new executor, collectively)
+                ex.rebind(world.transport(), world.local_transport(), world.cross_transport())
             self._hp_transport = world.transport()
             self._hp_control = world.control_transport() if self._hp_guard else None
         self._hp_failure = None

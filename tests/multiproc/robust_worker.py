@@ -12,10 +12,12 @@ Scenarios (each rank writes OUT_DIR/rank{r}.pt):
   freeze_one_rank  compression none, three buckets: rank 1 alone freezes the first layer
            for step 2; records each step's error (every rank resets after it) and the final parameters.
   reset    TBQ with momentum: at step 2 a comm call fails on every rank (injected into the
-           transport); every rank catches it, calls opt.reset() and goes on. A second run never
-           fails but skips step 2's batch. Records both runs' final parameters.
+           transport; with COORDINATOR=1, into the global coordinator's data transport); every
+           rank catches it, calls opt.reset() and goes on. A second run never fails but skips
+           step 2's batch. Records both runs' final parameters.
   stall    (launched by hand, HIPRESS_TIMEOUT_S short) rank 1 sleeps ARG seconds before step 2's
-           backward: every rank records the error of step 2, calls reset() and trains on.
+           backward: every rank records the error of step 2, calls reset() and trains on
+           (COORDINATOR=1: through the global coordinator).
   kill     (launched by hand) rank 1 exits at step 2; the others record the error and exit 3.
   rendezvous  (launched by hand, some ranks never started) hipress.init()'s error, exit 3.
 """
@@ -145,21 +147,26 @@ def main(scenario, out_dir, arg):
         save({"errors": errors, "final": params(model)})
 
     elif scenario == "reset":
+        coordinated = os.environ.get("COORDINATOR") == "1"
+
         def run(inject):
             model = make_model()
             opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                                named_parameters=model.named_parameters(), compression="tbq",
-                                               strategy=os.environ["STRATEGY"], threshold=0.01)
+                                               strategy=os.environ["STRATEGY"], threshold=0.01,
+                                               coordinator=coordinated)
             errors = []
             for t in range(6):
                 if t == 2 and not inject:
                     continue  # the reference: the failed step's batch never taken
                 if t == 2:  # the next transfer on every rank fails
-                    tr = world.transport()
-
                     def broken(*a, **k):
                         raise RuntimeError("injected transport failure")
-                    tr.sendrecv_alloc = tr.alltoallv_alloc = broken
+                    if coordinated:  # the executor's slots
+                        opt._hp_exchanges.world.executor.tr.exchange = broken
+                    else:
+                        tr = world.transport()
+                        tr.sendrecv_alloc = tr.alltoallv_alloc = broken
                 try:
                     train_step(model, opt, batch(rank, t))
                 except RuntimeError as e:
@@ -175,7 +182,7 @@ def main(scenario, out_dir, arg):
         model = make_model()
         opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                            named_parameters=model.named_parameters(), compression="none",
-                                           strategy="allgather")
+                                           strategy="allgather", coordinator=os.environ.get("COORDINATOR") == "1")
         errors = []
         for t in range(5):
             if t == 2 and rank == 1:

@@ -26,11 +26,11 @@ def launch(tmp_path, scenario, np, arg=None, env=None, timeout=240):
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(np)]
 
 
-def launch_by_hand(tmp_path, scenario, np, arg=None, timeout_s="6", ranks=None):
+def launch_by_hand(tmp_path, scenario, np, arg=None, timeout_s="6", ranks=None, env=None):
     """For scenarios where a rank fails on purpose (the launcher would stop everyone at once);
     ``ranks``: the ranks started (default: all np)."""
     cmd = [sys.executable, WORKER, scenario, str(tmp_path)] + ([arg] if arg else [])
-    return run_ranks_by_hand(cmd, np, dict(os.environ, HIPRESS_TIMEOUT_S=timeout_s), ranks)
+    return run_ranks_by_hand(cmd, np, dict(os.environ, HIPRESS_TIMEOUT_S=timeout_s, **(env or {})), ranks)
 
 
 def test_configuration_mismatch_fails_at_wrap_on_every_rank(tmp_path):
@@ -118,9 +118,11 @@ def test_ranks_that_freeze_different_parameters_fail_the_step_on_every_rank(tmp_
             assert torch.equal(v, res[0]["final"][k]), f"rank {r} {k} differs from rank 0"
 
 
-@pytest.mark.parametrize("strategy", ["ring", "allgather"])
-def test_reset_after_failed_sync(tmp_path, strategy):
-    res = launch(tmp_path, "reset", 2, env={"STRATEGY": strategy})
+@pytest.mark.parametrize("strategy,coordinator", [("ring", "0"), ("allgather", "0"), ("ps", "1"), ("ring", "1")])
+def test_reset_after_failed_sync(tmp_path, strategy, coordinator):
+    """With the global coordinator, reset() replaces its executor (the old one failed) and its
+    step predictions start over."""
+    res = launch(tmp_path, "reset", 2, env={"STRATEGY": strategy, "COORDINATOR": coordinator})
     for r in range(2):
         assert len(res[r]["errors"]) == 1 and "injected transport failure" in res[r]["errors"][0]
         for k, v in res[r]["failed"].items():
@@ -131,10 +133,12 @@ def test_reset_after_failed_sync(tmp_path, strategy):
 
 
 @pytest.mark.slow
-def test_stalled_rank_is_named_and_reset_recovers(tmp_path):
+@pytest.mark.parametrize("coordinator", ["0", "1"])
+def test_stalled_rank_is_named_and_reset_recovers(tmp_path, coordinator):
     """Rank 1 sleeps 1.5 timeouts before a step: the others' step fails naming rank 1; every rank
-    (rank 1 too, on the connections the others closed) fails that step, resets and trains on."""
-    codes, outs = launch_by_hand(tmp_path, "stall", 3, arg="9", timeout_s="6")
+    (rank 1 too, on the connections the others closed) fails that step, resets and trains on;
+    with the global coordinator too (its executors fail and reset() replaces them)."""
+    codes, outs = launch_by_hand(tmp_path, "stall", 3, arg="9", timeout_s="6", env={"COORDINATOR": coordinator})
     assert codes == [0, 0, 0], "\n".join(o[-2000:] for o in outs)
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
     for r in (0, 2):

@@ -53,6 +53,20 @@ def stop(ex: Executor, timeout: float = 30.0) -> None:
                 pass
 
 
+def replace(ex: Executor, world_transport) -> Executor:
+    """Collective, after a failed step and ``world.reconnect()``: a new executor over the new
+    world transport in place of ``ex``. ``ex`` is closed first where it still runs (every rank
+    calls this, so its CLOSING round completes); where a peer's executor failed, its rounds time
+    out (HIPRESS_TIMEOUT_S) and it stops with an error, which is expected here and dropped."""
+    from hipress import config
+
+    try:
+        stop(ex, timeout=config.get("HIPRESS_TIMEOUT_S") + 5.0)
+    except Exception:  # noqa: BLE001 - the failure reset() recovers from may be this executor's own
+        pass
+    return start(world_transport, every_rank_declares=ex.every_rank_declares)
+
+
 def shutdown_all(timeout: float = 30.0) -> None:
     """Collective: stops every executor of this process (each rank must call it)."""
     with _lock:
@@ -63,4 +77,4 @@ def shutdown_all(timeout: float = 30.0) -> None:
 
 atexit.register(shutdown_all, 10.0)
 
-__all__ = ["DependencyGate", "Executor", "Msg", "Slot", "SlotPlanner", "message_key", "shutdown_all", "start", "stop"]
+__all__ = ["DependencyGate", "Executor", "Msg", "Slot", "SlotPlanner", "message_key", "replace", "shutdown_all", "start", "stop"]

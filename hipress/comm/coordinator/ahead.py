@@ -137,6 +137,16 @@ class StepPredictor:
             self._last = None
             self._sizes.clear()
 
+    def restart(self, executor) -> None:
+        """After ``reset`` and a reconnect: a new executor (the old one's keys mean nothing to it),
+        and names counted from zero, so every rank starts over alike whatever exchanges each had
+        made of the failed step."""
+        with self._lock:
+            self.executor = executor
+            self.epoch = 0
+            self.occurrences = [{} for _ in self.occurrences]
+            self._pending.clear()
+
     def _clear(self) -> None:
         self._window, self._times, self._observed, self._position = [], [], [], {}
 
