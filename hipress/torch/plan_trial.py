@@ -114,8 +114,8 @@ class PlanTrial:
 
     def summary(self) -> str:
         measured = ", ".join(f"{c} {1e3 * s:.1f}" for c, s in self.seconds.items())
-        return self._kept() + (f" (ms per step, slowest rank, {self.steps} steps each: {measured})"
-                               if measured else "")
+        head = self._kept() if self.done else f"hipress: the {self.WHAT} trial is measuring {self.in_use!r}"
+        return head + (f" (ms per step, slowest rank, {self.steps} steps each: {measured})" if measured else "")
 
     def _kept(self) -> str:
         return f"hipress: plan='auto' kept the {'model' if self.in_use == 'model' else 'uncompressed'} plan"

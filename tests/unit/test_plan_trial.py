@@ -112,7 +112,10 @@ def test_settle_and_bad_arguments():
 def test_coordinator_trial_measures_off_then_on_after_two_warmup_steps(seconds, kept):
     clock = Clock()
     trial = CoordinatorTrial(2, clock, verbose=False)
-    plans, switches = run(trial, clock, seconds, 12)
+    plans, switches = run(trial, clock, seconds, 6)
+    assert trial.summary().startswith("hipress: the coordinator trial is measuring 'on'")  # not done yet
+    later, later_switches = run(trial, clock, seconds, 6)
+    plans, switches = plans + later, switches + [s + 6 for s in later_switches]
     # 1 step to start the clock, 2 warm-up (the coordinator declares a step ahead from its third), 2 measured
     assert plans[:4] == ["off"] * 4 and plans[4:8] == ["on"] * 4 and plans[8:] == [kept] * 4
     assert switches == ([4] if kept == "on" else [4, 8])
