@@ -29,7 +29,7 @@ coordinator="auto" measures the same way: ``"off"`` (the direct exchanges) first
 (every exchange through the global coordinator, started at that switch), and keeps the faster
 (a tie: "off", less work per step). Whether the coordinator pays depends on the job: without
 tensor fusion it ran 2.5-4x faster than off on the emulated 4-host cluster, with fusion from
-0.84x to 1.09x (docs/benchmarks.md), which no rule of thumb sorts out. Its window starts after
+0.98x to 1.16x (docs/benchmarks.md), which no rule of thumb sorts out. Its window starts after
 ``CoordinatorTrial.WARMUP`` steps: a step is declared ahead only once two steps in a row ran the
 same exchanges (hipress/comm/coordinator/ahead.py), so the third step under it is the first of
 its steady state. Both candidates run the same syncs over other exchanges, so the switch hands
@@ -40,7 +40,6 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 from hipress.torch.step_window import StepWindow
-
 
 
 class PlanTrial:

@@ -77,4 +77,5 @@ def shutdown_all(timeout: float = 30.0) -> None:
 
 atexit.register(shutdown_all, 10.0)
 
-__all__ = ["DependencyGate", "Executor", "Msg", "Slot", "SlotPlanner", "message_key", "replace", "shutdown_all", "start", "stop"]
+__all__ = ["DependencyGate", "Executor", "Msg", "Slot", "SlotPlanner", "message_key", "replace", "shutdown_all",
+           "start", "stop"]

@@ -42,13 +42,13 @@ every exchange spans every rank (``every_rank_declares``: no group of a few rank
 makes every declaration itself, so a sleeping rank is woken by its own when a round is due
 (the others block in that round's all-gather until then): it sleeps up to ``idle_max_s``
 without backing off, and a steady training step, whose exchanges were all declared ahead,
-runs no idle round at all. Shutdown: a closing rank says so in its HEAD once every
-exchange it posted has finished; when every rank says so in one round, all leave. A message
-may be **void**: its sender gives it up (``void``: a prediction of the next step that did not
-come true; or, after ``close()``, a payload never posted) and sends a size of -1 in its slot
-instead of the payload, so nobody waits for it; its receiver drops it if it gave the exchange
-up too, and fails the exchange that waited for it otherwise. A late or
-dead rank makes a transfer or a round time out (HIPRESS_TIMEOUT_S); the executor then fails
+runs one idle round (after the round of its predictions) where it ran about four. Shutdown: a
+closing rank says so in its HEAD once every exchange it posted has finished; when every rank
+says so in one round, all leave. A message may be **void**: its sender gives it up (``void``: a
+prediction of the next step that did not come true; or, after ``close()``, a payload never
+posted) and sends a size of -1 in its slot instead of the payload, so nobody waits for it; its
+receiver drops it if it gave the exchange up too, and fails the exchange that waited for it
+otherwise. A late or dead rank makes a transfer or a round time out (HIPRESS_TIMEOUT_S); the executor then fails
 every pending exchange with that error. Self-messages (src == dst) never touch the network
 and are not declared.
 """
@@ -124,7 +124,8 @@ class PostedExchange:
 
 
 class Executor:
-    def __init__(self, transport, control=None, idle_max_s: Optional[float] = None, every_rank_declares: bool = False):
+    def __init__(self, transport, control=None, idle_max_s: Optional[float] = None,
+                 every_rank_declares: bool = False):
         """``transport``: the data's private duplicate of the world transport; ``control``: a
         second one for the rounds, run on their own thread (None: one thread runs both);
         ``every_rank_declares``: every exchange spans all ranks (see the module docstring);
