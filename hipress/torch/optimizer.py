@@ -39,7 +39,7 @@ import math
 import time
 import warnings
 import zlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -626,7 +626,6 @@ class _HipressOptimizer:
         self._hp_steps = 0  # synchronizations finished (successful or skipped): the same count on every rank
         self._hp_skipped = 0  # steps not taken for non-finite gradients (every rank alike): the tuner skips them
         self._hp_skipped_seen = 0
-        self._hp_coord_skipped_seen = 0
         # residuals handed back (a rebuild, a plan switch, COVAP's new units, a checkpoint of another
         # layout), per parameter id, added to the next step's gradients (_hp_take); once added they
         # wait in _hp_carry_sent until that step commits (dropped) or is undone (back in the carry)
@@ -925,9 +924,9 @@ class _HipressOptimizer:
             if self._hp_tuner is not None:
                 self._hp_tune_step()
             if self._hp_trial is not None:
-                self._hp_trial_step()
+                self._hp_trial_step(self._hp_trial, self._hp_use_plan)
             if self._hp_coord_trial is not None:
-                self._hp_coord_trial_step()
+                self._hp_trial_step(self._hp_coord_trial, lambda name: self._hp_use_coordinator(name == "on"))
         if self._hp_dear is not None:
             self._hp_dear.check_fresh(p)
         grad = p.grad
@@ -1008,13 +1007,20 @@ class _HipressOptimizer:
         tuner = self._hp_tuner
         if tuner.done:
             return
-        skipped = self._hp_skipped != self._hp_skipped_seen  # agreed by every rank in the last step
-        self._hp_skipped_seen = self._hp_skipped
-        size = tuner.step_start(skipped, self._hp_slowest, self._hp_share, self._hp_transport.rank)
+        size = tuner.step_start(self._hp_last_step_skipped(), self._hp_slowest, self._hp_share,
+                                self._hp_transport.rank)
         if size is not None:
             self._hp_bucket_bytes = size
             self._hp_rebuild()
             tuner.mark()
+
+    def _hp_last_step_skipped(self) -> bool:
+        """Whether the last step was skipped for non-finite gradients (agreed by every rank in it).
+        Read once per step, by the one online search the options allow (the tuner, plan="auto"'s
+        trial or coordinator="auto"'s: Options refuses any two together)."""
+        skipped = self._hp_skipped != self._hp_skipped_seen
+        self._hp_skipped_seen = self._hp_skipped
+        return skipped
 
     def _hp_slowest(self, seconds: float) -> float:
         """The largest of every rank's ``seconds`` (the ranks wait for each other: the slowest sets
@@ -1078,17 +1084,15 @@ class _HipressOptimizer:
         there is nothing to choose."""
         return self._hp_trial
 
-    def _hp_trial_step(self) -> None:
-        """At a step's first final gradient (as _hp_tune_step): the trial counts the last step,
-        and where it picks the other plan, every rank switches to it alike."""
-        trial = self._hp_trial
+    def _hp_trial_step(self, trial: PlanTrial, switch: Callable[[str], None]) -> None:
+        """At a step's first final gradient (as _hp_tune_step): a measured choice (plan="auto"'s or
+        coordinator="auto"'s) counts the last step, and where it picks the other candidate, every
+        rank switches to it alike (``switch``)."""
         if trial.done:
             return
-        skipped = self._hp_skipped != self._hp_skipped_seen  # agreed by every rank in the last step
-        self._hp_skipped_seen = self._hp_skipped
-        name = trial.step_start(skipped, self._hp_slowest, self._hp_transport.rank)
+        name = trial.step_start(self._hp_last_step_skipped(), self._hp_slowest, self._hp_transport.rank)
         if name is not None:
-            self._hp_use_plan(name)
+            switch(name)
             trial.mark()
 
     @property
@@ -1097,19 +1101,6 @@ class _HipressOptimizer:
         ``done``, ``chosen``, ``seconds`` per candidate, ``summary()``); None where there is nothing
         to choose (another coordinator option, or one rank)."""
         return self._hp_coord_trial
-
-    def _hp_coord_trial_step(self) -> None:
-        """At a step's first final gradient (as _hp_trial_step): where the trial switches, every rank
-        switches alike; where it keeps the coordinator off, every rank stops its executor."""
-        trial = self._hp_coord_trial
-        if trial.done:
-            return
-        skipped = self._hp_skipped != self._hp_coord_skipped_seen
-        self._hp_coord_skipped_seen = self._hp_skipped
-        name = trial.step_start(skipped, self._hp_slowest, self._hp_transport.rank)
-        if name is not None:
-            self._hp_use_coordinator(name == "on")
-            trial.mark()
 
     def _hp_use_coordinator(self, on: bool) -> None:
         """Every exchange from now on goes through the global coordinator (``on``; its executor

@@ -14,6 +14,7 @@ import atexit
 import threading
 from typing import List
 
+from hipress import config
 from hipress.comm.coordinator.executor import Executor, message_key
 from hipress.comm.coordinator.planner import DependencyGate, Msg, Slot, SlotPlanner
 
@@ -58,8 +59,6 @@ def replace(ex: Executor, world_transport) -> Executor:
     world transport in place of ``ex``. ``ex`` is closed first where it still runs (every rank
     calls this, so its CLOSING round completes); where a peer's executor failed, its rounds time
     out (HIPRESS_TIMEOUT_S) and it stops with an error, which is expected here and dropped."""
-    from hipress import config
-
     try:
         stop(ex, timeout=config.get("HIPRESS_TIMEOUT_S") + 5.0)
     except Exception:  # noqa: BLE001 - the failure reset() recovers from may be this executor's own

@@ -48,8 +48,8 @@ says so in one round, all leave. A message may be **void**: its sender gives it 
 prediction of the next step that did not come true; or, after ``close()``, a payload never
 posted) and sends a size of -1 in its slot instead of the payload, so nobody waits for it; its
 receiver drops it if it gave the exchange up too, and fails the exchange that waited for it
-otherwise. A late or dead rank makes a transfer or a round time out (HIPRESS_TIMEOUT_S); the executor then fails
-every pending exchange with that error. Self-messages (src == dst) never touch the network
+otherwise. A late or dead rank makes a transfer or a round time out (HIPRESS_TIMEOUT_S); the
+executor then fails every pending exchange with that error. Self-messages (src == dst) never touch the network
 and are not declared.
 """
 from __future__ import annotations
@@ -137,7 +137,9 @@ class Executor:
         self.ctl = control if control is not None else transport
         self.overlap = control is not None
         self.rank, self.n = transport.rank, transport.size
-        self.idle_max_s = idle_max_s or (IDLE_MAX_S_EVERY_RANK if every_rank_declares else IDLE_MAX_S)
+        if idle_max_s is None:
+            idle_max_s = IDLE_MAX_S_EVERY_RANK if every_rank_declares else IDLE_MAX_S
+        self.idle_max_s = idle_max_s
         self.every_rank_declares = every_rank_declares
         self._cv = threading.Condition()
         self._decls: List[P.Decl] = []  # declared since the last round
