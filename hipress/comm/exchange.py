@@ -36,7 +36,9 @@ Two implementations:
   (hipress.comm.coordinator), which batches the messages of all ranks into slots over
   non-conflicting links. Messages are matched by a key derived from the operation's name
   and its occurrence, so no chain is needed. Group ranks are translated to world ranks, so
-  the coordinator serves the local and cross groups of local aggregation too.
+  the coordinator serves the local and cross groups of local aggregation too. It has no
+  allreduce, so uncompressed sums go beside it, through direct exchanges of their own
+  (``Exchanges.plain``) where the backend can run those while the executor runs its slots.
 
 :func:`open_exchanges` makes the world, local and cross exchanges of this process.
 """
@@ -322,11 +324,17 @@ class Exchanges:
     local: Exchange
     cross: Exchange
     predictor: Optional[StepPredictor] = None  # the coordinator's (hipress.comm.coordinator.ahead); None without
+    # Beside the coordinator: the direct exchanges whose allreduce sums uncompressed gradients
+    # (hipress.sync.factory; issue 21, compression never a loss). None: direct exchanges sum their
+    # own; coordinated ones where the backend cannot run both at once send them through the coordinator.
+    plain: Optional["Exchanges"] = None
 
     def rebind(self, world_transport, local_transport, cross_transport) -> None:
         """Moves the exchanges onto fresh transports (after ``world.reconnect()``; collective): the
         direct ones onto the new transports, the coordinated ones onto a new executor over the new
         world transport (``coordinator.replace``), their predictor starting over."""
+        if self.plain is not None:
+            self.plain.rebind(world_transport, local_transport, cross_transport)
         if self.predictor is not None:
             from hipress.comm import coordinator
 
@@ -345,6 +353,8 @@ class Exchanges:
             chain.reset()
         if self.predictor is not None:
             self.predictor.reset()
+        if self.plain is not None:
+            self.plain.reset()
 
     def step_submitted(self) -> None:
         """A training step's communication is all submitted (the coordinator may declare the next
@@ -355,7 +365,8 @@ class Exchanges:
 
 def waiting_for(world_exchange) -> Optional[tuple]:
     """(operation name, world ranks it still waits to hear from) of the transfer in progress on
-    ``world_exchange``'s comm thread, or None (nothing in flight, or the coordinator schedules it)."""
+    ``world_exchange``'s comm thread, or None (nothing in flight, or the coordinator schedules it;
+    the direct exchanges beside it (``Exchanges.plain``) have the comm thread's transfers)."""
     chain = getattr(world_exchange, "chain", None)
     current = chain.in_flight if chain is not None else None
     if current is None:
@@ -374,9 +385,17 @@ def waiting_words(world_exchange) -> str:
     return f"waiting for rank(s) {ranks} in '{op}'"
 
 
-def open_exchanges(engine: Engine, coordinated: bool = False) -> Exchanges:
-    """Collective when coordinated (starts the executor over the world). Needs ``world.init()``."""
+def open_exchanges(engine: Engine, coordinated: bool = False, plain: Optional[Exchanges] = None) -> Exchanges:
+    """Collective when coordinated (starts the executor over the world). Needs ``world.init()``.
+    ``plain`` (coordinated only): direct exchanges already open to sum uncompressed gradients on
+    (by default new ones); none where the backend cannot run a split's collectives beside the world's."""
     from hipress.comm import world
+
+    def direct() -> Exchanges:
+        chain = CommChain()  # one order for all of this rank's communication
+        return Exchanges(DirectExchange(engine, world.transport(), chain, world.members("world")),
+                         DirectExchange(engine, world.local_transport(), chain, world.members("local")),
+                         DirectExchange(engine, world.cross_transport(), chain, world.members("cross")))
 
     if coordinated and world.size() > 1:
         from hipress.comm import coordinator
@@ -386,8 +405,7 @@ def open_exchanges(engine: Engine, coordinated: bool = False) -> Exchanges:
         ex = coordinator.start(world.transport(), every_rank_declares=every_rank)
         predictor = StepPredictor(ex, enabled=config.get("HIPRESS_COORDINATOR_AHEAD"))
         make = {g: CoordinatedExchange(engine, ex, world.members(g), predictor) for g in ("world", "local", "cross")}
-        return Exchanges(make["world"], make["local"], make["cross"], predictor)
-    chain = CommChain()  # one order for all of this rank's communication
-    return Exchanges(DirectExchange(engine, world.transport(), chain, world.members("world")),
-                     DirectExchange(engine, world.local_transport(), chain, world.members("local")),
-                     DirectExchange(engine, world.cross_transport(), chain, world.members("cross")))
+        # beside the executor, which runs on splits of the world's transport, where the backend allows
+        plain = (plain or direct()) if world.transport().concurrent_splits else None
+        return Exchanges(make["world"], make["local"], make["cross"], predictor, plain)
+    return direct()

@@ -14,9 +14,10 @@
 * multi-round aggregatable compressors (PowerSGD) always use the low-rank strategy.
 * uncompressed gradients (compressor "none": ``compression="none"`` or the planner's choice)
   go through the backend's own allreduce (``allreduce.py``) whatever the strategy name, which
-  chooses how *compressed* gradients travel, where the exchange has one (not through the
-  global coordinator, which plans point-to-point messages; not for strategy "dear", which needs
-  the ring's two phases: ``plain_allreduce=False``); elsewhere the named strategy runs them.
+  chooses how *compressed* gradients travel, where the exchange has one. Under the global
+  coordinator, which plans point-to-point messages only, that is on the direct exchanges beside
+  it (``Exchanges.plain``) where the backend has them; not for strategy "dear", which needs the
+  ring's two phases (``plain_allreduce=False``). Elsewhere the named strategy runs them.
 * local aggregation wraps the chosen strategy (hierarchical: uncompressed on the host,
   compressed across hosts); its host phase is an allreduce too where the exchange has one.
 """
@@ -112,6 +113,8 @@ def make_sync(engine: Engine, exchanges: Exchanges, compressor: Compressor, stra
     Syncs made from the same ``exchanges`` keep one order of communication per rank.
     ``plain_allreduce``: uncompressed sums by the backend's allreduce where it has one;
     ``wire``: the dtype they travel in (torch.bfloat16 where the backend sums it: a plan's choice)."""
+    if plain_allreduce and isinstance(compressor, NoneCompressor) and exchanges.plain is not None:
+        exchanges = exchanges.plain  # beside the coordinator
     # The world's backend decides for every group: its splits are transports of the same kind,
     # and every rank decides the same.
     native_sum = plain_allreduce and exchanges.world.has_allreduce

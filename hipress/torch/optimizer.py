@@ -74,8 +74,8 @@ def auto_bucket_bytes(compression, plain_path: bool = True) -> Tuple[int, Option
     """bucket_bytes="auto": (bucket size, size of the first bucket of backward or None: as the
     others). DDP's rule, PLAIN_BUCKET_BYTES after a first bucket of BUCKET_BYTES (so the
     allreduce starts early in backward), for an uncompressed algorithm on the plain path (no
-    plan or coordinator; dear's phases and COVAP with "none" inside too); else BUCKET_BYTES
-    throughout."""
+    plan; dear's phases, COVAP with "none" inside and the coordinator too, beside which the
+    backend's allreduce sums them); else BUCKET_BYTES throughout."""
     if plain_path and getattr(compression, "name", compression) == "none":
         return PLAIN_BUCKET_BYTES, BUCKET_BYTES
     return BUCKET_BYTES, None
@@ -476,11 +476,10 @@ class Options:
         if self.bucket_bytes == "auto":
             # COVAP (its compression is now the inner algorithm) filters fused buckets: with "none" inside,
             # DDP's buckets, as in its paper (units are those buckets, sharded by the median rule)
-            plain = self.plan is None and not self.coordinator
-            size, first = auto_bucket_bytes(self.compression, plain)
+            size, first = auto_bucket_bytes(self.compression, self.plan is None)
             object.__setattr__(self, "bucket_bytes", size)
             object.__setattr__(self, "first_bucket_bytes", first)
-            if self.plan is not None and not self.coordinator and self.groups is None:
+            if self.plan is not None and self.groups is None:
                 object.__setattr__(self, "plain_fusion_bytes", PLAIN_BUCKET_BYTES)
         if self.dear:
             if self.plan is not None:
@@ -573,7 +572,10 @@ class _HipressOptimizer:
         self._hp_sparse_as_dense = options.sparse_as_dense
         self._hp_densified: set = set()  # ids of parameters whose sparse gradient was made dense this step
         self._hp_plan = None
-        self._hp_fusion_bytes = options.plain_fusion_bytes
+        # runs of a plan's uncompressed buckets fused for the backend's allreduce; not where hipress's
+        # ring sums them (under the coordinator where the backend has no allreduce beside it)
+        plain = getattr(self._hp_plain.strategy, "cross", self._hp_plain.strategy)
+        self._hp_fusion_bytes = options.plain_fusion_bytes if plain.name == "allreduce" else 0
         # the candidate plans by name ("model"; with a measured choice also "plain") and the trial
         # that measures them (hipress/torch/plan_trial.py), as made: each use fuses a copy
         self._hp_plans: Dict[str, Plan] = {}
@@ -1111,7 +1113,7 @@ class _HipressOptimizer:
         strategy made on first sight (PS's aggregators) go over, so states stay where they are.
         Once the trial keeps the coordinator off, its executor stops (collectively too)."""
         if on and self._hp_coordinated is None:
-            self._hp_coordinated = open_exchanges(self._hp_engine, coordinated=True)
+            self._hp_coordinated = open_exchanges(self._hp_engine, coordinated=True, plain=self._hp_direct)
         new = self._hp_coordinated if on else self._hp_direct
         if new is not self._hp_exchanges:
             self._hp_exchanges.reset()
@@ -1455,7 +1457,7 @@ class _HipressOptimizer:
         return errors
 
     def _hp_waiting_for(self) -> str:
-        return waiting_words(self._hp_exchanges.world)
+        return waiting_words((self._hp_exchanges.plain or self._hp_exchanges).world)
 
     def _hp_commit(self) -> None:
         self._hp_carry_committed()

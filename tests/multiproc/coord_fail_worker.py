@@ -16,8 +16,9 @@ if len(sys.argv) > 2:  # a directory: start init together (torch imported)
     start_together(sys.argv[2], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 hipress.init()
 model = nn.Linear(50, 50)
+# compressed: uncompressed gradients would go beside the coordinator, through the backend's allreduce
 opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(), coordinator=True)
+                                   named_parameters=model.named_parameters(), coordinator=True, compression="onebit")
 # A survivor may already fail in step 0: the victim leaves once its own step 0 is done,
 # possibly before a survivor's last transfer of step 0 has reached it.
 t0 = time.time()

@@ -17,7 +17,7 @@ Scenarios (each rank writes OUT_DIR/rank{r}.pt):
            step 2's batch. Records both runs' final parameters.
   stall    (launched by hand, HIPRESS_TIMEOUT_S short) rank 1 sleeps ARG seconds before step 2's
            backward: every rank records the error of step 2, calls reset() and trains on
-           (COORDINATOR=1: through the global coordinator).
+           (COORDINATOR=1: onebit through the global coordinator; else uncompressed).
   kill     (launched by hand) rank 1 exits at step 2; the others record the error and exit 3.
   rendezvous  (launched by hand, some ranks never started) hipress.init()'s error, exit 3.
 """
@@ -180,9 +180,12 @@ def main(scenario, out_dir, arg):
 
     elif scenario in ("stall", "kill"):
         model = make_model()
+        coordinated = os.environ.get("COORDINATOR") == "1"
+        # through the coordinator: compressed (uncompressed gradients go beside it, by the allreduce)
         opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                           named_parameters=model.named_parameters(), compression="none",
-                                           strategy="allgather", coordinator=os.environ.get("COORDINATOR") == "1")
+                                           named_parameters=model.named_parameters(),
+                                           compression="onebit" if coordinated else "none",
+                                           strategy="allgather", coordinator=coordinated)
         errors = []
         for t in range(5):
             if t == 2 and rank == 1:

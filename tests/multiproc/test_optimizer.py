@@ -224,18 +224,23 @@ def test_local_aggregation_compresses_across_hosts_only(tmp_path, coordinator):
                                                msg=lambda m: f"{cfg['compression']} {name} rank {r}: {m}")
 
 
-def test_planned_selective_compression(tmp_path, monkeypatch):
+@pytest.mark.parametrize("coordinator", [False, True])
+def test_planned_selective_compression(tmp_path, monkeypatch, coordinator):
     """plan: per-gradient compress-or-not and K from the planner (profiled online, cached
     in HIPRESS_PROFILE_DIR), pinned here for two parameters; every gradient matches the
-    reference of the decision it got, and every rank holds the same plan."""
+    reference of the decision it got, and every rank holds the same plan. Under the global
+    coordinator the compressed buckets go through it and the uncompressed ones through the
+    backend's allreduce beside it (gloo runs both at once)."""
     monkeypatch.setenv("HIPRESS_PROFILE_DIR", str(tmp_path / "profiles"))
     np = 3
     configs = [{"compression": "tbq", "strategy": s, "kwargs": {"threshold": 0.01}, "steps": 2, "bucket_bytes": 0,
                 "plan_force": {"a.weight": [False, 2], "big": [True, 3]}, "plan_bf16": bf16,
-                "plan_measure": 0}  # the model's plan from the first step (not measured against none)
+                "plan_measure": 0,  # the model's plan from the first step (not measured against none)
+                "coordinator": coordinator}
                for s, bf16 in (("ring", False), ("ps", False), ("allgather", False), ("ring", True))]
     results = launch(tmp_path, np, configs)
     for c in range(len(configs)):
+        assert all(results[r][c]["coordinated"] == coordinator for r in range(np))
         # plan_bf16 True: every uncompressed bucket travels as bf16; False: as fp32
         wire = "torch.bfloat16" if configs[c]["plan_bf16"] else "torch.float32"
         assert {b["wire"] for b in results[0][c]["buckets"] if not b["compressed"]} == {wire}

@@ -339,7 +339,7 @@ def test_a_plan_corrects_momentum_only_where_it_compresses(model):
     (dict(compression="terngrad"), (1 << 20, None)),                 # compressed: small, early encodes
     (dict(strategy="dear", compression="onebit"), (1 << 20, None)),
     (dict(plan="auto", compression="terngrad"), (1 << 20, None)),    # a plan fuses its plain runs itself
-    (dict(coordinator=True), (1 << 20, None)),                       # the coordinator: hipress's ring
+    (dict(coordinator=True), (25 << 20, 1 << 20)),                   # beside the coordinator, the allreduce
 ])
 def test_auto_bucket_bytes_follow_the_path_a_bucket_takes(kw, want):
     from hipress.torch.optimizer import Options

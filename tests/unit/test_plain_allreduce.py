@@ -436,26 +436,28 @@ def test_compressed_and_plain_buckets_share_one_order_of_communication():
 
 
 # ------------------------------------------------------------------ make_sync's choice
-def _exchanges(eng, tr, coordinated_with=None):
-    if coordinated_with is not None:
-        ex = CoordinatedExchange(eng, coordinated_with, range(tr.size))
-        return Exchanges(ex, ex, ex)
+def _exchanges(eng, tr, coordinated_with=None, beside=False):
     chain = CommChain()
     d = DirectExchange(eng, tr, chain)
-    return Exchanges(d, d, d)
+    direct = Exchanges(d, d, d)
+    if coordinated_with is not None:
+        ex = CoordinatedExchange(eng, coordinated_with, range(tr.size))
+        return Exchanges(ex, ex, ex, plain=direct if beside else None)
+    return direct
 
 
-@pytest.mark.parametrize("coordinated", [False, True])
-def test_make_sync_sends_uncompressed_gradients_through_the_allreduce_where_it_can(coordinated):
+@pytest.mark.parametrize("mode", ["direct", "coordinated", "coordinated, direct beside"])
+def test_make_sync_sends_uncompressed_gradients_through_the_allreduce_where_it_can(mode):
     def body(tr):
         eng = Engine()
-        executor = Executor(tr.split(0, key=tr.rank)) if coordinated else None
+        executor = Executor(tr.split(0, key=tr.rank)) if mode != "direct" else None
         try:
-            ex = _exchanges(eng, tr, executor)
+            ex = _exchanges(eng, tr, executor, beside=mode.endswith("beside"))
             st = StateStore(tr.rank)
 
             def kind(comp, strategy, **kw):
-                return make_sync(eng, ex, comp, strategy, st, True, False, tr.size, True, **kw).strategy.name
+                sync = make_sync(eng, ex, comp, strategy, st, True, False, tr.size, True, **kw)
+                return sync.strategy.name, type(sync.ctx.exchange).__name__[:6]
 
             return (kind(NoneCompressor(), "ring"), kind(NoneCompressor(), "ps"),
                     kind(NoneCompressor(), "ring", plain_allreduce=False),
@@ -466,10 +468,12 @@ def test_make_sync_sends_uncompressed_gradients_through_the_allreduce_where_it_c
             eng.shutdown()
 
     got = loopback.spawn(2, body, timeout_s=60)[0]
-    if coordinated:  # the coordinator plans point-to-point messages: the named strategies run them
-        assert got == ("ring", "ps", "ring", "ring")
-    else:
-        assert got == ("allreduce", "allreduce", "ring", "ring")
+    if mode == "coordinated":  # the coordinator plans point-to-point messages: the named strategies run them
+        assert got == (("ring", "Coordi"), ("ps", "Coordi"), ("ring", "Coordi"), ("ring", "Coordi"))
+    elif mode == "direct":
+        assert got == (("allreduce", "Direct"), ("allreduce", "Direct"), ("ring", "Direct"), ("ring", "Direct"))
+    else:  # uncompressed sums by the allreduce of the direct exchanges beside the coordinator
+        assert got == (("allreduce", "Direct"), ("allreduce", "Direct"), ("ring", "Coordi"), ("ring", "Coordi"))
 
 
 @pytest.mark.parametrize("coordinated", [False, True])
