@@ -125,6 +125,11 @@ def test_mpirun_uncompressed_and_compressed(tmp_path):
     assert_plain_allreduce(results)  # MPI_Iallreduce
     configs = [{"compression": a, "strategy": s, "kwargs": ALGORITHMS[a], "steps": 2, "partition_bytes": 2048}
                for a in ("tbq", "dgc", "powersgd") for s in ("ring", "ps")]
+    # a plan under the coordinator: compressed buckets through it, plain ones beside it where MPI runs
+    # both at once (MPI_THREAD_MULTIPLE), else through it too; the reference's results either way
+    configs.append({"compression": "tbq", "strategy": "ps", "kwargs": {"threshold": 0.01}, "steps": 2,
+                    "bucket_bytes": 0, "plan_force": {"a.weight": [False, 2], "big": [True, 3]}, "plan_measure": 0,
+                    "coordinator": True})
     out = tmp_path / "compressed"
     out.mkdir()
     check_against_reference(launch(out, 3, configs, launcher="mpi"), 3)
