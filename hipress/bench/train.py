@@ -23,6 +23,8 @@ group; hipress wraps it), each on a freshly built model with the same seed:
                            --tune-trials, --tune-window, --tune-warmup, --tune-min-bytes set its knobs)
   <hipress system>-b<MiB>  the same with a fixed bucket_bytes of that many MiB (e.g. hipress-dear-b4,
                            hipress-ring-none-b0.5): a sweep of these gives the best fixed buffer
+  <hipress system>-coord   any hipress system above with coordinator=True (the global coordinator;
+                           uncompressed buckets go beside it, through the backend's allreduce)
   hipress-covap            hipress.DistributedOptimizer(compression="covap") (docs/covap.md: interval
                            "auto", profiled by COVAP's distributed profiler, sharding on)
   ddp-covap-hook           DDP + hipress.ddp.register(model, "covap") (the same, as a DDP comm hook)
@@ -80,7 +82,11 @@ DEAR_ALGOS = ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")  # single-
 def parse_system(name: str) -> dict:
     """'hipress-ps-onebit-plan' -> {'kind': 'hipress', 'strategy': 'ps', 'compression': 'onebit', 'plan': 'auto'};
     a hipress system's name may end in -tune (bucket_bytes="tune") or -b<MiB> (a fixed bucket_bytes):
-    'hipress-dear-b4' -> {..., 'strategy': 'dear', 'compression': 'none', 'plan': None, 'bucket_bytes': 4194304}."""
+    'hipress-dear-b4' -> {..., 'strategy': 'dear', 'compression': 'none', 'plan': None, 'bucket_bytes': 4194304};
+    then -coord (coordinator=True): 'hipress-auto-coord' -> {..., 'coordinator': True}."""
+    coordinated = re.fullmatch(r"(hipress-.+)-coord", name)
+    if coordinated:
+        return {**parse_system(coordinated[1]), "coordinator": True}
     bucket = re.fullmatch(r"(hipress-.+)-(tune|b(\d+(?:\.\d+)?))", name)
     if bucket and name != "hipress-covap":
         cfg = parse_system(bucket[1])
@@ -121,7 +127,7 @@ def parse_system(name: str) -> dict:
     raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, hipress-covap, "
                      f"hipress-bf16, hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, "
                      f"hipress-acpsgd, hipress-auto, hipress-dear[-<{'|'.join(DEAR_ALGOS)}>], "
-                     f"overlap-limit[-<fraction>]")
+                     f"overlap-limit[-<fraction>]; a hipress system may end in -tune, -b<MiB>, then -coord")
 
 
 COVAP_MAX_WARMUP = 30  # a bound on COVAP's warm-up (settling DDP's buckets, profiling)
@@ -321,6 +327,8 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
         kw["plan"] = cfg["plan"]
     # strategy "dear" updates in the model's forward pre-hooks, so it takes the model itself
     kw.update({"model": model} if cfg["strategy"] == "dear" else {"named_parameters": model.named_parameters()})
+    if cfg.get("coordinator"):
+        kw["coordinator"] = True
     if "bucket_bytes" in cfg:
         kw["bucket_bytes"] = cfg["bucket_bytes"]
         if cfg["bucket_bytes"] == "tune":
