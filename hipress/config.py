@@ -139,8 +139,10 @@ VARIABLES: Sequence[Var] = (
     _V("HIPRESS_JOB_SECRET", _text, None,
        "per-job secret: the ranks check that the rendezvous store is their job's (an HMAC, not access "
        "control; `docs/security.md`)", shown_default="set afresh by `hipress.launch`, else off"),
-    _V("HIPRESS_COORDINATOR", _bool, False,
-       "route all gradient communication through the global coordinator (`docs/coordinator.md`)"),
+    _V("HIPRESS_COORDINATOR", _bool, None,
+       "route compressed gradients through the global coordinator (`docs/coordinator.md`); unset: off, but "
+       "measured on and off with `compression=\"auto\"` (`coordinator=\"auto\"`)",
+       shown_default="unset"),
     _V("HIPRESS_COORDINATOR_AHEAD", _bool, True,
        "with the coordinator, declare a step's exchanges ahead, while the step before runs, once two steps "
        "in a row ran the same (`docs/coordinator.md`)"),

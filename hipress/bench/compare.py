@@ -302,6 +302,8 @@ def summarize(records: List[dict], bandwidths: Sequence[str], systems: Sequence[
                 via = f", {plan['strategy']}" if "strategy" in plan else ""
                 row["note"] = f"plan: {plan['compressed_gradients']}/{plan['gradients']} gradients compressed " \
                               f"({plan['compressed_mb']:.1f} MB{via}), {plan.get('bf16_mb', 0):.1f} MB as bf16"
+                if (plan.get("coordinator_trial") or {}).get("chosen"):
+                    row["note"] += f", coordinator {plan['coordinator_trial']['chosen']}"
             rows.append(row)
         base = next((r for r in rows if r["bandwidth"] == bw and r["system"] == "ddp" and r.get("throughput")), None)
         for r in rows:

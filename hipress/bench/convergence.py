@@ -131,6 +131,9 @@ def _train(a, algo: str, kw: dict, result: str) -> None:
             trial = None if a.ddp else opt.plan_trial  # plan="auto" measured against no compression
             if trial is not None:
                 strategy += f", {trial.chosen or trial.in_use} plan kept" if trial.done else ", plans still measured"
+            coordinator = None if a.ddp else opt.coordinator_trial  # coordinator="auto": measured on and off
+            if coordinator is not None and coordinator.seconds:
+                strategy += f", coordinator {coordinator.chosen} kept" if coordinator.done else ", coordinator measured"
             json.dump({"algo": algo, "points": points, "steps_per_epoch": task.steps_per_epoch(size),
                        "strategy": strategy, "covap_profile": profile and dataclasses.asdict(profile)}, f)
 

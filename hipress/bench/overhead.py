@@ -135,9 +135,9 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
                 "main_cpu_s": sum(float(e[2]) for e in every) / size,
                 **{k: sum(float(e[3 + i]) for e in every) / size for i, k in enumerate(PHASES)}}
 
-    for s in order:  # warm-up: first steps allocate, plan, profile; plan="auto" measures its candidate plans
+    for s in order:  # warm-up: first steps allocate, plan, profile; plan="auto" and coordinator="auto" measure
         block(s, 2)
-        while runs[s]["opt"] is not None and train._trying_plans(runs[s]["opt"]):
+        while runs[s]["opt"] is not None and train._trying(runs[s]["opt"]):
             block(s, 1)
     res = {s: [] for s in order}
     for b in range(blocks):
@@ -238,8 +238,11 @@ def main(argv=None) -> dict:
     print(table(rows, systems[0]))
     for s, plan in res.get("plans", {}).items():
         if "gradients" in plan:
+            coord = plan.get("coordinator_trial")
             print(f"\n{s}: plan compresses {plan['compressed_gradients']}/{plan['gradients']} gradients, "
-                  f"{plan.get('bf16_mb', 0):.1f} MB as bf16")
+                  f"{plan.get('bf16_mb', 0):.1f} MB as bf16" + ("" if coord is None else
+                  f"; coordinator {coord['chosen']} ({', '.join(f'{m} {t:.1f}' for m, t in coord['ms_per_step'].items())}"
+                  f" ms per step)"))
     doc = {"config": vars(a), "emulated": emulated, "rows": rows, "raw": res}
     if a.json:
         with open(a.json, "w") as f:

@@ -139,17 +139,21 @@ def _tuning(opt) -> bool:
     return tuner is not None and not tuner.done
 
 
-def _trying_plans(opt) -> bool:
-    """Whether a plan="auto" optimizer is still measuring its candidate plans (every rank says the same)."""
-    trial = getattr(opt, "plan_trial", None)
-    return trial is not None and not trial.done
+def _trials(opt) -> list:
+    """The measured choices of a hipress optimizer: plan="auto"'s, then coordinator="auto"'s."""
+    return [t for t in (getattr(opt, "plan_trial", None), getattr(opt, "coordinator_trial", None)) if t is not None]
+
+
+def _trying(opt) -> bool:
+    """Whether the optimizer still measures a choice (every rank says the same)."""
+    return any(not t.done for t in _trials(opt))
 
 
 def _plan_info(opt) -> dict:
     """The plan that runs: one entry per bucket (fused gradients share their bucket's decision),
     and the measured choice that put it there."""
     planned = [(b, opt._hp_plan.entry(b.name, b.numel)) for b in opt._hp_buckets]
-    trial = opt.plan_trial
+    trial, coordinator = opt.plan_trial, opt.coordinator_trial
     return {"strategy": opt._hp_strategy_name,  # what compressed buckets sync with (strategy "auto": chosen)
             "compressed_gradients": sum(len(b.params) for b, e in planned if e.compress),
             "gradients": sum(len(b.params) for b, _ in planned),
@@ -157,7 +161,9 @@ def _plan_info(opt) -> dict:
             "bf16_mb": sum(4 * b.numel for b, e in planned if e.bf16) / 2**20,
             "buckets": [{"bytes": 4 * b.numel, "compress": e.compress, "bf16": e.bf16, "k": e.k} for b, e in planned],
             "trial": None if trial is None else {"chosen": trial.chosen, "ms_per_step": {
-                c: 1e3 * v for c, v in trial.seconds.items()}}}
+                c: 1e3 * v for c, v in trial.seconds.items()}},
+            "coordinator_trial": None if coordinator is None else {"chosen": coordinator.chosen, "ms_per_step": {
+                c: 1e3 * v for c, v in coordinator.seconds.items()}}}
 
 
 def _covap_on(owner) -> bool:
@@ -396,11 +402,12 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     # decides it from the same gathered profile, so all run the same number of steps)
     tune_max = (a.tune_trials * (a.tune_window + a.tune_warmup) + 2 * a.warmup + 2
                 if cfg.get("bucket_bytes") == "tune" else 0)  # a bound, for skipped steps
-    # plan="auto" measures its two candidate plans first (hipress/torch/plan_trial.py)
-    trial_max = 2 * (opt.plan_trial.steps + 2) + a.warmup if getattr(opt, "plan_trial", None) is not None else 0
+    # plan="auto" measures its two candidate plans first, then coordinator="auto" its modes
+    # (hipress/torch/plan_trial.py): a bound, for skipped steps
+    trial_max = sum(2 * (t.steps + t.WARMUP + 1) for t in _trials(opt)) + a.warmup
     tune_t0 = time.perf_counter()
     while warm < a.warmup or (covap_owner is not None and not _covap_on(covap_owner) and warm < COVAP_MAX_WARMUP) \
-            or (_tuning(opt) and warm < tune_max) or (_trying_plans(opt) and warm < trial_max):
+            or (_tuning(opt) and warm < tune_max) or (_trying(opt) and warm < trial_max):
         t = time.perf_counter()
         step()
         tw = time.perf_counter() - t

@@ -185,7 +185,7 @@ class HookState:
         if coordinator not in (None, True, False) or not isinstance(coordinator, (bool, type(None))):
             raise ValueError(f"coordinator must be True, False or None (HIPRESS_COORDINATOR), got {coordinator!r}; "
                              f"'auto' (measured on and off) is hipress.DistributedOptimizer's")
-        self.coordinator = config.get("HIPRESS_COORDINATOR") if coordinator is None else coordinator
+        self.coordinator = bool(config.get("HIPRESS_COORDINATOR")) if coordinator is None else coordinator
         self.clip = clipping.resolve(grad_clip, self.compressor.name)
         self.timeout_s = timeout_s
         self._order: Dict[int, int] = {}

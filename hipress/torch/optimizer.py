@@ -445,19 +445,23 @@ class Options:
             object.__setattr__(self, "covap", mine)
             object.__setattr__(self, "compression", inner)
             object.__setattr__(self, "compression_kwargs", rest)
-        if self.compression == "auto":  # TernGrad (docs/convergence.md: the 16x quantizer that keeps
-            # uncompressed accuracy), compressed only where the planner says it pays
+        planned = self.compression == "auto"
+        if planned:  # TernGrad (docs/convergence.md: the 16x quantizer that keeps uncompressed
+            # accuracy), compressed only where the planner says it pays
             object.__setattr__(self, "compression", "terngrad")
             object.__setattr__(self, "plan", self.plan if self.plan is not None else "auto")
         if self.coordinator is None:
-            object.__setattr__(self, "coordinator", config.get("HIPRESS_COORDINATOR"))
+            # HIPRESS_COORDINATOR, else: where the planner chooses, measured on and off (after its plan;
+            # not beside the other searches, below), and off elsewhere
+            env = config.get("HIPRESS_COORDINATOR")
+            measured = planned and not (self.tune or self.dear)
+            object.__setattr__(self, "coordinator", env if env is not None else "auto" if measured else False)
         if self.coordinator not in (True, False, "auto") or not isinstance(self.coordinator, (bool, str)):
             raise ValueError(f"coordinator must be True, False or 'auto', got {self.coordinator!r}")
         if self.coordinator == "auto":
-            # One measured choice at a time, over one set of syncs: a plan's (or COVAP's) own choices,
-            # the tuner's rebuilt buckets and dear's phases would each need measuring against both modes.
-            other = [name for name, on in (("plan= (or compression='auto')", self.plan is not None),
-                                           ("compression='covap'", self.covap is not None),
+            # COVAP's own choices, the tuner's rebuilt buckets and dear's phases would each need
+            # measuring against both modes; plan="auto"'s choice comes first (_hp_coord_trial_step).
+            other = [name for name, on in (("compression='covap'", self.covap is not None),
                                            ("bucket_bytes='tune'", self.tune), ("strategy='dear'", self.dear)) if on]
             if other:
                 raise ValueError(f"coordinator='auto' measures the coordinator on and off while training; it cannot "
@@ -591,6 +595,12 @@ class _HipressOptimizer:
         # plain sync is another, as under the coordinator: CostModel.offers_bf16)
         self._hp_plain16 = (sync_for(NoneCompressor(), torch.bfloat16)
                             if self._hp_plan is not None and self._hp_plan.model.offers_bf16 else None)
+        if self._hp_coord_trial is not None and (
+                self._hp_compressor.name == "none" or (self._hp_plan is not None and (
+                    not any(e.compress for e in self._hp_plans["model"]) or not self._hp_transport.concurrent_splits))):
+            # coordinator="auto" with nothing for the coordinator to batch (or a plan whose uncompressed
+            # buckets' allreduce cannot run beside it): off, unmeasured
+            self._hp_coord_trial.settle("off")
         self._hp_covap = self._hp_make_covap(options.covap) if options.covap is not None else None
         self._hp_passes = options.backward_passes_per_step
         self._hp_partition_bytes = options.partition_bytes
@@ -928,7 +938,7 @@ class _HipressOptimizer:
             if self._hp_trial is not None:
                 self._hp_trial_step(self._hp_trial, self._hp_use_plan)
             if self._hp_coord_trial is not None:
-                self._hp_trial_step(self._hp_coord_trial, lambda name: self._hp_use_coordinator(name == "on"))
+                self._hp_coord_trial_step()
         if self._hp_dear is not None:
             self._hp_dear.check_fresh(p)
         grad = p.grad
@@ -1097,6 +1107,23 @@ class _HipressOptimizer:
             switch(name)
             trial.mark()
 
+    def _hp_coord_trial_step(self) -> None:
+        """coordinator="auto"'s step hook. Beside plan="auto" it waits for the plan's choice, which
+        is made with the coordinator off, and takes the window of the plan kept as its "off"
+        measurement, so only "on" is measured after it; the uncompressed plan leaves nothing for
+        the coordinator to batch (off)."""
+        trial, plans = self._hp_coord_trial, self._hp_trial
+        if trial.done or (plans is not None and not plans.done):
+            return
+        if plans is not None and not trial.seconds:  # the plan's trial has just kept a plan
+            if plans.chosen == "plain":
+                trial.settle("off")
+            else:
+                self._hp_use_coordinator(trial.measured_first(plans.seconds["model"]) == "on")
+                trial.mark()
+            return
+        self._hp_trial_step(trial, lambda name: self._hp_use_coordinator(name == "on"))
+
     @property
     def coordinator_trial(self) -> Optional[CoordinatorTrial]:
         """coordinator="auto" (hipress/torch/plan_trial.py): the trial (``in_use``: "off" or "on",
@@ -1119,8 +1146,11 @@ class _HipressOptimizer:
             self._hp_exchanges.reset()
             layout = self._hp_compressed.layout_state()
             self._hp_exchanges = new
-            self._hp_compressed = self._hp_plain = self._hp_sync_for(self._hp_compressor)
+            self._hp_compressed = self._hp_sync_for(self._hp_compressor)
             self._hp_compressed.load_layout_state(layout)
+            if self._hp_plan is None:
+                self._hp_plain = self._hp_compressed
+            # (a plan's uncompressed syncs stay: the direct exchanges are the coordinator's plain ones)
         if not on and self._hp_coordinated is not None and self._hp_coord_trial.done:
             coordinator.stop(self._hp_coordinated.world.executor)
             self._hp_coordinated = None

@@ -105,6 +105,15 @@ class PlanTrial:
         if not self.done:
             self._window.mark()
 
+    def measured_first(self, seconds: float) -> str:
+        """At a step's start: the first candidate's objective as measured elsewhere (coordinator="auto"
+        after plan="auto": the plan kept ran its window with the coordinator off). The second is
+        measured from now; returns it, to switch to."""
+        self.seconds[self.CANDIDATES[0]] = seconds
+        self.in_use = self.CANDIDATES[1]
+        self._window.start_now()
+        return self.in_use
+
     def settle(self, name: str) -> None:
         """``name`` for good, unmeasured (a checkpoint of a job that ran it alone)."""
         if name not in self.CANDIDATES:

@@ -7,7 +7,9 @@ and the config's ``coordinator`` (True, False or "auto"), ``strategy`` and ``com
 ``steps`` steps, 2 measured steps per candidate (HIPRESS_COORDINATOR_TRIAL_STEPS). ``seconds``
 ({"off": s, "on": s}) gives the trial a fake clock that the loop moves after each step() by the
 step time of the mode in force, times (1 + rank / 4), so the slowest rank's objective is known
-in advance. ``save_at``: after that step, a checkpoint (model and optimizer state_dict) is loaded
+in advance. ``plan_seconds`` ({"plain": s, "model": s}): plan="auto" beside it, its two
+candidates measured over 2 steps each with the same fake clock, which moves by the plan's time
+on top (TBQ forced on a.weight and b.weight in the model's plan). ``save_at``: after that step, a checkpoint (model and optimizer state_dict) is loaded
 into a fresh model and optimizer of the same options, which train the remaining steps.
 
 Recorded: the mode in force at each step, the parameters after each step, the trial's state at
@@ -24,6 +26,7 @@ import torch.nn as nn
 
 import hipress
 from hipress.comm import coordinator
+from hipress.planner import Overrides
 
 
 class Net(nn.Module):
@@ -43,12 +46,14 @@ def batch(rank, step):
 
 
 def make(cfg, model, clock):
+    plan = (Overrides(force={"a.weight": True, "b.weight": True}, measure=2) if cfg.get("plan_seconds") else None)
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(), compression=cfg["compression"],
                                        strategy=cfg["strategy"], coordinator=cfg["coordinator"], bucket_bytes=0,
-                                       grad_clip=None)
-    if opt.coordinator_trial is not None and cfg.get("seconds"):
-        opt.coordinator_trial.clock = lambda: clock[0]
+                                       grad_clip=None, plan=plan)
+    for trial in (opt.coordinator_trial, opt.plan_trial):
+        if trial is not None and cfg.get("seconds"):
+            trial.clock = lambda: clock[0]
     return opt
 
 
@@ -70,7 +75,8 @@ def run(cfg, rank):
         rec["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})
         if cfg.get("seconds"):
             # whole binary fractions, so sums and differences are exact
-            clock[0] += cfg["seconds"][mode] * (1 + rank / 4)
+            plan = cfg["plan_seconds"][opt.plan_trial.in_use] if cfg.get("plan_seconds") else 0.0
+            clock[0] += (cfg["seconds"][mode] + plan) * (1 + rank / 4)
         if step == cfg.get("save_at"):
             saved = (model.state_dict(), opt.state_dict())
             model = Net()
@@ -80,6 +86,7 @@ def run(cfg, rank):
             opt.load_state_dict(saved[1])
     trial = opt.coordinator_trial
     rec["trial"] = None if trial is None else {"seconds": dict(trial.seconds), "chosen": trial.chosen}
+    rec["plan"] = None if opt.plan_trial is None else opt.plan_trial.chosen
     rec["coordinated"] = opt._hp_coordinated is not None
     rec["executors"] = len(coordinator._executors) - executors
     rec["aggregators"] = opt._hp_compressed.layout_state().get("aggregators", {})
@@ -89,6 +96,7 @@ def run(cfg, rank):
 def main():
     out, configs = sys.argv[1], json.loads(sys.argv[2])
     os.environ["HIPRESS_COORDINATOR_TRIAL_STEPS"] = "2"
+    os.environ["HIPRESS_PROFILE_DIR"] = os.path.join(out, "profiles")  # plan="auto" profiles once
     hipress.init()
     rank = hipress.rank()
     results = [run(cfg, rank) for cfg in configs]

@@ -9,7 +9,9 @@ The trial measures 2 steps per candidate after 2 warm-up steps: "off" runs steps
   * the switches lose nothing and change nothing: TBQ's error feedback (its residuals carried
     through both switches) and PS's aggregators give the parameters of the same job with the
     coordinator off throughout, bit for bit, after every step;
-  * a checkpoint taken in the "on" window resumes there, with the same modes and bits after it.
+  * a checkpoint taken in the "on" window resumes there, with the same modes and bits after it;
+  * beside plan="auto" the coordinator is measured once the plan is kept, against the kept plan's
+    own window (coordinator off), and not at all where the plan kept compresses nothing.
 """
 import pytest
 import torch
@@ -27,6 +29,16 @@ CONFIGS += [{"strategy": "ps", "compression": "tbq", "coordinator": "auto", "ste
              "save_at": 5}]
 CONFIGS += [{"strategy": s, "compression": "tbq", "coordinator": False, "steps": STEPS} for s in ("ps", "ring")]
 REFERENCE = {"ps": len(CONFIGS) - 2, "ring": len(CONFIGS) - 1}
+# Beside plan="auto" (its candidates measured 1 + 2 steps each: "plain" steps 0-2, "model" 3-5, the
+# choice at step 6's start): the coordinator waits for the plan kept, takes the "model" window as
+# its "off" measurement and measures "on" from step 6 (2 + 2 steps), its choice at step 10's start.
+PLAN_STEPS, PLAN_CHOICE, PLAN_COORD_CHOICE = 12, 6, 10
+MODEL_FASTER, PLAIN_FASTER = {"plain": 1.0, "model": 0.5}, {"plain": 0.5, "model": 1.0}
+PLANNED = len(CONFIGS)
+CONFIGS += [{"strategy": "ps", "compression": "tbq", "coordinator": c, "steps": PLAN_STEPS, "seconds": sec,
+             "plan_seconds": plan}
+            for c, sec, plan in (("auto", ON_FASTER, MODEL_FASTER), ("auto", OFF_FASTER, MODEL_FASTER),
+                                 ("auto", ON_FASTER, PLAIN_FASTER), (False, ON_FASTER, MODEL_FASTER))]
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +86,34 @@ def test_resume_in_the_on_window(results):
         rec = results[r][i]
         assert rec["modes"] == expected_modes(cfg["seconds"]), f"rank {r}"
         assert rec["trial"]["chosen"] == "off" and not rec["coordinated"]
+
+
+def test_beside_plan_auto_the_kept_plan_is_the_off_measurement(results):
+    factor = 1 + (NP - 1) / 4  # the slowest rank's
+    for i, cfg in enumerate(CONFIGS[PLANNED:PLANNED + 2]):
+        sec = cfg["seconds"]
+        kept = min(("off", "on"), key=lambda m: sec[m])
+        want = ["off"] * PLAN_CHOICE + ["on"] * (PLAN_COORD_CHOICE - PLAN_CHOICE) + [kept] * (PLAN_STEPS - PLAN_COORD_CHOICE)
+        for r in range(NP):
+            rec = results[r][PLANNED + i]
+            assert rec["plan"] == "model"
+            assert rec["modes"] == want, f"{sec}: rank {r}"
+            # "off": the model plan's window (plan trial, coordinator off); "on": its own
+            assert rec["trial"]["seconds"] == {m: (t + MODEL_FASTER["model"]) * factor for m, t in sec.items()}
+            assert rec["trial"]["chosen"] == kept
+            assert rec["coordinated"] == (kept == "on") and rec["executors"] == int(kept == "on")
+            # compressed buckets through the coordinator, uncompressed ones beside it: the bits of the
+            # same job with the coordinator off, after every step
+            ref = results[r][PLANNED + 3]
+            for step in range(PLAN_STEPS):
+                for name, t in ref["params"][step].items():
+                    assert torch.equal(rec["params"][step][name], t), f"{sec}: rank {r} step {step} {name}"
+
+
+def test_beside_plan_auto_no_coordinator_for_the_uncompressed_plan(results):
+    for r in range(NP):
+        rec = results[r][PLANNED + 2]
+        assert rec["plan"] == "plain"
+        assert rec["modes"] == ["off"] * PLAN_STEPS
+        assert rec["trial"] == {"seconds": {}, "chosen": "off"}
+        assert not rec["coordinated"] and rec["executors"] == 0

@@ -215,7 +215,8 @@ def test_some_defaults():
     env = {}
     assert config.get("HIPRESS_TIMEOUT_S", env) == 60.0
     assert config.get("HIPRESS_TRANSPORT_CHECK", env) is True
-    assert config.get("HIPRESS_COORDINATOR", env) is False
+    assert config.get("HIPRESS_COORDINATOR", env) is None  # unset: the optimizer decides (measured or off)
+    assert config.get("HIPRESS_COORDINATOR", {"HIPRESS_COORDINATOR": "0"}) is False
     assert config.get("HIPRESS_COMPRESS_THREADS", env) == 1
     assert config.get("HIPRESS_NP", env) == 4
     assert config.get("HIPRESS_CLUSTER_DELAY", env) == "auto"

@@ -1,6 +1,8 @@
 """DistributedOptimizer behaviour that needs no peers (a single-rank job)."""
 import copy
+import os
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -354,12 +356,18 @@ def test_coordinator_option_is_checked():
     from hipress.torch.optimizer import Options
 
     assert Options(coordinator="auto", compression="tbq").coordinator == "auto"
+    assert Options(coordinator="auto", compression="auto").plan == "auto"  # measured after the plan's choice
+    # the default: measured where the planner chooses (not beside dear), off elsewhere; HIPRESS_COORDINATOR first
+    assert Options(compression="auto").coordinator == "auto" and Options(compression="tbq").coordinator is False
+    with pytest.raises(ValueError, match="strategy='dear' runs the ring's phases"):  # that error, not the coordinator's
+        Options(compression="auto", strategy="dear")
+    with mock.patch.dict(os.environ, {"HIPRESS_COORDINATOR": "0"}):
+        assert Options(compression="auto").coordinator is False
     for bad in ("yes", 1, "on"):
         with pytest.raises(ValueError, match="coordinator must be True, False or 'auto'"):
             Options(coordinator=bad)
     # one measured choice at a time
-    for kw, named in ((dict(compression="auto"), "compression='auto'"), (dict(plan="auto", compression="tbq"), "plan="),
-                      (dict(compression="covap"), "covap"), (dict(bucket_bytes="tune"), "tune"),
+    for kw, named in ((dict(compression="covap"), "covap"), (dict(bucket_bytes="tune"), "tune"),
                       (dict(strategy="dear"), "dear")):
         with pytest.raises(ValueError, match=f"coordinator='auto' measures.*{re.escape(named)}"):
             Options(coordinator="auto", **kw)
