@@ -1028,8 +1028,8 @@ class _HipressOptimizer:
 
     def _hp_last_step_skipped(self) -> bool:
         """Whether the last step was skipped for non-finite gradients (agreed by every rank in it).
-        Read once per step, by the one online search the options allow (the tuner, plan="auto"'s
-        trial or coordinator="auto"'s: Options refuses any two together)."""
+        Read once per step, by one online search at a time (the tuner, which Options allows with
+        neither trial; plan="auto"'s trial, then coordinator="auto"'s, which waits for it)."""
         skipped = self._hp_skipped != self._hp_skipped_seen
         self._hp_skipped_seen = self._hp_skipped
         return skipped
@@ -2015,10 +2015,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     momentum (and weight decay) to its own gradient before compression and the SGD steps
     without them (hipress.torch.momentum; DGC's momentum correction, for every algorithm).
     "auto" (default): on for single-round compressors (not "none", not PowerSGD).
-    coordinator: True batches all communication through the global coordinator
-    (hipress.comm.coordinator); "auto" measures it off, then on, for HIPRESS_COORDINATOR_TRIAL_STEPS
-    steps each once training starts and keeps the faster (``opt.coordinator_trial``;
-    hipress/torch/plan_trial.py); None reads HIPRESS_COORDINATOR (default off).
+    coordinator: True batches compressed gradients' communication through the global coordinator
+    (hipress.comm.coordinator; uncompressed buckets go beside it, through the backend's allreduce);
+    "auto" measures it off, then on, for HIPRESS_COORDINATOR_TRIAL_STEPS steps each once training
+    starts (after plan="auto"'s choice, whose window is its "off") and keeps the faster
+    (``opt.coordinator_trial``; hipress/torch/plan_trial.py); None reads HIPRESS_COORDINATOR, and
+    where that is unset: "auto" with compression="auto", else off.
     nonfinite: what a NaN or Inf in some rank's gradient does (hipress.torch.nonfinite). Each
     gradient is checked before clipping, momentum correction and compression (one sum per
     gradient), and every compressor/momentum state is copied on first change in a step.
