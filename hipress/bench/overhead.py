@@ -241,8 +241,8 @@ def main(argv=None) -> dict:
             coord = plan.get("coordinator_trial")
             print(f"\n{s}: plan compresses {plan['compressed_gradients']}/{plan['gradients']} gradients, "
                   f"{plan.get('bf16_mb', 0):.1f} MB as bf16" + ("" if coord is None else
-                  f"; coordinator {coord['chosen']} ({', '.join(f'{m} {t:.1f}' for m, t in coord['ms_per_step'].items())}"
-                  f" ms per step)"))
+                  f"; coordinator {coord['chosen']}" + ("" if not coord["ms_per_step"] else  # else: unmeasured
+                  f" ({', '.join(f'{m} {t:.1f}' for m, t in coord['ms_per_step'].items())} ms per step)")))
     doc = {"config": vars(a), "emulated": emulated, "rows": rows, "raw": res}
     if a.json:
         with open(a.json, "w") as f:
