@@ -266,7 +266,8 @@ class DirectExchange(Exchange):
 class CoordinatedExchange(Exchange):
     """Messages scheduled by the global coordinator; ``members`` maps group ranks to world ranks.
     No allreduce: the coordinator plans point-to-point messages only, so uncompressed gradients
-    take hipress's ring through it."""
+    go beside it (``Exchanges.plain``), or where the backend has nothing beside it, through
+    hipress's ring over it."""
 
     def __init__(self, engine: Engine, executor, members: Sequence[int], predictor: Optional[StepPredictor] = None):
         """``predictor``: names and declares the exchanges, and may declare the next step's ahead

@@ -9,7 +9,8 @@ and the config's ``coordinator`` (True, False or "auto"), ``strategy`` and ``com
 step time of the mode in force, times (1 + rank / 4), so the slowest rank's objective is known
 in advance. ``plan_seconds`` ({"plain": s, "model": s}): plan="auto" beside it, its two
 candidates measured over 2 steps each with the same fake clock, which moves by the plan's time
-on top (TBQ forced on a.weight and b.weight in the model's plan). ``save_at``: after that step, a checkpoint (model and optimizer state_dict) is loaded
+on top (TBQ forced on a.weight and b.weight in the model's plan). ``save_at``: after that step,
+a checkpoint (model and optimizer state_dict) is loaded
 into a fresh model and optimizer of the same options, which train the remaining steps.
 
 Recorded: the mode in force at each step, the parameters after each step, the trial's state at

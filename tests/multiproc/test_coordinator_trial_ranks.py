@@ -93,7 +93,8 @@ def test_beside_plan_auto_the_kept_plan_is_the_off_measurement(results):
     for i, cfg in enumerate(CONFIGS[PLANNED:PLANNED + 2]):
         sec = cfg["seconds"]
         kept = min(("off", "on"), key=lambda m: sec[m])
-        want = ["off"] * PLAN_CHOICE + ["on"] * (PLAN_COORD_CHOICE - PLAN_CHOICE) + [kept] * (PLAN_STEPS - PLAN_COORD_CHOICE)
+        want = (["off"] * PLAN_CHOICE + ["on"] * (PLAN_COORD_CHOICE - PLAN_CHOICE)
+                + [kept] * (PLAN_STEPS - PLAN_COORD_CHOICE))
         for r in range(NP):
             rec = results[r][PLANNED + i]
             assert rec["plan"] == "model"
