@@ -188,9 +188,8 @@ class References:
 def bf16_sync(sync):
     """The sync that sums a bf16 difference (``wire="bf16"``): the backend's allreduce, sum, on
     ``sync``'s own exchange (so one order of communication per rank). None where ``sync`` is not
-    the backend's allreduce (local aggregation, the coordinator without plain exchanges beside it) or the
-    backend does not sum
-    bf16 (MPI): the averages then travel in fp32."""
+    the backend's allreduce (local aggregation, the coordinator without plain exchanges beside it)
+    or the backend does not sum bf16 (MPI): the averages then travel in fp32."""
     from hipress.sync.allreduce import AllreduceStrategy
     from hipress.sync.factory import Sync
     ex = sync.ctx.exchange
