@@ -1578,9 +1578,10 @@ class _HipressOptimizer:
                                "measure steps and switch plans, which a joined rank would not take part in; join "
                                "after the choice is made (opt.plan_trial.done)")
         if self._hp_coord_trial is not None and not self._hp_coord_trial.done:
-            raise RuntimeError("join() while coordinator='auto' still measures the coordinator on and off: the "
-                               "working ranks switch exchanges, which a joined rank would not take part in; join "
-                               "after the choice is made (opt.coordinator_trial.done)")
+            raise RuntimeError("join() while coordinator='auto' (compression='auto''s default) still measures the "
+                               "coordinator on and off: the working ranks switch exchanges, which a joined rank would "
+                               "not take part in; join after the choice is made (opt.coordinator_trial.done), or pass "
+                               "coordinator=False")
         if self._hp_handles or self._hp_taken or self._hp_counts:
             raise RuntimeError("join() called while gradients are being synchronized; call step() or "
                                "synchronize() first")
