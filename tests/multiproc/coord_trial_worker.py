@@ -11,7 +11,8 @@ in advance. ``plan_seconds`` ({"plain": s, "model": s}): plan="auto" beside it, 
 candidates measured over 2 steps each with the same fake clock, which moves by the plan's time
 on top (TBQ forced on a.weight and b.weight in the model's plan). ``save_at``: after that step,
 a checkpoint (model and optimizer state_dict) is loaded
-into a fresh model and optimizer of the same options, which train the remaining steps.
+into a fresh model and optimizer of the same options, which train the remaining steps. ``join``:
+join() tried at step 1 (its error recorded) and called by every rank after the last step.
 
 Recorded: the mode in force at each step, the parameters after each step, the trial's state at
 the end, whether the optimizer still holds coordinated exchanges and how many coordinator
@@ -64,8 +65,13 @@ def run(cfg, rank):
     model = Net()
     clock = [0.0]
     opt = make(cfg, model, clock)
-    rec = {"modes": [], "params": []}
+    rec = {"modes": [], "params": [], "join_refused": None}
     for step in range(cfg["steps"]):
+        if step == 1 and cfg.get("join"):  # mid-trial: refused, before anything is touched
+            try:
+                opt.join()
+            except RuntimeError as e:
+                rec["join_refused"] = str(e)
         x, y = batch(rank, step)
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
@@ -85,6 +91,8 @@ def run(cfg, rank):
             clock[0] = 1024.0  # the resumed job's clock starts elsewhere
             opt = make(cfg, model, clock)
             opt.load_state_dict(saved[1])
+    if cfg.get("join"):  # the choice made: every rank out of data joins, all in the same step
+        rec["joined"] = opt.join()
     trial = opt.coordinator_trial
     rec["trial"] = None if trial is None else {"seconds": dict(trial.seconds), "chosen": trial.chosen}
     rec["plan"] = None if opt.plan_trial is None else opt.plan_trial.chosen

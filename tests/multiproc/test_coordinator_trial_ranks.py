@@ -23,8 +23,8 @@ STEPS = 11
 SWITCH, CHOICE = 4, 8
 ON_FASTER = {"off": 1.0, "on": 0.5}
 OFF_FASTER = {"off": 0.5, "on": 1.0}
-CONFIGS = [{"strategy": s, "compression": "tbq", "coordinator": "auto", "steps": STEPS, "seconds": sec}
-           for s in ("ps", "ring") for sec in (ON_FASTER, OFF_FASTER)]
+CONFIGS = [{"strategy": s, "compression": "tbq", "coordinator": "auto", "steps": STEPS, "seconds": sec,
+            "join": s == "ps"} for s in ("ps", "ring") for sec in (ON_FASTER, OFF_FASTER)]
 CONFIGS += [{"strategy": "ps", "compression": "tbq", "coordinator": "auto", "steps": STEPS, "seconds": OFF_FASTER,
              "save_at": 5}]
 CONFIGS += [{"strategy": s, "compression": "tbq", "coordinator": False, "steps": STEPS} for s in ("ps", "ring")]
@@ -118,3 +118,13 @@ def test_beside_plan_auto_no_coordinator_for_the_uncompressed_plan(results):
         assert rec["modes"] == ["off"] * PLAN_STEPS
         assert rec["trial"] == {"seconds": {}, "chosen": "off"}
         assert not rec["coordinated"] and rec["executors"] == 0
+
+
+def test_join_refused_while_measuring_then_usable(results):
+    for i, cfg in enumerate(CONFIGS[:4]):
+        if not cfg["join"]:
+            continue
+        for r in range(NP):
+            rec = results[r][i]
+            assert "still measures the coordinator on and off" in rec["join_refused"], rec["join_refused"]
+            assert rec["joined"] in range(NP)  # every rank joined after the choice, in either mode
