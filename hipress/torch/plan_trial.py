@@ -33,7 +33,9 @@ tensor fusion it ran 2.5-4x faster than off on the emulated 4-host cluster, with
 ``CoordinatorTrial.WARMUP`` steps: a step is declared ahead only once two steps in a row ran the
 same exchanges (hipress/comm/coordinator/ahead.py), so the third step under it is the first of
 its steady state. Both candidates run the same syncs over other exchanges, so the switch hands
-nothing over: compressor states stay where they are.
+nothing over: compressor states stay where they are. Beside plan="auto" (coordinator="auto" is
+compression="auto"'s default) it starts once the plan is kept: that plan's window, run with the
+coordinator off, is its "off" (``measured_first``), and only "on" is measured after it.
 """
 from __future__ import annotations
 
