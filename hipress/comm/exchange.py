@@ -330,6 +330,12 @@ class Exchanges:
     # own; coordinated ones where the backend cannot run both at once send them through the coordinator.
     plain: Optional["Exchanges"] = None
 
+    @property
+    def comm_thread_world(self) -> Exchange:
+        """The world exchange whose transfers run on this rank's comm thread (what a timeout names
+        the peers of: ``waiting_words``): this set's, or beside the coordinator its plain set's."""
+        return (self.plain or self).world
+
     def rebind(self, world_transport, local_transport, cross_transport) -> None:
         """Moves the exchanges onto fresh transports (after ``world.reconnect()``; collective): the
         direct ones onto the new transports, the coordinated ones onto a new executor over the new
@@ -367,7 +373,7 @@ class Exchanges:
 def waiting_for(world_exchange) -> Optional[tuple]:
     """(operation name, world ranks it still waits to hear from) of the transfer in progress on
     ``world_exchange``'s comm thread, or None (nothing in flight, or the coordinator schedules it;
-    the direct exchanges beside it (``Exchanges.plain``) have the comm thread's transfers)."""
+    ``Exchanges.comm_thread_world`` is the exchange to ask)."""
     chain = getattr(world_exchange, "chain", None)
     current = chain.in_flight if chain is not None else None
     if current is None:

@@ -234,9 +234,7 @@ class HookState:
         self._size = world.size()
         engine = get_engine()
         exchanges = open_exchanges(engine, coordinated=self.coordinator)
-        # a timeout names the peers it waits for (in the comm thread's transfers: beside the coordinator,
-        # those of its plain sums)
-        self._world_exchange = (exchanges.plain or exchanges).world
+        self._world_exchange = exchanges.comm_thread_world  # a timeout names the peers it waits for
         self._states = StateStore(world.rank())
         hierarchical = use_local_aggregation(self.local_aggregation, world.hostnames())
         self.hierarchical = hierarchical

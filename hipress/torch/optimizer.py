@@ -589,18 +589,19 @@ class _HipressOptimizer:
         self._hp_plan_profile: Optional[Profile] = None
         self._hp_plan_option = options.plan
         if options.plan is not None:
-            self._hp_plans, self._hp_trial = self._hp_make_plans(options.plan, options.plain_fusion_bytes)
+            self._hp_plans, self._hp_trial = self._hp_make_plans(options.plan, self._hp_fusion_bytes)
             self._hp_buckets = self._hp_plan_layout(self._hp_trial.in_use if self._hp_trial is not None else "model")
         # a plan's uncompressed buckets that travel as bf16 (hipress.sync.allreduce; not where the
         # plain sync is another, as under the coordinator: CostModel.offers_bf16)
         self._hp_plain16 = (sync_for(NoneCompressor(), torch.bfloat16)
                             if self._hp_plan is not None and self._hp_plan.model.offers_bf16 else None)
-        if self._hp_coord_trial is not None and (
-                self._hp_compressor.name == "none" or (self._hp_plan is not None and (
-                    not any(e.compress for e in self._hp_plans["model"]) or not self._hp_transport.concurrent_splits))):
-            # coordinator="auto" with nothing for the coordinator to batch (or a plan whose uncompressed
-            # buckets' allreduce cannot run beside it): off, unmeasured
-            self._hp_coord_trial.settle("off")
+        if self._hp_coord_trial is not None:
+            # coordinator="auto" with nothing for the coordinator to batch, or a plan whose uncompressed
+            # buckets' allreduce cannot run beside it: off, unmeasured
+            model = self._hp_plans.get("model")
+            if self._hp_compressor.name == "none" or (model is not None and (
+                    not any(e.compress for e in model) or not self._hp_transport.concurrent_splits)):
+                self._hp_coord_trial.settle("off")
         self._hp_covap = self._hp_make_covap(options.covap) if options.covap is not None else None
         self._hp_passes = options.backward_passes_per_step
         self._hp_partition_bytes = options.partition_bytes
@@ -1487,7 +1488,7 @@ class _HipressOptimizer:
         return errors
 
     def _hp_waiting_for(self) -> str:
-        return waiting_words((self._hp_exchanges.plain or self._hp_exchanges).world)
+        return waiting_words(self._hp_exchanges.comm_thread_world)
 
     def _hp_commit(self) -> None:
         self._hp_carry_committed()
