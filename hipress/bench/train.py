@@ -153,17 +153,17 @@ def _plan_info(opt) -> dict:
     """The plan that runs: one entry per bucket (fused gradients share their bucket's decision),
     and the measured choice that put it there."""
     planned = [(b, opt._hp_plan.entry(b.name, b.numel)) for b in opt._hp_buckets]
-    trial, coordinator = opt.plan_trial, opt.coordinator_trial
+    def measured(trial):
+        return None if trial is None else {"chosen": trial.chosen,
+                                           "ms_per_step": {c: 1e3 * v for c, v in trial.seconds.items()}}
+
     return {"strategy": opt._hp_strategy_name,  # what compressed buckets sync with (strategy "auto": chosen)
             "compressed_gradients": sum(len(b.params) for b, e in planned if e.compress),
             "gradients": sum(len(b.params) for b, _ in planned),
             "compressed_mb": sum(4 * b.numel for b, e in planned if e.compress) / 2**20,
             "bf16_mb": sum(4 * b.numel for b, e in planned if e.bf16) / 2**20,
             "buckets": [{"bytes": 4 * b.numel, "compress": e.compress, "bf16": e.bf16, "k": e.k} for b, e in planned],
-            "trial": None if trial is None else {"chosen": trial.chosen, "ms_per_step": {
-                c: 1e3 * v for c, v in trial.seconds.items()}},
-            "coordinator_trial": None if coordinator is None else {"chosen": coordinator.chosen, "ms_per_step": {
-                c: 1e3 * v for c, v in coordinator.seconds.items()}}}
+            "trial": measured(opt.plan_trial), "coordinator_trial": measured(opt.coordinator_trial)}
 
 
 def _covap_on(owner) -> bool:
