@@ -9,8 +9,10 @@ Every rank builds every system at once (the system names of ``hipress.bench.comp
 the machine's load falls on all of them. Per block and system: the slowest rank's wall time per
 step, the mean over ranks of the wall time in forward, backward and ``opt.step()`` (DDP waits for
 its allreduces at the end of backward, hipress in ``opt.step()``; strategy "dear" waits in the
-forward too, and its block ends with ``synchronize()``, its last step's all-gathers and updates,
-counted in opt.step), and every rank's CPU time per step, of the whole process (every thread)
+forward too; a system whose step leaves work in flight ends its block by waiting for it, counted
+in opt.step: dear's ``synchronize()``, its last step's all-gathers and updates, and COVAP's local
+mode's parameter averages, ``hipress.comm.world.quiesce()``; without that, the next system's block
+would hide them), and every rank's CPU time per step, of the whole process (every thread)
 and of the training thread alone. Where the first system is DDP, a ``compute-only`` row runs its
 model under ``no_sync()`` (no communication at all): the limit every system is measured against.
 Where ranks outnumber cores (this 2-core machine runs 4), a framework's own work costs throughput
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -84,6 +87,7 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
     import torch.distributed as dist
 
     from hipress.bench import models, train
+    from hipress.comm import world
 
     cfgs = _configs(systems)
     torch.set_num_threads(1)
@@ -111,8 +115,12 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
     for s, cfg in cfgs.items():
         torch.manual_seed(0)
         net, opt, no_sync, _, _ = train._setup(s, cfg, spec.build(), 0.01)
+        # drain: what a system's last step leaves in flight (dear's all-gathers and updates, COVAP's local
+        # mode's averages), waited for at the end of its block as part of its steps' work
+        drain = opt.synchronize if cfg.get("strategy") == "dear" else \
+            world.quiesce if cfg.get("compression") == "covap" else None
         runs[s] = {"step": functools.partial(timed_step, net, opt), "opt": opt if cfg["kind"] == "hipress" else None,
-                   "dear": cfg.get("strategy") == "dear"}
+                   "drain": drain, "covap": cfg.get("compression") == "covap"}
         if s == systems[0] and cfg["kind"] == "ddp":  # the same model, no communication at all
             runs[COMPUTE_ONLY] = {"step": functools.partial(timed_step, net, opt, no_sync), "opt": None}
     order = list(runs)
@@ -123,9 +131,9 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
         t, c, m = time.perf_counter(), time.process_time(), time.thread_time()
         for _ in range(n):
             runs[s]["step"]()
-        if runs[s].get("dear"):  # its last step's all-gathers and updates: part of these n steps' work
+        if runs[s].get("drain") is not None:
             t3 = time.perf_counter()
-            runs[s]["opt"].synchronize()
+            runs[s]["drain"]()
             phases[2] += time.perf_counter() - t3
         mine = torch.tensor([time.perf_counter() - t, time.process_time() - c, time.thread_time() - m] + phases,
                             dtype=torch.float64) / n
@@ -135,10 +143,19 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
                 "main_cpu_s": sum(float(e[2]) for e in every) / size,
                 **{k: sum(float(e[3 + i]) for e in every) / size for i, k in enumerate(PHASES)}}
 
+    def warming(r, steps):
+        """Whether a system still measures a choice: plan="auto"'s and coordinator="auto"'s trials, COVAP's
+        profile (its filter on), as hipress.bench.train's warm-up waits for them."""
+        opt = r["opt"]
+        return opt is not None and (train._trying(opt) or (
+            r.get("covap") and not train._covap_on(opt) and steps < train.COVAP_MAX_WARMUP))
+
     for s in order:  # warm-up: first steps allocate, plan, profile; plan="auto" and coordinator="auto" measure
         block(s, 2)
-        while runs[s]["opt"] is not None and train._trying(runs[s]["opt"]):
+        warm = 2
+        while warming(runs[s], warm):
             block(s, 1)
+            warm += 1
     res = {s: [] for s in order}
     for b in range(blocks):
         for s in (order if b % 2 == 0 else order[::-1]):
@@ -147,13 +164,15 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
     for s, r in runs.items():
         if r["opt"] is not None:
             probes[s] = _hook_probe(r["opt"], r["step"])
-            if r.get("dear"):  # the probe step's all-gathers and updates, before any other system runs
-                r["opt"].synchronize()
+            if r.get("drain") is not None:  # the probe step's work in flight, before any other system runs
+                r["drain"]()
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"np": size, "model": model_name, "systems": order, "blocks": res, "hook": probes,
                        "plans": {s: train._plan_info(r["opt"]) for s, r in runs.items()
-                                 if r["opt"] is not None and r["opt"]._hp_plan is not None}}, f)
+                                 if r["opt"] is not None and r["opt"]._hp_plan is not None},
+                       "covap": {s: dataclasses.asdict(r["opt"].covap_profile) for s, r in runs.items()
+                                 if r.get("covap") and r["opt"].covap_profile is not None}}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -243,6 +262,8 @@ def main(argv=None) -> dict:
                   f"{plan.get('bf16_mb', 0):.1f} MB as bf16" + ("" if coord is None else
                   f"; coordinator {coord['chosen']}" + ("" if not coord["ms_per_step"] else  # else: unmeasured
                   f" ({', '.join(f'{m} {t:.1f}' for m, t in coord['ms_per_step'].items())} ms per step)")))
+    for s, prof in res.get("covap", {}).items():
+        print(f"\n{s}: COVAP interval {prof['interval']} (CCR {prof['ccr']:.2f})")
     doc = {"config": vars(a), "emulated": emulated, "rows": rows, "raw": res}
     if a.json:
         with open(a.json, "w") as f:

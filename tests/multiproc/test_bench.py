@@ -194,19 +194,23 @@ def test_overhead_times_every_system_and_the_hook(tmp_path):
     """2 local ranks, one block of one step per system: every system timed (wall, process and
     training-thread CPU, forward / backward / opt.step), the first is the base, DDP's model without
     communication is the compute-only row, and the hipress systems' hook timed once per gradient
-    of the model (dear's too: each block ends with its deferred updates done)."""
+    of the model (dear's too: each block ends with its deferred updates done). COVAP is timed once
+    its profile is made (its filter on), not while it profiles."""
     from hipress.bench import models, overhead
 
     out = tmp_path / "overhead.json"
     res = overhead.main(["--model", "resnet50", "--np", "2", "--blocks", "1", "--steps", "1",
-                         "--systems", "ddp,hipress-ring-none,hipress-dear", "--timeout", "240", "--json", str(out)])
+                         "--systems", "ddp,hipress-ring-none,hipress-dear,hipress-covap", "--timeout", "240",
+                         "--json", str(out)])
     rows = {r["system"]: r for r in res["rows"]}
-    assert list(rows) == ["ddp", "compute-only", "hipress-ring-none", "hipress-dear"] and rows["ddp"]["x_base"] == 1.0
+    assert list(rows) == ["ddp", "compute-only", "hipress-ring-none", "hipress-dear", "hipress-covap"]
+    assert rows["ddp"]["x_base"] == 1.0
+    assert res["raw"]["covap"]["hipress-covap"]["interval"] >= 1  # a profile exists once its warm-up ends
     for r in rows.values():
         assert r["step_s"] > 0 and 0 < r["main_cpu_s"] <= r["cpu_s"]
         assert all(r[k] > 0 for k in overhead.PHASES) and sum(r[k] for k in overhead.PHASES) <= 1.01 * r["step_s"]
     assert "hook_us_per_gradient" not in rows["compute-only"]
-    for hp in (rows["hipress-ring-none"], rows["hipress-dear"]):
+    for hp in (rows["hipress-ring-none"], rows["hipress-dear"], rows["hipress-covap"]):
         assert hp["gradients_per_step"] == len(list(models.get("resnet50").build().parameters()))
         assert hp["hook_us_per_gradient"] > 0
     assert "hook_us_per_gradient" not in rows["ddp"]
