@@ -62,7 +62,8 @@ from hipress.bench.train import parse_system
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ALL_SYSTEMS = (["ddp", "ddp-fp16", "ddp-powersgd", "ddp-covap-hook", "horovod", "hipress-covap"]
+ALL_SYSTEMS = (["ddp", "ddp-fp16", "ddp-powersgd", "ddp-covap-hook", "horovod", "hipress-covap",
+                "hipress-covap-bf16"]
                + [f"hipress-{s}-{a}" for s in ("ring", "ps")
                   for a in ("none", "onebit", "tbq", "terngrad", "dgc", "graddrop")]
                + ["hipress-powersgd", "hipress-acpsgd", "hipress-auto", "hipress-ps-tbq-plan", "hipress-bf16"]

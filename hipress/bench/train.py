@@ -27,6 +27,7 @@ group; hipress wraps it), each on a freshly built model with the same seed:
                            uncompressed buckets go beside it, through the backend's allreduce)
   hipress-covap            hipress.DistributedOptimizer(compression="covap") (docs/covap.md: interval
                            "auto", profiled by COVAP's distributed profiler, sharding on)
+  hipress-covap-bf16       the same with wire="bf16" (its parameter averages as bf16 differences)
   ddp-covap-hook           DDP + hipress.ddp.register(model, "covap") (the same, as a DDP comm hook)
   hipress-bf16             hipress.DistributedOptimizer(compression="auto", plan={"max_compress_bytes": 0,
                            "bf16": True}): nothing compressed, every bucket through the backend's
@@ -107,8 +108,9 @@ def parse_system(name: str) -> dict:
         if not 0 < fraction <= 4:
             raise ValueError(f"system {name!r}: the fraction of the gradient's bytes must be in (0, 4]")
         return {"kind": "overlap-limit", "fraction": fraction}
-    if name == "hipress-covap":
-        return {"kind": "hipress", "strategy": "auto", "compression": "covap", "plan": None}
+    if name in ("hipress-covap", "hipress-covap-bf16"):
+        return {"kind": "hipress", "strategy": "auto", "compression": "covap", "plan": None,
+                **({"covap": {"wire": "bf16"}} if name.endswith("-bf16") else {})}
     if name == "hipress-bf16":  # compression="auto" with its plan pinned: nothing compressed, all as bf16
         return {"kind": "hipress", "strategy": "ring", "compression": "auto", "plan": dict(BF16_PLAN)}
     parts = name.split("-")
@@ -124,7 +126,7 @@ def parse_system(name: str) -> dict:
             return {"kind": "hipress", "strategy": "dear", "compression": parts[2], "plan": None}
         if len(parts) == 3 and parts[1] in STRATEGIES and parts[2] in ALGOS:
             return {"kind": "hipress", "strategy": parts[1], "compression": parts[2], "plan": plan}
-    raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, hipress-covap, "
+    raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, hipress-covap[-bf16], "
                      f"hipress-bf16, hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, "
                      f"hipress-acpsgd, hipress-auto, hipress-dear[-<{'|'.join(DEAR_ALGOS)}>], "
                      f"overlap-limit[-<fraction>]; a hipress system may end in -tune, -b<MiB>, then -coord")
@@ -335,6 +337,7 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
     kw.update({"model": model} if cfg["strategy"] == "dear" else {"named_parameters": model.named_parameters()})
     if cfg.get("coordinator"):
         kw["coordinator"] = True
+    kw.update(cfg.get("covap", {}))
     if "bucket_bytes" in cfg:
         kw["bucket_bytes"] = cfg["bucket_bytes"]
         if cfg["bucket_bytes"] == "tune":
