@@ -168,6 +168,53 @@ void add(float* y, const float* x, size_t n) {
   });
 }
 
+// NaN and Inf are the floats whose exponent bits are all set: with the sign cleared, exactly those
+// compare >= 0x7f800000 as integers, so one max over the masked bits decides (vectorizes).
+bool copy_finite(float* out, const float* in, size_t n) {
+  size_t nc = nchunks_of(n);
+  std::vector<uint32_t> top(nc, 0);
+  parallel_for(nc, [&](size_t c) {
+    size_t i = c * kGrain, e = chunk_end(c, n);
+    uint32_t m = 0;
+#if defined(__AVX512F__)
+    const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
+    __m512i m0 = _mm512_setzero_si512(), m1 = m0;
+    for (; i + 32 <= e; i += 32) {
+      __m512i v0 = _mm512_loadu_si512(in + i), v1 = _mm512_loadu_si512(in + i + 16);
+      _mm512_storeu_si512(out + i, v0);
+      _mm512_storeu_si512(out + i + 16, v1);
+      m0 = _mm512_max_epu32(m0, _mm512_and_si512(v0, abs_bits));
+      m1 = _mm512_max_epu32(m1, _mm512_and_si512(v1, abs_bits));
+    }
+    m = _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
+#elif defined(__AVX2__)
+    const __m256i abs_bits = _mm256_set1_epi32(0x7fffffff);
+    __m256i m0 = _mm256_setzero_si256(), m1 = m0;
+    for (; i + 16 <= e; i += 16) {
+      __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
+      __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), v0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 8), v1);
+      m0 = _mm256_max_epu32(m0, _mm256_and_si256(v0, abs_bits));
+      m1 = _mm256_max_epu32(m1, _mm256_and_si256(v1, abs_bits));
+    }
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_max_epu32(m0, m1));
+    for (uint32_t l : lanes) m = std::max(m, l);
+#endif
+    for (; i < e; ++i) {
+      uint32_t u;
+      std::memcpy(&u, in + i, sizeof u);
+      std::memcpy(out + i, &u, sizeof u);
+      m = std::max(m, u & 0x7fffffffu);
+    }
+    top[c] = m;
+  });
+  for (uint32_t m : top)
+    if (m >= 0x7f800000u) return false;
+  return true;
+}
+
 // The product is rounded before the sum, as in torch's two passes (this file's fp-contract=off).
 void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t n) {
   parallel_range(n, kGrain, [&](size_t b, size_t e) {

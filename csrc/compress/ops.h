@@ -48,6 +48,10 @@ void map(const float* in, size_t n, float* out, F f) {
 void axpby(float* out, const float* y, float beta, const float* x, float gamma, size_t n);
 // y[i] += x[i]
 void add(float* y, const float* x, size_t n);
+// out[i] = in[i], and whether every element is finite (no NaN, no Inf): a gradient's copy into
+// its fusion bucket and the non-finite check of it in one pass over memory, where the check
+// would be a second pass (a sum) over the bucket. out must not overlap in.
+bool copy_finite(float* out, const float* in, size_t n);
 // SGD's momentum update (dampening 0) and its result as the gradient, in one pass:
 // u_out = m * u_in + g; g = u_out. Rounded as torch's u.mul_(m).add_(g) rounds it (the
 // product, then the sum; never fused), so the result is bit for bit SGD's. u_out may be u_in.

@@ -119,14 +119,21 @@ class _Bucket:
         self._views = {} if self.in_place else {id(p): self.flat[o:o + p.numel()].view(p.shape)
                                                  for o, (_, p) in zip(self.offsets, params)}
 
-    def put(self, p) -> None:
+    def put(self, p) -> bool:
+        """p's final gradient into the bucket. True where its copy also found every element finite
+        (an fp32 contiguous CPU gradient: one native pass), so the bucket's non-finite check,
+        a second pass over it, can skip it; False where nothing was checked."""
         if self.in_place:
             g = p.grad
             if not g.is_contiguous():
                 p.grad = g = g.contiguous()
             self.flat = g.view(-1)
-            return
-        self._views[id(p)].copy_(p.grad)
+            return False
+        g, view = p.grad, self._views[id(p)]
+        if g.dtype == torch.float32 and g.device.type == "cpu" and g.is_contiguous():
+            return _C.ops_copy_finite(view.data_ptr(), g.data_ptr(), g.numel())
+        view.copy_(g)
+        return False
 
     def unpack(self) -> None:
         for _, p in self.params:
@@ -886,6 +893,7 @@ class _HipressOptimizer:
             if self._hp_clip_for(b) is None and (not self._hp_guard or b.name in self._hp_check_per_bucket)
             for _, p in b.params if mc is None or not mc.corrects(p)}
         self._hp_filled: Dict["_Bucket", int] = {}  # this step's gradients in each bucket
+        self._hp_found_finite: Dict["_Bucket", int] = {}  # of those, how many its copy found finite (put)
 
     def _hp_clip_for(self, bucket: "_Bucket"):
         """The clip of the gradients of ``bucket``: the algorithm's clipping is an aid to its
@@ -974,7 +982,8 @@ class _HipressOptimizer:
         self._hp_taken.add(key)
         if (self._hp_transport.size > 1 or self._hp_dear is not None) and not (
                 self._hp_covap is not None and self._hp_covap.local):  # COVAP's local mode sends no gradient
-            bucket.put(p)
+            if bucket.put(p):
+                self._hp_found_finite[bucket] = self._hp_found_finite.get(bucket, 0) + 1
         filled = self._hp_filled[bucket] = self._hp_filled.get(bucket, 0) + 1
         if filled == len(bucket.params):
             self._hp_submit(bucket)
@@ -1221,7 +1230,7 @@ class _HipressOptimizer:
         if self._hp_transport.size == 1:
             self._hp_handles[bucket.name] = None
             return
-        if bucket.name in self._hp_check_per_bucket:
+        if bucket.name in self._hp_check_per_bucket and self._hp_found_finite.get(bucket, 0) < len(bucket.params):
             self._hp_check_bucket(bucket)
         flat = bucket.flat
         sync, bounds = self._hp_route(bucket)
@@ -1405,6 +1414,7 @@ class _HipressOptimizer:
         self._hp_counts.clear()
         self._hp_taken.clear()
         self._hp_filled.clear()
+        self._hp_found_finite.clear()
         self._hp_bad = set()
         if errors:
             # keep the handles (reset() waits them out) and the undo logs (reset() undoes the step)
@@ -1647,6 +1657,7 @@ class _HipressOptimizer:
         self._hp_counts.clear()
         self._hp_taken.clear()
         self._hp_filled.clear()
+        self._hp_found_finite.clear()
         self._hp_bad = set()
         self._hp_undo()
         self._hp_skip_step = self._hp_synchronized = False

@@ -37,6 +37,8 @@ CONFIGS = [{"compression": a, "strategy": s, "kwargs": KWARGS.get(a, {}), "amp":
            for a in ALGORITHMS for s in strategies(a)]
 # one fused bucket (all four gradients in one buffer) through a ring; PS through the coordinator
 CONFIGS.append({"compression": "tbq", "strategy": "ring", "kwargs": {}, "bucket_bytes": 1 << 20, "amp": False})
+# one fused bucket through the backend's allreduce, checked as its gradients are copied in (_Bucket.put)
+CONFIGS.append({"compression": "none", "strategy": "ring", "kwargs": {}, "bucket_bytes": 1 << 20, "amp": False})
 CONFIGS.append({"compression": "onebit", "strategy": "ps", "kwargs": {"coordinator": True}, "amp": True})
 # strategy "dear" (one fused bucket, checked for NaN/Inf where it is submitted): uncompressed and with
 # error feedback; no AMP (dear has no synchronize()-then-step() form)

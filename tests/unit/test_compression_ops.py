@@ -235,6 +235,27 @@ def test_momentum_update_is_sgds_two_passes_bit_for_bit(n, in_place, threads):
         assert not torch.equal(fused, u.clone().mul_(0.9).add_(g))
 
 
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 1000, 65536 + 17, 200003])
+def test_copy_finite_copies_and_finds_every_nan_and_inf(n, threads):
+    """The copy is exact (bits, -0.0, denormals, NaN payloads included) and the answer is False
+    exactly where some element is NaN or +-Inf, wherever it lies (vector body, tail, later chunk);
+    the largest finite floats and denormals are finite."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(np.float32)
+    if n:
+        x[rng.integers(0, n, size=min(n, 8))] = np.array([np.finfo(np.float32).max, -np.finfo(np.float32).max,
+                                                          1e-42, -0.0], np.float32)[rng.integers(0, 4, size=min(n, 8))]
+    out = np.full(max(n, 1), 7.0, np.float32)
+    assert _C.ops_copy_finite(ptr(out), ptr(x), n) is True
+    assert np.array_equal(out[:n].view(np.uint32), x.view(np.uint32))
+    for at in sorted({0, n // 2, n - 1}) if n else []:
+        for bad in (np.nan, np.inf, -np.inf, np.float32(np.nan) * -1):
+            y = x.copy()
+            y[at] = bad
+            assert _C.ops_copy_finite(ptr(out), ptr(y), n) is False, (at, bad)
+            assert np.array_equal(out[:n].view(np.uint32), y.view(np.uint32))
+
+
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1000, 70001])
 def test_filter_abs_ge_matches_numpy(n, threads):
     """The indices and values of every |x| >= thr with |x| > 0, in order: the block test on the
