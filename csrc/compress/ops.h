@@ -20,6 +20,7 @@
 //   decomp(G, o)    orthogonalize (Gram-Schmidt, PowerSGD)
 //   matmul(G0, G1)  matmul_nn, matmul_tn, matmul_nt
 //   (merge helpers) axpby, add, scatter_add, gather
+//   (fusion)        copy_finite (a gradient into its bucket, checked for NaN/Inf on the way)
 #pragma once
 
 #include <cstddef>
