@@ -192,4 +192,6 @@ HIPRESS_BINDINGS(compress, m) {
     ops::axpby(P<float>(y), P<const float>(y), beta, P<const float>(x), gamma, n); }, Release());
   m.def("ops_momentum_update", [](uintptr_t u_out, uintptr_t u_in, float m, uintptr_t g, size_t n) {
     ops::momentum_update(P<float>(u_out), P<const float>(u_in), m, P<float>(g), n); }, Release());
+  m.def("ops_momentum_update_finite", [](uintptr_t u_out, uintptr_t u_in, float m, uintptr_t g, size_t n) {
+    return ops::momentum_update_finite(P<float>(u_out), P<const float>(u_in), m, P<float>(g), n); }, Release());
 }

@@ -227,6 +227,55 @@ void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t 
   });
 }
 
+bool momentum_update_finite(float* u_out, const float* u_in, float m, float* g, size_t n) {
+  size_t nc = nchunks_of(n);
+  std::vector<uint32_t> top(nc, 0);
+  parallel_for(nc, [&](size_t c) {
+    size_t i = c * kGrain, e = chunk_end(c, n);
+    uint32_t t = 0;
+#if defined(__AVX512F__)
+    const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512i t0 = _mm512_setzero_si512();
+    for (; i + 16 <= e; i += 16) {
+      __m512 gv = _mm512_loadu_ps(g + i);
+      t0 = _mm512_max_epu32(t0, _mm512_and_si512(_mm512_castps_si512(gv), abs_bits));
+      __m512 v = _mm512_add_ps(_mm512_mul_ps(vm, _mm512_loadu_ps(u_in + i)), gv);  // rounded twice, as below
+      _mm512_storeu_ps(u_out + i, v);
+      _mm512_storeu_ps(g + i, v);
+    }
+    t = _mm512_reduce_max_epu32(t0);
+#elif defined(__AVX2__)
+    const __m256i abs_bits = _mm256_set1_epi32(0x7fffffff);
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256i t0 = _mm256_setzero_si256();
+    for (; i + 8 <= e; i += 8) {
+      __m256 gv = _mm256_loadu_ps(g + i);
+      t0 = _mm256_max_epu32(t0, _mm256_and_si256(_mm256_castps_si256(gv), abs_bits));
+      __m256 v = _mm256_add_ps(_mm256_mul_ps(vm, _mm256_loadu_ps(u_in + i)), gv);
+      _mm256_storeu_ps(u_out + i, v);
+      _mm256_storeu_ps(g + i, v);
+    }
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), t0);
+    for (uint32_t l : lanes) t = std::max(t, l);
+#endif
+    for (; i < e; ++i) {
+      uint32_t u;
+      std::memcpy(&u, g + i, sizeof u);
+      t = std::max(t, u & 0x7fffffffu);
+      float v = m * u_in[i];
+      v += g[i];
+      u_out[i] = v;
+      g[i] = v;
+    }
+    top[c] = t;
+  });
+  for (uint32_t t : top)
+    if (t >= 0x7f800000u) return false;
+  return true;
+}
+
 // ---- reduce ----------------------------------------------------------------
 MinMax reduce_minmax(const float* in, size_t n) {
   if (n == 0) return {0.0f, 0.0f};

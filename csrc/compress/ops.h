@@ -57,6 +57,10 @@ bool copy_finite(float* out, const float* in, size_t n);
 // u_out = m * u_in + g; g = u_out. Rounded as torch's u.mul_(m).add_(g) rounds it (the
 // product, then the sum; never fused), so the result is bit for bit SGD's. u_out may be u_in.
 void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t n);
+// The same, and whether every element of g as given was finite (no NaN, no Inf): the optimizer's
+// non-finite check of a momentum-corrected gradient in the same pass. Where it was not, u_out
+// and g hold garbage (the caller sends zeros and the step is undone on every rank).
+bool momentum_update_finite(float* u_out, const float* u_in, float m, float* g, size_t n);
 
 // ---- reduce ----------------------------------------------------------------
 struct MinMax {

@@ -140,6 +140,29 @@ class MomentumCorrection:
         else:
             grad.copy_(u)
 
+    def apply_checked(self, p: torch.nn.Parameter, grad: torch.Tensor) -> Optional[bool]:
+        """:meth:`apply` with the optimizer's NaN/Inf check of ``grad`` in the same native pass,
+        where SGD's default update runs into the undo log's spare buffer (so the old velocity is
+        kept, and the step's undo restores it): whether ``grad`` was finite. If it was not,
+        ``grad`` and the new velocity hold garbage: the caller sends zeros and every rank undoes
+        the step. None, changing nothing, where that pass does not apply: the caller checks
+        ``grad`` first, then calls :meth:`apply`."""
+        name = self._names.get(id(p))
+        u = self.velocity.get(name)
+        if u is None or not self._velocity or not self.undo_log.enabled or not self.corrects(p):
+            return None
+        group = self._group(p)
+        m = group.get("momentum", 0.0)
+        if not m or group.get("nesterov", False) or group.get("dampening", 0.0) or not (
+                is_f32_flat(u) and is_f32_flat(grad)):
+            return None
+        if group.get("weight_decay", 0.0):  # a NaN or Inf in grad stays one
+            grad.add_(p.detach(), alpha=group["weight_decay"])
+        new = self.undo_log.replace(name, [u])[0]
+        finite = _C.ops_momentum_update_finite(new.data_ptr(), u.data_ptr(), float(m), grad.data_ptr(), grad.numel())
+        self.velocity[name] = new
+        return finite
+
     @contextlib.contextmanager
     def plain_step(self):
         """Inside: the wrapped SGD steps without momentum and weight decay (applied already) on the

@@ -964,13 +964,19 @@ class _HipressOptimizer:
                                      f"DistributedOptimizer, or use a dense embedding")
                 grad = grad.to_dense()
                 self._hp_densified.add(key)
-            if (self._hp_guard and grad is not None and bucket.name not in self._hp_check_per_bucket
-                    and not nonfinite.all_finite(grad)):
-                # never clipped, momentum-corrected, compressed or sent: zeros instead (every rank
-                # runs the same collectives); synchronize() undoes the step on every rank
-                self._hp_bad.add(key)
-                grad = torch.zeros_like(grad)
-            final = final_gradient(self._hp_names[key], p, grad, self._hp_clip_for(bucket), self._hp_momentum)
+            clip, corrected = self._hp_clip_for(bucket), None
+            if self._hp_guard and grad is not None and bucket.name not in self._hp_check_per_bucket:
+                # momentum correction's native pass checks the gradient as it reads it (None where
+                # that pass does not run); elsewhere the check is a pass of its own, first
+                if clip is None and self._hp_momentum is not None:
+                    corrected = self._hp_momentum.apply_checked(p, grad)
+                if not (nonfinite.all_finite(grad) if corrected is None else corrected):
+                    # never clipped, compressed or sent: zeros instead (every rank runs the same
+                    # collectives); synchronize() undoes the step, and so the velocity, on every rank
+                    self._hp_bad.add(key)
+                    grad = torch.zeros_like(grad)
+            final = grad if corrected is not None else \
+                final_gradient(self._hp_names[key], p, grad, clip, self._hp_momentum)
             if final is not p.grad:  # (the setter checks shape and dtype: not when nothing changed)
                 p.grad = final
             if self._hp_predivide != 1.0:  # Horovod's gradient_predivide_factor: 1/f before the sum

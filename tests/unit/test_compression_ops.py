@@ -235,6 +235,28 @@ def test_momentum_update_is_sgds_two_passes_bit_for_bit(n, in_place, threads):
         assert not torch.equal(fused, u.clone().mul_(0.9).add_(g))
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 17, 65537, 200003])
+def test_momentum_update_finite_is_the_update_and_finds_every_nan_and_inf(n, threads):
+    """Where g is finite: ops_momentum_update's bits (SGD's roundings) and True; a NaN or +-Inf
+    anywhere in g (vector body, tail, a later chunk): False."""
+    import torch
+    gen = torch.Generator().manual_seed(n)
+    u = torch.randn(n, generator=gen) * 10
+    g = torch.randn(n, generator=gen) * 1e-3
+    for m in (0.9, 0.5):
+        want = u.clone().mul_(m).add_(g)
+        out, g2 = torch.full((n,), float("nan")), g.clone()
+        assert _C.ops_momentum_update_finite(out.data_ptr(), u.data_ptr(), m, g2.data_ptr(), n) is True
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), m
+        assert torch.equal(g2.view(torch.int32), want.view(torch.int32)), m
+    for at in sorted({0, n // 2, n - 1}) if n else []:
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            g2 = g.clone()
+            g2[at] = bad
+            out = torch.empty(n)
+            assert _C.ops_momentum_update_finite(out.data_ptr(), u.data_ptr(), 0.9, g2.data_ptr(), n) is False
+
+
 @pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 1000, 65536 + 17, 200003])
 def test_copy_finite_copies_and_finds_every_nan_and_inf(n, threads):
     """The copy is exact (bits, -0.0, denormals, NaN payloads included) and the answer is False
