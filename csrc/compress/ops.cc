@@ -170,14 +170,32 @@ void add(float* y, const float* x, size_t n) {
 
 // NaN and Inf are the floats whose exponent bits are all set: with the sign cleared, exactly those
 // compare >= 0x7f800000 as integers, so one max over the masked bits decides (vectorizes).
+namespace {
+constexpr uint32_t kAbsBits = 0x7fffffffu, kFirstNonFinite = 0x7f800000u;
+
+// chunk(b, e) does the work on elements [b, e) and returns the largest sign-cleared bits it read;
+// whether every chunk stayed below the first NaN/Inf.
+template <class F>
+bool chunks_finite(size_t n, F chunk) {
+  std::vector<uint32_t> top(nchunks_of(n), 0);
+  parallel_for(top.size(), [&](size_t c) { top[c] = chunk(c * kGrain, chunk_end(c, n)); });
+  return std::all_of(top.begin(), top.end(), [](uint32_t t) { return t < kFirstNonFinite; });
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline uint32_t hmax_epu32(__m256i v) {
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+  return *std::max_element(lanes, lanes + 8);
+}
+#endif
+}  // namespace
+
 bool copy_finite(float* out, const float* in, size_t n) {
-  size_t nc = nchunks_of(n);
-  std::vector<uint32_t> top(nc, 0);
-  parallel_for(nc, [&](size_t c) {
-    size_t i = c * kGrain, e = chunk_end(c, n);
+  return chunks_finite(n, [&](size_t i, size_t e) {
     uint32_t m = 0;
 #if defined(__AVX512F__)
-    const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
+    const __m512i abs_bits = _mm512_set1_epi32(kAbsBits);
     __m512i m0 = _mm512_setzero_si512(), m1 = m0;
     for (; i + 32 <= e; i += 32) {
       __m512i v0 = _mm512_loadu_si512(in + i), v1 = _mm512_loadu_si512(in + i + 16);
@@ -188,7 +206,7 @@ bool copy_finite(float* out, const float* in, size_t n) {
     }
     m = _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
 #elif defined(__AVX2__)
-    const __m256i abs_bits = _mm256_set1_epi32(0x7fffffff);
+    const __m256i abs_bits = _mm256_set1_epi32(kAbsBits);
     __m256i m0 = _mm256_setzero_si256(), m1 = m0;
     for (; i + 16 <= e; i += 16) {
       __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
@@ -198,21 +216,16 @@ bool copy_finite(float* out, const float* in, size_t n) {
       m0 = _mm256_max_epu32(m0, _mm256_and_si256(v0, abs_bits));
       m1 = _mm256_max_epu32(m1, _mm256_and_si256(v1, abs_bits));
     }
-    alignas(32) uint32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_max_epu32(m0, m1));
-    for (uint32_t l : lanes) m = std::max(m, l);
+    m = hmax_epu32(_mm256_max_epu32(m0, m1));
 #endif
     for (; i < e; ++i) {
       uint32_t u;
       std::memcpy(&u, in + i, sizeof u);
       std::memcpy(out + i, &u, sizeof u);
-      m = std::max(m, u & 0x7fffffffu);
+      m = std::max(m, u & kAbsBits);
     }
-    top[c] = m;
+    return m;
   });
-  for (uint32_t m : top)
-    if (m >= 0x7f800000u) return false;
-  return true;
 }
 
 // The product is rounded before the sum, as in torch's two passes (this file's fp-contract=off).
@@ -228,13 +241,10 @@ void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t 
 }
 
 bool momentum_update_finite(float* u_out, const float* u_in, float m, float* g, size_t n) {
-  size_t nc = nchunks_of(n);
-  std::vector<uint32_t> top(nc, 0);
-  parallel_for(nc, [&](size_t c) {
-    size_t i = c * kGrain, e = chunk_end(c, n);
+  return chunks_finite(n, [&](size_t i, size_t e) {
     uint32_t t = 0;
 #if defined(__AVX512F__)
-    const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
+    const __m512i abs_bits = _mm512_set1_epi32(kAbsBits);
     const __m512 vm = _mm512_set1_ps(m);
     __m512i t0 = _mm512_setzero_si512();
     for (; i + 16 <= e; i += 16) {
@@ -246,7 +256,7 @@ bool momentum_update_finite(float* u_out, const float* u_in, float m, float* g, 
     }
     t = _mm512_reduce_max_epu32(t0);
 #elif defined(__AVX2__)
-    const __m256i abs_bits = _mm256_set1_epi32(0x7fffffff);
+    const __m256i abs_bits = _mm256_set1_epi32(kAbsBits);
     const __m256 vm = _mm256_set1_ps(m);
     __m256i t0 = _mm256_setzero_si256();
     for (; i + 8 <= e; i += 8) {
@@ -256,24 +266,19 @@ bool momentum_update_finite(float* u_out, const float* u_in, float m, float* g, 
       _mm256_storeu_ps(u_out + i, v);
       _mm256_storeu_ps(g + i, v);
     }
-    alignas(32) uint32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), t0);
-    for (uint32_t l : lanes) t = std::max(t, l);
+    t = hmax_epu32(t0);
 #endif
     for (; i < e; ++i) {
       uint32_t u;
       std::memcpy(&u, g + i, sizeof u);
-      t = std::max(t, u & 0x7fffffffu);
+      t = std::max(t, u & kAbsBits);
       float v = m * u_in[i];
       v += g[i];
       u_out[i] = v;
       g[i] = v;
     }
-    top[c] = t;
+    return t;
   });
-  for (uint32_t t : top)
-    if (t >= 0x7f800000u) return false;
-  return true;
 }
 
 // ---- reduce ----------------------------------------------------------------
