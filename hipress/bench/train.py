@@ -126,8 +126,9 @@ def parse_system(name: str) -> dict:
             return {"kind": "hipress", "strategy": "dear", "compression": parts[2], "plan": None}
         if len(parts) == 3 and parts[1] in STRATEGIES and parts[2] in ALGOS:
             return {"kind": "hipress", "strategy": parts[1], "compression": parts[2], "plan": plan}
-    raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, hipress-covap[-bf16], "
-                     f"hipress-bf16, hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, "
+    raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, "
+                     f"hipress-covap[-bf16], hipress-bf16, "
+                     f"hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, "
                      f"hipress-acpsgd, hipress-auto, hipress-dear[-<{'|'.join(DEAR_ALGOS)}>], "
                      f"overlap-limit[-<fraction>]; a hipress system may end in -tune, -b<MiB>, then -coord")
 

@@ -171,7 +171,8 @@ def test_parse_system_names():
     assert parse_system("hipress-ps-onebit-b4-coord")["bucket_bytes"] == 4 << 20
     assert parse_system("overlap-limit") == {"kind": "overlap-limit", "fraction": 1.0}
     assert parse_system("overlap-limit-0.25") == {"kind": "overlap-limit", "fraction": 0.25}
-    for name in ("hipress-ring-tbq-plan-tune", "hipress-covap-tune", "hipress-covap-bf16-b4", "hipress-dear-b0", "ddp-tune",
+    for name in ("hipress-ring-tbq-plan-tune", "hipress-covap-tune", "hipress-covap-bf16-b4", "hipress-dear-b0",
+                 "ddp-tune",
                  "overlap-limit-0", "overlap-limit-x", "overlap-limit-tune", "ddp-coord", "hipress-coord-tune"):
         with pytest.raises(ValueError):
             parse_system(name)
