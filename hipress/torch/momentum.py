@@ -111,6 +111,10 @@ class MomentumCorrection:
     def apply(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Turns p's final local gradient into its local update direction, in place (nothing for
         a parameter it does not correct)."""
+        native = self._native(p, grad)
+        if native is not None:
+            self._native_update(p, grad, *native, _C.ops_momentum_update)
+            return
         if not self.corrects(p):
             return
         group = self._group(p)
@@ -129,11 +133,6 @@ class MomentumCorrection:
                 return  # grad is u already
         else:  # into a spare buffer when the step's old velocity must be kept (no copy of it)
             new = self.undo_log.replace(name, [u])[0]
-            if not nesterov and not d and all(is_f32_flat(t) for t in (u, new, grad)):
-                # SGD's default: the update and its copy into grad in one pass, with SGD's roundings
-                _C.ops_momentum_update(new.data_ptr(), u.data_ptr(), float(m), grad.data_ptr(), grad.numel())
-                self.velocity[name] = new
-                return
             self.velocity[name] = u = torch.mul(u, m, out=new).add_(grad, alpha=1.0 - d)
         if nesterov:
             grad.add_(u, alpha=m)
@@ -147,21 +146,33 @@ class MomentumCorrection:
         ``grad`` and the new velocity hold garbage: the caller sends zeros and every rank undoes
         the step. None, changing nothing, where that pass does not apply: the caller checks
         ``grad`` first, then calls :meth:`apply`."""
-        name = self._names.get(id(p))
-        u = self.velocity.get(name)
-        if u is None or not self._velocity or not self.undo_log.enabled or not self.corrects(p):
+        native = self._native(p, grad) if self.undo_log.enabled else None
+        return None if native is None else self._native_update(p, grad, *native, _C.ops_momentum_update_finite)
+
+    def _native(self, p: torch.nn.Parameter, grad: torch.Tensor):
+        """(group, name, velocity) where p's update is SGD's default (momentum, no dampening, no
+        nesterov) of a velocity it already has, all fp32 CPU and contiguous: one native pass
+        (:meth:`_native_update`); else None."""
+        if not self._velocity or not self.corrects(p):
             return None
         group = self._group(p)
-        m = group.get("momentum", 0.0)
-        if not m or group.get("nesterov", False) or group.get("dampening", 0.0) or not (
-                is_f32_flat(u) and is_f32_flat(grad)):
+        name = self._names[id(p)]
+        u = self.velocity.get(name)
+        if (u is None or not group.get("momentum", 0.0) or group.get("nesterov", False)
+                or group.get("dampening", 0.0) or not (is_f32_flat(u) and is_f32_flat(grad))):
             return None
-        if group.get("weight_decay", 0.0):  # a NaN or Inf in grad stays one
+        return group, name, u
+
+    def _native_update(self, p, grad, group: dict, name: str, u: torch.Tensor, op):
+        """Weight decay, then ``op`` (``ops_momentum_update[_finite]``): the update and its copy into
+        grad in one pass with SGD's roundings, into a spare buffer where the undo log keeps the step's
+        old velocity (no copy of it). Returns what ``op`` returns."""
+        if group.get("weight_decay", 0.0):  # (a NaN or Inf in grad stays one)
             grad.add_(p.detach(), alpha=group["weight_decay"])
         new = self.undo_log.replace(name, [u])[0]
-        finite = _C.ops_momentum_update_finite(new.data_ptr(), u.data_ptr(), float(m), grad.data_ptr(), grad.numel())
+        out = op(new.data_ptr(), u.data_ptr(), float(group["momentum"]), grad.data_ptr(), grad.numel())
         self.velocity[name] = new
-        return finite
+        return out
 
     @contextlib.contextmanager
     def plain_step(self):
