@@ -92,7 +92,7 @@ class AllreduceStrategy(Strategy):
                                  or any(off < 0 or off + t.numel() > flat.numel() for off, t in into)):
             raise ValueError(f"{tensor_name}: 'into' must tile the whole gradient, which must be sent whole "
                              f"(partitions {spans[:4]} of {flat.numel()} elements)")
-        if into is not None and any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+        if into is not None and any(t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous()
                                     for _, t in into):
             raise ValueError(f"{tensor_name}: 'into' takes contiguous fp32 CPU tensors")
         nbytes = 4 * sum(e - s for s, e in spans)
