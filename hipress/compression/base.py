@@ -84,8 +84,10 @@ def flat_f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_f32_flat(t: torch.Tensor) -> bool:
-    """Whether t is already what :func:`flat_f32` makes of it (a kernel may write into it)."""
-    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    """Whether t is already what :func:`flat_f32` makes of it (a kernel may write into it). The
+    cheapest tensor attributes (``t.device`` builds an object per call): this runs once per
+    gradient per step in the optimizer's hook."""
+    return t.dtype is torch.float32 and t.is_cpu and t.is_contiguous()
 
 
 def zeroed_f32(out: torch.Tensor) -> torch.Tensor:

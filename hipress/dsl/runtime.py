@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from hipress.compression.base import Compressor, CompressorState, check_payload, flat_f32, out_buffer
+from hipress.compression.base import Compressor, CompressorState, check_payload, flat_f32, is_f32_flat, out_buffer
 from hipress.dsl.checker import UINTS, Spec
 
 ERRLEN = 1024
@@ -286,7 +286,7 @@ class GeneratedCompressor(Compressor):
         if (isinstance(payload, torch.Tensor) and payload.is_cuda) or (isinstance(out, torch.Tensor) and out.is_cuda):
             return self._decode_cuda(payload, out, alpha, add)
         p = check_payload(payload)
-        flat = out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
+        flat = is_f32_flat(out)
         target = out if flat else torch.empty(out.numel(), dtype=torch.float32)
         err = _errbuf()
         self._lib.sync_threads()
@@ -428,7 +428,7 @@ class GeneratedLowRank(GeneratedCompressor):
         if state is None:
             raise ValueError(f"{self.name} finish needs the state of its rounds")
         p = check_payload(payload)
-        flat = out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
+        flat = is_f32_flat(out)
         target = out if flat else torch.zeros(out.numel(), dtype=torch.float32)
         if not flat and add:
             target.copy_(out.reshape(-1))

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hipress import _C
+from hipress.compression.base import is_f32_flat
 from hipress.engine import Handle
 from hipress.planner.plan import chunk_bounds
 from hipress.sync.base import Strategy, SyncContext
@@ -92,8 +93,7 @@ class AllreduceStrategy(Strategy):
                                  or any(off < 0 or off + t.numel() > flat.numel() for off, t in into)):
             raise ValueError(f"{tensor_name}: 'into' must tile the whole gradient, which must be sent whole "
                              f"(partitions {spans[:4]} of {flat.numel()} elements)")
-        if into is not None and any(t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous()
-                                    for _, t in into):
+        if into is not None and not all(is_f32_flat(t) for _, t in into):
             raise ValueError(f"{tensor_name}: 'into' takes contiguous fp32 CPU tensors")
         nbytes = 4 * sum(e - s for s, e in spans)
         cast = flat.dtype != self.wire

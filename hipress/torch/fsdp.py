@@ -55,6 +55,7 @@ from hipress import compression as _compression
 from hipress import config
 from hipress.comm import world
 from hipress.comm.exchange import open_exchanges, waiting_words
+from hipress.compression.base import is_f32_flat
 from hipress.engine import get_engine
 from hipress.planner.plan import chunk_bounds
 from hipress.sync import StateStore
@@ -158,7 +159,7 @@ class FsdpState:
         if n > 1 and (n != world.size() or ranks != list(range(world.size()))):
             raise ValueError(f"hipress.fsdp reduces over all ranks of the job ({world.size()}), but FSDP's "
                              f"reduce-scatter group holds ranks {ranks}: HSDP and 2-D meshes are not supported")
-        in_place = input.device.type == "cpu" and input.dtype == torch.float32 and input.is_contiguous()
+        in_place = is_f32_flat(input)
         rows = (input if in_place else input.detach().to("cpu", torch.float32)).reshape(n, m)
         if self.clip is not None:
             self._clip(rows, layout)

@@ -48,6 +48,7 @@ from hipress import compression as _compression
 from hipress.comm import coordinator, world
 from hipress.comm.exchange import open_exchanges, waiting_words
 from hipress.comm.transport.base import TransportError
+from hipress.compression.base import is_f32_flat
 from hipress.compression.none import NoneCompressor
 from hipress.engine import Handle, get_engine
 from hipress.planner import Overrides, Plan, chunk_bounds, fastest_plan, make_plan
@@ -130,7 +131,7 @@ class _Bucket:
             self.flat = g.view(-1)
             return False
         g, view = p.grad, self._views[id(p)]
-        if g.dtype is torch.float32 and g.is_cpu and g.is_contiguous():  # (the cheapest tests: once per gradient)
+        if is_f32_flat(g):
             return _C.ops_copy_finite(view.data_ptr(), g.data_ptr(), g.numel())
         view.copy_(g)
         return False
@@ -174,7 +175,7 @@ class _Bucket:
         if self.in_place:
             return None
         grads = [p.grad for _, p in self.params]
-        if any(g is None or g.dtype is not torch.float32 or not g.is_cpu or not g.is_contiguous() for g in grads):
+        if any(g is None or not is_f32_flat(g) for g in grads):
             return None
         return list(zip(self.offsets, grads))
 
