@@ -121,10 +121,12 @@ size_t ErrorFeedback::encode(const float* in, size_t n, uint8_t* out, size_t cap
   if (!st) return inner_->encode(in, n, out, cap, nullptr);
   int ri = st->nbufs - 1;
   float* res = state_buf(st, ri, n, info_.name.c_str(), "residual");
-  ops::axpby(res, st->residual_in ? st->residual_in : res, beta_, in, gamma_, n);  // compensate
   StateView inner_st = *st;
   inner_st.nbufs = ri;
   inner_st.residual_in = nullptr;
+  if (size_t bytes = inner_->encode_feedback(in, n, res, st->residual_in, beta_, gamma_, out, cap, &inner_st))
+    return bytes;
+  ops::axpby(res, st->residual_in ? st->residual_in : res, beta_, in, gamma_, n);  // compensate
   size_t bytes = inner_->encode(res, n, out, cap, &inner_st);
   inner_->decode(out, bytes, res, n, -1.0f, true);  // residual = compensated - decoded
   return bytes;

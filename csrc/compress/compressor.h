@@ -83,6 +83,14 @@ class Compressor {
   // add == false: out = alpha * decode(in); add == true: out += alpha * decode(in)
   // (fused decode + merge). Throws FormatError for a payload it cannot decode.
   virtual void decode(const uint8_t* in, size_t bytes, float* out, size_t n, float alpha, bool add) const = 0;
+  // Error feedback's whole encode in one (ErrorFeedback::encode): res = beta * res_in + gamma * in
+  // (res_in null: res), the payload of res into out, then res -= decode(payload); the same bits as
+  // those three steps, in fewer passes over memory. Returns the payload's bytes, or 0 where this
+  // algorithm (or this call: its rows, its state) has no fused form, having touched nothing.
+  virtual size_t encode_feedback(const float* in, size_t n, float* res, const float* res_in, float beta, float gamma,
+                                 uint8_t* out, size_t cap, StateView* st) const {
+    return 0;
+  }
 
   // ---- multi-round low-rank compressors (info().rounds > 1) -------------------
   // Round r's payload from the gradient (round 0) or from the sum over ranks of
@@ -132,8 +140,9 @@ struct CompressorRegistrar {
 // ---- error feedback ------------------------------------------------------------
 // Decorator: before encoding, residual = beta * residual + gamma * grad
 // (GRACE eq. 4 "compensate"), the inner compressor encodes the compensated
-// residual, then residual -= decode(payload) ("update"), fused in one call.
-// The residual is the last state buffer ("residual"). Without state it is the
+// residual, then residual -= decode(payload) ("update"), in one call: the inner
+// compressor's encode_feedback where it has one (the same bits in fewer passes), else
+// those three steps. The residual is the last state buffer ("residual"). Without state it is the
 // inner compressor unchanged.
 class ErrorFeedback : public Compressor {
  public:

@@ -540,32 +540,122 @@ void unpack_bits(const uint8_t* in, size_t n, int bits, uint8_t* codes) {
   });
 }
 
-void pack_signbits(const float* in, size_t n, uint8_t* out) {
-  parallel_range(n, kGrain, [&](size_t b, size_t e) {
-    size_t i = b;
-    uint8_t* o = out + b / 8;
+namespace {
+// Sign bits of in[b, e) into o (the byte of element b: b is a multiple of 8), LSB first.
+void signbits_range(const float* in, size_t b, size_t e, uint8_t* o) {
+  size_t i = b;
 #if defined(__AVX2__)
-    for (; i + 32 <= e; i += 32) {
-      uint32_t m0 = _mm256_movemask_ps(_mm256_loadu_ps(in + i));
-      uint32_t m1 = _mm256_movemask_ps(_mm256_loadu_ps(in + i + 8));
-      uint32_t m2 = _mm256_movemask_ps(_mm256_loadu_ps(in + i + 16));
-      uint32_t m3 = _mm256_movemask_ps(_mm256_loadu_ps(in + i + 24));
-      uint32_t w = m0 | (m1 << 8) | (m2 << 16) | (m3 << 24);
-      std::memcpy(o, &w, 4);
-      o += 4;
-    }
+  for (; i + 32 <= e; i += 32) {
+    uint32_t m0 = _mm256_movemask_ps(_mm256_loadu_ps(in + i));
+    uint32_t m1 = _mm256_movemask_ps(_mm256_loadu_ps(in + i + 8));
+    uint32_t m2 = _mm256_movemask_ps(_mm256_loadu_ps(in + i + 16));
+    uint32_t m3 = _mm256_movemask_ps(_mm256_loadu_ps(in + i + 24));
+    uint32_t w = m0 | (m1 << 8) | (m2 << 16) | (m3 << 24);
+    std::memcpy(o, &w, 4);
+    o += 4;
+  }
 #endif
-    for (; i + 8 <= e; i += 8) {
-      unsigned m = 0;
-      for (int k = 0; k < 8; ++k) m |= (float_bits(in[i + k]) >> 31) << k;
-      *o++ = static_cast<uint8_t>(m);
+  for (; i + 8 <= e; i += 8) {
+    unsigned m = 0;
+    for (int k = 0; k < 8; ++k) m |= (float_bits(in[i + k]) >> 31) << k;
+    *o++ = static_cast<uint8_t>(m);
+  }
+  if (i < e) {
+    unsigned m = 0;
+    for (int k = 0; i + k < e; ++k) m |= (float_bits(in[i + k]) >> 31) << k;
+    *o = static_cast<uint8_t>(m);
+  }
+}
+
+// res[b, e) = beta * y + gamma * x (axpby's arithmetic), and the sum of the squares of what was
+// written, in double: 8 interleaved lanes merged in lane order, as one chunk of hp::sum_rows.
+// y is res itself or apart from it (restrict: the loop vectorises without a runtime overlap test,
+// which an in-place residual, y == res, would fail on every call).
+template <bool InPlace>
+double compensate_squares(float* __restrict res, const float* __restrict y, float beta, float gamma,
+                          const float* __restrict x, size_t b, size_t e) {
+  constexpr int L = 8;
+  double lane[L] = {};
+  auto at = [&](size_t i) {
+    const float p = beta * (InPlace ? res[i] : y[i]), q = gamma * x[i], v = p + q;
+    res[i] = v;
+    return static_cast<double>(v * v);
+  };
+  size_t i = b;
+#if defined(__AVX2__)
+  // GCC leaves the lanes scalar (one double add chain each: ~3x slower). Lanes 0-3 and 4-7 in two
+  // registers; a multiply and an add per value, as above (no FMA: the same roundings).
+  {
+    const __m256 vb = _mm256_set1_ps(beta), vg = _mm256_set1_ps(gamma);
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+    for (; i + L <= e; i += L) {
+      const __m256 yv = _mm256_loadu_ps(InPlace ? res + i : y + i);
+      const __m256 v = _mm256_add_ps(_mm256_mul_ps(vb, yv), _mm256_mul_ps(vg, _mm256_loadu_ps(x + i)));
+      _mm256_storeu_ps(res + i, v);
+      const __m256 sq = _mm256_mul_ps(v, v);
+      lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
+      hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
     }
-    if (i < e) {
-      unsigned m = 0;
-      for (int k = 0; i + k < e; ++k) m |= (float_bits(in[i + k]) >> 31) << k;
-      *o = static_cast<uint8_t>(m);
-    }
+    _mm256_storeu_pd(lane, lo);
+    _mm256_storeu_pd(lane + 4, hi);
+  }
+#endif
+  for (; i + L <= e; i += L)
+    for (int l = 0; l < L; ++l) lane[l] += at(i + l);
+  for (; i < e; ++i) lane[0] += at(i);
+  for (int l = 1; l < L; ++l) lane[0] += lane[l];
+  return lane[0];
+}
+
+double compensate_squares(float* res, const float* y, float beta, float gamma, const float* x, size_t b, size_t e) {
+  return y == res ? compensate_squares<true>(res, nullptr, beta, gamma, x, b, e)
+                  : compensate_squares<false>(res, y, beta, gamma, x, b, e);
+}
+
+// The sign bits of res[b, e) into o, then res -= decode (+-scale by sign).
+void signs_feed_back(float* res, size_t b, size_t e, float scale, uint8_t* o) {
+  signbits_range(res, b, e, o);
+  const float neg = scale, pos = -scale;  // what is added: -(decoded value)
+  for (size_t i = b; i < e; ++i) res[i] = res[i] + ((float_bits(res[i]) >> 31) ? neg : pos);
+}
+
+float row_scale(double sum, size_t count) { return std::sqrt(static_cast<float>(sum / static_cast<double>(count))); }
+}  // namespace
+
+void pack_signbits(const float* in, size_t n, uint8_t* out) {
+  parallel_range(n, kGrain, [&](size_t b, size_t e) { signbits_range(in, b, e, out + b / 8); });
+}
+
+bool feedback_scaled_signs(float* res, const float* res_in, float beta, float gamma, const float* in, size_t n,
+                           size_t len, uint8_t* bits, float* scales) {
+  if (n == 0) return true;
+  if (len == 0 || (len < n && len % 8 != 0))
+    throw std::invalid_argument("feedback_scaled_signs: rows must be a multiple of 8 elements");
+  const float* y = res_in ? res_in : res;
+  if (len >= n) {  // one row: its chunks spread over the threads, twice (the scale needs every chunk)
+    const size_t nc = nchunks_of(n);
+    std::vector<double> part(nc);
+    parallel_for(nc, [&](size_t c) { part[c] = compensate_squares(res, y, beta, gamma, in, c * kGrain, chunk_end(c, n)); });
+    double sum = part[0];
+    for (size_t c = 1; c < nc; ++c) sum += part[c];
+    scales[0] = row_scale(sum, n);
+    if (!std::isfinite(scales[0])) return false;
+    parallel_range(n, kGrain, [&](size_t b, size_t e) { signs_feed_back(res, b, e, scales[0], bits + b / 8); });
+    return true;
+  }
+  const size_t rows = (n + len - 1) / len;
+  std::vector<uint8_t> bad(rows, 0);  // per row (rows run on several threads): its scale was not finite
+  parallel_for(rows, [&](size_t r) {
+    const size_t rb = r * len, re = std::min(n, rb + len);
+    double sum = 0;  // the row's chunks in order (+0 + s is s)
+    for (size_t b = rb; b < re; b += kGrain) sum += compensate_squares(res, y, beta, gamma, in, b, std::min(re, b + kGrain));
+    scales[r] = row_scale(sum, re - rb);
+    if (std::isfinite(scales[r]))
+      signs_feed_back(res, rb, re, scales[r], bits + rb / 8);
+    else
+      bad[r] = 1;
   });
+  return std::find(bad.begin(), bad.end(), 1) == bad.end();
 }
 
 void threshold_ternary_codes(const float* in, size_t n, float tau, uint8_t* out) {

@@ -93,6 +93,20 @@ void pack_bits(const uint8_t* codes, size_t n, int bits, uint8_t* out);
 void unpack_bits(const uint8_t* in, size_t n, int bits, uint8_t* codes);
 // uint1 array of sign bits: bit i = signbit(in[i]) (1 for negative and -0).
 void pack_signbits(const float* in, size_t n, uint8_t* out);
+// Error feedback around onebit's encode (the "scaled signs" idiom, hipress/dsl/idioms.py), fused:
+//   res = beta * res_in + gamma * in                 (res_in null: res itself; ErrorFeedback's compensate)
+//   scales[r] = sqrt(mean of res^2 over row r)       (rows of `len` elements, the last one shorter)
+//   bits = pack_signbits(res)
+//   res += signbit(res) ? scales[r] : -scales[r]     (res -= decode: the new residual)
+// bit for bit what axpby, the generated per-row sum of squares (hp::sum_rows: its chunks, lanes and
+// order), pack_signbits and dequantize_table(alpha -1, add) give one after the other, but each row
+// goes through memory once while it is in cache: 2 passes over res where those are 4 (issue 21).
+// A row whose scale is not finite (a NaN or inf in it, or a mean square beyond float) is left
+// compensated, not updated; returns whether every scale is finite (where not, the caller throws
+// decode's FormatError, and the residual is the undo log's to restore). len: > 0, and a multiple of
+// 8 unless it covers all of n (each row's bits start on a byte).
+bool feedback_scaled_signs(float* res, const float* res_in, float beta, float gamma, const float* in, size_t n,
+                           size_t len, uint8_t* bits, float* scales);
 // uint2 codes of a threshold ternarisation: 1 if in[i] > tau, 2 if in[i] < -tau, else 0.
 void threshold_ternary_codes(const float* in, size_t n, float tau, uint8_t* out_packed);
 // Stochastic rounding onto a `bits`-wide grid (TernGrad, paper 000 Fig. 5):

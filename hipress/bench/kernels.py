@@ -80,6 +80,11 @@ def configs():
     """(label, compressor factory, reference encode(x) -> bytes, reference decode(payload, n))."""
     return [
         ("onebit", lambda: C.OneBit(), ref.onebit_encode, ref.onebit_decode),
+        # with its error feedback, as training runs it (compensate, encode, residual -= decode: one fused
+        # kernel, ops::feedback_scaled_signs); rows of the matrix view's width
+        ("onebit+ef", lambda: C.get("onebit", error_feedback=True),
+         lambda x: ref.error_feedback_step(ref.onebit_encode, ref.onebit_decode, x, np.zeros_like(x))[0],
+         ref.onebit_decode),
         ("tbq", lambda: C.TBQ(0.01), lambda x: ref.tbq_encode(x, 0.01), ref.tbq_decode),
         ("terngrad-2bit", lambda: C.TernGrad(2), lambda x: ref.terngrad_encode(x, 2), ref.terngrad_decode),
         ("terngrad-8bit", lambda: C.TernGrad(8), lambda x: ref.terngrad_encode(x, 8), ref.terngrad_decode),

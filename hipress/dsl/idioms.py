@@ -6,7 +6,7 @@ instead of the generic loop (same results). Pure functions of the AST; no code i
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 from hipress.dsl import ast as A
 
@@ -131,3 +131,81 @@ def is_unit_random(e) -> bool:
 
 def num(e, v) -> bool:
     return isinstance(e, A.Num) and e.value == v
+
+
+class ScaledSigns(NamedTuple):
+    row_slot: int  # the CompressorState.scalars slot of the row length (0 or beyond n: one row)
+
+
+def scaled_signs(spec) -> Optional[ScaledSigns]:
+    """Whether the spec is exactly onebit's shape: per row (a state scalar's length), scale = sqrt(mean of x * x); a sign bit per element; payload concat(bits, scales);
+    decode b ? -scale : scale. Error feedback around such an algorithm has a fused form
+    (ops::feedback_scaled_signs). None where the spec is anything else."""
+    if spec.view is not None or spec.rounds or spec.state_arrays or spec.uses_random or spec.decode is None:
+        return None
+    grad, out = spec.encode.params[0][1], spec.encode.params[1][1]
+    enc = spec.encode.body
+    if len(enc) != 4 or not all(isinstance(s, A.Decl) and len(s.names) == 1 for s in enc[:3]):
+        return None
+    (ms, ms_init), (sc, sc_init), (bits, bits_init) = ((s.names[0][0], s.names[0][1]) for s in enc[:3])
+    udf = spec.udfs.get
+    # mean_squares = reduce(map(gradient, square), mean, row)
+    if not (_call(ms_init, "reduce", 3) and _call(ms_init.args[0], "map", 2)
+            and _plain(ms_init.args[0].args[0], grad) and _plain(ms_init.args[1], "mean")):
+        return None
+    row = ms_init.args[2]
+    if not (isinstance(row, A.Name) and getattr(row, "sym", None) is not None and row.sym.kind == "global"
+            and row.sym.state and row.sym.ty == "int32"):
+        return None
+    if not _udf_is(udf(_name(ms_init.args[0].args[1])), lambda e, x: isinstance(e, A.Binary) and e.op == "*"
+                   and is_name(e.left, x[0]) and is_name(e.right, x[0])):
+        return None
+    # scales = map(mean_squares, root); bits = map(gradient, negative)
+    if not (_call(sc_init, "map", 2) and _plain(sc_init.args[0], ms) and _udf_is(
+            udf(_name(sc_init.args[1])), lambda e, x: isinstance(e, A.Call) and e.func == "sqrt" and is_name(e.args[0], x[0]))):
+        return None
+    neg = udf(_name(bits_init.args[1])) if _call(bits_init, "map", 2) else None
+    if not (neg is not None and _plain(bits_init.args[0], grad) and sign_pred(neg) == "neg"):
+        return None
+    # compressed = concat(bits, scales)
+    last = enc[3]
+    if not (isinstance(last, A.Assign) and _plain(last.target, out) and last.op == "=" and _call(last.value, "concat", 2)
+            and _plain(last.value.args[0], bits) and _plain(last.value.args[1], sc)):
+        return None
+    # decode: extract(compressed, b, s); gradient = map(b, s, unsign) with unsign(b, s) = b ? -s : s
+    dec = spec.decode.body
+    dgrad = spec.decode.params[1][1]
+    if not (len(dec) == 2 and isinstance(dec[0], A.ExprStmt) and _call(dec[0].expr, "extract", 3)
+            and isinstance(dec[1], A.Assign) and _plain(dec[1].target, dgrad) and _call(dec[1].value, "map", 3)):
+        return None
+    b, s = _name(dec[0].expr.args[1]), _name(dec[0].expr.args[2])
+    m = dec[1].value
+    if not (_plain(m.args[0], b) and _plain(m.args[1], s)):
+        return None
+    if not _udf_is(udf(_name(m.args[2])), lambda e, x: isinstance(e, A.Cond) and is_name(e.cond, x[0])
+                   and isinstance(e.then, A.Unary) and e.then.op == "-" and is_name(e.then.operand, x[1])
+                   and is_name(e.other, x[1])):
+        return None
+    return ScaledSigns(row.sym.slot)
+
+
+def _name(e) -> Optional[str]:
+    return e.id if isinstance(e, A.Name) else None
+
+
+def _plain(e, name: str) -> bool:
+    """e is the bare name ``name`` (a variable of the function, not a UDF's argument)."""
+    return isinstance(e, A.Name) and e.id == name
+
+
+def _call(e, func: str, *nargs: int) -> bool:
+    return isinstance(e, A.Call) and e.func == func and len(e.args) in nargs
+
+
+def _udf_is(u, test) -> bool:
+    """The UDF ``u`` (None: not a UDF) has a body that is one expression for which test(expr, arg
+    names) holds."""
+    if u is None:
+        return False
+    e = flatten(u)
+    return e is not None and test(e, [a for a, _ in u.args])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 
+from hipress.dsl.idioms import scaled_signs
 from hipress.dsl.target_cpp import CppTarget
 from hipress.dsl.types import Spec, const_value
 
@@ -109,6 +110,33 @@ HIPRESS_REGISTER_COMPRESSOR("{s.name}", Builtin);
   }}
   void decode(const uint8_t* in, size_t bytes, float* out, size_t n, float alpha, bool add) const override {{
     hp_decode(in, bytes, out, n, alpha, add);
+  }}
+{self.feedback_method()}"""
+
+    def feedback_method(self) -> str:
+        """encode_feedback (error feedback's encode in one) where the spec is an idiom that has a
+        fused form: onebit's scaled signs (idioms.scaled_signs) -> ops::feedback_scaled_signs. Its
+        payload is the generated encode's, byte for byte: header, sign bits, per-row scales."""
+        m = scaled_signs(self.g.s)
+        if m is None:
+            return ""
+        self.g.idioms.append("error feedback + scaled signs -> ops::feedback_scaled_signs")
+        return f"""  size_t encode_feedback(const float* in, size_t n, float* res, const float* res_in, float beta, float gamma,
+                         uint8_t* out, size_t cap, StateView* st) const override {{
+    uint64_t* scalars = st ? st->scalars : nullptr;
+    const int64_t row = scalars ? hp::w32(static_cast<int64_t>(scalars[{m.row_slot}])) : 0;
+    const size_t len = hp::row_length(n, row), rows = hp::row_count(n, len);
+    if (n == 0 || (rows > 1 && len % 8 != 0) || len > 0xffffffffu) return 0;  // (rows off a byte): the three steps
+    if (cap < hp_max_bytes(P_, n)) throw std::invalid_argument(kName + std::string(": output buffer has ") + std::to_string(cap) + " bytes, needs " + std::to_string(hp_max_bytes(P_, n)) + " (max_encoded_bytes)");
+    const size_t packed = ops::packed_bytes(n, 1), body = packed + 4 * rows;
+    std::vector<float> scales(rows);
+    const bool finite = ops::feedback_scaled_signs(res, res_in, beta, gamma, in, n, len, out + kHeaderBytes, scales.data());
+    std::memcpy(out + kHeaderBytes + packed, scales.data(), 4 * rows);
+    Header h; h.algo = kAlgoId; h.numel = n; h.bits = 1; h.count = static_cast<uint32_t>(len); h.body_bytes = body;
+    write_header(h, out);
+    if (scalars) scalars[{m.row_slot}] = static_cast<uint64_t>(row);  // (as the generated encode)
+    if (!finite) hp_decode(out, kHeaderBytes + body, res, n, -1.0f, true);  // throws the decode's FormatError
+    return kHeaderBytes + body;
   }}
 """
 

@@ -458,6 +458,47 @@ def test_error_feedback_conserves_and_matches_reference(name, params, beta, gamm
             np.testing.assert_array_equal(new.numpy(), r_ref)
 
 
+@pytest.mark.parametrize("n,row", [(5003, 0), (5003, 1000), (5003, 1024), (4096 * 40 + 3, 4096),
+                                   ((1 << 16) * 3 + 5, 0), ((1 << 16) * 2 + 24, 70000), (8, 8), (1, 0)])
+@pytest.mark.parametrize("beta,gamma", [(1.0, 1.0), (0.9, 0.5)])
+@pytest.mark.parametrize("residual_in", [False, True])
+def test_onebit_error_feedback_fused_is_the_three_steps(n, row, beta, gamma, residual_in, threads):
+    """onebit's fused error feedback (ops::feedback_scaled_signs, the DSL's scaled-signs idiom) gives
+    the payload and residual of compensate, onebit's own encode and residual -= decode, bit for bit:
+    one row, rows of 8k elements, rows off a byte (1000: the three steps themselves), rows longer
+    than a chunk, the residual in the state or passed apart (residual_in), 1 and 2 threads."""
+    ef = C.get("onebit", error_feedback=True, beta=beta, gamma=gamma)
+    bare = C.get("onebit", error_feedback=False)
+    st, bare_st = onebit_state(ef, n, row), onebit_state(bare, n, row)
+    r = np.zeros(n, np.float32)
+    for step in range(3):
+        g = grad(n, 300 + step) * (1 + step)
+        comp = np.float32(beta) * r + np.float32(gamma) * g.numpy()
+        expect = bare.encode(torch.from_numpy(comp), bare_st)
+        dec = torch.zeros(n)
+        bare.decode(expect, dec)
+        r = comp - dec.numpy()
+        if residual_in:  # the old residual apart; the state's buffer only receives the new one
+            old = st.buffers["residual"].clone()
+            st.buffers["residual"].fill_(7.0)
+            p = ef.encode(g, st, residual_in=old)
+        else:
+            p = ef.encode(g, st)
+        assert pbytes(p) == pbytes(expect)
+        np.testing.assert_array_equal(st.buffers["residual"].numpy(), r)
+
+
+@pytest.mark.parametrize("row", [0, 1024])
+def test_onebit_error_feedback_fused_rejects_a_non_finite_scale(row):
+    """A NaN in the compensated gradient makes its row's scale NaN: the fused encode raises the
+    error the decode of that payload would."""
+    ef = C.get("onebit", error_feedback=True)
+    g = grad(4096, 1)
+    g[5] = float("nan")
+    with pytest.raises(C.PayloadError, match="inf or NaN"):
+        ef.encode(g, onebit_state(ef, 4096, row))
+
+
 def test_error_feedback_generic_python_compressor():
     class Half(C.Compressor):
         """A user compressor: sends fp16 values."""

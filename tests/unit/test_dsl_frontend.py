@@ -410,6 +410,26 @@ def test_builtins_generate_without_torch_or_core(tmp_path):
     assert "namespace hipress::compress::builtin_tbq {" in text
 
 
+def test_scaled_signs_idiom_is_onebit_shape_only():
+    """Error feedback's fused encode (ops::feedback_scaled_signs) is generated for a spec of onebit's
+    exact shape, and not where any part of it differs (another decode sign, a scale other than the
+    root mean square or of the sum of squares, the bit of the other sign)."""
+    from hipress.dsl.idioms import scaled_signs
+    from hipress.dsl.target_module import generate_module
+    src, path = compll.read("onebit")
+    assert scaled_signs(check(src, path)).row_slot == 1
+    assert "ops::feedback_scaled_signs" in generate_module(check(src, path))
+    for old, new in [("b ? -scale : scale", "b ? scale : -scale"), ("return sqrt(m);", "return m;"),
+                     ("return x * x;", "return x * abs(x);"), ("signbit(x)", "!signbit(x)")]:
+        other = src.replace(old, new)
+        assert other != src, old
+        spec = check(other, path)
+        assert scaled_signs(spec) is None, new
+        assert "feedback_scaled_signs" not in generate_module(spec)
+    for name in ("tbq", "terngrad", "efsignsgd", "signsgd", "dgc"):
+        assert scaled_signs(check(*compll.read(name))) is None, name
+
+
 def test_stateless_encode_allocates_a_zero_state_only_when_it_can_read_it():
     """DGC touches its state only under `if (has_state)`: a stateless encode (CaSync-PS's
     aggregator re-encode) must not allocate and clear 2n floats of scratch state (that made
