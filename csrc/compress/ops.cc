@@ -635,7 +635,9 @@ bool feedback_scaled_signs(float* res, const float* res_in, float beta, float ga
   if (len >= n) {  // one row: its chunks spread over the threads, twice (the scale needs every chunk)
     const size_t nc = nchunks_of(n);
     std::vector<double> part(nc);
-    parallel_for(nc, [&](size_t c) { part[c] = compensate_squares(res, y, beta, gamma, in, c * kGrain, chunk_end(c, n)); });
+    parallel_for(nc, [&](size_t c) {
+      part[c] = compensate_squares(res, y, beta, gamma, in, c * kGrain, chunk_end(c, n));
+    });
     double sum = part[0];
     for (size_t c = 1; c < nc; ++c) sum += part[c];
     scales[0] = row_scale(sum, n);
@@ -648,7 +650,8 @@ bool feedback_scaled_signs(float* res, const float* res_in, float beta, float ga
   parallel_for(rows, [&](size_t r) {
     const size_t rb = r * len, re = std::min(n, rb + len);
     double sum = 0;  // the row's chunks in order (+0 + s is s)
-    for (size_t b = rb; b < re; b += kGrain) sum += compensate_squares(res, y, beta, gamma, in, b, std::min(re, b + kGrain));
+    for (size_t b = rb; b < re; b += kGrain)
+      sum += compensate_squares(res, y, beta, gamma, in, b, std::min(re, b + kGrain));
     scales[r] = row_scale(sum, re - rb);
     if (std::isfinite(scales[r]))
       signs_feed_back(res, rb, re, scales[r], bits + rb / 8);

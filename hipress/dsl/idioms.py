@@ -138,8 +138,9 @@ class ScaledSigns(NamedTuple):
 
 
 def scaled_signs(spec) -> Optional[ScaledSigns]:
-    """Whether the spec is exactly onebit's shape: per row (a state scalar's length), scale = sqrt(mean of x * x); a sign bit per element; payload concat(bits, scales);
-    decode b ? -scale : scale. Error feedback around such an algorithm has a fused form
+    """Whether the spec is exactly onebit's shape: per row (a state scalar's length), scale =
+    sqrt(mean of x * x); a sign bit per element; payload concat(bits, scales); decode
+    b ? -scale : scale. Error feedback around such an algorithm has a fused form
     (ops::feedback_scaled_signs). None where the spec is anything else."""
     if spec.view is not None or spec.rounds or spec.state_arrays or spec.uses_random or spec.decode is None:
         return None
@@ -161,16 +162,17 @@ def scaled_signs(spec) -> Optional[ScaledSigns]:
                    and is_name(e.left, x[0]) and is_name(e.right, x[0])):
         return None
     # scales = map(mean_squares, root); bits = map(gradient, negative)
-    if not (_call(sc_init, "map", 2) and _plain(sc_init.args[0], ms) and _udf_is(
-            udf(_name(sc_init.args[1])), lambda e, x: isinstance(e, A.Call) and e.func == "sqrt" and is_name(e.args[0], x[0]))):
+    if not (_call(sc_init, "map", 2) and _plain(sc_init.args[0], ms)
+            and _udf_is(udf(_name(sc_init.args[1])),
+                        lambda e, x: isinstance(e, A.Call) and e.func == "sqrt" and is_name(e.args[0], x[0]))):
         return None
     neg = udf(_name(bits_init.args[1])) if _call(bits_init, "map", 2) else None
     if not (neg is not None and _plain(bits_init.args[0], grad) and sign_pred(neg) == "neg"):
         return None
     # compressed = concat(bits, scales)
     last = enc[3]
-    if not (isinstance(last, A.Assign) and _plain(last.target, out) and last.op == "=" and _call(last.value, "concat", 2)
-            and _plain(last.value.args[0], bits) and _plain(last.value.args[1], sc)):
+    if not (isinstance(last, A.Assign) and _plain(last.target, out) and last.op == "="
+            and _call(last.value, "concat", 2) and _plain(last.value.args[0], bits) and _plain(last.value.args[1], sc)):
         return None
     # decode: extract(compressed, b, s); gradient = map(b, s, unsign) with unsign(b, s) = b ? -s : s
     dec = spec.decode.body

@@ -121,16 +121,19 @@ HIPRESS_REGISTER_COMPRESSOR("{s.name}", Builtin);
         if m is None:
             return ""
         self.g.idioms.append("error feedback + scaled signs -> ops::feedback_scaled_signs")
-        return f"""  size_t encode_feedback(const float* in, size_t n, float* res, const float* res_in, float beta, float gamma,
-                         uint8_t* out, size_t cap, StateView* st) const override {{
+        return f"""  size_t encode_feedback(const float* in, size_t n, float* res, const float* res_in, float beta,
+                         float gamma, uint8_t* out, size_t cap, StateView* st) const override {{
     uint64_t* scalars = st ? st->scalars : nullptr;
     const int64_t row = scalars ? hp::w32(static_cast<int64_t>(scalars[{m.row_slot}])) : 0;
     const size_t len = hp::row_length(n, row), rows = hp::row_count(n, len);
     if (n == 0 || (rows > 1 && len % 8 != 0) || len > 0xffffffffu) return 0;  // (rows off a byte): the three steps
-    if (cap < hp_max_bytes(P_, n)) throw std::invalid_argument(kName + std::string(": output buffer has ") + std::to_string(cap) + " bytes, needs " + std::to_string(hp_max_bytes(P_, n)) + " (max_encoded_bytes)");
+    if (cap < hp_max_bytes(P_, n))
+      throw std::invalid_argument(kName + std::string(": output buffer has ") + std::to_string(cap) + " bytes, needs " +
+                                  std::to_string(hp_max_bytes(P_, n)) + " (max_encoded_bytes)");
     const size_t packed = ops::packed_bytes(n, 1), body = packed + 4 * rows;
     std::vector<float> scales(rows);
-    const bool finite = ops::feedback_scaled_signs(res, res_in, beta, gamma, in, n, len, out + kHeaderBytes, scales.data());
+    const bool finite =
+        ops::feedback_scaled_signs(res, res_in, beta, gamma, in, n, len, out + kHeaderBytes, scales.data());
     std::memcpy(out + kHeaderBytes + packed, scales.data(), 4 * rows);
     Header h; h.algo = kAlgoId; h.numel = n; h.bits = 1; h.count = static_cast<uint32_t>(len); h.body_bytes = body;
     write_header(h, out);
