@@ -430,6 +430,19 @@ def test_scaled_signs_idiom_is_onebit_shape_only():
         assert scaled_signs(check(*compll.read(name))) is None, name
 
 
+def test_per_element_logic_has_no_branch_unless_it_draws():
+    """In a user function (run per element) `a || b` and `a && b` are emitted as `|` and `&` on the two
+    truth values: a loop over the predicate then vectorises. Where the right side draws a random number
+    the short circuit stays (a draw is work the branch skips)."""
+    src, path = compll.read("tbq")
+    code = compll.generate(path, source=src)
+    assert "((a_x) > (c.g_tau))) != 0) | ((" in code and ") || (" not in code
+    drawn = src.replace("uint2 ternarize(float x) { return x > tau ? 1 : (x < -tau ? 2 : 0); }",
+                        "uint2 ternarize(float x) { return x > tau || random<float>(0, 1) < 0.5 ? 1 : 0; }")
+    assert drawn != src
+    assert ") || (" in compll.generate(path, source=drawn)
+
+
 def test_stateless_encode_allocates_a_zero_state_only_when_it_can_read_it():
     """DGC touches its state only under `if (has_state)`: a stateless encode (CaSync-PS's
     aggregator re-encode) must not allocate and clear 2n floats of scratch state (that made
