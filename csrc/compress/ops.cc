@@ -46,6 +46,7 @@ inline vfloat vload(const float* p) {
 }
 inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 typedef int32_t vint __attribute__((vector_size(kVecFloats * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(kVecFloats * sizeof(uint32_t))));
 // floor(x) on every lane with adds and selects only (the DSL prelude's hp::vfloor, checked there against
 // std::floor over all 2^32 floats): without SSE4.1, floorf is a library call per element.
 inline vfloat vfloor(vfloat x) {
@@ -182,42 +183,32 @@ bool chunks_finite(size_t n, F chunk) {
   return std::all_of(top.begin(), top.end(), [](uint32_t t) { return t < kFirstNonFinite; });
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-inline uint32_t hmax_epu32(__m256i v) {
-  alignas(32) uint32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
-  return *std::max_element(lanes, lanes + 8);
+// A float vector's bits as unsigned lanes: the NaN/Inf test above, a vector at a time.
+inline vuint vload_bits(const float* p) {
+  vuint v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
-#endif
+inline vuint vmax(vuint a, vuint b) { return a > b ? a : b; }
+inline uint32_t hmax(vuint v) {
+  uint32_t m = 0;
+  for (size_t l = 0; l < kVecFloats; ++l) m = std::max(m, v[l]);
+  return m;
+}
 }  // namespace
 
 bool copy_finite(float* out, const float* in, size_t n) {
   return chunks_finite(n, [&](size_t i, size_t e) {
-    uint32_t m = 0;
-#if defined(__AVX512F__)
-    const __m512i abs_bits = _mm512_set1_epi32(kAbsBits);
-    __m512i m0 = _mm512_setzero_si512(), m1 = m0;
-    for (; i + 32 <= e; i += 32) {
-      __m512i v0 = _mm512_loadu_si512(in + i), v1 = _mm512_loadu_si512(in + i + 16);
-      _mm512_storeu_si512(out + i, v0);
-      _mm512_storeu_si512(out + i + 16, v1);
-      m0 = _mm512_max_epu32(m0, _mm512_and_si512(v0, abs_bits));
-      m1 = _mm512_max_epu32(m1, _mm512_and_si512(v1, abs_bits));
+    constexpr size_t V = kVecFloats;
+    vuint m0 = {}, m1 = {};
+    for (; i + 2 * V <= e; i += 2 * V) {  // two vectors at a time: two independent max chains
+      const vuint v0 = vload_bits(in + i), v1 = vload_bits(in + i + V);
+      std::memcpy(out + i, &v0, sizeof v0);
+      std::memcpy(out + i + V, &v1, sizeof v1);
+      m0 = vmax(m0, v0 & kAbsBits);
+      m1 = vmax(m1, v1 & kAbsBits);
     }
-    m = _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
-#elif defined(__AVX2__)
-    const __m256i abs_bits = _mm256_set1_epi32(kAbsBits);
-    __m256i m0 = _mm256_setzero_si256(), m1 = m0;
-    for (; i + 16 <= e; i += 16) {
-      __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
-      __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 8));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), v0);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 8), v1);
-      m0 = _mm256_max_epu32(m0, _mm256_and_si256(v0, abs_bits));
-      m1 = _mm256_max_epu32(m1, _mm256_and_si256(v1, abs_bits));
-    }
-    m = hmax_epu32(_mm256_max_epu32(m0, m1));
-#endif
+    uint32_t m = hmax(vmax(m0, m1));
     for (; i < e; ++i) {
       uint32_t u;
       std::memcpy(&u, in + i, sizeof u);
@@ -242,32 +233,17 @@ void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t 
 
 bool momentum_update_finite(float* u_out, const float* u_in, float m, float* g, size_t n) {
   return chunks_finite(n, [&](size_t i, size_t e) {
-    uint32_t t = 0;
-#if defined(__AVX512F__)
-    const __m512i abs_bits = _mm512_set1_epi32(kAbsBits);
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512i t0 = _mm512_setzero_si512();
-    for (; i + 16 <= e; i += 16) {
-      __m512 gv = _mm512_loadu_ps(g + i);
-      t0 = _mm512_max_epu32(t0, _mm512_and_si512(_mm512_castps_si512(gv), abs_bits));
-      __m512 v = _mm512_add_ps(_mm512_mul_ps(vm, _mm512_loadu_ps(u_in + i)), gv);  // rounded twice, as below
-      _mm512_storeu_ps(u_out + i, v);
-      _mm512_storeu_ps(g + i, v);
+    constexpr size_t V = kVecFloats;
+    const vfloat vm = m - vfloat{};
+    vuint t0 = {};
+    for (; i + V <= e; i += V) {
+      const vfloat gv = vload(g + i);
+      t0 = vmax(t0, reinterpret_cast<vuint>(gv) & kAbsBits);
+      const vfloat v = vm * vload(u_in + i) + gv;  // rounded twice (fp-contract off), as below
+      vstore(u_out + i, v);
+      vstore(g + i, v);
     }
-    t = _mm512_reduce_max_epu32(t0);
-#elif defined(__AVX2__)
-    const __m256i abs_bits = _mm256_set1_epi32(kAbsBits);
-    const __m256 vm = _mm256_set1_ps(m);
-    __m256i t0 = _mm256_setzero_si256();
-    for (; i + 8 <= e; i += 8) {
-      __m256 gv = _mm256_loadu_ps(g + i);
-      t0 = _mm256_max_epu32(t0, _mm256_and_si256(_mm256_castps_si256(gv), abs_bits));
-      __m256 v = _mm256_add_ps(_mm256_mul_ps(vm, _mm256_loadu_ps(u_in + i)), gv);
-      _mm256_storeu_ps(u_out + i, v);
-      _mm256_storeu_ps(g + i, v);
-    }
-    t = hmax_epu32(t0);
-#endif
+    uint32_t t = hmax(t0);
     for (; i < e; ++i) {
       uint32_t u;
       std::memcpy(&u, g + i, sizeof u);
