@@ -544,42 +544,36 @@ void signbits_range(const float* in, size_t b, size_t e, uint8_t* o) {
 }
 
 // res[b, e) = beta * y + gamma * x (axpby's arithmetic), and the sum of the squares of what was
-// written, in double: 8 interleaved lanes merged in lane order, as one chunk of hp::sum_rows.
-// y is res itself or apart from it (restrict: the loop vectorises without a runtime overlap test,
+// written, in double: 8 interleaved lanes merged in lane order, as one chunk of hp::sum_rows. The 8
+// lanes are one vector of 8 doubles (GCC leaves the generated code's scalar: one add chain per lane,
+// ~3x slower); a multiply and an add per value, no FMA (this file's fp-contract=off): the same
+// roundings. y is res itself or apart from it (restrict: the loop needs no runtime overlap test,
 // which an in-place residual, y == res, would fail on every call).
+typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
+typedef double vd8 __attribute__((vector_size(8 * sizeof(double))));
 template <bool InPlace>
 double compensate_squares(float* __restrict res, const float* __restrict y, float beta, float gamma,
                           const float* __restrict x, size_t b, size_t e) {
-  constexpr int L = 8;
-  double lane[L] = {};
-  auto at = [&](size_t i) {
-    const float p = beta * (InPlace ? res[i] : y[i]), q = gamma * x[i], v = p + q;
-    res[i] = v;
-    return static_cast<double>(v * v);
-  };
+  constexpr size_t L = 8;
+  const float* yy = InPlace ? res : y;
+  vd8 lanes = {};
   size_t i = b;
-#if defined(__AVX2__)
-  // GCC leaves the lanes scalar (one double add chain each: ~3x slower). Lanes 0-3 and 4-7 in two
-  // registers; a multiply and an add per value, as above (no FMA: the same roundings).
-  {
-    const __m256 vb = _mm256_set1_ps(beta), vg = _mm256_set1_ps(gamma);
-    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
-    for (; i + L <= e; i += L) {
-      const __m256 yv = _mm256_loadu_ps(InPlace ? res + i : y + i);
-      const __m256 v = _mm256_add_ps(_mm256_mul_ps(vb, yv), _mm256_mul_ps(vg, _mm256_loadu_ps(x + i)));
-      _mm256_storeu_ps(res + i, v);
-      const __m256 sq = _mm256_mul_ps(v, v);
-      lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
-      hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
-    }
-    _mm256_storeu_pd(lane, lo);
-    _mm256_storeu_pd(lane + 4, hi);
+  for (; i + L <= e; i += L) {
+    vf8 yv, xv;
+    std::memcpy(&yv, yy + i, sizeof yv);
+    std::memcpy(&xv, x + i, sizeof xv);
+    const vf8 v = beta * yv + gamma * xv;
+    std::memcpy(res + i, &v, sizeof v);
+    lanes += __builtin_convertvector(v * v, vd8);
   }
-#endif
-  for (; i + L <= e; i += L)
-    for (int l = 0; l < L; ++l) lane[l] += at(i + l);
-  for (; i < e; ++i) lane[0] += at(i);
-  for (int l = 1; l < L; ++l) lane[0] += lane[l];
+  double lane[L];
+  std::memcpy(lane, &lanes, sizeof lane);
+  for (; i < e; ++i) {
+    const float p = beta * yy[i], q = gamma * x[i], v = p + q;
+    res[i] = v;
+    lane[0] += static_cast<double>(v * v);
+  }
+  for (size_t l = 1; l < L; ++l) lane[0] += lane[l];
   return lane[0];
 }
 

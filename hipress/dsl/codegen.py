@@ -104,6 +104,10 @@ class CapEnv(UdfEnv):
         return "0"
 
 
+# An encode's check of the caller's output buffer (``P``: the Params' name where it is emitted).
+CAP_CHECK = ("if (cap < hp_max_bytes({P}, n)) throw std::invalid_argument(kName + std::string(\": output buffer "
+             "has \") + std::to_string(cap) + \" bytes, needs \" + std::to_string(hp_max_bytes({P}, n)) + \" "
+             "(max_encoded_bytes)\");")
 CATCH = """  catch (const hipress::compress::FormatError& e) {{ return {ns}hpc_fail(e, err, errlen, 1); }}
   catch (const std::invalid_argument& e) {{ return {ns}hpc_fail(e, err, errlen, 2); }}
   catch (const std::exception& e) {{ return {ns}hpc_fail(e, err, errlen, 3); }}"""
@@ -1010,9 +1014,7 @@ class Generator:
         self.emit("Ctx c; c.p = &P;")
         self.emit("c.has_state = scalars != nullptr;")
         self.state_setup()
-        self.emit("if (cap < hp_max_bytes(P, n)) throw std::invalid_argument(kName + std::string(\": output buffer "
-                  "has \") + std::to_string(cap) + \" bytes, needs \" + std::to_string(hp_max_bytes(P, n)) + \" "
-                  "(max_encoded_bytes)\");")
+        self.emit(CAP_CHECK.format(P="P"))
         self.emit("hp::FArr v_in; v_in.p = in; v_in.n = n;")
         self.emit("size_t total = 0;")
         self.stmts(s.encode.body, EntryEnv("encode"), 1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 
+from hipress.dsl.codegen import CAP_CHECK
 from hipress.dsl.idioms import scaled_signs
 from hipress.dsl.target_cpp import CppTarget
 from hipress.dsl.types import Spec, const_value
@@ -127,9 +128,7 @@ HIPRESS_REGISTER_COMPRESSOR("{s.name}", Builtin);
     const int64_t row = scalars ? hp::w32(static_cast<int64_t>(scalars[{m.row_slot}])) : 0;
     const size_t len = hp::row_length(n, row), rows = hp::row_count(n, len);
     if (n == 0 || (rows > 1 && len % 8 != 0) || len > 0xffffffffu) return 0;  // (rows off a byte): the three steps
-    if (cap < hp_max_bytes(P_, n))
-      throw std::invalid_argument(kName + std::string(": output buffer has ") + std::to_string(cap) + " bytes, needs " +
-                                  std::to_string(hp_max_bytes(P_, n)) + " (max_encoded_bytes)");
+    {CAP_CHECK.format(P="P_")}
     const size_t packed = ops::packed_bytes(n, 1), body = packed + 4 * rows;
     std::vector<float> scales(rows);
     const bool finite =
