@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -59,6 +59,8 @@ __all__ = ["Exchange", "DirectExchange", "CoordinatedExchange", "CommChain", "Ex
 
 Send = Callable[[], torch.Tensor]
 Sink = Callable[[torch.Tensor], None]
+# ({dst: bytes sent}, {src: bytes received}) of an exchange whose sizes every rank knows in advance
+Sizes = Tuple[Dict[int, int], Dict[int, int]]
 
 
 class CommChain:
@@ -94,8 +96,9 @@ class Exchange(abc.ABC):
 
     @abc.abstractmethod
     def _exchange(self, name: str, sends: Dict[int, Send], sinks: Dict[int, Sink], deps: Sequence[Handle],
-                  pairwise: bool, max_bytes: Optional[Dict[int, int]] = None) -> Handle:
-        """pairwise: exactly one destination and one source (a ring step); max_bytes: {src: bound}."""
+                  pairwise: bool, max_bytes: Optional[Dict[int, int]] = None, sizes: Optional[Sizes] = None) -> Handle:
+        """pairwise: exactly one destination and one source (a ring step); max_bytes: {src: bound};
+        sizes: ({dst: bytes sent}, {src: bytes received}), as :meth:`bulk`'s."""
 
     @abc.abstractmethod
     def broadcast(self, name: str, buf: torch.Tensor, root: int, deps: Sequence[Handle] = ()) -> Handle:
@@ -136,16 +139,24 @@ class Exchange(abc.ABC):
                               max_bytes=row.numel())
 
     def sendrecv(self, name: str, send: Send, dst: int, sink: Sink, src: int, deps: Sequence[Handle] = (),
-                 max_bytes: Optional[int] = None) -> Handle:
-        """max_bytes: the most this rank accepts from src (None: no bound)."""
+                 max_bytes: Optional[int] = None, sizes: Optional[Tuple[int, int]] = None) -> Handle:
+        """max_bytes: the most this rank accepts from src (None: no bound). sizes: (bytes sent,
+        bytes received), where every rank knows them in advance (a compressor's encoded_bytes):
+        the payload then goes without a size message first, one exchange instead of two (a
+        round trip less per ring hop). The peers' calls must give them too; a payload of
+        another size fails the task before anything is sent."""
         return self._exchange(name, {dst: send}, {src: sink}, deps, pairwise=True,
-                              max_bytes=None if max_bytes is None else {src: max_bytes})
+                              max_bytes=None if max_bytes is None else {src: max_bytes},
+                              sizes=None if sizes is None else ({dst: sizes[0]}, {src: sizes[1]}))
 
     def bulk(self, name: str, sends: Dict[int, Send], sinks: Dict[int, Sink], deps: Sequence[Handle] = (),
-             max_bytes: Optional[Dict[int, int]] = None) -> Handle:
+             max_bytes: Optional[Dict[int, int]] = None, sizes: Optional[Sizes] = None) -> Handle:
         """Every rank of the group calls it; a rank may send to and hear from any subset.
-        max_bytes: {src: the most this rank accepts from src} (sources left out: no bound)."""
-        return self._exchange(name, sends, sinks, deps, pairwise=False, max_bytes=max_bytes)
+        max_bytes: {src: the most this rank accepts from src} (sources left out: no bound).
+        sizes: ({dst: bytes sent}, {src: bytes received}) for every destination and source, where
+        every rank knows them in advance, as :meth:`sendrecv`'s: the payloads go without their
+        sizes first, one round instead of two, where the transport posts to many peers at once."""
+        return self._exchange(name, sends, sinks, deps, pairwise=False, max_bytes=max_bytes, sizes=sizes)
 
     def allgather(self, name: str, send: Send, sinks: Dict[int, Sink], deps: Sequence[Handle] = (),
                   max_bytes: Optional[int] = None) -> Handle:
@@ -163,7 +174,7 @@ class Exchange(abc.ABC):
 
 
 def transfer(transport, payloads: Dict[int, torch.Tensor], recv_from, pairwise: bool,
-             max_bytes: Optional[Dict[int, int]] = None) -> Dict[int, torch.Tensor]:
+             max_bytes: Optional[Dict[int, int]] = None, sizes: Optional[Sizes] = None) -> Dict[int, torch.Tensor]:
     """Moves payloads now, over the transport; receivers learn the sizes from the transport
     (payload sizes vary with the gradient for sparsifiers). Returns {src: payload}.
 
@@ -173,8 +184,13 @@ def transfer(transport, payloads: Dict[int, torch.Tensor], recv_from, pairwise: 
 
     max_bytes: {src: the most bytes accepted from src}, enforced by the transport before it
     allocates (sources left out: no bound).
+
+    sizes: ({dst: bytes sent}, {src: bytes received}), known to both ends: one exchange of the
+    payloads, no sizes first (where the transport can post them all at once).
     """
     bound = max_bytes or {}
+    if sizes is not None and (pairwise or transport.p2p_many):
+        return _exchange_known(transport, payloads, recv_from, *sizes)
     if pairwise:
         (dst, payload), = payloads.items()
         (src,) = recv_from
@@ -192,6 +208,20 @@ def transfer(transport, payloads: Dict[int, torch.Tensor], recv_from, pairwise: 
     return out
 
 
+def _exchange_known(transport, payloads, recv_from, sent: Dict[int, int], received: Dict[int, int]):
+    wrong = {d: (p.numel(), sent[d]) for d, p in payloads.items() if p.numel() != sent[d]}
+    if wrong:
+        raise ValueError("; ".join(f"a payload of {n} bytes for rank {d}, which expects {k}" for d, (n, k) in wrong.items())
+                         + " (the compressor's encoded_bytes): nothing was sent")
+    device = next(iter(payloads.values())).device if payloads else torch.device("cpu")
+    got = {src: torch.empty(received[src], dtype=torch.uint8, device=device) for src in recv_from}
+    me = transport.rank
+    if me in got:  # this rank's own payload: no message
+        got[me].copy_(payloads[me])
+    transport.exchange({d: p for d, p in payloads.items() if d != me}, {s: b for s, b in got.items() if s != me})
+    return got
+
+
 class DirectExchange(Exchange):
     """Transport calls on the comm queue, chained in submission order."""
 
@@ -204,7 +234,7 @@ class DirectExchange(Exchange):
     def _comm(self, name: str, fn: Callable[[], None], deps: Sequence[Handle]) -> Handle:
         return self.chain.push(self.engine.submit(name, fn, queue="comm", deps=self.chain.deps(deps)))
 
-    def _exchange(self, name, sends, sinks, deps, pairwise, max_bytes=None):
+    def _exchange(self, name, sends, sinks, deps, pairwise, max_bytes=None, sizes=None):
         tr = self.transport
 
         waits_for = sorted(self.members[s] for s in sinks if s != self.rank)
@@ -212,7 +242,7 @@ class DirectExchange(Exchange):
         def run():
             payloads = {d: f() for d, f in sends.items()}
             self.chain.in_flight = (name, waits_for, tr, self.members)
-            got = transfer(tr, payloads, set(sinks), pairwise, max_bytes)
+            got = transfer(tr, payloads, set(sinks), pairwise, max_bytes, sizes)
             self.chain.in_flight = None
             for src, buf in got.items():
                 sinks[src](buf)
@@ -282,9 +312,9 @@ class CoordinatedExchange(Exchange):
         self.group = self.predictor.add_group()
         self.members = list(members)
 
-    def _exchange(self, name, sends, sinks, deps, pairwise, max_bytes=None):
-        # max_bytes is not enforced here (see the module docstring): the receiver learns each
-        # payload's size from its sender's batch.
+    def _exchange(self, name, sends, sinks, deps, pairwise, max_bytes=None, sizes=None):
+        # max_bytes is not enforced here, nor sizes used (see the module docstring): the receiver
+        # learns each payload's size from its sender's batch.
         ex, world, me = self.executor, self.members, self.executor.rank
         deps = list(deps)
         # Declared now (before anything submitted after it; or confirmed, if the last step's end

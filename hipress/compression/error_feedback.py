@@ -56,6 +56,9 @@ class ErrorFeedback(Compressor):
     def max_encoded_bytes(self, numel: int, shape=None) -> int:
         return self.inner.max_encoded_bytes(numel, shape)
 
+    def encoded_bytes(self, numel: int, shape=None) -> Optional[int]:
+        return self.inner.encoded_bytes(numel, shape)
+
     def new_state(self, numel: int, shape=None) -> CompressorState:
         st = self.inner.new_state(numel, shape)
         st.add_buffer("residual", numel)

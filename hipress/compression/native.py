@@ -27,6 +27,9 @@ class NativeCompressor(Compressor):
     # _density_for_sum_of gives the parameter's value). The subclass's constructor takes every
     # key of ``params`` by name.
     density_param: Optional[str] = None
+    # Every payload of n elements is max_encoded_bytes(n) long (a quantizer of fixed width whose
+    # format does not depend on the values or on state): encoded_bytes reports it.
+    fixed_size: bool = False
 
     def __init__(self, algorithm: str, **params):
         self.params = {k: float(v) for k, v in params.items()}
@@ -57,6 +60,9 @@ class NativeCompressor(Compressor):
     def max_encoded_bytes(self, numel: int, shape=None) -> int:
         m = self._matrix(numel, shape) if shape is not None else (0, 0)
         return self._c.max_encoded_bytes(int(numel), *m)
+
+    def encoded_bytes(self, numel: int, shape=None) -> Optional[int]:
+        return self.max_encoded_bytes(numel, shape) if self.fixed_size else None
 
     def new_state(self, numel: int, shape=None) -> CompressorState:
         m = self._matrix(numel, shape)
@@ -144,6 +150,12 @@ class OneBit(NativeCompressor):
         st.scalars[1] = self.row_length(numel, shape)
         return st
 
+    def encoded_bytes(self, numel: int, shape=None) -> Optional[int]:
+        # the header, a sign bit per element, then a 4-byte scale per row (a state's row, as
+        # new_state sets it; the whole tensor is one row without one)
+        row = self.row_length(numel, shape)
+        return _HEADER_BYTES + (int(numel) + 7) // 8 + 4 * (int(numel) // row if row else 1)
+
     def __repr__(self):
         return f"OneBit(rows={self.rows})"
 
@@ -154,12 +166,16 @@ class TBQ(NativeCompressor):
     tau is ``threshold`` if set (> 0, Strom's fixed threshold), else ``relative`` times the
     tensor's mean magnitude. (Strom sends +-tau; docs/convergence.md, causes 7 and 9, say why not.)"""
 
+    fixed_size = True
+
     def __init__(self, threshold: float = 0.0, relative: float = 1.5):
         super().__init__("tbq", threshold=threshold, relative=relative)
 
 
 class TernGrad(NativeCompressor):
     """TernGrad as in HiPress Fig. 5: min/max scaling, stochastic rounding to 2/4/8 bits."""
+
+    fixed_size = True
 
     def __init__(self, bitwidth: int = 2, seed: int = 0):
         super().__init__("terngrad", bitwidth=bitwidth, seed=seed)
@@ -305,6 +321,8 @@ class SignSGD(NativeCompressor):
     (scale 1: the paper's, the learning rate is the step). hipress averages the decoded signs
     (GRACE: majority vote). No memory."""
 
+    fixed_size = True
+
     def __init__(self, scale: float = 1.0):
         super().__init__("signsgd", scale=scale)
 
@@ -315,6 +333,8 @@ class Signum(NativeCompressor):
     optimizer's: with hipress's momentum correction (a momentum SGD, "auto"), hipress applies
     weight decay locally and steps the SGD without momentum, but applies no velocity of its
     own (``momentum_in_compressor``; hipress/torch/momentum.py)."""
+
+    fixed_size = True
 
     momentum_in_compressor = True
 
@@ -333,6 +353,8 @@ class EFSignSGD(NativeCompressor):
     """EF-SignSGD (Karimireddy 2019; GRACE ``efsignsgd``): (||x||_1 / d) * sign(x) with error
     feedback (on by default)."""
 
+    fixed_size = True
+
     def __init__(self):
         super().__init__("efsignsgd")
 
@@ -340,6 +362,8 @@ class EFSignSGD(NativeCompressor):
 class QSGD(NativeCompressor):
     """QSGD (Alistarh 2017; GRACE ``qsgd``): |x| / ||x||_2 stochastically rounded to one of
     ``quantum_num`` levels (default 64, GRACE's QSGD(64); at most 127), sign + level in 8 bits."""
+
+    fixed_size = True
 
     def __init__(self, quantum_num: int = 64, seed: int = 0):
         super().__init__("qsgd", quantum_num=quantum_num, seed=seed)
@@ -356,6 +380,8 @@ class Natural(NativeCompressor):
     """Natural compression (Horvath 2019; GRACE ``natural``): stochastic rounding to a power of
     two, sign + exponent in 8 bits (GRACE's form). Error feedback on by default."""
 
+    fixed_size = True
+
     def __init__(self, seed: int = 0):
         super().__init__("natural", seed=seed)
 
@@ -364,6 +390,8 @@ class TernGradGrace(NativeCompressor):
     """TernGrad as GRACE implements it (``terngrad_grace``): clip to ``clip`` * std (2.5),
     s = max |clipped|, s * sign(x) sent with probability |x| / s (2-bit codes). hipress's
     ``terngrad`` is HiPress's min/max form."""
+
+    fixed_size = True
 
     algorithm = "terngrad_grace"  # the registered name (payload_info)
 
@@ -376,12 +404,16 @@ class U8bit(NativeCompressor):
     |x| / scale rounded down to Dettmers' 128-entry table, sign + bin in 8 bits. Error
     feedback on by default."""
 
+    fixed_size = True
+
     def __init__(self):
         super().__init__("u8bit")
 
 
 class FP16(NativeCompressor):
     """The fp16 cast (GRACE's FP16Compressor): 2 bytes per element, round to nearest even."""
+
+    fixed_size = True
 
     def __init__(self):
         super().__init__("fp16")
@@ -395,6 +427,8 @@ class FP16(NativeCompressor):
 
 class BF16(NativeCompressor):
     """The bfloat16 cast: 2 bytes per element, round to nearest even (torch's)."""
+
+    fixed_size = True
 
     def __init__(self):
         super().__init__("bf16")
@@ -473,6 +507,8 @@ class Sketch(NativeCompressor):
     """SketchML as GRACE implements it (``sketch``, hand-written C++, csrc/compress/algo_sketch.cc):
     ``quantiles`` buckets between quantile edges (of ``sample`` random elements when there are
     more; 0: all), one byte per element, decoded to the bucket's mean; residual memory by default."""
+
+    fixed_size = True
 
     def __init__(self, quantiles: int = 64, sample: int = 16384, seed: int = 0):
         super().__init__("sketch", quantiles=quantiles, sample=sample, seed=seed)

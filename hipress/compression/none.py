@@ -25,6 +25,9 @@ class NoneCompressor(Compressor):
     def max_encoded_bytes(self, numel: int, shape=None) -> int:
         return 4 * numel
 
+    def encoded_bytes(self, numel: int, shape=None) -> Optional[int]:
+        return 4 * numel
+
     def _merged_compressor(self) -> Compressor:
         return self  # lossless: nothing to carry over
 

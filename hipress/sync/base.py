@@ -69,6 +69,23 @@ def payload_bound(comp: Compressor, numel: int, shape=None, contributions: int =
         return None
 
 
+def known_sizes(enc: Compressor, sent_numel: int, received_numel: int) -> Optional[Tuple[int, int]]:
+    """(bytes sent, bytes received) of a pairwise step whose two payloads ``enc`` encodes from
+    ``sent_numel`` and ``received_numel`` elements (no shape), where its payloads have a size
+    known in advance (``encoded_bytes``); else None, and the sizes travel first. A sparsifier's
+    (no_larger_than_dense may swap its payload) never has one."""
+    sent, received = enc.encoded_bytes(sent_numel), enc.encoded_bytes(received_numel)
+    return None if sent is None or received is None else (sent, received)
+
+
+def known_frames(sent: Dict[int, Optional[int]], received: Dict[int, Optional[int]]):
+    """A bulk exchange's ({dst: bytes sent}, {src: bytes received}) where every size is known
+    in advance (frame_bound of payloads of known size), else None: the sizes travel first."""
+    if any(v is None for v in (*sent.values(), *received.values())):
+        return None
+    return sent, received
+
+
 def partition_shape(segments, s: int, e: int) -> Optional[Tuple[int, int]]:
     """The shape (rows, row length) of the partition [s, e) of a fused buffer when it is whole rows of
     one tensor of two or more dimensions (a row: the elements after the first dimension), else None.

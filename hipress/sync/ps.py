@@ -27,7 +27,7 @@ import torch
 from hipress.compression.base import zeroed_f32
 from hipress.engine import Handle
 from hipress.sync.base import (Strategy, SyncContext, decode_payload, frame, frame_bound, no_larger_than_dense,
-                               partition_shape, payload_bound, unframe)
+                               known_frames, partition_shape, payload_bound, unframe)
 
 
 class PSStrategy(Strategy):
@@ -137,13 +137,25 @@ class PSStrategy(Strategy):
         part_bound = [payload_bound(comp, e - s, contributions=n) for _, s, e in parts]
         gather_max = frame_bound([part_bound[i] for i in mine])
         bcast_max = {a: frame_bound([part_bound[i] for i, o in enumerate(owners) if o == a]) for a in aggregators}
+        # Where the compressor knows its payloads' sizes in advance (encoded_bytes), so does every
+        # rank its frames': they go without their sizes first.
+        worker = [comp.encoded_bytes(e - s, partition_shape(segments, s, e)) for _, s, e in parts]
+        aggregator = [comp.merged_for(n).encoded_bytes(e - s, partition_shape(segments, s, e)) for _, s, e in parts]
+
+        def frames(sizes, owner):  # the frame of the partitions ``owner`` aggregates
+            return frame_bound([sizes[i] for i, o in enumerate(owners) if o == owner])
+
         enc = ctx.compute(f"encode.{tensor_name}", encode, deps, nbytes=4 * flat.numel())
         # Every worker sends to every aggregator of this gradient; aggregators hear from all.
         g = ctx.exchange.bulk(f"gather.{tensor_name}", {a: (lambda a=a: slot["gather_out"].pop(a)) for a in aggregators},
                               {src: gather_sink(src) for src in range(n)} if mine else {}, [enc],
-                              max_bytes=None if gather_max is None else {src: gather_max for src in range(n)})
+                              max_bytes=None if gather_max is None else {src: gather_max for src in range(n)},
+                              sizes=known_frames({a: frames(worker, a) for a in aggregators},
+                                                 {src: frames(worker, r) for src in range(n)} if mine else {}))
         agg = ctx.compute(f"aggregate.{tensor_name}", aggregate, [g]) if mine else g
         b = ctx.exchange.bulk(f"bcast.{tensor_name}", {dst: (lambda: slot["bcast_out"]) for dst in range(n)} if mine else {},
                               {a: bcast_sink(a) for a in aggregators}, [agg],
-                              max_bytes={a: m for a, m in bcast_max.items() if m is not None})
+                              max_bytes={a: m for a, m in bcast_max.items() if m is not None},
+                              sizes=known_frames({dst: frames(aggregator, r) for dst in range(n)} if mine else {},
+                                                 {a: frames(aggregator, a) for a in aggregators}))
         return ctx.compute(f"decode.{tensor_name}", decode, [b], nbytes=4 * flat.numel())

@@ -32,7 +32,7 @@ import torch
 
 from hipress.engine import Handle
 from hipress.planner.plan import chunk_bounds
-from hipress.sync.base import Strategy, SyncContext, decode_payload, no_larger_than_dense, payload_bound
+from hipress.sync.base import Strategy, SyncContext, decode_payload, known_sizes, no_larger_than_dense, payload_bound
 
 
 class RingStrategy(Strategy):
@@ -92,6 +92,7 @@ class RingStrategy(Strategy):
 
         prev = ctx.compute(f"encode.{key}.ag", encode_owned, list(deps))
         finals = [prev]
+        site = site_compressor(comp, n)  # every payload of this phase is an owner's encode
         for t in range(n - 1):
             c_in = (r - t) % n
 
@@ -103,7 +104,8 @@ class RingStrategy(Strategy):
 
             prev = ctx.exchange.sendrecv(f"sendrecv.{key}.ag{t}", lambda t=t: slot.pop(("fwd", t)), nxt,
                                          received, prv, [prev],
-                                         max_bytes=payload_bound(comp, views[c_in].numel(), contributions=n))
+                                         max_bytes=payload_bound(comp, views[c_in].numel(), contributions=n),
+                                         sizes=known_sizes(site, views[(c_in + 1) % n].numel(), views[c_in].numel()))
             finals.append(ctx.compute(f"decode.{key}.ag{t}", decode, [prev], nbytes=4 * x.numel() // n))
 
         def finish():
@@ -114,6 +116,12 @@ class RingStrategy(Strategy):
         return ctx.compute(f"average.{key}", finish, finals)
 
 
+def site_compressor(comp, contributions: int):
+    """What encodes a chunk that sums ``contributions`` ranks' gradients: the compressor for a
+    rank's own (1), its merged form for partial sums (see encode_chunk)."""
+    return comp if contributions == 1 else comp.merged_for(contributions)
+
+
 def encode_chunk(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], c: int, contributions: int):
     """Encodes chunk ``c``, a sum of ``contributions`` ranks' gradients, with its state. Step 0
     of the reduce-scatter encodes this rank's own gradient (1); later encodes see merged partial
@@ -121,7 +129,7 @@ def encode_chunk(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], c: i
     sparsifier keeps the density of their union). A chunk key has one role per rank, so its
     state always belongs to the same compressor. A sparsifier's sum denser than half travels as
     fp32 values (no_larger_than_dense)."""
-    enc = ctx.compressor if contributions == 1 else ctx.compressor.merged_for(contributions)
+    enc = site_compressor(ctx.compressor, contributions)
     payload = ctx.states.encode(f"{key}/c{c}", enc, views[c])
     return no_larger_than_dense(ctx.compressor, payload, views[c].numel())
 
@@ -156,6 +164,8 @@ def reduce_scatter(ctx: SyncContext, key: str, views: Sequence[torch.Tensor], de
         enc = ctx.compute(f"encode.{key}.rs{s}", encode, last_compute, nbytes=nbytes)
         sr = ctx.exchange.sendrecv(f"sendrecv.{key}.rs{s}", lambda s=s: slot.pop(("out", s)), nxt,
                                    lambda buf, s=s: slot.__setitem__(("in", s), buf), prv, [enc],
-                                   max_bytes=payload_bound(comp, views[cr].numel(), contributions=n))
+                                   max_bytes=payload_bound(comp, views[cr].numel(), contributions=n),
+                                   sizes=known_sizes(site_compressor(comp, s + 1), views[cs].numel(),
+                                                     views[cr].numel()))
         last_compute = [ctx.compute(f"merge.{key}.rs{s}", merge, [sr], nbytes=nbytes)]
     return last_compute[0]

@@ -31,7 +31,7 @@ def counting_exchange():
     return Counting
 
 
-def run_strategy(strategy, comp_factory, grads, bounds, name="w", coordinator=False, steps=1):
+def run_strategy(strategy, comp_factory, grads, bounds, name="w", coordinator=False, steps=1, segments=None):
     n = len(grads)
     results, states, owners = [None] * n, [None] * n, [None] * n
 
@@ -50,7 +50,7 @@ def run_strategy(strategy, comp_factory, grads, bounds, name="w", coordinator=Fa
             out = []
             for _ in range(steps):
                 flat = grads[tr.rank].clone()
-                strat.build(ctx, name, flat, bounds, shape=(len(flat), 1)).result(timeout=30)
+                strat.build(ctx, name, flat, bounds, shape=(len(flat), 1), segments=segments).result(timeout=30)
                 out.append(flat)
             results[tr.rank], states[tr.rank] = out if steps > 1 else out[0], st
             if strategy == "ps":
@@ -441,7 +441,7 @@ def test_dense_form_of_a_sparse_payload_decodes_from_any_offset():
     assert no_larger_than_dense(onebit, p, n) is p
 
 
-@pytest.mark.parametrize("strategy,algo,kw", [("ring", "dgc", {"ratio": 0.05}), ("ring", "terngrad", {"bitwidth": 2}),
+@pytest.mark.parametrize("strategy,algo,kw", [("ring", "dgc", {"ratio": 0.05}), ("ring", "adaq", {}),
                                               ("ps", "graddrop", {"ratio": 0.05}), ("allgather", "tbq", {}),
                                               ("lowrank", "powersgd", {"rank": 2})])
 def test_strategies_bound_what_peers_send(monkeypatch, strategy, algo, kw):
@@ -458,6 +458,72 @@ def test_strategies_bound_what_peers_send(monkeypatch, strategy, algo, kw):
         chunk_max = {max(comp.max_encoded_bytes(e - s), comp.merged_for(n).max_encoded_bytes(e - s))
                      for s0, e0 in bounds for s, e in chunk_bounds(e0 - s0, n)}
         assert {b for b, _ in received} <= chunk_max
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ps"])
+@pytest.mark.parametrize("algo", ["terngrad", "onebit", "tbq"])
+def test_payloads_of_known_size_go_without_their_sizes_first(monkeypatch, strategy, algo):
+    """Quantizers whose payload size follows from the partition (encoded_bytes) move each ring hop,
+    and each PS gather and broadcast, as one exchange of exactly those bytes, with no sizes sent
+    first, and the sync ends with the same bits as when the sizes travel (3 ranks: chunks of
+    unequal length; 2 partitions, one of whole rows of a matrix (onebit's per-row scales); 2 steps
+    of error feedback)."""
+    from hipress.comm.transport.base import Transport
+    from hipress.sync import ps, ring
+
+    grads, bounds = grads_for(3, 2001, seed=5), [(0, 1280), (1280, 2001)]
+    calls = {"sized": 0, "exchange": []}
+    real_sr, real_a2a, real_ex = Transport.sendrecv_alloc, Transport.alltoallv_alloc, Transport.exchange
+
+    def sendrecv_alloc(self, *a, **kw):
+        calls["sized"] += 1
+        return real_sr(self, *a, **kw)
+
+    def alltoallv_alloc(self, *a, **kw):
+        calls["sized"] += 1
+        return real_a2a(self, *a, **kw)
+
+    def exchange(self, sends, recvs):
+        calls["exchange"].append(sorted(b.numel() for b in recvs.values()))
+        return real_ex(self, sends, recvs)
+
+    monkeypatch.setattr(Transport, "sendrecv_alloc", sendrecv_alloc)
+    monkeypatch.setattr(Transport, "alltoallv_alloc", alltoallv_alloc)
+    monkeypatch.setattr(Transport, "exchange", exchange)
+
+    def run():
+        return run_strategy(strategy, lambda: compression.get(algo), grads, bounds, steps=2,
+                            segments=[(0, 1280, (20, 64)), (1280, 721, (721,))])[0]
+
+    fast = run()
+    assert calls["sized"] == 0
+    # per rank and step: ring, 2 partitions x (2 reduce-scatter + 2 all-gather hops); PS, a gather and a broadcast
+    assert len(calls["exchange"]) == 3 * 2 * (2 * 4 if strategy == "ring" else 2)
+    comp = compression.get(algo)
+    if strategy == "ring":
+        sizes = {comp.encoded_bytes(e - s) for s0, e0 in bounds for s, e in chunk_bounds(e0 - s0, 3)}
+        assert len(sizes) > 1 and {c for got in calls["exchange"] for c in got} == sizes
+    if algo == "onebit":  # a scale per row of the matrix's partition (PS), one per chunk (ring)
+        assert comp.encoded_bytes(1280, (20, 64)) == comp.encoded_bytes(1280) + 4 * 19
+
+    monkeypatch.setattr(ring, "known_sizes", lambda *a: None)  # the sizes travel first, as for sparsifiers
+    monkeypatch.setattr(ps, "known_frames", lambda *a: None)
+    slow = run()
+    assert calls["sized"] == 3 * 2 * (2 * 4 if strategy == "ring" else 2)
+    for f, s in zip(fast, slow):
+        for a, b in zip(f, s):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ps"])
+def test_a_payload_of_another_size_than_agreed_fails_before_it_is_sent(monkeypatch, strategy):
+    """A compressor whose encoded_bytes is wrong fails the sync on every rank with the sizes
+    named, before anything is sent (so no peer is left waiting for bytes that never come)."""
+    from hipress.compression.native import TernGrad
+
+    monkeypatch.setattr(TernGrad, "encoded_bytes", lambda self, numel, shape=None: self.max_encoded_bytes(numel) + 1)
+    with pytest.raises(Exception, match=r"which expects \d+ \(the compressor's encoded_bytes\): nothing was sent"):
+        run_strategy(strategy, lambda: compression.get("terngrad"), grads_for(2, 100), [(0, 100)])
 
 
 def test_state_store_discard_drops_in_use_and_restored_states():
