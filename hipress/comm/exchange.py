@@ -136,7 +136,7 @@ class Exchange(abc.ABC):
         once (the optimizer's, at wrap): a transport that can skips its checking round for it."""
         rows = table.view(self.size, row.numel())
         return self.allgather(name, lambda: row, {r: rows[r].copy_ for r in range(self.size)}, deps,
-                              max_bytes=row.numel())
+                              max_bytes=row.numel(), size=row.numel())
 
     def sendrecv(self, name: str, send: Send, dst: int, sink: Sink, src: int, deps: Sequence[Handle] = (),
                  max_bytes: Optional[int] = None, sizes: Optional[Tuple[int, int]] = None) -> Handle:
@@ -159,9 +159,10 @@ class Exchange(abc.ABC):
         return self._exchange(name, sends, sinks, deps, pairwise=False, max_bytes=max_bytes, sizes=sizes)
 
     def allgather(self, name: str, send: Send, sinks: Dict[int, Sink], deps: Sequence[Handle] = (),
-                  max_bytes: Optional[int] = None) -> Handle:
+                  max_bytes: Optional[int] = None, size: Optional[int] = None) -> Handle:
         """send() goes to every rank (itself included); sinks[src] takes src's payload.
-        max_bytes: the most this rank accepts from any one rank (None: no bound)."""
+        max_bytes: the most this rank accepts from any one rank (None: no bound). size: every
+        rank's payload is this many bytes, known to all in advance (as :meth:`bulk`'s sizes)."""
         payload: dict = {}
 
         def once():  # evaluated once, whatever the number of destinations
@@ -170,7 +171,9 @@ class Exchange(abc.ABC):
             return payload["p"]
 
         return self.bulk(name, {dst: once for dst in range(self.size)}, sinks, deps,
-                         max_bytes=None if max_bytes is None else {src: max_bytes for src in sinks})
+                         max_bytes=None if max_bytes is None else {src: max_bytes for src in sinks},
+                         sizes=None if size is None else ({dst: size for dst in range(self.size)},
+                                                          {src: size for src in sinks}))
 
 
 def transfer(transport, payloads: Dict[int, torch.Tensor], recv_from, pairwise: bool,

@@ -59,5 +59,7 @@ class AllgatherStrategy(Strategy):
         enc = ctx.compute(f"encode.{tensor_name}", encode, deps, nbytes=nbytes)
         g = ctx.exchange.allgather(f"allgather.{tensor_name}", lambda: slot.pop("out"),
                                    {src: (lambda buf, src=src: slot["in"].__setitem__(src, buf)) for src in range(n)},
-                                   [enc], max_bytes=frame_bound([payload_bound(comp, e - s) for _, s, e in parts]))
+                                   [enc], max_bytes=frame_bound([payload_bound(comp, e - s) for _, s, e in parts]),
+                                   size=frame_bound([comp.encoded_bytes(e - s, partition_shape(segments, s, e))
+                                                     for _, s, e in parts]))
         return ctx.compute(f"aggregate.{tensor_name}", aggregate, [g], nbytes=nbytes)

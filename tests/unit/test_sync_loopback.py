@@ -442,7 +442,7 @@ def test_dense_form_of_a_sparse_payload_decodes_from_any_offset():
 
 
 @pytest.mark.parametrize("strategy,algo,kw", [("ring", "dgc", {"ratio": 0.05}), ("ring", "adaq", {}),
-                                              ("ps", "graddrop", {"ratio": 0.05}), ("allgather", "tbq", {}),
+                                              ("ps", "graddrop", {"ratio": 0.05}), ("allgather", "adaq", {}),
                                               ("lowrank", "powersgd", {"rank": 2})])
 def test_strategies_bound_what_peers_send(monkeypatch, strategy, algo, kw):
     """Every receive the strategies make is bounded by the receiver's own max_encoded_bytes
@@ -460,16 +460,19 @@ def test_strategies_bound_what_peers_send(monkeypatch, strategy, algo, kw):
         assert {b for b, _ in received} <= chunk_max
 
 
-@pytest.mark.parametrize("strategy", ["ring", "ps"])
+@pytest.mark.parametrize("strategy", ["ring", "ps", "allgather"])
 @pytest.mark.parametrize("algo", ["terngrad", "onebit", "tbq"])
 def test_payloads_of_known_size_go_without_their_sizes_first(monkeypatch, strategy, algo):
     """Quantizers whose payload size follows from the partition (encoded_bytes) move each ring hop,
-    and each PS gather and broadcast, as one exchange of exactly those bytes, with no sizes sent
+    each PS gather and broadcast and each all-gather, as one exchange of exactly those bytes, with no sizes sent
     first, and the sync ends with the same bits as when the sizes travel (3 ranks: chunks of
     unequal length; 2 partitions, one of whole rows of a matrix (onebit's per-row scales); 2 steps
     of error feedback)."""
+    from hipress.comm.exchange import Exchange
     from hipress.comm.transport.base import Transport
     from hipress.sync import ps, ring
+
+    real_allgather = Exchange.allgather
 
     grads, bounds = grads_for(3, 2001, seed=5), [(0, 1280), (1280, 2001)]
     calls = {"sized": 0, "exchange": []}
@@ -497,8 +500,10 @@ def test_payloads_of_known_size_go_without_their_sizes_first(monkeypatch, strate
 
     fast = run()
     assert calls["sized"] == 0
-    # per rank and step: ring, 2 partitions x (2 reduce-scatter + 2 all-gather hops); PS, a gather and a broadcast
-    assert len(calls["exchange"]) == 3 * 2 * (2 * 4 if strategy == "ring" else 2)
+    # per rank and step: ring, 2 partitions x (2 reduce-scatter + 2 all-gather hops); PS, a gather and a
+    # broadcast; allgather, one
+    hops = {"ring": 2 * 4, "ps": 2, "allgather": 1}[strategy]
+    assert len(calls["exchange"]) == 3 * 2 * hops
     comp = compression.get(algo)
     if strategy == "ring":
         sizes = {comp.encoded_bytes(e - s) for s0, e0 in bounds for s, e in chunk_bounds(e0 - s0, 3)}
@@ -508,8 +513,9 @@ def test_payloads_of_known_size_go_without_their_sizes_first(monkeypatch, strate
 
     monkeypatch.setattr(ring, "known_sizes", lambda *a: None)  # the sizes travel first, as for sparsifiers
     monkeypatch.setattr(ps, "known_frames", lambda *a: None)
+    monkeypatch.setattr(Exchange, "allgather", lambda self, *a, size=None, **kw: real_allgather(self, *a, **kw))
     slow = run()
-    assert calls["sized"] == 3 * 2 * (2 * 4 if strategy == "ring" else 2)
+    assert calls["sized"] == 3 * 2 * hops
     for f, s in zip(fast, slow):
         for a, b in zip(f, s):
             assert torch.equal(a, b)
