@@ -669,3 +669,26 @@ def test_out_buffer_and_plain_functions():
     torch.testing.assert_close(out16.float().view(-1), C.decompress(p), rtol=1e-3, atol=1e-4)
     with pytest.raises(ValueError):
         c.decode(p, torch.empty(999))  # wrong element count
+
+
+@pytest.mark.parametrize("name", [n for n in C.registry.available() if not C.get(n).lowrank])
+def test_encoded_bytes_is_what_every_encode_returns(name):
+    """Where a compressor reports its payload size in advance (encoded_bytes), every payload it and
+    its merged forms encode has that size: sizes and shapes (onebit's rows), three steps of state
+    (error feedback's residual grows), values from 1e-3 to 1e3. The strategies send such payloads
+    without a size message, so a wrong size would fail the sync."""
+    torch.manual_seed(0)
+    comp = C.get(name)
+    known = 0
+    for n, shape in [(1, None), (7, None), (37, None), (4099, None), (65536, None), (6400, (100, 64)),
+                     (640, (10, 64)), (300, (10, 30))]:
+        for c in (comp, comp.merged_for(3)):
+            want = c.encoded_bytes(n, shape)
+            state = c.new_state(n, shape)
+            for step in range(3):
+                p = c.encode(torch.randn(n) * 10.0 ** (3 * step - 3), state)
+                assert want is None or p.numel() == want, (n, shape, step, p.numel(), want)
+            known += want is not None
+    fixed = {"bf16", "efsignsgd", "fp16", "natural", "none", "onebit", "qsgd", "signsgd", "signum", "sketch", "tbq",
+             "terngrad", "terngrad_grace", "u8bit"}
+    assert known == (16 if name in fixed else 0)  # the quantizers say it; sparsifiers and adaptive formats never
