@@ -285,8 +285,8 @@ class Compressor:
         """The size of every payload :meth:`encode` returns for ``numel`` elements (with a state
         made by ``new_state(numel, shape)``, or none), where it depends on nothing else: not on the
         values (a sparsifier's), nor on a state that changes from step to step. A receiver that
-        knows it needs no size message first (hipress.sync.base.exact_payload_bytes). None: not
-        known in advance (the default)."""
+        knows it needs no size message first (hipress.sync.base.known_sizes, known_frames).
+        None: not known in advance (the default)."""
         return None
 
     def encode(self, grad: torch.Tensor, state: Optional[CompressorState] = None,
