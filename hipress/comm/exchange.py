@@ -212,10 +212,11 @@ def transfer(transport, payloads: Dict[int, torch.Tensor], recv_from, pairwise: 
 
 
 def _exchange_known(transport, payloads, recv_from, sent: Dict[int, int], received: Dict[int, int]):
-    wrong = {d: (p.numel(), sent[d]) for d, p in payloads.items() if p.numel() != sent[d]}
-    if wrong:
-        raise ValueError("; ".join(f"a payload of {n} bytes for rank {d}, which expects {k}" for d, (n, k) in wrong.items())
-                         + " (the compressor's encoded_bytes): nothing was sent")
+    """transfer() where both ends know every size: the payloads in one transport exchange."""
+    wrong = [f"a payload of {p.numel()} bytes for rank {d}, which expects {sent[d]}"
+             for d, p in payloads.items() if p.numel() != sent[d]]
+    if wrong:  # the peers would read a wrong count of bytes: nothing goes
+        raise ValueError("; ".join(wrong) + " (the compressor's encoded_bytes): nothing was sent")
     device = next(iter(payloads.values())).device if payloads else torch.device("cpu")
     got = {src: torch.empty(received[src], dtype=torch.uint8, device=device) for src in recv_from}
     me = transport.rank
