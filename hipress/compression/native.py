@@ -152,9 +152,9 @@ class OneBit(NativeCompressor):
 
     def encoded_bytes(self, numel: int, shape=None) -> Optional[int]:
         # the header, a sign bit per element, then a 4-byte scale per row (a state's row, as
-        # new_state sets it; the whole tensor is one row without one)
-        row = self.row_length(numel, shape)
-        return _HEADER_BYTES + (int(numel) + 7) // 8 + 4 * (int(numel) // row if row else 1)
+        # new_state sets it; the whole tensor is one row without one, and an empty one none)
+        n, row = int(numel), self.row_length(numel, shape)
+        return _HEADER_BYTES + (n + 7) // 8 + 4 * (n // row if row else min(n, 1))
 
     def __repr__(self):
         return f"OneBit(rows={self.rows})"
