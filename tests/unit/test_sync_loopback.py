@@ -521,6 +521,19 @@ def test_payloads_of_known_size_go_without_their_sizes_first(monkeypatch, strate
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("algo", ["onebit", "terngrad"])
+def test_known_sizes_hold_for_empty_ring_chunks(monkeypatch, algo):
+    """More ranks than elements: the ring's empty chunks still travel (a header alone for onebit)
+    with the sizes both ends computed, and the result is the one the sized path gives."""
+    from hipress.sync import ring
+
+    grads = grads_for(4, 2, seed=1)
+    fast, _ = run_strategy("ring", lambda: compression.get(algo), grads, [(0, 2)])
+    monkeypatch.setattr(ring, "known_sizes", lambda *a: None)
+    slow, _ = run_strategy("ring", lambda: compression.get(algo), grads, [(0, 2)])
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+
+
 @pytest.mark.parametrize("strategy", ["ring", "ps"])
 def test_a_payload_of_another_size_than_agreed_fails_before_it_is_sent(monkeypatch, strategy):
     """A compressor whose encoded_bytes is wrong fails the sync on every rank with the sizes
