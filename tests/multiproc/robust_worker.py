@@ -165,8 +165,8 @@ def main(scenario, out_dir, arg):
                     if coordinated:  # the executor's slots
                         opt._hp_exchanges.world.executor.tr.exchange = broken
                     else:
-                        tr = world.transport()
-                        tr.sendrecv_alloc = tr.alltoallv_alloc = broken
+                        tr = world.transport()  # TBQ's payloads have a known size: they go by exchange
+                        tr.sendrecv_alloc = tr.alltoallv_alloc = tr.exchange = broken
                 try:
                     train_step(model, opt, batch(rank, t))
                 except RuntimeError as e:
