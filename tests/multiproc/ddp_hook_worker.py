@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hipress
 import hipress.ddp
-from worker_common import device
+from worker_common import device, gloo_event_loops
 
 DEVICE = device()  # cuda: DDP's buckets are CUDA tensors, staged through host memory by the hook
 
@@ -212,6 +212,7 @@ def main():
         t0 = time.monotonic()
         res = CASES[cfg["case"]](cfg, rank)
         res["config"], res["seconds"] = cfg, time.monotonic() - t0
+        res["gloo_event_loops"] = gloo_event_loops()
         results.append(res)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     hipress.shutdown()

@@ -55,6 +55,8 @@ def check(results, np):
         cfg = res0["config"]
         for r in range(np):
             res = results[r][c]
+            # DDP's group, hipress's private one and its splits: one gloo device between them
+            assert res["gloo_event_loops"] == 1, f"{cfg} rank {r}: {res['gloo_event_loops']} gloo event loops"
             if cfg["case"] in ("equiv", "rebuild"):
                 tol = {"fp16": 1e-4, "torch-fp16": 1e-4, "bf16": 3e-3}.get(cfg.get("wrapper"), 1e-5)
                 d = max_diff(res["ddp"], res["opt"])

@@ -126,6 +126,8 @@ def test_gloo_all_operations(n, launch, hosts):
     assert {d["launcher"] for d in res.values()} == {{"torchrun": "torchrun", "explicit": "explicit",
                                                       "horovod": "horovod-gloo"}[launch]}
     assert {d["control"] for d in res.values()} == {"concurrent"}  # another gloo group beside the world's
+    # the world's group, the local and cross groups and the control group: one gloo device between them
+    assert {d["gloo_event_loops"] for d in res.values()} == {1}, res
     if launch == "horovod":
         assert server.puts == 1, "rank 0 publishes its store address once"
 

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from worker_common import emit
+from worker_common import emit, gloo_event_loops
 
 
 def launch_rank():
@@ -110,6 +110,7 @@ def main():
         out["cross_checks"] = run_checks(cross, ["alltoallv", "sendrecv_ring"])
         wt.barrier()
         out["control"] = check_control_transport(world, wt, rank, size, pattern)
+        out["gloo_event_loops"] = gloo_event_loops()
         world.shutdown()
         emit(out)
         return 0

@@ -16,6 +16,20 @@ def emit(d):
             f.write(line)
 
 
+def gloo_event_loops() -> int:
+    """This process's gloo network event-loop threads (one per gloo device; each wakes 100 times
+    a second even when idle, so hipress's groups share one: hipress.comm.transport.torch_dist)."""
+    tasks = "/proc/self/task"
+    names = []
+    for t in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, t, "comm")) as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return names.count("gloo_tcp_loop")
+
+
 def start_together(directory, rank, size, timeout_s=120.0):
     """File barrier before hipress.init(): each rank marks itself ready in directory and waits
     until all size ranks are. Under load, importing torch can take some ranks many seconds

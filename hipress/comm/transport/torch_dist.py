@@ -14,6 +14,11 @@ cluster); ``HIPRESS_TORCH_ALLTOALL=native`` selects ``alltoall_base`` (falling b
 point-to-point if the backend refuses it). allgatherv is always made of sends and receives.
 allreduce is the process group's own (``pg.allreduce``, sum).
 
+Every gloo group a transport makes (splits, private groups beside the user's default group) shares
+the network device of the group it is made from, so a rank has one gloo event loop however many
+groups it holds: each device's loop thread wakes 100 times a second even when idle, and with ranks
+on every core a few idle loops per rank cost a few percent of a training step (issue 21).
+
 Errors from the backend (a peer that closed its connection, gloo's own timeout) come back
 as :class:`TransportError` naming the operation and the peers involved.
 """
@@ -56,6 +61,7 @@ class TorchDistTransport(Transport):
         self.name = f"torch/{backend}"
         self._prefix = prefix
         self._splits = 0
+        self._devices = _gloo_devices(pg) if backend == "gloo" else None  # what new groups share
         self._a2a_mode = config.get("HIPRESS_TORCH_ALLTOALL")
         self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
@@ -94,14 +100,22 @@ class TorchDistTransport(Transport):
     def private_gloo(cls, store, prefix: str, rank: int, size: int, timeout_s: float) -> "TorchDistTransport":
         """A gloo group of its own over an existing store (keys under ``prefix``): hipress's
         traffic then never shares a group with the user's torch.distributed collectives (DDP)."""
-        pg = cls._new_pg(dist.PrefixStore(prefix, store), rank, size, "gloo", timeout_s)
+        default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        pg = cls._new_pg(dist.PrefixStore(prefix, store), rank, size, "gloo", timeout_s,
+                         _gloo_devices(default) if default is not None else None)
         return cls(pg, rank, size, store, "gloo", timeout_s, prefix=prefix)
 
     @staticmethod
-    def _new_pg(store, rank: int, size: int, backend: str, timeout_s: float):
+    def _new_pg(store, rank: int, size: int, backend: str, timeout_s: float, devices=None):
+        """A new group; a gloo one over ``devices`` (another group's, see the module's docstring)
+        where given, else over a device of its own."""
         try:
             if backend == "gloo":
-                return dist.ProcessGroupGloo(store, rank, size, _td(timeout_s))
+                if not devices:
+                    return dist.ProcessGroupGloo(store, rank, size, _td(timeout_s))
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout, opts._devices = _td(timeout_s), devices
+                return dist.ProcessGroupGloo(store, rank, size, opts)
             if backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = _td(timeout_s)
@@ -298,7 +312,8 @@ class TorchDistTransport(Transport):
         color = color_of[self._rank]
         prefix = f"{self._prefix}/split{seq}/c{color}"
         my = members.index(self._rank)
-        pg = self._new_pg(dist.PrefixStore(prefix, self.store), my, len(members), self.backend, self.timeout_s)
+        pg = self._new_pg(dist.PrefixStore(prefix, self.store), my, len(members), self.backend, self.timeout_s,
+                          self._devices)
         return TorchDistTransport(pg, my, len(members), self.store, self.backend, self.timeout_s, self.check, prefix)
 
     def reconnect(self) -> "TorchDistTransport":
@@ -322,6 +337,16 @@ class TorchDistTransport(Transport):
                     shut()
                 except Exception:  # noqa: BLE001 - best effort
                     pass
+
+
+def _gloo_devices(pg) -> Optional[list]:
+    """The network devices of gloo group ``pg`` (a ProcessGroup holding a gloo backend, or the
+    backend itself); None where it has none (not gloo)."""
+    try:
+        backend = pg._get_backend(torch.device("cpu")) if isinstance(pg, dist.ProcessGroup) else pg
+        return list(backend.options._devices) if isinstance(backend, dist.ProcessGroupGloo) else None
+    except Exception:  # noqa: BLE001 - no CPU backend (an NCCL-only group)
+        return None
 
 
 def _completed(work) -> bool:
