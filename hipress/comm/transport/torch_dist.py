@@ -101,8 +101,7 @@ class TorchDistTransport(Transport):
         """A gloo group of its own over an existing store (keys under ``prefix``): hipress's
         traffic then never shares a group with the user's torch.distributed collectives (DDP)."""
         default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
-        pg = cls._new_pg(dist.PrefixStore(prefix, store), rank, size, "gloo", timeout_s,
-                         _gloo_devices(default) if default is not None else None)
+        pg = cls._new_pg(dist.PrefixStore(prefix, store), rank, size, "gloo", timeout_s, _gloo_devices(default))
         return cls(pg, rank, size, store, "gloo", timeout_s, prefix=prefix)
 
     @staticmethod
@@ -341,7 +340,7 @@ class TorchDistTransport(Transport):
 
 def _gloo_devices(pg) -> Optional[list]:
     """The network devices of gloo group ``pg`` (a ProcessGroup holding a gloo backend, or the
-    backend itself); None where it has none (not gloo)."""
+    backend itself); None where it has none (not gloo, or no group: ``pg`` None)."""
     try:
         backend = pg._get_backend(torch.device("cpu")) if isinstance(pg, dist.ProcessGroup) else pg
         return list(backend.options._devices) if isinstance(backend, dist.ProcessGroupGloo) else None
