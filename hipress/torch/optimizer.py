@@ -66,20 +66,32 @@ Sum = "sum"
 # collectives, one engine task and one call each, so fewer, larger ones win: DDP's 25 MiB
 # (docs/benchmarks.md: uncompressed hipress at 10 Gbit/s, 0.79-0.82x DDP with 1 MiB buckets,
 # 0.93-0.98x with 25 MiB; uncompressed dear, docs/dear.md: 0.79x with 1 MiB, 1.02x with 25 MiB).
-# Compressed buckets stay small, so encoding starts early in backward.
+# Compressed buckets stay smaller, so encoding starts early in backward: 4 MiB where a fixed
+# compressor syncs each bucket as it comes (docs/benchmarks.md, "Compressed buckets of 4 MiB": onebit
+# PS and ring 7-18% faster than with 1 MiB on three models and two links, fewer payloads, messages
+# and tasks), 1 MiB where buckets are the units of a per-bucket choice (a plan, COVAP's filter) or
+# of dear's phases.
 PLAIN_BUCKET_BYTES = 25 << 20
+COMPRESSED_BUCKET_BYTES = 4 << 20
 BUCKET_BYTES = 1 << 20
 
 
-def auto_bucket_bytes(compression, plain_path: bool = True) -> Tuple[int, Optional[int]]:
+def auto_bucket_bytes(compression, plain_path: bool = True, per_bucket_choice: bool = False) -> Tuple[int, Optional[int]]:
     """bucket_bytes="auto": (bucket size, size of the first bucket of backward or None: as the
     others). DDP's rule, PLAIN_BUCKET_BYTES after a first bucket of BUCKET_BYTES (so the
     allreduce starts early in backward), for an uncompressed algorithm on the plain path (no
     plan; dear's phases, COVAP with "none" inside and the coordinator too, beside which the
-    backend's allreduce sums them); else BUCKET_BYTES throughout."""
-    if plain_path and getattr(compression, "name", compression) == "none":
+    backend's allreduce sums them); COMPRESSED_BUCKET_BYTES for a single-round compressor on the
+    plain path and no ``per_bucket_choice`` (COVAP's filter, dear's phases); else BUCKET_BYTES
+    throughout (a low-rank compressor's buckets count its factors' bytes: see fusion_buckets)."""
+    name = getattr(compression, "name", compression)
+    if plain_path and name == "none":
         return PLAIN_BUCKET_BYTES, BUCKET_BYTES
+    if plain_path and not per_bucket_choice and not _compression.get(compression).lowrank:
+        return COMPRESSED_BUCKET_BYTES, None
     return BUCKET_BYTES, None
+
+
 # Bytes before the per-parameter ones in a row of the per-step agreement (_hp_agree).
 _AGREE_HEADER = 4
 # The per-step agreement's name, as a task and among the step's handles.
@@ -487,7 +499,7 @@ class Options:
         if self.bucket_bytes == "auto":
             # COVAP (its compression is now the inner algorithm) filters fused buckets: with "none" inside,
             # DDP's buckets, as in its paper (units are those buckets, sharded by the median rule)
-            size, first = auto_bucket_bytes(self.compression, self.plan is None)
+            size, first = auto_bucket_bytes(self.compression, self.plan is None, self.covap is not None or self.dear)
             object.__setattr__(self, "bucket_bytes", size)
             object.__setattr__(self, "first_bucket_bytes", first)
             if self.plan is not None and self.groups is None:
