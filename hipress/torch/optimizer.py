@@ -70,26 +70,33 @@ Sum = "sum"
 # compressor syncs each bucket as it comes (docs/benchmarks.md, "Compressed buckets of 4 MiB": onebit
 # PS and ring 7-18% faster than with 1 MiB on three models and two links, fewer payloads, messages
 # and tasks), 1 MiB where buckets are the units of a per-bucket choice (a plan, COVAP's filter) or
-# of dear's phases.
+# of dear's phases, or where a bucket's partition shares one quantization scale (auto_bucket_bytes).
 PLAIN_BUCKET_BYTES = 25 << 20
 COMPRESSED_BUCKET_BYTES = 4 << 20
 BUCKET_BYTES = 1 << 20
 
 
-def auto_bucket_bytes(compression, plain_path: bool = True, per_bucket_choice: bool = False) -> Tuple[int, Optional[int]]:
+def auto_bucket_bytes(compression, strategy: str = "auto", plain_path: bool = True,
+                      per_bucket_choice: bool = False) -> Tuple[int, Optional[int]]:
     """bucket_bytes="auto": (bucket size, size of the first bucket of backward or None: as the
     others). DDP's rule, PLAIN_BUCKET_BYTES after a first bucket of BUCKET_BYTES (so the
     allreduce starts early in backward), for an uncompressed algorithm on the plain path (no
     plan; dear's phases, COVAP with "none" inside and the coordinator too, beside which the
-    backend's allreduce sums them); COMPRESSED_BUCKET_BYTES for a single-round compressor on the
-    plain path and no ``per_bucket_choice`` (COVAP's filter, dear's phases); else BUCKET_BYTES
-    throughout (a low-rank compressor's buckets count its factors' bytes: see fusion_buckets)."""
-    name = getattr(compression, "name", compression)
-    if plain_path and name == "none":
+    backend's allreduce sums them). COMPRESSED_BUCKET_BYTES for a single-round compressor on the
+    plain path without a ``per_bucket_choice`` (COVAP's filter, dear's phases), unless it is a
+    quantizer on a strategy whose partitions span tensors (the ring): each partition is then
+    quantized on one scale, and larger buckets put more layers under it (char LM, 4 ranks, ring
+    onebit, seeds 42/1/2: validation perplexity 19.6 with 1 MiB, 22.4 with 4 MiB, uncompressed
+    14.7; docs/benchmarks.md). Else BUCKET_BYTES throughout (a low-rank compressor's buckets
+    count its factors' bytes: see fusion_buckets)."""
+    comp = _compression.get(compression)
+    if plain_path and comp.name == "none":
         return PLAIN_BUCKET_BYTES, BUCKET_BYTES
-    if plain_path and not per_bucket_choice and not _compression.get(compression).lowrank:
-        return COMPRESSED_BUCKET_BYTES, None
-    return BUCKET_BYTES, None
+    if not plain_path or per_bucket_choice or comp.lowrank:
+        return BUCKET_BYTES, None
+    if comp.category == "quantization" and not splits_tensors(comp, resolve_strategy(strategy, comp)):
+        return BUCKET_BYTES, None
+    return COMPRESSED_BUCKET_BYTES, None
 
 
 # Bytes before the per-parameter ones in a row of the per-step agreement (_hp_agree).
@@ -422,7 +429,7 @@ class Options:
     local_aggregation: object = "auto"
     plan: object = None
     coordinator: object = None            # True, False, "auto" (measured: CoordinatorTrial); None: HIPRESS_COORDINATOR
-    bucket_bytes: object = "auto"          # an int, None, "auto" (PLAIN_BUCKET_BYTES / BUCKET_BYTES) or "tune"
+    bucket_bytes: object = "auto"          # an int, None, "auto" (auto_bucket_bytes) or "tune"
     grad_clip: object = "auto"            # hipress.torch.clipping: "auto" (none), "paper", None or a callable
     momentum_correction: object = "auto"  # hipress.torch.momentum: "auto", True or False
     covap: Optional[dict] = None          # compression="covap": hipress.torch.covap.Run's arguments
@@ -499,7 +506,8 @@ class Options:
         if self.bucket_bytes == "auto":
             # COVAP (its compression is now the inner algorithm) filters fused buckets: with "none" inside,
             # DDP's buckets, as in its paper (units are those buckets, sharded by the median rule)
-            size, first = auto_bucket_bytes(self.compression, self.plan is None, self.covap is not None or self.dear)
+            size, first = auto_bucket_bytes(self.compression, self.strategy, self.plan is None,
+                                             self.covap is not None or self.dear)
             object.__setattr__(self, "bucket_bytes", size)
             object.__setattr__(self, "first_bucket_bytes", first)
             if self.plan is not None and self.groups is None:
@@ -2019,7 +2027,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     planned, compressed, partitioned) as one, until an exchange of the buffer sends this
     many bytes (None or 0: every gradient alone). "auto" (default): 25 MiB where every bucket
     goes through the backend's allreduce uncompressed (compression="none", no plan, COVAP,
-    dear or coordinator), else 1 MiB. Multi-round compressors such as PowerSGD
+    dear or coordinator), 4 MiB for a single-round compressor without a plan, COVAP or dear
+    (a quantizer on the ring excepted: its partitions span tensors under one scale), else 1 MiB
+    (auto_bucket_bytes). Multi-round compressors such as PowerSGD
     send only factors, so more gradients share a buffer; each matrix is compressed whole.
     "tune": the size is searched while training by Bayesian optimisation (paper 001 §IV-B,
     DeAR; hipress/torch/bucket_tuner.py, docs/dear.md; needs optuna): each trial applies a size on

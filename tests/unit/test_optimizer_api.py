@@ -339,7 +339,9 @@ def test_a_plan_corrects_momentum_only_where_it_compresses(model):
     (dict(strategy="dear"), (25 << 20, 1 << 20)),                    # dear's native phases too
     (dict(compression="covap"), (25 << 20, 1 << 20)),                # COVAP with "none" inside
     (dict(compression="terngrad"), (4 << 20, None)),                 # compressed: smaller, early encodes
-    (dict(compression="onebit", strategy="ps"), (4 << 20, None)),
+    (dict(compression="onebit", strategy="ps"), (4 << 20, None)),    # a scale per tensor of a bucket
+    (dict(compression="onebit", strategy="ring"), (1 << 20, None)),  # a scale per partition: keep it small
+    (dict(compression="dgc", strategy="ring"), (4 << 20, None)),
     (dict(compression="powersgd"), (1 << 20, None)),                 # low-rank: counts its factors' bytes
     (dict(strategy="dear", compression="onebit"), (1 << 20, None)),  # buckets are the units of a choice
     (dict(compression="covap", compression_kwargs=dict(inner="onebit", mode="paper")), (1 << 20, None)),
