@@ -173,26 +173,34 @@ class Plan:
             self._by_name[name] = e
         return e
 
-    def merge_uncompressed(self, names: Sequence[str], name: str) -> PlanEntry:
+    def regroup_uncompressed(self, names: Sequence[str], groups: Sequence[Tuple[str, int, int]]) -> None:
         """Replaces the entries of ``names`` (all planned uncompressed, consecutive) by one
-        uncompressed entry ``name`` covering their bytes, planned by the model for its size
-        (fp32 or bf16 on the wire, one partition): the optimizer fuses such gradients into one
-        allreduce after planning."""
+        uncompressed entry per ``(name, bytes, gradients)`` of ``groups``, which cover the same
+        bytes: the optimizer regroups such gradients into DDP's buckets after planning, one
+        allreduce each. An entry of ``names`` that comes back under its name and size is kept;
+        the others are planned by the model for their size (fp32 or bf16 on the wire, one
+        partition)."""
         old = [self._by_name[n] for n in names]
         if not old or any(e.compress for e in old):
-            raise ValueError(f"merge_uncompressed: {list(names)} must be planned entries, none compressed")
+            raise ValueError(f"regroup_uncompressed: {list(names)} must be planned entries, none compressed")
         at = self.entries.index(old[0])
         if self.entries[at:at + len(old)] != old:
-            raise ValueError(f"merge_uncompressed: {list(names)} are not consecutive in the plan")
-        pinned = dataclasses.replace(self.overrides, force={name: (False, 1)})
-        alone = dataclasses.replace(self.model, plain_fusion_bytes=0.0)  # the fused bucket is sent as it is
-        merged = dataclasses.replace(plan_one(name, sum(e.nbytes for e in old), alone, pinned),
-                                     reason=f"fused: {len(old)} uncompressed")
-        self.entries[at:at + len(old)] = [merged]
+            raise ValueError(f"regroup_uncompressed: {list(names)} are not consecutive in the plan")
+        if sum(nbytes for _, nbytes, _ in groups) != sum(e.nbytes for e in old):
+            raise ValueError(f"regroup_uncompressed: the groups do not cover the bytes of {list(names)}")
+        alone = dataclasses.replace(self.model, plain_fusion_bytes=0.0)  # each bucket is sent as it is
+        kept = {e.name: e for e in old}
+        new = []
+        for name, nbytes, count in groups:
+            e = kept.get(name)
+            if e is None or e.nbytes != nbytes:
+                pinned = dataclasses.replace(self.overrides, force={name: (False, 1)})
+                e = dataclasses.replace(plan_one(name, nbytes, alone, pinned), reason=f"fused: {count} uncompressed")
+            new.append(e)
+        self.entries[at:at + len(old)] = new
         for n in names:
             del self._by_name[n]
-        self._by_name[name] = merged
-        return merged
+        self._by_name.update((e.name, e) for e in new)
 
     def compress(self, name: str, numel: int) -> bool:
         return self.entry(name, numel).compress

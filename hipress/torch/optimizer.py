@@ -66,35 +66,37 @@ Sum = "sum"
 # collectives, one engine task and one call each, so fewer, larger ones win: DDP's 25 MiB
 # (docs/benchmarks.md: uncompressed hipress at 10 Gbit/s, 0.79-0.82x DDP with 1 MiB buckets,
 # 0.93-0.98x with 25 MiB; uncompressed dear, docs/dear.md: 0.79x with 1 MiB, 1.02x with 25 MiB).
-# Compressed buckets stay smaller, so encoding starts early in backward: 4 MiB where a fixed
-# compressor syncs each bucket as it comes (docs/benchmarks.md, "Compressed buckets of 4 MiB": onebit
-# PS and ring 7-18% faster than with 1 MiB on three models and two links, fewer payloads, messages
-# and tasks), 1 MiB where buckets are the units of a per-bucket choice (a plan, COVAP's filter) or
-# of dear's phases, or where a bucket's partition shares one quantization scale (auto_bucket_bytes).
+# Compressed buckets stay smaller, so encoding starts early in backward: 4 MiB for a single-round
+# compressor (docs/benchmarks.md, "Compressed buckets of 4 MiB": onebit PS and ring 7-18% faster
+# than with 1 MiB on three models and two links, fewer payloads, messages and tasks), 1 MiB where
+# buckets follow COVAP's filter or dear's phases, or where a bucket's partition shares one
+# quantization scale (auto_bucket_bytes).
 PLAIN_BUCKET_BYTES = 25 << 20
 COMPRESSED_BUCKET_BYTES = 4 << 20
 BUCKET_BYTES = 1 << 20
 
 
-def auto_bucket_bytes(compression, strategy: str = "auto", plain_path: bool = True,
-                      per_bucket_choice: bool = False) -> Tuple[int, Optional[int]]:
+def auto_bucket_bytes(compression, strategy: str = "auto", planned: bool = False,
+                      own_schedule: bool = False) -> Tuple[int, Optional[int]]:
     """bucket_bytes="auto": (bucket size, size of the first bucket of backward or None: as the
     others). DDP's rule, PLAIN_BUCKET_BYTES after a first bucket of BUCKET_BYTES (so the
-    allreduce starts early in backward), for an uncompressed algorithm on the plain path (no
-    plan; dear's phases, COVAP with "none" inside and the coordinator too, beside which the
-    backend's allreduce sums them). COMPRESSED_BUCKET_BYTES for a single-round compressor on the
-    plain path without a ``per_bucket_choice`` (COVAP's filter, dear's phases), unless it is a
-    quantizer on a strategy whose partitions span tensors (the ring): each partition is then
-    quantized on one scale, and larger buckets put more layers under it (char LM, 4 ranks, ring
-    onebit, seeds 42/1/2: validation perplexity 19.6 with 1 MiB, 22.4 with 4 MiB, uncompressed
-    14.7; docs/benchmarks.md). Else BUCKET_BYTES throughout (a low-rank compressor's buckets
-    count its factors' bytes: see fusion_buckets)."""
+    allreduce starts early in backward), for an uncompressed algorithm without a plan (dear's
+    phases, COVAP with "none" inside and the coordinator too, beside which the backend's
+    allreduce sums them). COMPRESSED_BUCKET_BYTES for a single-round compressor, with or without
+    a plan (which then regroups the runs it leaves uncompressed as DDP's buckets:
+    fuse_uncompressed), unless buckets follow a schedule of their ``own_schedule`` (COVAP's
+    filter, dear's phases: measured with 1 MiB only) or it is a quantizer on a strategy whose
+    partitions span tensors (the ring): each partition is then quantized on one scale, and larger
+    buckets put more layers under it (char LM, 4 ranks, ring onebit, seeds 42/1/2: validation
+    perplexity 19.6 with 1 MiB, 22.4 with 4 MiB, uncompressed 14.7; docs/benchmarks.md). Else
+    BUCKET_BYTES throughout (a low-rank compressor's buckets count its factors' bytes: see
+    fusion_buckets)."""
     comp = _compression.get(compression)
-    if plain_path and comp.name == "none":
-        return PLAIN_BUCKET_BYTES, BUCKET_BYTES
-    if not plain_path or per_bucket_choice or comp.lowrank:
+    if comp.name == "none":
+        return (BUCKET_BYTES, None) if planned else (PLAIN_BUCKET_BYTES, BUCKET_BYTES)
+    if own_schedule or comp.lowrank:
         return BUCKET_BYTES, None
-    if comp.category == "quantization" and not splits_tensors(comp, resolve_strategy(strategy, comp)):
+    if comp.category == "quantization" and not splits_tensors(comp, resolve_strategy(strategy, comp, planned)):
         return BUCKET_BYTES, None
     return COMPRESSED_BUCKET_BYTES, None
 
@@ -295,25 +297,29 @@ def fusion_buckets(named, compressor, bucket_bytes, own_buffers: bool = False,
 
 
 def fuse_uncompressed(buckets: List[_Bucket], plan, limit: int, first_limit: int = BUCKET_BYTES) -> List[_Bucket]:
-    """After planning: runs of consecutive buckets the plan leaves uncompressed are merged, since
-    they go through the backend's allreduce, where fewer, larger calls win (PLAIN_BUCKET_BYTES),
-    the plan's entries merged to match. They merge as DDP's buckets fill (fusion_buckets' plain
-    rule, fill_like_ddp): a merged bucket closes once it holds ``limit`` bytes or more, the first
-    bucket of backward ``first_limit``, the bucket that crosses included. So the first one carries
-    communication from early in backward (BERT-like's 4 MB output layer, where a first bucket
-    of its 32 KB bias alone left the other 17 MB to go after backward). Compressed buckets stay
-    as they are and end a run."""
+    """After planning: runs of consecutive buckets the plan leaves uncompressed are regrouped,
+    since they go through the backend's allreduce, where fewer, larger calls win
+    (PLAIN_BUCKET_BYTES), the plan's entries regrouped to match. A run's gradients fill buckets
+    as DDP's do (fusion_buckets' plain rule, fill_like_ddp): a bucket closes once it holds
+    ``limit`` bytes or more, the first bucket of backward ``first_limit``, the gradient that
+    crosses included. So the first one carries communication from early in backward (BERT-like's
+    4 MB output layer, where a first bucket of its 32 KB bias alone left the other 17 MB to go
+    after backward), whatever size the plan's buckets had (a plan over 4 MiB buckets that
+    compresses none of them gets DDP's 1 MiB first bucket). Compressed buckets stay as they are
+    and end a run; a bucket that comes back with the same gradients is kept (in place where it
+    was)."""
     out: List[_Bucket] = []
     run: List[_Bucket] = []
 
     def flush():
-        for group in fill_like_ddp(run, lambda b: 4 * b.numel, limit, limit if out else first_limit):
-            if len(group) > 1:
-                merged = _Bucket([np for b in group for np in b.params])
-                plan.merge_uncompressed([b.name for b in group], merged.name)
-                out.append(merged)
-            else:
-                out.extend(group)
+        if not run:
+            return
+        same = {tuple(n for n, _ in b.params): b for b in run}
+        params = [np for b in run for np in b.params]
+        groups = fill_like_ddp(params, lambda item: 4 * item[1].numel(), limit, limit if out else first_limit)
+        new = [same.get(tuple(n for n, _ in g)) or _Bucket(g) for g in groups]
+        plan.regroup_uncompressed([b.name for b in run], [(b.name, 4 * b.numel, len(b.params)) for b in new])
+        out.extend(new)
         run.clear()
 
     for b in buckets:
@@ -506,7 +512,7 @@ class Options:
         if self.bucket_bytes == "auto":
             # COVAP (its compression is now the inner algorithm) filters fused buckets: with "none" inside,
             # DDP's buckets, as in its paper (units are those buckets, sharded by the median rule)
-            size, first = auto_bucket_bytes(self.compression, self.strategy, self.plan is None,
+            size, first = auto_bucket_bytes(self.compression, self.strategy, self.plan is not None,
                                              self.covap is not None or self.dear)
             object.__setattr__(self, "bucket_bytes", size)
             object.__setattr__(self, "first_bucket_bytes", first)
@@ -2027,9 +2033,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     planned, compressed, partitioned) as one, until an exchange of the buffer sends this
     many bytes (None or 0: every gradient alone). "auto" (default): 25 MiB where every bucket
     goes through the backend's allreduce uncompressed (compression="none", no plan, COVAP,
-    dear or coordinator), 4 MiB for a single-round compressor without a plan, COVAP or dear
-    (a quantizer on the ring excepted: its partitions span tensors under one scale), else 1 MiB
-    (auto_bucket_bytes). Multi-round compressors such as PowerSGD
+    dear or coordinator), 4 MiB for a single-round compressor, plan or not (not beside COVAP or
+    dear, nor for a quantizer on the ring: its partitions span tensors under one scale), else
+    1 MiB (auto_bucket_bytes). Multi-round compressors such as PowerSGD
     send only factors, so more gradients share a buffer; each matrix is compressed whole.
     "tune": the size is searched while training by Bayesian optimisation (paper 001 §IV-B,
     DeAR; hipress/torch/bucket_tuner.py, docs/dear.md; needs optuna): each trial applies a size on

@@ -13,13 +13,13 @@ def main():
     torch.manual_seed(0)
     torch.set_num_threads(1)
     layers = []
-    for _ in range(8):
-        layers += [nn.Linear(256, 256), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(256, 10))
+    for _ in range(8):  # 8 MiB of gradients: several compressed buckets of bucket_bytes="auto" (4 MiB)
+        layers += [nn.Linear(512, 512), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(512, 10))
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                        named_parameters=model.named_parameters(), compression=compression)
     for step in range(3):
-        x = torch.randn(512, 256)
+        x = torch.randn(512, 512)
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()

@@ -1,5 +1,5 @@
 """fuse_uncompressed: after planning, runs of buckets the plan leaves uncompressed become
-DDP-like buckets of the plain limit (one allreduce each), and the plan's entries follow."""
+DDP's buckets of the plain limit (one allreduce each), and the plan's entries follow."""
 import pytest
 import torch
 
@@ -90,12 +90,30 @@ def test_a_large_gradient_closes_the_bucket_being_filled_first():
     assert layout(fusion_buckets(named, NoneCompressor(), 4 * 300)) == [["p5", "p4"], ["p3"], ["p2", "p1", "p0"]]
 
 
-def test_merge_refuses_compressed_or_scattered_entries():
+def test_a_run_is_regrouped_by_gradients_not_by_the_plans_buckets():
+    # The plan's buckets are larger than DDP's first bucket (a plan over 4 MiB buckets): p5 p4 p3
+    # and p2 p1 p0, neither compressed. DDP's layout cuts by gradients: p5 alone first (100
+    # elements reach the first limit), then up to 300.
+    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(100))) for i in range(6)]
+    buckets = fusion_buckets(named, NoneCompressor(), 4 * 300)
+    assert layout(buckets) == [["p5", "p4", "p3"], ["p2", "p1", "p0"]]
+    model = CostModel(AffineCurve(10, 1), AffineCurve(3, 0.5), AffineCurve(2, 0.25), 4, "ring", "quantization", 0.25)
+    plan = make_plan([(b.name, 4 * b.numel) for b in buckets], model,
+                     Overrides(force={b.name: False for b in buckets}))
+    out = fuse_uncompressed(buckets, plan, 4 * 300, first_limit=4 * 100)
+    assert layout(out) == [["p5"], ["p4", "p3", "p2"], ["p1", "p0"]]
+    assert [e.name for e in plan] == [b.name for b in out] == ["p5", "fused[p4..p2]", "fused[p1..p0]"]
+    assert out[0].in_place and plan["p5"].nbytes == 400 and plan["fused[p4..p2]"].reason == "fused: 3 uncompressed"
+
+
+def test_regroup_refuses_compressed_scattered_or_uncovered_entries():
     buckets, plan = setup({"p0": True, "p1": False, "p2": False, "p3": False})
     with pytest.raises(ValueError, match="none compressed"):
-        plan.merge_uncompressed(["p1", "p0"], "x")
+        plan.regroup_uncompressed(["p1", "p0"], [("x", 800, 2)])
     with pytest.raises(ValueError, match="not consecutive"):
-        plan.merge_uncompressed(["p3", "p1"], "x")
+        plan.regroup_uncompressed(["p3", "p1"], [("x", 800, 2)])
+    with pytest.raises(ValueError, match="do not cover"):
+        plan.regroup_uncompressed(["p2", "p1"], [("x", 400, 1)])
 
 
 

@@ -345,7 +345,8 @@ def test_a_plan_corrects_momentum_only_where_it_compresses(model):
     (dict(compression="powersgd"), (1 << 20, None)),                 # low-rank: counts its factors' bytes
     (dict(strategy="dear", compression="onebit"), (1 << 20, None)),  # buckets are the units of a choice
     (dict(compression="covap", compression_kwargs=dict(inner="onebit", mode="paper")), (1 << 20, None)),
-    (dict(plan="auto", compression="terngrad"), (1 << 20, None)),    # a plan fuses its plain runs itself
+    (dict(plan="auto", compression="terngrad"), (4 << 20, None)),    # a plan regroups its plain runs itself
+    (dict(plan="auto", compression="onebit", strategy="ring"), (1 << 20, None)),
     (dict(coordinator=True), (25 << 20, 1 << 20)),                   # beside the coordinator, the allreduce
 ])
 def test_auto_bucket_bytes_follow_the_path_a_bucket_takes(kw, want):

@@ -568,7 +568,7 @@ def test_planner_prices_a_small_plain_bucket_as_its_share_of_a_fused_one():
     """With plain_fusion_bytes F, an uncompressed bucket of m < F bytes costs m / F of one
     allreduce of F (runs of them are fused before they are sent), so the allreduce's fixed
     costs no longer push small buckets into compression; at F and above, and for the fused
-    bucket itself (Plan.merge_uncompressed), the bucket is priced alone."""
+    bucket itself (Plan.regroup_uncompressed), the bucket is priced alone."""
     from hipress.planner.plan import Overrides, make_plan
 
     f = 25 << 20
@@ -583,8 +583,8 @@ def test_planner_prices_a_small_plain_bucket_as_its_share_of_a_fused_one():
     alone, fused = (dataclasses.replace(_model(), **slow, plain_fusion_bytes=b) for b in (0, f))
     assert alone.decide(m).compress and not fused.decide(m).compress
     plan = make_plan([("a", m), ("b", m)], fused, Overrides())
-    merged = plan.merge_uncompressed(["a", "b"], "ab")
-    assert merged.t_pred == pytest.approx(alone.t_sync(2 * m, False, 1))
+    plan.regroup_uncompressed(["a", "b"], [("ab", 2 * m, 2)])
+    assert plan["ab"].t_pred == pytest.approx(alone.t_sync(2 * m, False, 1))
     with pytest.raises(ValueError, match="plain_fusion_bytes"):
         _model(plain_allreduce=True, plain_fusion_bytes=-1)
 
