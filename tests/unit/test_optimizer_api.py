@@ -343,7 +343,7 @@ def test_a_plan_corrects_momentum_only_where_it_compresses(model):
     (dict(compression="onebit", strategy="ring"), (1 << 20, None)),  # a scale per partition: keep it small
     (dict(compression="dgc", strategy="ring"), (4 << 20, None)),
     (dict(compression="powersgd"), (1 << 20, None)),                 # low-rank: counts its factors' bytes
-    (dict(strategy="dear", compression="onebit"), (1 << 20, None)),  # buckets are the units of a choice
+    (dict(strategy="dear", compression="onebit"), (1 << 20, None)),  # dear's phases, COVAP: measured at 1 MiB
     (dict(compression="covap", compression_kwargs=dict(inner="onebit", mode="paper")), (1 << 20, None)),
     (dict(plan="auto", compression="terngrad"), (4 << 20, None)),    # a plan regroups its plain runs itself
     (dict(plan="auto", compression="onebit", strategy="ring"), (1 << 20, None)),
