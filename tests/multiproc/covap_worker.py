@@ -86,10 +86,13 @@ def main(out):
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, f"{out}/auto-rank{rank}.pt")
 
     # Run C: mode "paper" with onebit inside, re-profiled to another interval (the cap lowered
-    # before covap_reprofile(): a measured CCR cannot be scripted across real ranks; over loopback
-    # this model's CCR is well above 1, so the first interval is 2 or more). The large
-    # weight is sharded into as many units as the interval, so its units change ranges, and the
-    # onebit states keyed by their index no longer fit.
+    # before covap_reprofile()). The large weight is sharded into as many units as the interval,
+    # so its units change ranges, and the onebit states keyed by their index no longer fit.
+    # The profiles' communication time is floored at 3x the computation on every rank (the same
+    # rows reach every rank, so they agree): over loopback this model's CCR is usually above 1,
+    # but a loaded machine measured 0.95 once, and interval 1 leaves nothing to change.
+    measured = covap.make_profile
+    covap.make_profile = lambda before, comp, comm, cap: measured(before, comp, max(comm, 3 * comp), cap)
     model = make_model()
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),
@@ -113,6 +116,7 @@ def main(out):
     torch.save({"first": first, "second": opt.covap_profile, "saved": saved, "changed": changed, "carry": carries[-1],
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
                f"{out}/reprofile-rank{rank}.pt")
+    covap.make_profile = measured
     hipress.shutdown()
 
 
