@@ -16,6 +16,10 @@ group; hipress wraps it), each on a freshly built model with the same seed:
                            [, plan="auto"]); strategy ring|ps|allgather|auto, algo none|onebit|tbq|terngrad|
                            dgc|graddrop|powersgd|acpsgd|auto (powersgd and acpsgd always run the
                            low-rank sync)
+  hipress-auto             hipress.DistributedOptimizer(compression="auto") as a user writes it: TernGrad
+                           where the planner says it pays, strategy "auto" (PS or allgather, the planner's
+                           choice); hipress-ring-auto pins the ring (TernGrad there misses accuracy:
+                           docs/convergence.md); hipress-powersgd and -acpsgd: their low-rank sync
   hipress-dear[-<algo>]    strategy="dear" (docs/dear.md): reduce-scatter in backward, all-gather
                            and update before the next forward; algo: a single-round one (default none)
   <hipress system>-tune    any hipress-<strategy>-<algo> or hipress-dear[-<algo>] system with bucket_bytes="tune"
@@ -118,8 +122,10 @@ def parse_system(name: str) -> dict:
         plan = None
         if parts[-1] == "plan":
             plan, parts = "auto", parts[:-1]
-        if len(parts) == 2 and parts[1] in ("powersgd", "acpsgd", "auto"):  # hipress-powersgd, -acpsgd, -auto
+        if len(parts) == 2 and parts[1] in ("powersgd", "acpsgd"):  # hipress-powersgd, -acpsgd: their own sync
             parts = ["hipress", "ring", parts[1]]
+        if parts[1:] == ["auto"]:  # hipress-auto: compression="auto" as a user writes it (strategy "auto")
+            parts = ["hipress", "auto", "auto"]
         if parts[1:] == ["dear"]:                                     # hipress-dear: uncompressed
             parts = ["hipress", "dear", "none"]
         if len(parts) == 3 and parts[1] == "dear" and parts[2] in DEAR_ALGOS and plan is None:

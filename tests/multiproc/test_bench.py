@@ -166,8 +166,9 @@ def test_parse_system_names():
                                                  "plan": None, "bucket_bytes": "tune"}
     assert parse_system("hipress-ring-onebit-b0.5")["bucket_bytes"] == 1 << 19
     assert parse_system("hipress-dear-tbq-b4")["bucket_bytes"] == 4 << 20
-    assert parse_system("hipress-auto-coord") == {"kind": "hipress", "strategy": "ring", "compression": "auto",
+    assert parse_system("hipress-auto-coord") == {"kind": "hipress", "strategy": "auto", "compression": "auto",
                                                   "plan": None, "coordinator": True}
+    assert parse_system("hipress-ring-auto")["strategy"] == "ring"
     assert parse_system("hipress-ps-onebit-b4-coord")["bucket_bytes"] == 4 << 20
     assert parse_system("overlap-limit") == {"kind": "overlap-limit", "fraction": 1.0}
     assert parse_system("overlap-limit-0.25") == {"kind": "overlap-limit", "fraction": 0.25}
