@@ -212,6 +212,7 @@ class HookState:
         group = _momentum_group(momentum_correction)
         self.momentum = _HookMomentum(group, self._names) if group is not None else None
         self._lock = threading.Lock()
+        self._held: List[tuple] = []  # buckets of a step COVAP profiles, sent together (submit)
         self._sync = None
         self._sync16 = None
         self._states: Optional[StateStore] = None
@@ -331,23 +332,40 @@ class HookState:
             self._unpack(lay, flat, buf, in_place)
             fut.set_result(buf)
             return fut
+        last = bucket.is_last()
+        if self.covap is not None:
+            self._covap_begin(time.perf_counter())  # (closes a profiled step before this one)
+        if self.covap is not None and self.covap.profiling:
+            # COVAP's profiler times the computation and the communication apart: a profiled step
+            # sends its buckets once the last is ready (docs/covap.md, "Profiler"), as the optimizer
+            self._held.append((lay, flat, buf, in_place, fut))
+            if not last:
+                return fut
+        held, self._held = self._held, []
+        for args in held or [(lay, flat, buf, in_place, fut)]:
+            self._launch(*args, last=last and args[0] is lay)
+        return fut
+
+    def _launch(self, lay: _Layout, flat: torch.Tensor, buf: torch.Tensor, in_place: bool,
+                fut: torch.futures.Future, last: bool) -> None:
+        """The sync of one bucket (``flat``, its fp32 copy, or DDP's ``buf`` itself ``in_place``),
+        completing ``fut`` with ``buf`` holding the average."""
         pending = _Pending(fut, lay.name)
         if self.covap is None:
             handles = [self._sync.build(lay.name, flat, lay.bounds, segments=lay.bucket.segments)]
         else:
-            handles = self._covap_build(lay, flat, bucket.is_last())
+            handles = self._covap_build(lay, flat, last)
         if not handles:  # COVAP sent nothing of this bucket: its gradient (zeros) is final
             self._unpack(lay, flat, buf, in_place)
             fut.set_result(buf)
-            return fut
+            return
         if in_place and len(handles) == 1:
             handle = handles[0]
         else:
             unpack = (lambda: None) if in_place else (lambda: self._unpack(lay, flat, buf, False))
-            handle = self._sync.ctx.compute(f"unpack.ddp.{lay.name}", unpack, handles, nbytes=4 * total)
+            handle = self._sync.ctx.compute(f"unpack.ddp.{lay.name}", unpack, handles, nbytes=4 * flat.numel())
         self._watch(pending)
         handle.add_done_callback(lambda h: self._finish(pending, h, buf))
-        return fut
 
     # ------------------------------------------------------------------ COVAP
     def _covap_build(self, lay: _Layout, flat: torch.Tensor, last: bool) -> list:

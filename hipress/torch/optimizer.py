@@ -919,6 +919,7 @@ class _HipressOptimizer:
             if self._hp_clip_for(b) is None and (not self._hp_guard or b.name in self._hp_check_per_bucket)
             for _, p in b.params if mc is None or not mc.corrects(p)}
         self._hp_filled: Dict["_Bucket", int] = {}  # this step's gradients in each bucket
+        self._hp_held: List["_Bucket"] = []  # full buckets of a step COVAP profiles, sent together (_hp_submit)
         self._hp_found_finite: Dict["_Bucket", int] = {}  # of those, how many its copy found finite (put)
 
     def _hp_clip_for(self, bucket: "_Bucket"):
@@ -1262,6 +1263,19 @@ class _HipressOptimizer:
         if self._hp_transport.size == 1:
             self._hp_handles[bucket.name] = None
             return
+        if self._hp_covap is not None and self._hp_covap.profiling and self._hp_dear is None:
+            # COVAP's profiler times the computation and the communication apart: a profiled step
+            # sends its buckets once the last is ready (docs/covap.md, "Profiler")
+            self._hp_held.append(bucket)
+            if len(self._hp_held) < len(self._hp_buckets):
+                return
+            held, self._hp_held = self._hp_held, []
+            for b in held:
+                self._hp_send(b)
+            return
+        self._hp_send(bucket)
+
+    def _hp_send(self, bucket: "_Bucket"):
         if bucket.name in self._hp_check_per_bucket and self._hp_found_finite.get(bucket, 0) < len(bucket.params):
             self._hp_check_bucket(bucket)
         flat = bucket.flat
@@ -1689,6 +1703,7 @@ class _HipressOptimizer:
         self._hp_counts.clear()
         self._hp_taken.clear()
         self._hp_filled.clear()
+        self._hp_held = []
         self._hp_found_finite.clear()
         self._hp_bad = set()
         self._hp_undo()

@@ -8,7 +8,8 @@ and in mode "local": the final parameters, the filter's buckets (names, their pa
 the hook's order), how many steps the filter ran and the parameters after state.synchronize().
 Run B: one DDP bucket, COVAP around TBQ, interval 2: STEPS steps uninterrupted against K steps,
 a checkpoint (model, SGD, hook state through torch.save), fresh objects loading it and the rest.
-Run C: interval "auto" (2 profiled steps, mode "paper"): the profile.
+Run C: interval "auto" (2 profiled steps, mode "paper"): the profile, and the hook's calls and
+the syncs it started, in order.
 Results go to OUT_DIR/rank{r}.pt.
 """
 import io
@@ -83,11 +84,22 @@ def run_resume(rank):
 def run_auto(rank):
     model = make_model()
     ddp, opt, state = setup(model, {"bucket_cap_mb": 1e-5}, profile_steps=2, mode="paper")
+    # the hook's calls and the syncs it starts, in order: ("ready", profiling, last) per bucket
+    # handed over, ("sent",) per bucket's sync started
+    events = []
+    submit, launch = state.submit, state._launch
+    def logged_submit(bucket):
+        events.append(("ready", state.covap.profiling, bucket.is_last()))
+        return submit(bucket)
+    def logged_launch(*args, **kw):
+        events.append(("sent",))
+        return launch(*args, **kw)
+    state.submit, state._launch = logged_submit, logged_launch
     train(ddp, opt, rank, 0, 4)
     before = state.covap_profile
     train(ddp, opt, rank, 4, 8)
     return {"before": before, "after": state.covap_profile, "state": state.state_dict()["covap"],
-            "params": params(model)}
+            "params": params(model), "events": events}
 
 
 def main(out_dir):

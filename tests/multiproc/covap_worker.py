@@ -8,8 +8,8 @@ wire="bf16"); the final parameters go to OUT_DIR/fixed-{mode}-rank{r}.pt, and in
 those after synchronize() to OUT_DIR/synced-rank{r}.pt. Then mode "local" with a NaN on rank 1 at step 1: each step's
 parameters and filter step go to OUT_DIR/nonfinite-local-rank{r}.pt. Run B (one fused bucket,
 mode "paper"): interval "auto" with 2 profiled steps; its profile and the steps it took go to
-OUT_DIR/auto-rank{r}.pt. Run C (mode "paper", onebit inside): re-profiled to another interval;
-OUT_DIR/reprofile-rank{r}.pt.
+OUT_DIR/auto-rank{r}.pt. Run C (mode "paper", onebit inside, a bucket per parameter): the syncs
+started at each gradient, then re-profiled to another interval; OUT_DIR/reprofile-rank{r}.pt.
 """
 import os
 import sys
@@ -98,7 +98,14 @@ def main(out):
                                        named_parameters=model.named_parameters(),
                                        compression="covap", mode="paper", inner="onebit", strategy="ring",
                                        profile_steps=2, bucket_bytes=0)
+    # at each gradient (a hook after hipress's): whether COVAP profiles, and how many buckets'
+    # syncs the step has started
+    started = []
+    hooks = [p.register_post_accumulate_grad_hook(
+        lambda p: started.append((opt._hp_covap.profiling, len(opt._hp_handles)))) for p in model.parameters()]
     train(opt, model, rank, 5)
+    for h in hooks:
+        h.remove()
     first, old_filter = opt.covap_profile, opt._hp_covap.filter
     saved = opt.state_dict()["hipress"]  # the units' states stay as they are while re-profiling
     opt._hp_covap.max_interval = 1 if first.interval == 2 else 2  # another interval than the first, whatever it was
@@ -114,6 +121,7 @@ def main(out):
     changed = covap.changed_units(old_filter, opt._hp_covap.filter)
     train(opt, model, rank, 3)  # goes on with the new units
     torch.save({"first": first, "second": opt.covap_profile, "saved": saved, "changed": changed, "carry": carries[-1],
+                "started": started, "gradients": len(list(model.parameters())), "buckets": len(opt._hp_buckets),
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
                f"{out}/reprofile-rank{rank}.pt")
     covap.make_profile = measured

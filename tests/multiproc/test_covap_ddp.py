@@ -130,6 +130,27 @@ def test_profiler_agrees_across_ranks(results):
         assert torch.equal(res[0]["params"][n], res[1]["params"][n])
 
 
+def test_profiled_steps_send_once_the_last_bucket_is_ready(results):
+    """As the optimizer: while COVAP profiles, the hook starts no bucket's sync before the step's
+    last bucket is handed over, then all of them; otherwise each as it comes."""
+    for r in range(NP):
+        steps, cur = [], []
+        for e in results[r]["auto"]["events"]:
+            if e[0] == "ready" and cur and cur[-1] == ("sent",) and any(x[0] == "ready" and x[2] for x in cur):
+                steps.append(cur)
+                cur = []
+            cur.append(e)
+        steps.append(cur)
+        assert len(steps) == 8
+        profiled = [i for i, s in enumerate(steps) if s[0][1]]
+        assert len(profiled) == 3, steps  # after DDP's buckets settle: 1 warm-up + 2 timed steps
+        for i in profiled:
+            n = sum(e[0] == "ready" for e in steps[i])
+            assert n > 1 and [e[0] for e in steps[i]] == ["ready"] * n + ["sent"] * n, steps[i]
+        later = steps[profiled[-1] + 1:]
+        assert later and all(s[1] == ("sent",) for s in later), later
+
+
 def test_bad_options():
     import hipress.ddp
 

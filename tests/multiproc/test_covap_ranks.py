@@ -130,6 +130,23 @@ def test_local_mode_skipped_step_writes_no_average(out):
             torch.testing.assert_close(snaps[r][2]["params"][n], want[r][n], rtol=1e-5, atol=1e-6, msg=f"rank {r} {n}")
 
 
+def test_profiled_steps_send_once_the_last_gradient_is_ready(out):
+    """While COVAP profiles, no bucket is sent before the backward's last gradient (so T_comp is
+    measured without communication beside it, docs/covap.md "Profiler"), then every one at once;
+    once the filter is on, buckets go out as they fill."""
+    for r in range(NP):
+        rec = torch.load(out / f"reprofile-rank{r}.pt", weights_only=False)
+        n, started = rec["gradients"], rec["started"]
+        assert rec["buckets"] == n > 1 and len(started) == 5 * n
+        steps = [started[i:i + n] for i in range(0, len(started), n)]
+        profiled = [s for s in steps if s[0][0]]
+        filtered = [s for s in steps if not s[0][0]]
+        assert len(profiled) == 3 and len(filtered) == 2  # 1 warm-up + 2 timed steps, then the filter
+        for s in profiled:
+            assert [c for _, c in s] == [0] * (n - 1) + [n], s
+        assert any(c > 0 for s in filtered for _, c in s[:-1]), filtered
+
+
 def test_reprofile_to_another_interval_hands_the_changed_units_states_back(out):
     """Re-profiled to another interval, the large weight is sharded otherwise: the inner onebit
     states of the units whose ranges changed go, element by element, into the next gradients
