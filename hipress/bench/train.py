@@ -47,9 +47,9 @@ the trials (bytes, slowest rank's seconds per step), the size chosen and the tun
 seconds; the timed steps then run at the chosen size.
 
 Per system: ``--warmup`` steps, then ``--steps`` timed steps (throughput = world samples /
-slowest rank's time), then ``--compute-steps`` steps of forward + backward + local
-optimizer step with synchronization switched off, on all ranks at once (the same CPU
-contention as the real steps): the compute time. Compression time = hipress engine
+slowest rank's time), then one untimed and ``--compute-steps`` timed steps of forward +
+backward + local optimizer step with synchronization switched off, on all ranks at once (the
+same CPU contention as the real steps): the compute time. Compression time = hipress engine
 compute-queue busy seconds per timed step (``get_engine().counters()``); exposed
 communication = step time - compute time. Rank 0 appends one JSON record per system to
 ``<out>/results.jsonl`` and progress lines to ``<out>/progress``.
@@ -468,16 +468,27 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
         net, opt = base_step
         no_sync, base_step = contextlib.nullcontext, opt.step
     fftimes = []
-    cpu0 = time.process_time()
-    for _ in range(a.compute_steps):
+
+    def compute_step():
         t = time.perf_counter()
         opt.zero_grad()
         with no_sync():
             loss_c = spec.loss(net(x), y)
-            fftimes.append(time.perf_counter() - t)
+            ff = time.perf_counter() - t
             loss_c.backward()
         base_step()
-        ctimes.append(time.perf_counter() - t)
+        return ff, time.perf_counter() - t
+
+    if a.compute_steps:
+        # one untimed: the first local step after synchronized ones allocates what those did not
+        # use (momentum correction steps the SGD without momentum, so its first step here makes the
+        # momentum buffers), and with 2 timed steps the median is the slower one
+        compute_step()
+    cpu0 = time.process_time()
+    for _ in range(a.compute_steps):
+        ff, total = compute_step()
+        fftimes.append(ff)
+        ctimes.append(total)
         done += 1
         _progress(out, f"{tag} {done}/{nsteps}")
     cpu_compute = (time.process_time() - cpu0) / max(a.compute_steps, 1)
