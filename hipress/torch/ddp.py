@@ -334,15 +334,17 @@ class HookState:
             return fut
         last = bucket.is_last()
         if self.covap is not None:
-            self._covap_begin(time.perf_counter())  # (closes a profiled step before this one)
+            self._covap_begin(time.perf_counter())  # at a step's first bucket: closes a profiled step before it
         if self.covap is not None and self.covap.profiling:
             # COVAP's profiler times the computation and the communication apart: a profiled step
             # sends its buckets once the last is ready (docs/covap.md, "Profiler"), as the optimizer
             self._held.append((lay, flat, buf, in_place, fut))
             if not last:
                 return fut
-        held, self._held = self._held, []
-        for args in held or [(lay, flat, buf, in_place, fut)]:
+            todo, self._held = self._held, []
+        else:
+            todo = [(lay, flat, buf, in_place, fut)]
+        for args in todo:
             self._launch(*args, last=last and args[0] is lay)
         return fut
 
@@ -374,7 +376,6 @@ class HookState:
         own as in the optimizer; none when no unit of it is selected."""
         cv = self.covap
         now = time.perf_counter()
-        self._covap_begin(now)
         self._covap_apply(lay, self._covap_averages.pop(lay.name, []))  # the local mode's, of the last step
         units = cv.select(lay.name, flat, now)
         filt = cv.run.filter if cv.run is not None else None
