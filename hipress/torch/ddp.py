@@ -212,7 +212,7 @@ class HookState:
         group = _momentum_group(momentum_correction)
         self.momentum = _HookMomentum(group, self._names) if group is not None else None
         self._lock = threading.Lock()
-        self._held: List[tuple] = []  # buckets of a step COVAP profiles, sent together (submit)
+        self._held: List[tuple] = []  # buckets not sent yet: a step COVAP profiles sends them together (submit)
         self._sync = None
         self._sync16 = None
         self._states: Optional[StateStore] = None
@@ -333,17 +333,14 @@ class HookState:
             fut.set_result(buf)
             return fut
         last = bucket.is_last()
+        self._held.append((lay, flat, buf, in_place, fut))
         if self.covap is not None:
             self._covap_begin(time.perf_counter())  # at a step's first bucket: closes a profiled step before it
-        if self.covap is not None and self.covap.profiling:
-            # COVAP's profiler times the computation and the communication apart: a profiled step
-            # sends its buckets once the last is ready (docs/covap.md, "Profiler"), as the optimizer
-            self._held.append((lay, flat, buf, in_place, fut))
-            if not last:
+            if self.covap.profiling and not last:
+                # COVAP's profiler times the computation and the communication apart: a profiled step
+                # sends its buckets once the last is ready (docs/covap.md, "Profiler"), as the optimizer
                 return fut
-            todo, self._held = self._held, []
-        else:
-            todo = [(lay, flat, buf, in_place, fut)]
+        todo, self._held = self._held, []
         for args in todo:
             self._launch(*args, last=last and args[0] is lay)
         return fut

@@ -134,12 +134,13 @@ def test_profiled_steps_send_once_the_last_bucket_is_ready(results):
     """As the optimizer: while COVAP profiles, the hook starts no bucket's sync before the step's
     last bucket is handed over, then all of them; otherwise each as it comes."""
     for r in range(NP):
-        steps, cur = [], []
+        steps, cur, ended = [], [], False  # a step ends with the sends after its last bucket
         for e in results[r]["auto"]["events"]:
-            if e[0] == "ready" and cur and cur[-1] == ("sent",) and any(x[0] == "ready" and x[2] for x in cur):
+            if e[0] == "ready" and ended:
                 steps.append(cur)
-                cur = []
+                cur, ended = [], False
             cur.append(e)
+            ended = ended or (e[0] == "ready" and e[2])
         steps.append(cur)
         assert len(steps) == 8
         profiled = [i for i, s in enumerate(steps) if s[0][1]]
