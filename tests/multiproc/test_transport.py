@@ -236,16 +236,22 @@ def test_gloo_rank_killed_mid_alltoallv():
                                    ["--mode", "kill", "--victim", str(victim)], timeout=100)
     res = _results(outs)
     assert rcs[victim] == -signal.SIGKILL, outs
-    for r in range(n):
-        if r == victim:
-            continue
+    survivors = [r for r in range(n) if r != victim]
+    for r in survivors:
         assert rcs[r] == 3 and r in res, f"rank {r} rc {rcs[r]}:\n{outs[r][-3000:]}"
         d = res[r]
         print(f"\nrank {r}: detected in {d['detect_s']} s: {d['error'][:300]}")
-        assert d["error_op"] == "alltoallv" and victim in d["error_peers"], d
+        assert d["error_op"] == "alltoallv" and d["error_peers"], d
         # a closed connection is noticed at once; a rank waiting on a survivor that already
         # failed may need the configured timeout, never the default one
         assert d["detect_s"] < DEFAULT_TIMEOUT_S, d
+    # Each rank names the peers whose part did not arrive. Where the victim's part reached this
+    # rank before the kill, what it waits for is a survivor that failed on the victim first (one
+    # CI run saw rank 0 name only rank 2): every name leads to the victim, and some rank names it.
+    for r in survivors:
+        for p in res[r]["error_peers"]:
+            assert p == victim or victim in res[p]["error_peers"], (r, res[r], res.get(p))
+    assert any(victim in res[r]["error_peers"] for r in survivors), res
 
 
 @pytest.mark.timeout(120)
