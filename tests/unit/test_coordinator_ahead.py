@@ -162,6 +162,45 @@ def test_a_step_shorter_than_predicted_voids_the_rest_at_its_end():
         assert stats == {"predicted": 4, "confirmed": 3, "voided": 1, "waves": 4}
 
 
+@pytest.mark.parametrize("every_rank_declares", [False, True])
+def test_a_predicted_steps_waves_go_in_one_round(every_rank_declares):
+    """Each exchange of a step is made after the one before finished, so each is a wave of its own
+    (ahead.py); the waves of a predicted step are still declared in one round (not one each), and
+    planned in order: every step moves the data in order and gives the right results."""
+    names = ("w", "x", "y", "z")
+
+    def body(tr):
+        eng = Engine()
+        ex = Executor(tr.split(0, key=tr.rank), tr.split(0, key=tr.rank), every_rank_declares=every_rank_declares)
+        predictor = StepPredictor(ex)
+        exchange = CoordinatedExchange(eng, ex, range(tr.size), predictor)
+        nxt, prv = (tr.rank + 1) % tr.size, (tr.rank - 1) % tr.size
+        got, declaring = [], []
+        try:
+            for step in range(6):
+                before = ex.stats["declaring_rounds"]
+                for i, name in enumerate(names):
+                    box = {}
+                    exchange.sendrecv(name, lambda: torch.full((4,), float(100 * step + 10 * i + tr.rank)), nxt,
+                                      lambda t, box=box: box.setdefault("t", t.clone()), prv).result(timeout=30)
+                    got.append(float(box["t"].view(torch.float32)[0]))
+                declaring.append(ex.stats["declaring_rounds"] - before)
+                predictor.step_submitted()
+        finally:
+            ex.close(timeout=20)
+            eng.shutdown()
+        return got, declaring, dict(predictor.stats)
+
+    for r, (got, declaring, stats) in enumerate(loopback.spawn(N, body, timeout_s=60)):
+        assert got == [100 * s + 10 * i + (r - 1) % N for s in range(6) for i in range(len(names))]
+        # steps 2-5 (and 6, never run) predicted, a wave per exchange; 2-5 confirmed
+        assert stats["waves"] == 5 * len(names) and stats["confirmed"] == 4 * len(names), stats
+        # the rounds that carried this rank's declarations: steps 0-1, one per exchange as each is
+        # made; steps 2-5, the one of their predictions (made at the end of the step before, sent
+        # by the time the step's first exchange moved), where a round per wave made one per exchange
+        assert declaring == [len(names)] * 2 + [1] * 4, declaring
+
+
 def test_payloads_larger_or_smaller_than_declared_arrive_whole():
     """A step declared ahead carries the sizes the last step's payloads had, and each link's batch
     goes as one message of the planned length. Payloads that grew take a second round, smaller

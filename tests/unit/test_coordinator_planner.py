@@ -1,4 +1,6 @@
 """Property tests of the coordinator's slot planner alone."""
+import struct
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -140,10 +142,22 @@ def test_bad_messages():
 
 def test_protocol_round_trip_and_validation():
     decls = [(9, [1], [0, 3], [5, 6], [4096]), (11, [], [1], [], [])]
-    body = P.pack_decls(decls)
-    assert len(body) == 2 * 20 + 4 * 4 + 2 * 8 + 1 * 8  # sized to its content, no padding
-    assert P.unpack_decls(body, 2, 2, 4) == decls
+    body = P.pack_decls([(False, decls)])
+    assert len(body) == 2 * 24 + 4 * 4 + 2 * 8 + 1 * 8  # sized to its content, no padding
+    assert P.unpack_decls(body, 2, 2, 4) == [(False, decls)]
     assert P.pack_decls([]) == b"" and P.unpack_decls(b"", 0, 2, 4) == []
+    # Groups keep their order and kind; empty ones are left out.
+    groups = [(True, decls[:1]), (True, []), (False, decls[1:]), (True, decls)]
+    assert P.unpack_decls(P.pack_decls(groups), 4, 2, 4) == [g for g in groups if g[1]]
+
+    def one(group):  # a declaration of a send to rank 1 in ``group``
+        return P._DECL.pack(9, 1, 0, 0, group) + struct.pack("<iQ", 1, 0)
+
+    assert P.unpack_decls(one(0) + one(1 | P.WAVE), 2, 2, 4) == [(False, [(9, [1], [], [], [0])]),
+                                                                 (True, [(9, [1], [], [], [0])])]
+    for bad in (one(1), one(0) + one(P.WAVE), one(0) + one(2), one(1) + one(0)):
+        with pytest.raises(P.ProtocolError, match="numbered in order"):
+            P.unpack_decls(bad, len(bad) // len(one(0)), 2, 4)
     head = P.pack_head(2, 77, 5, P.CLOSING, 2, len(body))
     assert len(head) == P.HEAD_BYTES
     assert P.unpack_head(head, 77, 5, 2) == (P.CLOSING, 2, len(body))
@@ -160,7 +174,7 @@ def test_protocol_round_trip_and_validation():
     with pytest.raises(P.ProtocolError, match="peer 3"):
         P.unpack_decls(body, 2, 2, 3)  # rank 3 is outside a job of 3
     with pytest.raises(P.ProtocolError, match="peer 1"):
-        P.unpack_decls(P.pack_decls([(9, [1], [], [], [0])]), 1, 1, 3)  # to itself
+        P.unpack_decls(P.pack_decls([(False, [(9, [1], [], [], [0])])]), 1, 1, 3)  # to itself
     with pytest.raises(P.ProtocolError, match="ends inside"):
         P.unpack_decls(body[:-1], 2, 2, 4)
     with pytest.raises(P.ProtocolError, match="ends inside"):
@@ -168,7 +182,7 @@ def test_protocol_round_trip_and_validation():
     with pytest.raises(P.ProtocolError, match="holds"):
         P.unpack_decls(body + b"\0", 2, 2, 4)
     many = [(1, [0], [], list(range(70000)), [1 << 40])]  # an exchange may wait on many others
-    assert P.unpack_decls(P.pack_decls(many), 1, 1, 2) == many
+    assert P.unpack_decls(P.pack_decls([(True, many)]), 1, 1, 2) == [(True, many)]
 
 
 # ------------------------------------------------------------------ the dependency gate

@@ -142,8 +142,9 @@ class Executor:
         self.idle_max_s = idle_max_s
         self.every_rank_declares = every_rank_declares
         self._cv = threading.Condition()
-        self._decls: List[P.Decl] = []  # declared since the last round
-        self._waves: "deque[List[P.Decl]]" = deque()  # declared ahead (declare_ahead), a wave per round
+        self._declared: List[P.Group] = []  # since the last round: on submission (declare) or ahead, in order
+        # Every rank's groups received and not yet admitted to the planning (the same on every rank; _plan).
+        self._queued: Dict[int, "deque[P.Group]"] = {r: deque() for r in range(self.n)}
         self.round_s = 0.0025  # how long a round with declarations takes (a moving average)
         self.slot_s = 0.0      # how long a slot of small batches takes (a moving average; 0: none yet)
         self._unfinished = 0            # posted exchanges with messages on the network, not finished
@@ -157,7 +158,7 @@ class Executor:
         self._closing = threading.Event()
         self._woken = threading.Event()  # set by a declaration: an idle control thread starts its round
         self._error: Optional[str] = None
-        self.stats = {"rounds": 0, "idle_rounds": 0, "slots": 0, "fan_slots": 0, "second_rounds": 0, "bytes": 0,
+        self.stats = {"rounds": 0, "idle_rounds": 0, "declaring_rounds": 0, "slots": 0, "fan_slots": 0, "second_rounds": 0, "bytes": 0,
                       "messages": 0, "plan_s": 0.0}
         # Job token: rank 0 draws it, everyone learns it; every frame must carry it.
         tok = torch.tensor([random.getrandbits(62) if self.rank == 0 else 0], dtype=torch.int64)
@@ -183,24 +184,24 @@ class Executor:
         if not dsts and not srcs:
             return
         with self._cv:
-            self._decls.append((key, list(dsts), list(srcs), list(after), [0] * len(dsts)))
+            if not self._declared or self._declared[-1][0]:
+                self._declared.append((False, []))
+            self._declared[-1][1].append((key, list(dsts), list(srcs), list(after), [0] * len(dsts)))
         self._woken.set()
 
     def declare_ahead(self, waves: List[List[P.Decl]]) -> None:
         """Declarations of exchanges not submitted yet (hipress.comm.coordinator.ahead), in
-        waves: each is declared once everything this rank declared before it is planned, so
-        every message of this rank's wave goes in a later slot than all its earlier ones."""
+        waves, all sent in the next round: every rank's planning admits a wave once everything
+        this rank declared before it is planned, so every message of this rank's wave goes in
+        a later slot than all its earlier ones."""
         with self._cv:
-            self._waves.extend(waves)
+            self._declared.extend((True, w) for w in waves)
         self._woken.set()
 
     def void(self, key: int, dsts: Sequence[int], srcs: Sequence[int]) -> None:
         """This rank will not run declared exchange ``key`` (a prediction that did not come true):
-        its messages to ``dsts`` go void in their slots, and what comes from ``srcs`` is dropped.
-        The waves still to declare go in the next round, so that every declaration is planned."""
+        its messages to ``dsts`` go void in their slots, and what comes from ``srcs`` is dropped."""
         with self._cv:
-            while self._waves:
-                self._decls.extend(self._waves.popleft())
             for dst in dsts:
                 self._sends[(dst, key)] = (None, None)
             for src in srcs:
@@ -208,7 +209,6 @@ class Executor:
                     self._dropped.add((src, key))
                 self._abandoned.discard((src, key))
             self._cv.notify_all()
-        self._woken.set()  # the waves moved above go in the next round
 
     def post(self, name: str, key: int, sends: Dict[int, torch.Tensor], sinks: Dict[int, Callable], completion) -> None:
         """When the exchange's dependencies are done (on the comm queue's thread)."""
@@ -404,11 +404,12 @@ class Executor:
                        f"{type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ control
-    def _gather(self, rnd: int, decls: List[P.Decl], flags: int) -> Tuple[List[int], Dict[int, List[P.Decl]]]:
+    def _gather(self, rnd: int, groups: List[P.Group], flags: int) -> Tuple[List[int], Dict[int, List[P.Group]]]:
         """One round's exchange: every rank's flags and, if any, every rank's declarations."""
-        body = P.pack_decls(decls)
+        body = P.pack_decls(groups)
+        count = sum(len(decls) for _, decls in groups)
         heads = torch.empty(self.n * P.HEAD_BYTES, dtype=torch.uint8)
-        mine = torch.frombuffer(bytearray(P.pack_head(self.rank, self.token, rnd, flags, len(decls), len(body))),
+        mine = torch.frombuffer(bytearray(P.pack_head(self.rank, self.token, rnd, flags, count, len(body))),
                                 dtype=torch.uint8)
         self.ctl.allgather(mine, heads, sizes_agreed=True)  # the HEAD's size is the protocol's
         raw = heads.numpy().tobytes()
@@ -426,21 +427,35 @@ class Executor:
             off += nbytes
         return [f for f, _, _ in parsed], out
 
-    def _plan(self, declared: Dict[int, List[P.Decl]]) -> List[Part]:
-        """Every rank: the same planning of the same declarations; returns this rank's part."""
+    def _plan(self, declared: Dict[int, List[P.Group]]) -> List[Part]:
+        """Every rank: the same planning of the same declarations; returns this rank's part.
+
+        Each rank's declarations are admitted in its order: a wave once everything the rank
+        declared before it is planned, declarations made on submission at once after what is
+        ahead of them (their ``after`` may name exchanges of a wave still queued, which the gate
+        must know first). Each admission of every rank's ready waves is planned to the end
+        before the next, as if each had a round of its own."""
         t0 = time.perf_counter()
         planner, gate = self.planner, self.gate
-        for src in range(self.n):
-            for key, dsts, srcs, after, sizes in declared.get(src, ()):
-                planner.add(gate.declare(src, key, dsts, srcs, after, sizes))
+        for src, groups in declared.items():
+            self._queued[src].extend(groups)
         mine: List[Part] = []
-        while planner.pending():
-            slot = planner.plan(flush=True)
-            sends = {d: _link_part(b) for (s, d), b in slot.batches.items() if s == self.rank}
-            recvs = {s: _link_part(b) for (s, d), b in slot.batches.items() if d == self.rank}
-            if sends or recvs:
-                mine.append((slot.number, sends, recvs))
-            planner.add(gate.planned([m for b in slot.batches.values() for m in b]))
+        while True:
+            admitted = False
+            for src, queued in self._queued.items():
+                while queued and not (queued[0][0] and gate.unplanned.get(src)):
+                    for key, dsts, srcs, after, sizes in queued.popleft()[1]:
+                        planner.add(gate.declare(src, key, dsts, srcs, after, sizes))
+                    admitted = True
+            if not admitted:
+                break
+            while planner.pending():
+                slot = planner.plan(flush=True)
+                sends = {d: _link_part(b) for (s, d), b in slot.batches.items() if s == self.rank}
+                recvs = {s: _link_part(b) for (s, d), b in slot.batches.items() if d == self.rank}
+                if sends or recvs:
+                    mine.append((slot.number, sends, recvs))
+                planner.add(gate.planned([m for b in slot.batches.values() for m in b]))
         self.stats["plan_s"] += time.perf_counter() - t0
         return mine
 
@@ -449,14 +464,13 @@ class Executor:
         try:
             while self._error is None:
                 with self._cv:
-                    decls, self._decls = self._decls, []
-                    if self._waves and not decls and not self.gate.unplanned.get(self.rank):
-                        decls = self._waves.popleft()  # (after what this rank declared before: planned)
-                    closing = self._closing.is_set() and self._unfinished == 0 and not decls
+                    groups, self._declared = self._declared, []
+                    closing = self._closing.is_set() and self._unfinished == 0 and not groups
                 t0 = time.perf_counter()
-                flags, declared = self._gather(rnd, decls, P.CLOSING if closing else 0)
+                flags, declared = self._gather(rnd, groups, P.CLOSING if closing else 0)
                 rnd += 1
                 self.stats["rounds"] += 1
+                self.stats["declaring_rounds"] += bool(groups)  # this rank's own declarations
                 if all(f & P.CLOSING for f in flags):
                     break  # nothing of anyone's is pending
                 if not declared:

@@ -7,8 +7,10 @@ declarations, so no plan travels.
 
   HEAD  <4s H H i Q Q I I I>  magic b"HPCO", version, type, rank, job token, round, flags,
                               number of declarations, body bytes                 (40 bytes)
-  DECL body: the exchanges the rank declared since the last round, in submission order, each
-          <Q I I I>  key, number of destinations, of sources, of predecessors
+  DECL body: what the rank declared since the last round, in its order, in groups: exchanges
+          declared on submission, or a wave declared ahead (hipress.comm.coordinator.ahead); each
+          <Q I I I I>  key, number of destinations, of sources, of predecessors, group (its
+                       number, 0, 1, ... in order, with the WAVE bit where it is a wave)
           int32 x (destinations + sources)   world ranks the rank sends to / hears from
           uint64 x predecessors              keys of the rank's earlier exchanges that the
                                              exchange waits on (through its tasks)
@@ -28,31 +30,38 @@ from typing import List, Sequence, Tuple
 
 MAGIC = b"HPCO"
 # 4: a slot's batch may hold void messages (size -1; hipress/comm/coordinator/executor.py);
-# 5: declarations carry expected message sizes, and a slot may pair a rank with several peers.
-VERSION = 5
+# 5: declarations carry expected message sizes, and a slot may pair a rank with several peers;
+# 6: a round carries several waves of declarations (each declaration names its group).
+VERSION = 6
 HEAD = 1
 CLOSING = 1
+WAVE = 1 << 31
 
 _HEAD = struct.Struct("<4sHHiQQIII")
-_DECL = struct.Struct("<QIII")  # key, destinations, sources, predecessors
+_DECL = struct.Struct("<QIIII")  # key, destinations, sources, predecessors, group
 HEAD_BYTES = _HEAD.size
 
 # key, destinations, sources, predecessor keys, bytes expected per destination (0: unknown)
 Decl = Tuple[int, List[int], List[int], List[int], List[int]]
+# (whether a wave declared ahead, its declarations); otherwise declared on submission
+Group = Tuple[bool, List[Decl]]
 
 
 class ProtocolError(RuntimeError):
     pass
 
 
-def pack_decls(decls: Sequence[Decl]) -> bytes:
+def pack_decls(groups: Sequence[Group]) -> bytes:
+    """``groups``: (whether a wave, declarations), in the rank's order; empty ones are left out."""
     body = []
-    for key, dsts, srcs, after, sizes in decls:
-        peers = list(dsts) + list(srcs)
-        if len(sizes) != len(dsts):
-            raise ValueError(f"{len(sizes)} sizes for {len(dsts)} destinations")
-        body += [_DECL.pack(key, len(dsts), len(srcs), len(after)), struct.pack(f"<{len(peers)}i", *peers),
-                 struct.pack(f"<{len(after)}Q", *after), struct.pack(f"<{len(sizes)}Q", *sizes)]
+    for number, (wave, decls) in enumerate(g for g in groups if g[1]):
+        for key, dsts, srcs, after, sizes in decls:
+            peers = list(dsts) + list(srcs)
+            if len(sizes) != len(dsts):
+                raise ValueError(f"{len(sizes)} sizes for {len(dsts)} destinations")
+            body += [_DECL.pack(key, len(dsts), len(srcs), len(after), number | (WAVE if wave else 0)),
+                     struct.pack(f"<{len(peers)}i", *peers), struct.pack(f"<{len(after)}Q", *after),
+                     struct.pack(f"<{len(sizes)}Q", *sizes)]
     return b"".join(body)
 
 
@@ -80,26 +89,34 @@ def unpack_head(raw: bytes, token: int, rnd: int, rank: int) -> Tuple[int, int, 
     return flags, count, nbytes
 
 
-def unpack_decls(body: bytes, count: int, rank: int, n: int) -> List[Decl]:
-    """Validates rank ``rank``'s DECL body of ``count`` declarations in a job of ``n`` ranks."""
-    out, off = [], 0
+def unpack_decls(body: bytes, count: int, rank: int, n: int) -> List[Group]:
+    """Validates rank ``rank``'s DECL body of ``count`` declarations in a job of ``n`` ranks; returns
+    its groups (pack_decls)."""
+    out: List[Group] = []
+    off = 0
 
     def take(fmt: struct.Struct) -> tuple:
         nonlocal off
         if off + fmt.size > len(body):
-            raise ProtocolError(f"body of {len(body)} bytes ends inside declaration {len(out)} of rank {rank}")
+            raise ProtocolError(f"body of {len(body)} bytes ends inside declaration {seen} of rank {rank}")
         got = fmt.unpack_from(body, off)
         off += fmt.size
         return got
 
-    for _ in range(count):
-        key, nd, ns, na = take(_DECL)
+    for seen in range(count):
+        key, nd, ns, na, group = take(_DECL)
+        number, wave = group & ~WAVE, bool(group & WAVE)
+        if number == len(out):
+            out.append((wave, []))
+        elif number != len(out) - 1 or wave != out[-1][0]:
+            raise ProtocolError(f"declaration {seen} of rank {rank} is in group {group:#x} after "
+                                f"{len(out)} groups: groups are numbered in order and hold one kind")
         peers = list(take(struct.Struct(f"<{nd + ns}i")))
         for p in peers:
             if not 0 <= p < n or p == rank:
                 raise ProtocolError(f"peer {p} is not another rank of {n} (declared by rank {rank})")
         after = list(take(struct.Struct(f"<{na}Q")))
-        out.append((key, peers[:nd], peers[nd:], after, list(take(struct.Struct(f"<{nd}Q")))))
+        out[-1][1].append((key, peers[:nd], peers[nd:], after, list(take(struct.Struct(f"<{nd}Q")))))
     if off != len(body):
         raise ProtocolError(f"body of {len(body)} bytes holds {off} bytes of declarations (rank {rank})")
     return out
