@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hipress.comm.coordinator import protocol as P
+from hipress.comm.coordinator.executor import RoundPlanner
 from hipress.comm.coordinator.planner import DependencyGate, Msg, SlotPlanner
 
 msgs_strategy = st.integers(2, 9).flatmap(lambda n: st.tuples(
@@ -239,6 +240,51 @@ def test_gate_plans_every_message_after_what_its_ends_wait_on(args):
             for (ps, pd) in exs[p][0]:
                 if {s, d} & {ps, pd}:
                     assert slot_of[(p, ps, pd)] < t, f"message {q}:{s}->{d} planned beside or before {p}:{ps}->{pd}"
+
+
+@settings(max_examples=150, deadline=None)
+@given(dag_strategy, st.data())
+def test_round_planner_plans_each_ranks_waves_in_order_and_reuses_a_repeated_rounds_plan(args, data):
+    """One round carries every rank's declarations, each rank's cut in waves at random points (a
+    step declared ahead). Every rank's part of the plan puts each of its waves in later slots than
+    everything it declared before; a second round of the same shape under new keys (the next step)
+    takes the first's plan, renamed, which is what planning it afresh gives; one of other sizes
+    does not."""
+    n, exchanges, _, _ = args
+    exs = []
+    for links, preds in exchanges:
+        msgs = sorted({(s, d) for s, d in links if s != d})
+        exs.append((msgs, sorted({p % len(exs) for p in preds}) if exs else []))
+    part = [{r for m in msgs for r in m} for msgs, _ in exs]
+    waves = {}  # rank -> its exchanges, in waves
+    for r in range(n):
+        mine = [q for q in range(len(exs)) if r in part[q]]
+        cuts = sorted(data.draw(st.sets(st.integers(1, len(mine) - 1))) if len(mine) > 1 else [])
+        waves[r] = [mine[a:b] for a, b in zip([0] + cuts, cuts + [len(mine)])]
+
+    def declared(base: int, size: int = 64):  # exchange q's key is base + q; base - 1: one of an earlier round
+        out = {}
+        for r in range(n):
+            out[r] = [(True, [(base + q, [d for s, d in exs[q][0] if s == r], [s for s, d in exs[q][0] if d == r],
+                               [base - 1] + [base + p for p in exs[q][1] if r in part[p]],
+                               [size * (q + 1)] * sum(s == r for s, _ in exs[q][0])) for q in wave])
+                      for wave in waves[r]]
+        return out
+
+    for r in range(n):
+        rp = RoundPlanner(n, r)
+        first = rp.plan(declared(1000))
+        slot_of = {k: slot for slot, sends, recvs in first for ks, _ in [*sends.values(), *recvs.values()] for k in ks}
+        assert set(slot_of) == {1000 + q for q in range(len(exs)) if r in part[q]}
+        for earlier, later in zip(waves[r], waves[r][1:]):
+            assert max(slot_of[1000 + q] for q in earlier) < min(slot_of[1000 + q] for q in later)
+        used = rp.slots.slot
+        second = rp.plan(declared(5000))
+        assert rp.reused == 1
+        fresh = RoundPlanner(n, r).plan(declared(5000))
+        assert [(slot - used, sends, recvs) for slot, sends, recvs in second] == fresh
+        rp.plan(declared(9000, size=32))  # other sizes: planned afresh (where anything is sent)
+        assert rp.reused == (1 if any(msgs for msgs, _ in exs) else 2)
 
 
 def test_gate_holds_a_message_until_both_ends_declared_and_the_receivers_wait_is_planned():

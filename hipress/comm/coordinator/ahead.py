@@ -13,16 +13,19 @@ rounds then run beside this step's data and the next forward and backward, and a
 that finds its declaration made is *confirmed*: nothing more to declare.
 
 The predictions come in *waves*, all sent in one control round; every rank's planning admits a
-rank's wave once everything that rank declared before it is planned (``Executor._plan``), so every
-wave is planned after the one before, as if it had a round of its own, without paying for one
-(a round per wave cost 13.5 rounds per step on a BERT-like model). An exchange starts a new wave
+rank's wave once everything that rank declared before it is planned (``RoundPlanner.plan`` in
+executor.py), so every wave is planned after the one before, as if it had a round of its own,
+without paying for one (a round per wave cost 13.5 rounds per step on a BERT-like model).
+An exchange starts a new wave
 
-  - if, in the last step, it came later after its wave's first than a ring's worth of small slots
-    (2 (n - 1) of them: what sharing slots saves) or a control round: a bucket's slots are not
-    shared with those of a bucket ready much later;
-  - or if the program had found a task finished (``Handle.wait`` or ``poll``) since its wave
-    began: it may have waited for an exchange of the wave before making this one, and planned
-    in one slot with it, or ahead of it, the two would wait for each other.
+  - if, in the first step of the run of steps that repeat, it came later after its wave's first
+    than a ring's worth of small slots (2 (n - 1) of them: what sharing slots saves) or a control
+    round: a bucket's slots are not shared with those of a bucket ready much later. Those cuts
+    stay while the steps repeat, so every step declares the same waves (timing would move them
+    from step to step) and the coordinator reuses its plan (``RoundPlanner``);
+  - or if, in the last step, the program had found a task finished (``Handle.wait`` or ``poll``)
+    since its wave began: it may have waited for an exchange of the wave before making this one,
+    and planned in one slot with it, or ahead of it, the two would wait for each other.
 
 Every rank runs the same exchanges in the same order (the optimizer submits them from its training
 thread, in backward-hook order), so every rank confirms the same predictions and gives up the same
@@ -69,6 +72,7 @@ class StepPredictor:
         self._last: Optional[List[Entry]] = None
         self._sizes: Dict[int, Dict[int, int]] = {}  # position in the step -> {world dst: bytes it last sent}
         self._pending: Deque[Tuple[Entry, str, int]] = deque()  # predicted, not met yet: (entry, key name, key)
+        self._cuts: Optional[set] = None  # positions that start a wave, while the steps repeat (see _predict)
         self.stats = {"predicted": 0, "confirmed": 0, "voided": 0, "waves": 0}
 
     def add_group(self) -> int:
@@ -126,6 +130,8 @@ class StepPredictor:
             window, times, observed = self._window, self._times, self._observed
             self._clear()
             repeated, self._last = window == self._last, window
+            if not repeated:
+                self._cuts = None
             if self.enabled and repeated and window:
                 self._predict(window, times, observed)
 
@@ -136,6 +142,7 @@ class StepPredictor:
             self._void_pending()
             self._clear()
             self._last = None
+            self._cuts = None
             self._sizes.clear()
 
     def restart(self, executor) -> None:
@@ -158,6 +165,7 @@ class StepPredictor:
         keys: List[int] = []
         waves: List[list] = []
         start = None
+        frozen, cuts = self._cuts, set()  # the cuts of the first prediction of these repeating steps
         for position, (entry, t, seen_done) in enumerate(zip(window, times, observed)):
             group, name, dsts, srcs, after = entry
             n = seen.get((group, name), 0)
@@ -167,12 +175,16 @@ class StepPredictor:
             keys.append(key)
             self._pending.append((entry, key_name, key))
             if dsts or srcs:
-                if start is None or seen_done > start or t - start > window_s:
+                if start is None or seen_done > start or (
+                        position in frozen if frozen is not None else t - start > window_s):
                     waves.append([])
+                    cuts.add(position)
                     start = t
                 sizes = self._sizes.get(position, {})
                 waves[-1].append((key, list(dsts), list(srcs), [keys[j] for j in after],
                                   [sizes.get(d, 0) for d in dsts]))
+        if frozen is None:
+            self._cuts = cuts
         self.executor.declare_ahead(waves)
         self.stats["predicted"] += len(window)
         self.stats["waves"] += len(waves)

@@ -94,29 +94,28 @@ def unpack_decls(body: bytes, count: int, rank: int, n: int) -> List[Group]:
     its groups (pack_decls)."""
     out: List[Group] = []
     off = 0
-
-    def take(fmt: struct.Struct) -> tuple:
-        nonlocal off
-        if off + fmt.size > len(body):
-            raise ProtocolError(f"body of {len(body)} bytes ends inside declaration {seen} of rank {rank}")
-        got = fmt.unpack_from(body, off)
-        off += fmt.size
-        return got
-
     for seen in range(count):
-        key, nd, ns, na, group = take(_DECL)
+        if off + _DECL.size > len(body):
+            raise ProtocolError(f"body of {len(body)} bytes ends inside declaration {seen} of rank {rank}")
+        key, nd, ns, na, group = _DECL.unpack_from(body, off)
+        off += _DECL.size
+        tail = f"<{nd + ns}i{na + nd}Q"  # peers, then predecessors and sizes: one unpack per declaration
+        if off + struct.calcsize(tail) > len(body):
+            raise ProtocolError(f"body of {len(body)} bytes ends inside declaration {seen} of rank {rank}")
         number, wave = group & ~WAVE, bool(group & WAVE)
         if number == len(out):
             out.append((wave, []))
         elif number != len(out) - 1 or wave != out[-1][0]:
             raise ProtocolError(f"declaration {seen} of rank {rank} is in group {group:#x} after "
                                 f"{len(out)} groups: groups are numbered in order and hold one kind")
-        peers = list(take(struct.Struct(f"<{nd + ns}i")))
+        got = struct.unpack_from(tail, body, off)
+        off += struct.calcsize(tail)
+        peers = got[:nd + ns]
         for p in peers:
             if not 0 <= p < n or p == rank:
                 raise ProtocolError(f"peer {p} is not another rank of {n} (declared by rank {rank})")
-        after = list(take(struct.Struct(f"<{na}Q")))
-        out[-1][1].append((key, peers[:nd], peers[nd:], after, list(take(struct.Struct(f"<{nd}Q")))))
+        after = nd + ns + na
+        out[-1][1].append((key, list(peers[:nd]), list(peers[nd:]), list(got[nd + ns:after]), list(got[after:])))
     if off != len(body):
         raise ProtocolError(f"body of {len(body)} bytes holds {off} bytes of declarations (rank {rank})")
     return out
