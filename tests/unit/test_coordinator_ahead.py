@@ -201,6 +201,41 @@ def test_a_predicted_steps_waves_go_in_one_round(every_rank_declares):
         assert declaring == [len(names)] * 2 + [1] * 4, declaring
 
 
+def test_repeating_steps_keep_their_first_predictions_waves(monkeypatch):
+    """Where an exchange comes late after its wave's first, it starts a wave; the cuts found in the
+    first prediction of a run of repeating steps stay while the steps repeat, whatever the timing
+    of later steps (so the coordinator sees the same round shape and reuses its plan), and a step
+    that differs starts over."""
+    from types import SimpleNamespace
+
+    from hipress.comm.coordinator import ahead
+
+    clock = [0.0]
+    monkeypatch.setattr(ahead, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(ahead, "last_observed", lambda: -1.0)  # the program never waited
+    declared = []
+    ex = SimpleNamespace(n=2, round_s=0.001, slot_s=0.0, declare=lambda *a: None, void=lambda *a: None,
+                         declare_ahead=lambda waves: declared.append([len(w) for w in waves]))
+    pred = StepPredictor(ex)
+    group = pred.add_group()
+
+    def step(names, late_before):  # exchanges 1 ms apart, 10 ms before those named in late_before
+        for name in names:
+            clock[0] += 0.01 if name in late_before else 0.001
+            pred.exchange(group, name, [1], [1], (), ())
+        pred.step_submitted()
+
+    abcd = ("a", "b", "c", "d")
+    step(abcd, ())
+    step(abcd, ("c",))   # the first prediction: c comes late
+    step(abcd, ())       # no longer late, still cut there
+    step(abcd, ("b",))   # late elsewhere: the cuts stay
+    assert declared == [[2, 2]] * 3
+    step(("a", "b", "c"), ("b",))  # a different step: nothing predicted, the cuts forgotten
+    step(("a", "b", "c"), ("b",))
+    assert declared[3:] == [[1, 2]]
+
+
 def test_payloads_larger_or_smaller_than_declared_arrive_whole():
     """A step declared ahead carries the sizes the last step's payloads had, and each link's batch
     goes as one message of the planned length. Payloads that grew take a second round, smaller
