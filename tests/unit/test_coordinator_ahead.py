@@ -219,9 +219,9 @@ def test_repeating_steps_keep_their_first_predictions_waves(monkeypatch):
     pred = StepPredictor(ex)
     group = pred.add_group()
 
-    def step(names, late_before):  # exchanges 1 ms apart, 10 ms before those named in late_before
+    def step(names, late_before):  # exchanges 0.5 ms apart, 10 ms before those named in late_before
         for name in names:
-            clock[0] += 0.01 if name in late_before else 0.001
+            clock[0] += 0.01 if name in late_before else 0.0005
             pred.exchange(group, name, [1], [1], (), ())
         pred.step_submitted()
 
