@@ -162,7 +162,7 @@ class RoundPlanner:
         A round that starts and ends with nothing pending is a function of its declarations' shape
         (keys renamed in order of appearance): a training step declared ahead repeats the last
         one's, so its plan is taken from ``_plans`` with this round's keys (planning every slot
-        of a step in Python cost 16 ms per step on a BERT-like model's ring)."""
+        of a step took 2.9 ms of Python per step on a BERT-like model's ring, the reuse 0.5-0.8)."""
         shape = keys = None
         if self._settled():
             shape, keys = _shape(declared)
