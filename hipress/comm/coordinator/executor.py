@@ -124,10 +124,12 @@ def _shape(declared: Dict[int, List[P.Group]]) -> Tuple[tuple, List[int]]:
                 if d[0] not in index:
                     index[d[0]] = len(keys)
                     keys.append(d[0])
-    shape = tuple((src, tuple((wave, tuple((index[key], tuple(dsts), tuple(srcs), tuple(index.get(a, -1) for a in after),
-                                             tuple(sizes)) for key, dsts, srcs, after, sizes in decls))
-                              for wave, decls in declared[src]))
-                  for src in sorted(declared))
+
+    def renamed(decls):
+        return tuple((index[key], tuple(dsts), tuple(srcs), tuple(index.get(a, -1) for a in after), tuple(sizes))
+                     for key, dsts, srcs, after, sizes in decls)
+
+    shape = tuple((src, tuple((wave, renamed(decls)) for wave, decls in declared[src])) for src in sorted(declared))
     return shape, keys
 
 
@@ -258,8 +260,8 @@ class Executor:
         self._closing = threading.Event()
         self._woken = threading.Event()  # set by a declaration: an idle control thread starts its round
         self._error: Optional[str] = None
-        self.stats = {"rounds": 0, "idle_rounds": 0, "declaring_rounds": 0, "slots": 0, "fan_slots": 0, "second_rounds": 0, "bytes": 0,
-                      "messages": 0, "plan_s": 0.0}
+        self.stats = {"rounds": 0, "idle_rounds": 0, "declaring_rounds": 0, "slots": 0, "fan_slots": 0,
+                      "second_rounds": 0, "bytes": 0, "messages": 0, "plan_s": 0.0}
         # Job token: rank 0 draws it, everyone learns it; every frame must carry it.
         tok = torch.tensor([random.getrandbits(62) if self.rank == 0 else 0], dtype=torch.int64)
         self.ctl.broadcast(tok.view(torch.uint8), 0)
