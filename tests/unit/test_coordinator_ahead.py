@@ -175,21 +175,22 @@ def test_a_predicted_steps_waves_go_in_one_round(every_rank_declares):
         predictor = StepPredictor(ex)
         exchange = CoordinatedExchange(eng, ex, range(tr.size), predictor)
         nxt, prv = (tr.rank + 1) % tr.size, (tr.rank - 1) % tr.size
-        got, declaring = [], []
+        got, marks = [], [0]
         try:
             for step in range(6):
-                before = ex.stats["declaring_rounds"]
                 for i, name in enumerate(names):
                     box = {}
                     exchange.sendrecv(name, lambda: torch.full((4,), float(100 * step + 10 * i + tr.rank)), nxt,
                                       lambda t, box=box: box.setdefault("t", t.clone()), prv).result(timeout=30)
                     got.append(float(box["t"].view(torch.float32)[0]))
-                declaring.append(ex.stats["declaring_rounds"] - before)
+                # read before step_submitted: the next step's round falls after this mark, and
+                # before the next step's exchanges can finish
+                marks.append(ex.stats["declaring_rounds"])
                 predictor.step_submitted()
         finally:
             ex.close(timeout=20)
             eng.shutdown()
-        return got, declaring, dict(predictor.stats)
+        return got, [b - a for a, b in zip(marks, marks[1:])], dict(predictor.stats)
 
     for r, (got, declaring, stats) in enumerate(loopback.spawn(N, body, timeout_s=60)):
         assert got == [100 * s + 10 * i + (r - 1) % N for s in range(6) for i in range(len(names))]
