@@ -133,6 +133,13 @@ def _shape(declared: Dict[int, List[P.Group]]) -> Tuple[tuple, List[int]]:
     return shape, keys
 
 
+def _rekeyed(parts: List[Part], key_of: Callable[[int], int], shift: int) -> List[Part]:
+    """``parts`` with every key k as ``key_of(k)`` and every slot number moved by ``shift``: a plan
+    stored by key index (RoundPlanner._plans), or taken back under a round's keys."""
+    return [(slot + shift, {d: ([key_of(k) for k in ks], b) for d, (ks, b) in sends.items()},
+             {s: ([key_of(k) for k in ks], b) for s, (ks, b) in recvs.items()}) for slot, sends, recvs in parts]
+
+
 def _link_part(batch) -> Tuple[List[int], int]:
     """A link's keys in a slot, and the bytes its batch takes if every message is as large as declared."""
     return [m.key for m in batch], _batch_length([m.nbytes for m in batch])
@@ -171,9 +178,7 @@ class RoundPlanner:
             cached = self._plans.get(shape)
             if cached is not None:
                 slots, parts = cached
-                mine = [(self.slots.slot + off, {d: ([keys[i] for i in idx], b) for d, (idx, b) in sends.items()},
-                         {s: ([keys[i] for i in idx], b) for s, (idx, b) in recvs.items()})
-                        for off, sends, recvs in parts]
+                mine = _rekeyed(parts, keys.__getitem__, self.slots.slot)
                 self.slots.slot += slots
                 self.reused += 1
                 return mine
@@ -181,9 +186,7 @@ class RoundPlanner:
         mine = self._plan_slots(declared)
         if shape is not None and self._settled():
             index = {k: i for i, k in enumerate(keys)}
-            self._plans[shape] = (self.slots.slot - first, [
-                (slot - first, {d: ([index[k] for k in ks], b) for d, (ks, b) in sends.items()},
-                 {s: ([index[k] for k in ks], b) for s, (ks, b) in recvs.items()}) for slot, sends, recvs in mine])
+            self._plans[shape] = (self.slots.slot - first, _rekeyed(mine, index.__getitem__, -first))
             while len(self._plans) > PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]  # the oldest shape
         return mine

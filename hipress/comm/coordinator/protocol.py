@@ -100,7 +100,8 @@ def unpack_decls(body: bytes, count: int, rank: int, n: int) -> List[Group]:
         key, nd, ns, na, group = _DECL.unpack_from(body, off)
         off += _DECL.size
         tail = f"<{nd + ns}i{na + nd}Q"  # peers, then predecessors and sizes: one unpack per declaration
-        if off + struct.calcsize(tail) > len(body):
+        tail_bytes = 4 * (nd + ns) + 8 * (na + nd)
+        if off + tail_bytes > len(body):
             raise ProtocolError(f"body of {len(body)} bytes ends inside declaration {seen} of rank {rank}")
         number, wave = group & ~WAVE, bool(group & WAVE)
         if number == len(out):
@@ -109,7 +110,7 @@ def unpack_decls(body: bytes, count: int, rank: int, n: int) -> List[Group]:
             raise ProtocolError(f"declaration {seen} of rank {rank} is in group {group:#x} after "
                                 f"{len(out)} groups: groups are numbered in order and hold one kind")
         got = struct.unpack_from(tail, body, off)
-        off += struct.calcsize(tail)
+        off += tail_bytes
         peers = got[:nd + ns]
         for p in peers:
             if not 0 <= p < n or p == rank:
