@@ -900,16 +900,17 @@ class _HipressOptimizer:
         gradients are checked for NaN/Inf once per bucket, when the bucket is full, rather than
         one by one in backward (one pass and one call per bucket instead of per gradient). That
         is where nothing changes a gradient before it is in its bucket: no clipping, no momentum
-        correction, no COVAP residual, and more than one rank (one rank submits no bucket). Under
-        dear too: its buckets are checked where they are submitted, before their reduce-scatter."""
+        correction, and more than one rank (one rank submits no bucket). Under dear too: its
+        buckets are checked where they are submitted, before their reduce-scatter. Under COVAP
+        except in its local mode's filtered steps, which put no gradient in a bucket
+        (_hp_checks_per_bucket); its residuals are added after the check, as after the per-gradient one."""
         self._hp_bucket_of = {id(p): b for b in self._hp_buckets for _, p in b.params}
         self._hp_bucket_named = {b.name: b for b in self._hp_buckets}
         # compared by the step's first allreduce, so that its later ones skip their check (_hp_submit)
         self._hp_layout_digest = zlib.crc32(";".join(f"{b.name}:{b.numel}" for b in self._hp_buckets).encode())
         self._hp_layout_check = "open"
         mc = self._hp_momentum
-        self._hp_check_per_bucket = set() if (not self._hp_guard or self._hp_transport.size == 1
-                                              or self._hp_covap is not None) else {
+        self._hp_check_per_bucket = set() if not self._hp_guard or self._hp_transport.size == 1 else {
             b.name for b in self._hp_buckets
             if self._hp_clip_for(b) is None and (mc is None or not any(mc.corrects(p) for _, p in b.params))}
         # parameters whose final gradient is the gradient itself (nothing to clip, correct, divide
@@ -939,6 +940,10 @@ class _HipressOptimizer:
             if not nonfinite.all_finite(part):
                 self._hp_bad.add(id(p))
                 part.zero_()
+
+    def _hp_checks_per_bucket(self, bucket: "_Bucket") -> bool:
+        """Whether this step checks ``bucket``'s gradients in its copy (_hp_index_buckets)."""
+        return bucket.name in self._hp_check_per_bucket and not (self._hp_covap is not None and self._hp_covap.local)
 
     def _hp_on_grad(self, p: torch.nn.Parameter):
         if self._hp_skip:
@@ -979,9 +984,10 @@ class _HipressOptimizer:
             self._hp_dear.check_fresh(p)
         grad = p.grad
         bucket = self._hp_bucket_of[key]
+        per_bucket = self._hp_checks_per_bucket(bucket)
         if joined:
             p.grad = torch.zeros_like(p) if grad is None or grad.is_sparse else grad.zero_()
-        elif key in self._hp_as_is and grad is not None and not grad.is_sparse:
+        elif key in self._hp_as_is and (per_bucket or not self._hp_guard) and grad is not None and not grad.is_sparse:
             pass  # what final_gradient would return: the gradient itself
         else:
             if grad is not None and grad.is_sparse:
@@ -992,7 +998,7 @@ class _HipressOptimizer:
                 grad = grad.to_dense()
                 self._hp_densified.add(key)
             clip, corrected = self._hp_clip_for(bucket), None
-            if self._hp_guard and grad is not None and bucket.name not in self._hp_check_per_bucket:
+            if self._hp_guard and grad is not None and not per_bucket:
                 # momentum correction's native pass checks the gradient as it reads it (None where
                 # that pass does not run); elsewhere the check is a pass of its own, first
                 if clip is None and self._hp_momentum is not None:
@@ -1276,7 +1282,7 @@ class _HipressOptimizer:
         self._hp_send(bucket)
 
     def _hp_send(self, bucket: "_Bucket"):
-        if bucket.name in self._hp_check_per_bucket and self._hp_found_finite.get(bucket, 0) < len(bucket.params):
+        if self._hp_checks_per_bucket(bucket) and self._hp_found_finite.get(bucket, 0) < len(bucket.params):
             self._hp_check_bucket(bucket)
         flat = bucket.flat
         sync, bounds = self._hp_route(bucket)

@@ -39,6 +39,9 @@ CONFIGS = [{"compression": a, "strategy": s, "kwargs": KWARGS.get(a, {}), "amp":
 CONFIGS.append({"compression": "tbq", "strategy": "ring", "kwargs": {}, "bucket_bytes": 1 << 20, "amp": False})
 # one fused bucket through the backend's allreduce, checked as its gradients are copied in (_Bucket.put)
 CONFIGS.append({"compression": "none", "strategy": "ring", "kwargs": {}, "bucket_bytes": 1 << 20, "amp": False})
+# COVAP's paper mode (one fused bucket; its residual added after the bucket's check): checked in the copy
+CONFIGS.append({"compression": "covap", "strategy": "ring", "kwargs": {"interval": 2, "mode": "paper"},
+                "bucket_bytes": 1 << 20, "amp": False})
 CONFIGS.append({"compression": "onebit", "strategy": "ps", "kwargs": {"coordinator": True}, "amp": True})
 # strategy "dear" (one fused bucket, checked for NaN/Inf where it is submitted): uncompressed and with
 # error feedback; no AMP (dear has no synchronize()-then-step() form)
@@ -75,9 +78,11 @@ def same(a, b, path=""):
 
 
 def moves(state):
-    """Whether some compressor state left its initial zeros (a buffer or the RNG counter/step)."""
+    """Whether some compressor state left its initial zeros (a buffer or the RNG counter/step, or
+    COVAP's residuals)."""
+    residuals = ((state.get("covap") or {}).get("filter") or {}).get("residual", {})
     return any(bool(v.any()) for s in state["compressor_state"].values()
-               for v in [*s["buffers"].values(), s["scalars"]])
+               for v in [*s["buffers"].values(), s["scalars"]]) or any(bool(v.any()) for v in residuals.values())
 
 
 IDS = [name(c) for c in CONFIGS]
