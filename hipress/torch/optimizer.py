@@ -941,9 +941,14 @@ class _HipressOptimizer:
                 self._hp_bad.add(id(p))
                 part.zero_()
 
+    def _hp_gradients_stay_local(self) -> bool:
+        """This step is a filtered step of COVAP's local mode: every gradient stays as it is, and
+        none goes into a bucket (its parameters are averaged instead)."""
+        return self._hp_covap is not None and self._hp_covap.local
+
     def _hp_checks_per_bucket(self, bucket: "_Bucket") -> bool:
         """Whether this step checks ``bucket``'s gradients in its copy (_hp_index_buckets)."""
-        return bucket.name in self._hp_check_per_bucket and not (self._hp_covap is not None and self._hp_covap.local)
+        return bucket.name in self._hp_check_per_bucket and not self._hp_gradients_stay_local()
 
     def _hp_on_grad(self, p: torch.nn.Parameter):
         if self._hp_skip:
@@ -1019,8 +1024,7 @@ class _HipressOptimizer:
             p.grad.add_(carry.to(p.grad.device).view_as(p.grad))
             self._hp_carry_sent[key] = carry
         self._hp_taken.add(key)
-        if (self._hp_transport.size > 1 or self._hp_dear is not None) and not (
-                self._hp_covap is not None and self._hp_covap.local):  # COVAP's local mode sends no gradient
+        if (self._hp_transport.size > 1 or self._hp_dear is not None) and not self._hp_gradients_stay_local():
             if bucket.put(p):
                 self._hp_found_finite[bucket] = self._hp_found_finite.get(bucket, 0) + 1
         filled = self._hp_filled[bucket] = self._hp_filled.get(bucket, 0) + 1

@@ -100,7 +100,7 @@ def unpack_decls(body: bytes, count: int, rank: int, n: int) -> List[Group]:
         key, nd, ns, na, group = _DECL.unpack_from(body, off)
         off += _DECL.size
         tail = f"<{nd + ns}i{na + nd}Q"  # peers, then predecessors and sizes: one unpack per declaration
-        tail_bytes = 4 * (nd + ns) + 8 * (na + nd)
+        tail_bytes = struct.calcsize(tail)
         if off + tail_bytes > len(body):
             raise ProtocolError(f"body of {len(body)} bytes ends inside declaration {seen} of rank {rank}")
         number, wave = group & ~WAVE, bool(group & WAVE)
