@@ -188,6 +188,8 @@ HIPRESS_BINDINGS(compress, m) {
         Release());
   m.def("ops_copy_finite", [](uintptr_t out, uintptr_t in, size_t n) {
     return ops::copy_finite(P<float>(out), P<const float>(in), n); }, Release());
+  m.def("ops_copy_finite_bf16", [](uintptr_t out, uintptr_t in, size_t n) {
+    return ops::copy_finite_bf16(P<uint16_t>(out), P<const float>(in), n); }, Release());
   m.def("ops_axpby", [](uintptr_t y, float beta, uintptr_t x, float gamma, size_t n) {
     ops::axpby(P<float>(y), P<const float>(y), beta, P<const float>(x), gamma, n); }, Release());
   m.def("ops_momentum_update", [](uintptr_t u_out, uintptr_t u_in, float m, uintptr_t g, size_t n) {

@@ -219,6 +219,35 @@ bool copy_finite(float* out, const float* in, size_t n) {
   });
 }
 
+// bf16 rounding of fp32 bits: the top half after adding 0x7fff plus the kept half's lowest bit
+// (to nearest, ties to even). Only finite inputs are sent (copy_finite_bf16's check), so the sum
+// cannot carry out of a NaN's bits into something that matters.
+constexpr uint32_t kFirstBf16Overflow = 0x7f7f8000u;  // the smallest |x| bits that round to Inf
+
+bool copy_finite_bf16(uint16_t* out, const float* in, size_t n) {
+  const bool finite = chunks_finite(n, [&](size_t i, size_t e) {
+    constexpr size_t V = kVecFloats;
+    typedef uint16_t vhalf __attribute__((vector_size(V * sizeof(uint16_t))));
+    vuint m0 = {};
+    for (; i + V <= e; i += V) {
+      const vuint v = vload_bits(in + i);
+      m0 = vmax(m0, v & kAbsBits);
+      const vhalf h = __builtin_convertvector((v + (((v >> 16) & 1u) + 0x7fffu)) >> 16, vhalf);
+      std::memcpy(out + i, &h, sizeof h);
+    }
+    uint32_t m = hmax(m0);
+    for (; i < e; ++i) {
+      uint32_t u;
+      std::memcpy(&u, in + i, sizeof u);
+      m = std::max(m, u & kAbsBits);
+      out[i] = static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7fffu)) >> 16);
+    }
+    // chunks_finite compares with the first NaN/Inf: lift a value that overflows bf16 to it
+    return m >= kFirstBf16Overflow ? kFirstNonFinite : m;
+  });
+  return finite;
+}
+
 // The product is rounded before the sum, as in torch's two passes (this file's fp-contract=off).
 void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t n) {
   parallel_range(n, kGrain, [&](size_t b, size_t e) {

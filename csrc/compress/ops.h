@@ -20,7 +20,7 @@
 //   decomp(G, o)    orthogonalize (Gram-Schmidt, PowerSGD)
 //   matmul(G0, G1)  matmul_nn, matmul_tn, matmul_nt
 //   (merge helpers) axpby, add, scatter_add, gather
-//   (fusion)        copy_finite (a gradient into its bucket, checked for NaN/Inf on the way)
+//   (fusion)        copy_finite, copy_finite_bf16 (a gradient into its bucket, checked for NaN/Inf on the way)
 #pragma once
 
 #include <cstddef>
@@ -53,6 +53,11 @@ void add(float* y, const float* x, size_t n);
 // its fusion bucket and the non-finite check of it in one pass over memory, where the check
 // would be a second pass (a sum) over the bucket. out must not overlap in.
 bool copy_finite(float* out, const float* in, size_t n);
+// out[i] = in[i] rounded to bf16 (to nearest, ties to even: torch's .to(torch.bfloat16) bit for
+// bit on finite values), and whether every element sent is finite: no NaN or Inf in, and none
+// too large for bf16 (|x| >= 0x7f7f8000 as bits rounds to Inf). A gradient's copy into a bucket
+// that travels as bf16 is then also its cast, one pass where a copy and a cast were two.
+bool copy_finite_bf16(uint16_t* out, const float* in, size_t n);
 // SGD's momentum update (dampening 0) and its result as the gradient, in one pass:
 // u_out = m * u_in + g; g = u_out. Rounded as torch's u.mul_(m).add_(g) rounds it (the
 // product, then the sum; never fused), so the result is bit for bit SGD's. u_out may be u_in.

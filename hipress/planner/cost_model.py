@@ -357,15 +357,17 @@ def executed_allreduce16(send: Curve, copy: Curve, task: float, m: float, n: int
                          allreduce: Optional[Curve] = None) -> float:
     """The same m fp32 bytes sent as bf16 (hipress.sync.allreduce with wire=torch.bfloat16):
     half the bytes on the links (the collective priced at m/2 bytes, as fp32's of that size),
-    one more hand-off, and two more passes (the cast to bf16 and the copy back; the copy back
-    is priced as a pass over m, the cast as one over m/2 written).
+    and otherwise the fp32 path's costs: the optimizer casts each fp32 gradient in its copy into
+    the bucket (_Bucket.send_bf16; a bf16 write where fp32's copy writes fp32), and the average
+    goes back into the gradients in one pass, as fp32's does. (A bucket of other gradients is
+    cast by a task of its own, a pass more, which this leaves unpriced.)
 
-        T = A(m/2) + 2o + pass(m) + pass(m/2) + pass(m)     (A(m/2) or 2(N-1) S(m/2N), as above)
+        T = A(m/2) + o + pass(m)     (A(m/2) or 2(N-1) S(m/2N), as above)
     """
     if n <= 1:
         return 0.0
     wire = allreduce(m / 2) if allreduce is not None else 2 * (n - 1) * send(m / (2 * n))
-    return wire + 2 * task + 2 * copy(m) + copy(m / 2)
+    return wire + task + copy(m)
 
 
 # -------------------------------------------------------------------------- the model

@@ -12,9 +12,10 @@ For one gradient (or fused bucket) on every rank:
 With ``into`` (the optimizer's fused gradients, each with its offset in ``flat``), step 2 writes
 sum / N straight into them, one pass, where an average in ``flat`` and a copy back would be two;
 ``flat`` then holds the sum (fp32 on the wire) or is left as it was (bf16).
-With ``wire=torch.bfloat16`` (a plan's choice where it pays: half the bytes for two memory
-passes) step 1 is preceded by a cast of the bucket to bf16 and step 2 copies the bf16 sum back
-(then divides, in fp32). bf16 rather than fp16 because it has fp32's exponent range: a gradient
+With ``wire=torch.bfloat16`` (a plan's choice where it pays: half the bytes) a ``flat`` already
+in bf16 (the optimizer's buckets of fp32 gradients, cast as they are copied in: _Bucket.send_bf16)
+is sent as it is, and any other is cast to bf16 by a task before step 1; step 2 copies the bf16
+sum back (then divides, in fp32). bf16 rather than fp16 because it has fp32's exponent range: a gradient
 neither overflows to inf nor underflows to zero on the way, whatever its scale (DDP's fp16 hook
 can do both), at 8 bits of mantissa (relative rounding 2^-9 per add).
 ``agree_on`` / ``sizes_agreed`` (the optimizer's): the step's first allreduce compares a digest
@@ -120,7 +121,8 @@ class AllreduceStrategy(Strategy):
             return sums[0]
         n = ctx.size
         if into is not None:  # one span, all of flat: sent[0] holds the sum; one native pass, no GIL
-            work = _C.native_scatter_divided(sent[0].data_ptr(), cast, float(n) if self.average else 1.0,
+            work = _C.native_scatter_divided(sent[0].data_ptr(), sent[0].dtype == torch.bfloat16,
+                                             float(n) if self.average else 1.0,
                                              [(off, dst.data_ptr(), dst.numel()) for off, dst in into])
             return ctx.compute(f"average.{tensor_name}", work, sums, nbytes=nbytes, keep=(sent, into))
 

@@ -117,9 +117,13 @@ class _Bucket:
     A bucket of one fp32, contiguous CPU gradient syncs that gradient in place (no copy);
     otherwise each gradient is copied in when it is final and copied back after the sync
     (also how fp16/bf16 and non-CPU gradients are handled).
+    A bucket that travels as bf16 (``send_bf16``: a plan's choice) has a bf16 buffer, ``wire``,
+    instead: each gradient's copy into it is also its cast (one pass where two were), and the
+    sync writes the average back into the gradients.
     """
 
-    __slots__ = ("params", "name", "offsets", "numel", "segments", "in_place", "flat", "_views")
+    __slots__ = ("params", "name", "offsets", "numel", "segments", "in_place", "flat", "_views", "wire",
+                 "_wire_views")
 
     def __init__(self, params, own_buffer: bool = False):
         self.params = params
@@ -135,16 +139,45 @@ class _Bucket:
         self.segments = [(o, p.numel(), tuple(p.shape)) for o, (_, p) in zip(self.offsets, params)]
         self.in_place = (not own_buffer and len(params) == 1 and p0.dtype == torch.float32
                          and p0.device.type == "cpu")
-        self.flat = None if self.in_place else torch.zeros(off, dtype=torch.float32)
+        self.wire, self._wire_views = None, {}
+        self._fp32_buffer()
+
+    def _fp32_buffer(self) -> None:
+        self.flat = None if self.in_place else torch.zeros(self.numel, dtype=torch.float32)
         # each gradient's place in the buffer, shaped like it: put/unpack are one copy each (this
         # runs once per gradient per step in backward, where every Python call shows)
         self._views = {} if self.in_place else {id(p): self.flat[o:o + p.numel()].view(p.shape)
-                                                 for o, (_, p) in zip(self.offsets, params)}
+                                                 for o, (_, p) in zip(self.offsets, self.params)}
+
+    def send_bf16(self, on: bool) -> None:
+        """From now on the bucket travels as bf16 (``on``; every parameter must be an fp32 CPU
+        tensor) or as fp32: which buffer put() fills and ``sent`` names. Only that one is kept."""
+        if on == (self.wire is not None):
+            return
+        if not on:
+            self.wire, self._wire_views = None, {}
+            self._fp32_buffer()
+            return
+        if any(p.dtype != torch.float32 or p.device.type != "cpu" for _, p in self.params):
+            raise ValueError(f"bucket {self.name}: only fp32 CPU gradients are cast to bf16 in their copy")
+        self.wire = torch.zeros(self.numel, dtype=torch.bfloat16)
+        self._wire_views = {id(p): self.wire[o:o + p.numel()] for o, (_, p) in zip(self.offsets, self.params)}
+        self.flat, self._views = None, {}
+
+    @property
+    def sent(self) -> torch.Tensor:
+        """The buffer the sync sends: the bf16 one (send_bf16), else ``flat``."""
+        return self.flat if self.wire is None else self.wire
 
     def put(self, p) -> bool:
         """p's final gradient into the bucket. True where its copy also found every element finite
         (an fp32 contiguous CPU gradient: one native pass), so the bucket's non-finite check,
         a second pass over it, can skip it; False where nothing was checked."""
+        if self.wire is not None:  # cast in the copy; made contiguous first, as into() needs
+            g = p.grad
+            if not g.is_contiguous():
+                p.grad = g = g.contiguous()
+            return _C.ops_copy_finite_bf16(self._wire_views[id(p)].data_ptr(), g.data_ptr(), g.numel())
         if self.in_place:
             g = p.grad
             if not g.is_contiguous():
@@ -192,8 +225,9 @@ class _Bucket:
     def into(self) -> Optional[List[Tuple[int, torch.Tensor]]]:
         """(offset, gradient) of each parameter, for a sync that writes its result into the
         gradients themselves (hipress.sync.allreduce: no unpack); None for a bucket synced in
-        place, or where a gradient is not a contiguous fp32 CPU tensor (unpack converts those)."""
-        if self.in_place:
+        place (unless it travels as bf16: the average is always written back then), or where a
+        gradient is not a contiguous fp32 CPU tensor (unpack converts those)."""
+        if self.in_place and self.wire is None:
             return None
         grads = [p.grad for _, p in self.params]
         if any(g is None or not is_f32_flat(g) for g in grads):
@@ -919,6 +953,12 @@ class _HipressOptimizer:
             id(p) for b in self._hp_buckets
             if self._hp_clip_for(b) is None and (not self._hp_guard or b.name in self._hp_check_per_bucket)
             for _, p in b.params if mc is None or not mc.corrects(p)}
+        # a plan's bf16 buckets of fp32 CPU gradients are cast in their copy (_Bucket.send_bf16);
+        # under dear the sync casts them (hipress.sync.allreduce)
+        for b in self._hp_buckets:
+            b.send_bf16(self._hp_plain16 is not None and self._hp_dear is None and self._hp_transport.size > 1
+                        and self._hp_route(b)[0] is self._hp_plain16
+                        and all(p.dtype == torch.float32 and p.device.type == "cpu" for _, p in b.params))
         self._hp_filled: Dict["_Bucket", int] = {}  # this step's gradients in each bucket
         self._hp_held: List["_Bucket"] = []  # full buckets of a step COVAP profiles, sent together (_hp_submit)
         self._hp_found_finite: Dict["_Bucket", int] = {}  # of those, how many its copy found finite (put)
@@ -933,10 +973,11 @@ class _HipressOptimizer:
     def _hp_check_bucket(self, bucket: "_Bucket") -> None:
         """The per-bucket form of the NaN/Inf check (_hp_index_buckets): a gradient that is not
         finite is recorded and sent as zeros, as the per-gradient check does."""
-        if nonfinite.all_finite(bucket.flat):
+        sent = bucket.sent
+        if nonfinite.all_finite(sent):
             return
         for (_, p), (off, n, _) in zip(bucket.params, bucket.segments):
-            part = bucket.flat[off:off + n]
+            part = sent[off:off + n]
             if not nonfinite.all_finite(part):
                 self._hp_bad.add(id(p))
                 part.zero_()
@@ -1288,7 +1329,7 @@ class _HipressOptimizer:
     def _hp_send(self, bucket: "_Bucket"):
         if self._hp_checks_per_bucket(bucket) and self._hp_found_finite.get(bucket, 0) < len(bucket.params):
             self._hp_check_bucket(bucket)
-        flat = bucket.flat
+        flat = bucket.sent
         sync, bounds = self._hp_route(bucket)
         if self._hp_dear is not None:  # the all-gather waits for step() (hipress/torch/dear.py)
             self._hp_handles[bucket.name] = sync.reduce_scatter(bucket.name, flat, bounds, **self._hp_layout_kw(sync))
@@ -1302,6 +1343,8 @@ class _HipressOptimizer:
         # bucket of one unit in its step): while profiling it times the sync below instead.
         whole = units is not None and len(units) == 1 and units[0][1] == (0, flat.numel())
         into = bucket.into() if (self._hp_covap is None or whole) and sync.strategy.writes_into else None
+        if into is None and bucket.wire is not None:  # put() made every gradient contiguous fp32
+            raise RuntimeError(f"hipress: bucket {bucket.name} travels as bf16 but its gradients cannot take the sum")
         if into is not None:  # the backend's allreduce writes the average straight into the gradients
             name, spans = (f"{bucket.name}/u{units[0][0]}", [units[0][1]]) if whole else (bucket.name, bounds)
             self._hp_handles[bucket.name] = sync.build(name, flat, spans, into=into, **self._hp_layout_kw(sync))

@@ -96,7 +96,8 @@ def main():
             sync, bounds = opt._hp_route(b)
             buckets.append({"name": b.name, "params": [n for n, _ in b.params], "bounds": bounds,
                             "compressed": sync is opt._hp_compressed, "strategy": sync.strategy.name,
-                            "wire": str(getattr(sync.strategy, "wire", torch.float32))})
+                            "wire": str(getattr(sync.strategy, "wire", torch.float32)),
+                            "sent": str(b.sent.dtype)})  # the buffer put() fills: bf16 if cast in the copy
         results.append({"config": cfg, "steps": steps, "owners": owners, "buckets": buckets,
                         "hierarchical": opt._hp_hierarchical,
                         "coordinated": type(opt._hp_compressed.ctx.exchange).__name__ == "CoordinatedExchange",

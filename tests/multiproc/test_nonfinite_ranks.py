@@ -43,6 +43,10 @@ CONFIGS.append({"compression": "none", "strategy": "ring", "kwargs": {}, "bucket
 CONFIGS.append({"compression": "covap", "strategy": "ring", "kwargs": {"interval": 2, "mode": "paper"},
                 "bucket_bytes": 1 << 20, "amp": False})
 CONFIGS.append({"compression": "onebit", "strategy": "ps", "kwargs": {"coordinator": True}, "amp": True})
+# a plan: the poisoned gradient uncompressed, as bf16 (cast in its copy, checked there: _Bucket.put),
+# another compressed (its state must come back)
+CONFIGS.append({"compression": "tbq", "strategy": "ring", "amp": False, "kwargs": {
+    "plan": {"force": {POISONED: False, "2.weight": True}, "bf16": True, "measure": 0}}})
 # strategy "dear" (one fused bucket, checked for NaN/Inf where it is submitted): uncompressed and with
 # error feedback; no AMP (dear has no synchronize()-then-step() form)
 CONFIGS += [{"compression": a, "strategy": "dear", "kwargs": {}, "bucket_bytes": 1 << 20, "amp": False}
@@ -51,7 +55,8 @@ CONFIGS += [{"compression": a, "strategy": "dear", "kwargs": {}, "bucket_bytes":
 
 def name(cfg):
     return (f"{cfg['compression']}-{cfg['strategy']}" + ("-fused" if cfg.get("bucket_bytes") else "")
-            + ("-coordinated" if cfg["kwargs"].get("coordinator") else ""))
+            + ("-coordinated" if cfg["kwargs"].get("coordinator") else "")
+            + ("-planned-bf16" if cfg["kwargs"].get("plan") else ""))
 
 
 @pytest.fixture(scope="module")

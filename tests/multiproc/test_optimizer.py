@@ -249,6 +249,8 @@ def test_planned_selective_compression(tmp_path, monkeypatch, coordinator):
         # plan_bf16 True: every uncompressed bucket travels as bf16; False: as fp32
         wire = "torch.bfloat16" if configs[c]["plan_bf16"] else "torch.float32"
         assert {b["wire"] for b in results[0][c]["buckets"] if not b["compressed"]} == {wire}
+        # a bf16 bucket's gradients are cast as they are copied in: the bucket's buffer is bf16
+        assert {b["sent"] for b in results[0][c]["buckets"] if not b["compressed"]} == {wire}
         for b in results[0][c]["buckets"]:  # every rank the same bits, whatever the wire
             for step in range(2):
                 got = [torch.cat([results[r][c]["steps"][step]["synced"][p].reshape(-1) for p in b["params"]])

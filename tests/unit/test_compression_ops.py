@@ -1,6 +1,7 @@
 """CompLL common operators (csrc/compress/ops.h) against numpy."""
 import numpy as np
 import pytest
+import torch
 
 from hipress import _C
 from dsl_common import threads  # noqa: F401  (fixture)
@@ -276,6 +277,28 @@ def test_copy_finite_copies_and_finds_every_nan_and_inf(n, threads):
             y[at] = bad
             assert _C.ops_copy_finite(ptr(out), ptr(y), n) is False, (at, bad)
             assert np.array_equal(out[:n].view(np.uint32), y.view(np.uint32))
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 1000, 65536 + 17, 200003])
+def test_copy_finite_bf16_is_torchs_cast_and_finds_what_would_not_be_finite(n, threads):
+    """The copy is torch's fp32 -> bf16 cast bit for bit (ties to even, denormals, -0.0, values
+    that round up to the largest bf16), and the answer is False exactly where an element is NaN,
+    +-Inf or so large that bf16 rounds it to Inf (|x| bits >= 0x7f7f8000), wherever it lies."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 10)).astype(np.float32)  # all far below fp32 max
+    special = np.array([0x3f808000, 0x3f818000, 0x7f7f7fff, 0x00018000, 0x80008000, 0x00000001],
+                       np.uint32).view(np.float32)  # ties down and up, the largest finite, denormals
+    if n:
+        x[rng.integers(0, n, size=min(n, 8))] = special[rng.integers(0, special.size, size=min(n, 8))]
+    out = torch.full((max(n, 1),), 7.0, dtype=torch.bfloat16)
+    assert _C.ops_copy_finite_bf16(out.data_ptr(), ptr(x), n) is True
+    assert torch.equal(out[:n].view(torch.int16), torch.from_numpy(x).to(torch.bfloat16).view(torch.int16))
+    overflow = np.array([0x7f7f8000, 0xff7f8000, 0x7f7fffff], np.uint32).view(np.float32)
+    for at in sorted({0, n // 2, n - 1}) if n else []:
+        for bad in (np.nan, np.inf, -np.inf, np.float32(np.nan) * -1, *overflow):
+            y = x.copy()
+            y[at] = bad
+            assert _C.ops_copy_finite_bf16(out.data_ptr(), ptr(y), n) is False, (at, bad)
 
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1000, 70001])

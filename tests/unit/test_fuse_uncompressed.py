@@ -6,7 +6,7 @@ import torch
 from hipress.compression.none import NoneCompressor
 from hipress.planner import AffineCurve, CostModel
 from hipress.planner.plan import Overrides, make_plan
-from hipress.torch.optimizer import fuse_uncompressed, fusion_buckets
+from hipress.torch.optimizer import _Bucket, fuse_uncompressed, fusion_buckets
 
 
 def setup(force, sizes=(100, 100, 100, 100, 100, 900), **model_kw):
@@ -119,7 +119,7 @@ def test_regroup_refuses_compressed_scattered_or_uncovered_entries():
 
 def bf16_model(**kw):
     # a send costs 1000 + 1 per byte; a memory pass 5 + 0.01 per byte. Over 2(N-1) = 6 sends:
-    # fp32 6(1000 + m/4) + pass(m); bf16 6(1000 + m/8) + 2 pass(m) + pass(m/2): bf16 from m = 14 bytes
+    # fp32 6(1000 + m/4) + pass(m); bf16 6(1000 + m/8) + pass(m) (cast in the copy): bf16 at any size
     return CostModel(AffineCurve(1000, 1), AffineCurve(3, 0.5), AffineCurve(2, 0.25), 4, "ring", "quantization",
                      0.25, dec_plain=AffineCurve(5, 0.01), plain_allreduce=True, **kw)
 
@@ -128,12 +128,10 @@ def test_the_plan_sends_uncompressed_gradients_as_bf16_where_it_pays():
     model = bf16_model(plain16=True)
     plan = make_plan([("big", 4000), ("tiny", 8)], model, Overrides(force={"big": False, "tiny": False}))
     assert plan["big"].bf16 and not plan["big"].compress
-    assert plan["big"].t_orig == pytest.approx(6 * (1000 + 500) + 2 * (5 + 40) + (5 + 20))
-    assert not plan["tiny"].bf16  # the extra passes cost more than the 4 bytes they save
+    assert plan["big"].t_orig == pytest.approx(6 * (1000 + 500) + (5 + 40))
+    assert plan["tiny"].bf16 and plan["tiny"].t_orig == pytest.approx(6 * 1001 + 5.08)  # 4 bytes fewer, no pass more
     pinned = make_plan([("big", 4000)], model, Overrides(force={"big": False}, bf16=False))
-    assert not pinned["big"].bf16
-    always = make_plan([("tiny", 8)], model, Overrides(force={"tiny": False}, bf16=True))
-    assert always["tiny"].bf16 and always["tiny"].t_orig == pytest.approx(6 * 1001 + 2 * 5.08 + 5.04)
+    assert not pinned["big"].bf16 and pinned["big"].t_orig == pytest.approx(6 * (1000 + 1000) + (5 + 40))
     # a compressed entry is never bf16, though its uncompressed branch would be
     squeezed = make_plan([("big", 4000)], model, Overrides(force={"big": True}))
     assert squeezed["big"].compress and not squeezed["big"].bf16
@@ -145,9 +143,36 @@ def test_the_plan_sends_uncompressed_gradients_as_bf16_where_it_pays():
 
 def test_fused_entries_are_planned_for_their_size():
     buckets = fusion_buckets([(f"q{i}", torch.nn.Parameter(torch.zeros(2))) for i in range(3)], NoneCompressor(), 1)
-    plan = make_plan([(b.name, 4 * b.numel) for b in buckets], bf16_model(plain16=True),
-                     Overrides(force={b.name: False for b in buckets}))
-    assert not any(e.bf16 for e in plan)  # 8 bytes each: fp32
+    model = bf16_model(plain16=True)
+    plan = make_plan([(b.name, 4 * b.numel) for b in buckets], model, Overrides(force={b.name: False for b in buckets}))
     out = fuse_uncompressed(buckets, plan, 4 * 2000, first_limit=4 * 2)
     assert layout(out) == [["q2"], ["q1", "q0"]]
-    assert plan[out[1].name].bf16 and plan[out[1].name].k == 1 and not plan[out[0].name].bf16  # 16 bytes: bf16
+    fused, alone = plan[out[1].name], plan[out[0].name]
+    assert fused.bf16 and fused.k == 1 and fused.t_orig == pytest.approx(model.t_sync(16, False, 1, bf16=True))
+    assert alone.t_orig == pytest.approx(model.t_sync(8, False, 1, bf16=True)) and alone.t_orig < fused.t_orig
+
+
+@pytest.mark.parametrize("shapes", [[(3, 5)], [(3, 5), (7,), (2, 2, 2)]])
+def test_a_bucket_sent_as_bf16_casts_in_its_copy_and_keeps_one_buffer(shapes):
+    """send_bf16: put() writes torch's bf16 rounding of each gradient (made contiguous) into the
+    bucket's bf16 buffer and finds NaN/Inf there; the fp32 buffer is gone meanwhile, and comes back
+    when the bucket travels as fp32 again. One gradient alone (synced in place as fp32) too."""
+    torch.manual_seed(0)
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(s))) for i, s in enumerate(shapes)]
+    b = _Bucket(params)
+    b.send_bf16(True)
+    assert b.sent.dtype == torch.bfloat16 and b.sent.numel() == b.numel and b.flat is None
+    for (_, p), (off, n, _) in zip(params, b.segments):
+        g = torch.randn(*p.shape[::-1]).t() if p.dim() == 2 else torch.randn(p.shape)  # a transposed one
+        p.grad = g
+        assert b.put(p) is True and p.grad.is_contiguous() and torch.equal(p.grad, g)
+        assert torch.equal(b.sent[off:off + n], g.reshape(-1).to(torch.bfloat16))
+    assert [t.data_ptr() for _, t in b.into()] == [p.grad.data_ptr() for _, p in params]
+    params[-1][1].grad.view(-1)[-1] = float("nan")
+    assert b.put(params[-1][1]) is False
+    b.send_bf16(False)
+    assert b.wire is None and b.sent is b.flat and (b.flat is None) == (len(shapes) == 1)
+    if len(shapes) > 1:
+        assert b.put(params[0][1]) is True and b.flat.dtype == torch.float32
+    with pytest.raises(ValueError, match="only fp32 CPU"):
+        _Bucket([("h", torch.nn.Parameter(torch.zeros(4, dtype=torch.float16)))]).send_bf16(True)
