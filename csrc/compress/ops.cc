@@ -220,9 +220,11 @@ bool copy_finite(float* out, const float* in, size_t n) {
 }
 
 // bf16 rounding of fp32 bits: the top half after adding 0x7fff plus the kept half's lowest bit
-// (to nearest, ties to even). Only finite inputs are sent (copy_finite_bf16's check), so the sum
-// cannot carry out of a NaN's bits into something that matters.
+// (to nearest, ties to even). A NaN becomes 0x7fc0 (c10::BFloat16's): rounded, its bits could carry into
+// Inf or wrap around to zero (0xffffffff), and the optimizer finds a bad gradient in the bucket
+// by looking for NaN/Inf there.
 constexpr uint32_t kFirstBf16Overflow = 0x7f7f8000u;  // the smallest |x| bits that round to Inf
+constexpr uint32_t kBf16NaN = 0x7fc0u;
 
 bool copy_finite_bf16(uint16_t* out, const float* in, size_t n) {
   const bool finite = chunks_finite(n, [&](size_t i, size_t e) {
@@ -231,8 +233,11 @@ bool copy_finite_bf16(uint16_t* out, const float* in, size_t n) {
     vuint m0 = {};
     for (; i + V <= e; i += V) {
       const vuint v = vload_bits(in + i);
-      m0 = vmax(m0, v & kAbsBits);
-      const vhalf h = __builtin_convertvector((v + (((v >> 16) & 1u) + 0x7fffu)) >> 16, vhalf);
+      const vuint a = v & kAbsBits;
+      m0 = vmax(m0, a);
+      const vuint nan = reinterpret_cast<vuint>(a > kFirstNonFinite);  // all ones where NaN
+      const vuint r = (v + (((v >> 16) & 1u) + 0x7fffu)) >> 16;
+      const vhalf h = __builtin_convertvector((r & ~nan) | (kBf16NaN & nan), vhalf);
       std::memcpy(out + i, &h, sizeof h);
     }
     uint32_t m = hmax(m0);
@@ -240,7 +245,8 @@ bool copy_finite_bf16(uint16_t* out, const float* in, size_t n) {
       uint32_t u;
       std::memcpy(&u, in + i, sizeof u);
       m = std::max(m, u & kAbsBits);
-      out[i] = static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7fffu)) >> 16);
+      out[i] = static_cast<uint16_t>((u & kAbsBits) > kFirstNonFinite ? kBf16NaN
+                                                                       : (u + (((u >> 16) & 1u) + 0x7fffu)) >> 16);
     }
     // chunks_finite compares with the first NaN/Inf: lift a value that overflows bf16 to it
     return m >= kFirstBf16Overflow ? kFirstNonFinite : m;

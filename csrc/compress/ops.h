@@ -53,8 +53,8 @@ void add(float* y, const float* x, size_t n);
 // its fusion bucket and the non-finite check of it in one pass over memory, where the check
 // would be a second pass (a sum) over the bucket. out must not overlap in.
 bool copy_finite(float* out, const float* in, size_t n);
-// out[i] = in[i] rounded to bf16 (to nearest, ties to even: torch's .to(torch.bfloat16) bit for
-// bit on finite values), and whether every element sent is finite: no NaN or Inf in, and none
+// out[i] = in[i] rounded to bf16 (to nearest, ties to even: torch's .to(torch.bfloat16) bit for bit
+// on numbers; a NaN as 0x7fc0), and whether every element sent is finite: no NaN or Inf in, and none
 // too large for bf16 (|x| >= 0x7f7f8000 as bits rounds to Inf). A gradient's copy into a bucket
 // that travels as bf16 is then also its cast, one pass where a copy and a cast were two.
 bool copy_finite_bf16(uint16_t* out, const float* in, size_t n);

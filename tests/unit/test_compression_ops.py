@@ -282,8 +282,9 @@ def test_copy_finite_copies_and_finds_every_nan_and_inf(n, threads):
 @pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 1000, 65536 + 17, 200003])
 def test_copy_finite_bf16_is_torchs_cast_and_finds_what_would_not_be_finite(n, threads):
     """The copy is torch's fp32 -> bf16 cast bit for bit (ties to even, denormals, -0.0, values
-    that round up to the largest bf16), and the answer is False exactly where an element is NaN,
-    +-Inf or so large that bf16 rounds it to Inf (|x| bits >= 0x7f7f8000), wherever it lies."""
+    that round up to the largest bf16), a NaN or Inf stays one, and the answer is False exactly
+    where an element is NaN, +-Inf or so large that bf16 rounds it to Inf (|x| bits >= 0x7f7f8000),
+    wherever it lies."""
     rng = np.random.default_rng(n)
     x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 10)).astype(np.float32)  # all far below fp32 max
     special = np.array([0x3f808000, 0x3f818000, 0x7f7f7fff, 0x00018000, 0x80008000, 0x00000001],
@@ -294,11 +295,18 @@ def test_copy_finite_bf16_is_torchs_cast_and_finds_what_would_not_be_finite(n, t
     assert _C.ops_copy_finite_bf16(out.data_ptr(), ptr(x), n) is True
     assert torch.equal(out[:n].view(torch.int16), torch.from_numpy(x).to(torch.bfloat16).view(torch.int16))
     overflow = np.array([0x7f7f8000, 0xff7f8000, 0x7f7fffff], np.uint32).view(np.float32)
+    nans = np.array([0xffffffff, 0x7f800001, 0x7fffffff, 0xff808000], np.uint32).view(np.float32)  # bits that round off
     for at in sorted({0, n // 2, n - 1}) if n else []:
-        for bad in (np.nan, np.inf, -np.inf, np.float32(np.nan) * -1, *overflow):
+        for bad in (np.nan, np.inf, -np.inf, np.float32(np.nan) * -1, *nans, *overflow):
             y = x.copy()
             y[at] = bad
             assert _C.ops_copy_finite_bf16(out.data_ptr(), ptr(y), n) is False, (at, bad)
+            # a NaN stays a NaN, whatever its bits (rounded, 0xffffffff would wrap around to +0.0), and
+            # Inf stays Inf, so the bucket's check finds them; every other element is torch's cast
+            assert not torch.isfinite(out[at].float()), (at, bad)
+            rest = torch.arange(n) != at
+            want = torch.from_numpy(x).to(torch.bfloat16)[rest]
+            assert torch.equal(out[:n][rest].view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1000, 70001])
