@@ -11,7 +11,7 @@ For one gradient (or fused bucket) on every rank:
   2. average    (compute) divide by N (op=Average); with op=Sum the allreduce is the last task
 With ``into`` (the optimizer's fused gradients, each with its offset in ``flat``), step 2 writes
 sum / N straight into them, one pass, where an average in ``flat`` and a copy back would be two;
-``flat`` then holds the sum (fp32 on the wire) or is left as it was (bf16).
+``flat`` then holds the sum where it was sent itself, or is left as it was (cast to bf16 first).
 With ``wire=torch.bfloat16`` (a plan's choice where it pays: half the bytes) a ``flat`` already
 in bf16 (the optimizer's buckets of fp32 gradients, cast as they are copied in: _Bucket.send_bf16)
 is sent as it is, and any other is cast to bf16 by a task before step 1; step 2 copies the bf16
