@@ -158,11 +158,16 @@ class _Bucket:
             self.wire, self._wire_views = None, {}
             self._fp32_buffer()
             return
-        if any(p.dtype != torch.float32 or p.device.type != "cpu" for _, p in self.params):
+        if not self.fp32_cpu:
             raise ValueError(f"bucket {self.name}: only fp32 CPU gradients are cast to bf16 in their copy")
         self.wire = torch.zeros(self.numel, dtype=torch.bfloat16)
         self._wire_views = {id(p): self.wire[o:o + p.numel()] for o, (_, p) in zip(self.offsets, self.params)}
         self.flat, self._views = None, {}
+
+    @property
+    def fp32_cpu(self) -> bool:
+        """Whether every parameter is an fp32 CPU tensor: what send_bf16's cast in the copy takes."""
+        return all(p.dtype == torch.float32 and p.device.type == "cpu" for _, p in self.params)
 
     @property
     def sent(self) -> torch.Tensor:
@@ -957,8 +962,7 @@ class _HipressOptimizer:
         # under dear the sync casts them (hipress.sync.allreduce)
         for b in self._hp_buckets:
             b.send_bf16(self._hp_plain16 is not None and self._hp_dear is None and self._hp_transport.size > 1
-                        and self._hp_route(b)[0] is self._hp_plain16
-                        and all(p.dtype == torch.float32 and p.device.type == "cpu" for _, p in b.params))
+                        and self._hp_route(b)[0] is self._hp_plain16 and b.fp32_cpu)
         self._hp_filled: Dict["_Bucket", int] = {}  # this step's gradients in each bucket
         self._hp_held: List["_Bucket"] = []  # full buckets of a step COVAP profiles, sent together (_hp_submit)
         self._hp_found_finite: Dict["_Bucket", int] = {}  # of those, how many its copy found finite (put)

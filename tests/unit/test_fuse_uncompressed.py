@@ -132,6 +132,8 @@ def test_the_plan_sends_uncompressed_gradients_as_bf16_where_it_pays():
     assert plan["tiny"].bf16 and plan["tiny"].t_orig == pytest.approx(6 * 1001 + 5.08)  # 4 bytes fewer, no pass more
     pinned = make_plan([("big", 4000)], model, Overrides(force={"big": False}, bf16=False))
     assert not pinned["big"].bf16 and pinned["big"].t_orig == pytest.approx(6 * (1000 + 1000) + (5 + 40))
+    always = make_plan([("tiny", 8)], model, Overrides(force={"tiny": False}, bf16=True))
+    assert always["tiny"].bf16 and always["tiny"].t_orig == pytest.approx(6 * 1001 + 5.08)
     # a compressed entry is never bf16, though its uncompressed branch would be
     squeezed = make_plan([("big", 4000)], model, Overrides(force={"big": True}))
     assert squeezed["big"].compress and not squeezed["big"].bf16
