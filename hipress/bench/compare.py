@@ -42,7 +42,9 @@ optimizer update with synchronization off (measured on all ranks at once, so wit
 same CPU contention); exposed communication = step - compute; compression = hipress
 engine compute-queue busy seconds per step (may overlap backward). In the stacked plot
 compression is capped at the exposed time and the rest of the exposed time is "other
-exposed communication".
+exposed communication". ``spread``: (fastest - slowest) / median of a system's repeats' samples/s,
+so that a reader sees how far apart two medians must be to differ (one system's repeats here
+often span 5-10%, and a job's first repeat can be slower still: docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 from hipress.bench.common import machine_info, markdown_table
 from hipress.bench.train import parse_system
@@ -280,6 +282,8 @@ def summarize(records: List[dict], bandwidths: Sequence[str], systems: Sequence[
             if s.startswith("hipress-dear") and row["comm_busy_s"] and row["ff_s"]:
                 _eq6(row, ok[0]["np"])
             row["throughput_all"] = [r["throughput"] for r in ok]
+            if len(ok) > 1:
+                row["spread"] = (max(row["throughput_all"]) - min(row["throughput_all"])) / row["throughput"]
             exposed = row["exposed_comm_s"] or 0.0
             row["compression_stack_s"] = min(row["compression_s"] or 0.0, exposed)
             row["comm_stack_s"] = exposed - row["compression_stack_s"]
@@ -443,7 +447,7 @@ def goals(model: str, rows: List[dict], bandwidths: Sequence[str]) -> List[dict]
 
 
 COLUMNS = ["bandwidth", "system", "throughput", "x_ddp", "x_compute", "step_ms", "compute_ms", "compression_ms",
-           "exposed_comm_ms", "cpu_ms", "cpu_compute_ms", "speedup", "eq6_bound", "runs", "note"]
+           "exposed_comm_ms", "cpu_ms", "cpu_compute_ms", "speedup", "eq6_bound", "runs", "spread", "note"]
 
 
 def table(rows: List[dict]) -> str:
@@ -460,6 +464,7 @@ def table(rows: List[dict]) -> str:
                 v[k] = f"{r[k]:.2f}"
         for k in ("speedup", "eq6_bound"):  # hipress-dear rows (paper 001 eq. 6)
             v[k] = f"{r[k]:.2f}" if r.get(k) is not None else ""
+        v["spread"] = f"{100 * r['spread']:.0f}%" if r.get("spread") is not None else ""
         view.append(v)
     return markdown_table(view, COLUMNS)
 

@@ -139,6 +139,16 @@ def test_summary_reports_compute_fraction_and_covap_interval():
     assert rows["hipress-covap"]["x_ddp"] == pytest.approx(2.5)
     assert rows["hipress-covap"]["note"] == "interval 4 at CCR 3.21"
     assert "interval 4 at CCR 3.21" in table(list(rows.values()))
+    assert "spread" not in rows["ddp"]  # one run: no spread
+
+
+def test_summary_reports_the_spread_of_repeats():
+    from hipress.bench.compare import summarize, table
+
+    recs = [{"system": "ddp", "bandwidth": "1gbit", "step_s": 1.0, "throughput": tp} for tp in (100.0, 90.0, 110.0)]
+    row, = summarize(recs, ["1gbit"], ["ddp"])
+    assert row["throughput"] == 100.0 and row["spread"] == pytest.approx(0.2)
+    assert "| 3 | 20% |" in table([row])
 
 
 def test_parse_system_names():
