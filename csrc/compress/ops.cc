@@ -226,6 +226,12 @@ bool copy_finite(float* out, const float* in, size_t n) {
 constexpr uint32_t kFirstBf16Overflow = 0x7f7f8000u;  // the smallest |x| bits that round to Inf
 constexpr uint32_t kBf16NaN = 0x7fc0u;
 
+// That rounding, of one element's bits (uint32_t) or of a vector's (vuint): one formula for both loops.
+template <class Bits>
+inline Bits round_to_bf16_bits(Bits v) {
+  return (v + (((v >> 16) & 1u) + 0x7fffu)) >> 16;
+}
+
 bool copy_finite_bf16(uint16_t* out, const float* in, size_t n) {
   const bool finite = chunks_finite(n, [&](size_t i, size_t e) {
     constexpr size_t V = kVecFloats;
@@ -236,17 +242,16 @@ bool copy_finite_bf16(uint16_t* out, const float* in, size_t n) {
       const vuint a = v & kAbsBits;
       m0 = vmax(m0, a);
       const vuint nan = reinterpret_cast<vuint>(a > kFirstNonFinite);  // all ones where NaN
-      const vuint r = (v + (((v >> 16) & 1u) + 0x7fffu)) >> 16;
-      const vhalf h = __builtin_convertvector((r & ~nan) | (kBf16NaN & nan), vhalf);
+      const vhalf h = __builtin_convertvector((round_to_bf16_bits(v) & ~nan) | (kBf16NaN & nan), vhalf);
       std::memcpy(out + i, &h, sizeof h);
     }
     uint32_t m = hmax(m0);
     for (; i < e; ++i) {
       uint32_t u;
       std::memcpy(&u, in + i, sizeof u);
-      m = std::max(m, u & kAbsBits);
-      out[i] = static_cast<uint16_t>((u & kAbsBits) > kFirstNonFinite ? kBf16NaN
-                                                                       : (u + (((u >> 16) & 1u) + 0x7fffu)) >> 16);
+      const uint32_t a = u & kAbsBits;
+      m = std::max(m, a);
+      out[i] = static_cast<uint16_t>(a > kFirstNonFinite ? kBf16NaN : round_to_bf16_bits(u));
     }
     // chunks_finite compares with the first NaN/Inf: lift a value that overflows bf16 to it
     return m >= kFirstBf16Overflow ? kFirstNonFinite : m;
