@@ -27,6 +27,8 @@ group; hipress wraps it), each on a freshly built model with the same seed:
                            --tune-trials, --tune-window, --tune-warmup, --tune-min-bytes set its knobs)
   <hipress system>-b<MiB>  the same with a fixed bucket_bytes of that many MiB (e.g. hipress-dear-b4,
                            hipress-ring-none-b0.5): a sweep of these gives the best fixed buffer
+  <hipress system>-p<MiB>  any hipress system without a plan, with partition_bytes=<MiB> MiB (-p0: None, one
+                           partition per bucket: PS's layout before it spread large buckets over its ranks)
   <hipress system>-coord   any hipress system above with coordinator=True (the global coordinator;
                            uncompressed buckets go beside it, through the backend's allreduce)
   hipress-covap            hipress.DistributedOptimizer(compression="covap") (docs/covap.md: interval
@@ -88,10 +90,18 @@ def parse_system(name: str) -> dict:
     """'hipress-ps-onebit-plan' -> {'kind': 'hipress', 'strategy': 'ps', 'compression': 'onebit', 'plan': 'auto'};
     a hipress system's name may end in -tune (bucket_bytes="tune") or -b<MiB> (a fixed bucket_bytes):
     'hipress-dear-b4' -> {..., 'strategy': 'dear', 'compression': 'none', 'plan': None, 'bucket_bytes': 4194304};
-    then -coord (coordinator=True): 'hipress-auto-coord' -> {..., 'coordinator': True}."""
+    then -p<MiB> (partition_bytes; -p0: None, one partition per bucket), then -coord (coordinator=True):
+    'hipress-auto-coord' -> {..., 'coordinator': True}."""
     coordinated = re.fullmatch(r"(hipress-.+)-coord", name)
     if coordinated:
         return {**parse_system(coordinated[1]), "coordinator": True}
+    partitioned = re.fullmatch(r"(hipress-.+)-p(\d+(?:\.\d+)?)", name)
+    if partitioned:
+        cfg = parse_system(partitioned[1])
+        if cfg["plan"] or cfg["compression"] == "covap":
+            raise ValueError(f"system {name!r}: a plan and COVAP pick their partitions; -p<MiB> does not apply")
+        size = int(float(partitioned[2]) * 2 ** 20)
+        return {**cfg, "partition_bytes": size or None}
     bucket = re.fullmatch(r"(hipress-.+)-(tune|b(\d+(?:\.\d+)?))", name)
     if bucket and name != "hipress-covap":
         cfg = parse_system(bucket[1])
@@ -345,6 +355,8 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
     if cfg.get("coordinator"):
         kw["coordinator"] = True
     kw.update(cfg.get("covap", {}))
+    if "partition_bytes" in cfg:
+        kw["partition_bytes"] = cfg["partition_bytes"]
     if "bucket_bytes" in cfg:
         kw["bucket_bytes"] = cfg["bucket_bytes"]
         if cfg["bucket_bytes"] == "tune":

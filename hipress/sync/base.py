@@ -340,6 +340,12 @@ class Strategy:
         ``segments``, the (offset, numel, shape) of each matrix of a fused buffer)."""
         raise NotImplementedError
 
+    def spread(self, ranks: int) -> int:
+        """Over how many of the ``ranks`` a gradient's partitions share the strategy's work, so
+        that one partition per rank runs that work in parallel (PS: each partition's aggregator);
+        1: more partitions gain nothing here (the ring and allgather already spread every byte)."""
+        return 1
+
     @staticmethod
     def _each_range(ctx: SyncContext, tensor_name: str, flat: torch.Tensor, ranges: Sequence[Tuple[int, int]],
                     deps: Sequence[Handle], phase, tag: str, kw=None) -> Handle:

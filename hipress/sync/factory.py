@@ -82,6 +82,11 @@ class Sync:
     def build(self, name: str, flat: torch.Tensor, bounds: Sequence[Tuple[int, int]], **kw) -> Handle:
         return self.strategy.build(self.ctx, name, flat, bounds, **kw)
 
+    @property
+    def spread(self) -> int:
+        """Over how many ranks a gradient's partitions share the work (Strategy.spread)."""
+        return self.strategy.spread(self.ctx.size)
+
     def reserve(self, name: str, bounds: Sequence[Tuple[int, int]]) -> None:
         self.strategy.reserve(self.ctx, name, bounds)
 

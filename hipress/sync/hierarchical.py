@@ -39,6 +39,9 @@ class HierarchicalStrategy(Strategy):
         self.average = average
         self.local_sum = local_sum if local_sum is not None else RingStrategy(average=False)
 
+    def spread(self, ranks: int) -> int:
+        return self.cross.spread(self.world_size // self.local_ctx.size)  # over one rank per host
+
     def reserve(self, ctx: SyncContext, tensor_name: str, bounds: Sequence[Tuple[int, int]]) -> None:
         if self.cross_ctx is not None:
             self.cross.reserve(self.cross_ctx, tensor_name, bounds)

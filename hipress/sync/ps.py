@@ -61,6 +61,9 @@ class PSStrategy(Strategy):
                 self._owner[key] = a
         return [self._owner[key] for key, _ in parts]
 
+    def spread(self, ranks: int) -> int:
+        return ranks
+
     @staticmethod
     def _parts(tensor_name: str, bounds) -> List[Tuple[str, int, int]]:
         return [(f"{tensor_name}/p{i}", s, e) for i, (s, e) in enumerate(bounds) if e > s]

@@ -286,7 +286,7 @@ class HookState:
         for j, o in zip(canon, hb.offsets):
             canon_offsets[j] = o
         lay = _Layout(hb, ddp_offsets, canon_offsets, [p.numel() for p in params],
-                      bucket_bounds(hb, self.partition_bytes, self._split_tensors))
+                      bucket_bounds(hb, self.partition_bytes, self._split_tensors, self._sync.spread))
         if lay.identity:
             hb.flat = None  # synced in DDP's buffer (when it is fp32)
         self._layouts[key] = lay

@@ -74,6 +74,11 @@ Sum = "sum"
 PLAIN_BUCKET_BYTES = 25 << 20
 COMPRESSED_BUCKET_BYTES = 4 << 20
 BUCKET_BYTES = 1 << 20
+# A bucket of at least this many fp32 bytes per rank gets one partition per rank where the
+# strategy spreads partitions (PS: one aggregator each; bucket_bounds). One aggregator for a
+# large gradient receives N - 1 payloads and sends N - 1 while the other links idle
+# (docs/benchmarks.md, "One aggregator per rank for a large gradient").
+SPREAD_PARTITION_BYTES = 1 << 20
 
 
 def auto_bucket_bytes(compression, strategy: str = "auto", planned: bool = False,
@@ -429,13 +434,17 @@ def splits_tensors(compressor, strategy: str) -> bool:
     return compressor.category == "quantization" and STRATEGIES[strategy].frames_partitions
 
 
-def bucket_bounds(bucket: _Bucket, partition_bytes: Optional[int], split_tensors: bool) -> List[Tuple[int, int]]:
+def bucket_bounds(bucket: _Bucket, partition_bytes: Optional[int], split_tensors: bool,
+                  spread: int = 1) -> List[Tuple[int, int]]:
     """The partitions of a bucket without a plan: as many as make each at most
-    ``partition_bytes`` (None or 0: one), cut at its tensors' boundaries if ``split_tensors``.
-    Functions of their own (with :func:`fusion_buckets`) because the convergence bench's
-    reference simulator compresses the same partitions."""
+    ``partition_bytes`` (None or 0: one, whatever ``spread``), and at least one per rank of the
+    ``spread`` (Sync.spread: PS's aggregators) that keeps each of SPREAD_PARTITION_BYTES; cut at
+    its tensors' boundaries if ``split_tensors``. Functions of their own (with
+    :func:`fusion_buckets`) because the convergence bench's reference simulator compresses the
+    same partitions."""
     numel = bucket.numel
-    k = max(1, math.ceil(4 * numel / partition_bytes)) if partition_bytes else 1
+    k = max(1, math.ceil(4 * numel / partition_bytes), min(spread, 4 * numel // SPREAD_PARTITION_BYTES)) \
+        if partition_bytes else 1
     bounds = chunk_bounds(numel, max(1, min(k, numel)))
     return split_at(bounds, [off for off, _, _ in bucket.segments]) if split_tensors else bounds
 
@@ -1299,7 +1308,8 @@ class _HipressOptimizer:
             entry = self._hp_plan.entry(bucket.name, bucket.numel)
             sync = self._hp_compressed if entry.compress else self._hp_plain16 if entry.bf16 else self._hp_plain
             return sync, entry.bounds(bucket.numel)
-        return self._hp_compressed, bucket_bounds(bucket, self._hp_partition_bytes, self._hp_split_tensors)
+        return self._hp_compressed, bucket_bounds(bucket, self._hp_partition_bytes, self._hp_split_tensors,
+                                                  self._hp_compressed.spread)
 
     def _hp_layout_kw(self, sync) -> dict:
         """The checking round of the step's next sync. The step's first one, where it is the
@@ -2076,7 +2086,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     queues the all-gathers and returns, and each bucket's parameters are updated by this
     optimizer just before their first use in the next forward (forward pre-hooks on ``model``'s
     modules); synchronize() and state_dict() first apply what is pending. partition_bytes: gradients larger than this are
-    split into partitions that pipeline independently (None: never).
+    split into partitions that pipeline independently (None: never); under PS without a plan, a bucket of at least
+    1 MiB per rank is also split into one partition per rank, so every rank aggregates a share of it.
     local_aggregation: "auto" (default) reduces uncompressed among ranks of one host and
     compresses only across hosts, when there are several hosts with several ranks each;
     True/False force it on/off.

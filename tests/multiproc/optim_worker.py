@@ -22,13 +22,13 @@ DEVICE = device()
 
 
 class Uneven(nn.Module):
-    def __init__(self):
+    def __init__(self, big_numel: int = 2000):
         super().__init__()
         self.a = nn.Linear(7, 13)
         self.b = nn.Linear(13, 1)  # 13 weights and a single-element bias
         self.empty = nn.Parameter(torch.empty(0))
         self.unused = nn.Parameter(torch.ones(3))  # never gets a gradient
-        self.big = nn.Parameter(torch.randn(2000) * 0.01)
+        self.big = nn.Parameter(torch.randn(big_numel) * 0.01)
 
     def forward(self, x):
         return self.b(torch.tanh(self.a(x))).squeeze(1) + (self.big[:7] * x).sum(1) + self.empty.sum()
@@ -55,8 +55,8 @@ def main():
     results = []
     for cfg in configs:
         torch.manual_seed(0)
-        model = Uneven().to(DEVICE)
-        ref_model = Uneven().to(DEVICE)
+        model = Uneven(cfg.get("big_numel", 2000)).to(DEVICE)
+        ref_model = Uneven(cfg.get("big_numel", 2000)).to(DEVICE)
         ref_model.load_state_dict(model.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: parameters stay, gradients are compared
         plan = None

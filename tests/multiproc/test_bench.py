@@ -180,10 +180,14 @@ def test_parse_system_names():
                                                   "plan": None, "coordinator": True}
     assert parse_system("hipress-ring-auto")["strategy"] == "ring"
     assert parse_system("hipress-ps-onebit-b4-coord")["bucket_bytes"] == 4 << 20
+    assert parse_system("hipress-ps-terngrad-p0-coord") == {"kind": "hipress", "strategy": "ps",
+                                                            "compression": "terngrad", "plan": None,
+                                                            "partition_bytes": None, "coordinator": True}
+    assert parse_system("hipress-ps-dgc-b4-p2")["partition_bytes"] == 2 << 20
     assert parse_system("overlap-limit") == {"kind": "overlap-limit", "fraction": 1.0}
     assert parse_system("overlap-limit-0.25") == {"kind": "overlap-limit", "fraction": 0.25}
     for name in ("hipress-ring-tbq-plan-tune", "hipress-covap-tune", "hipress-covap-bf16-b4", "hipress-dear-b0",
-                 "ddp-tune",
+                 "ddp-tune", "hipress-ps-tbq-plan-p0", "hipress-covap-p0", "ddp-p0",
                  "overlap-limit-0", "overlap-limit-x", "overlap-limit-tune", "ddp-coord", "hipress-coord-tune"):
         with pytest.raises(ValueError):
             parse_system(name)

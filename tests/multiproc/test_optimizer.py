@@ -10,6 +10,7 @@ import torch
 from hipress import compression
 from hipress.launch import run
 from hipress.sync import StateStore, reference
+from hipress.torch.optimizer import SPREAD_PARTITION_BYTES
 from worker_common import run_ranks_by_hand
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -114,6 +115,22 @@ def test_algorithms_match_reference(tmp_path, np):
     configs = [{"compression": a, "strategy": s, "kwargs": kw, "steps": 2, "partition_bytes": 2048}
                for a, kw in ALGORITHMS.items() for s in ("ring", "ps", "allgather")]
     check_against_reference(launch(tmp_path, np, configs), np)
+
+
+def test_ps_spreads_a_large_gradient_over_every_rank(tmp_path):
+    """Without a plan, a gradient of at least SPREAD_PARTITION_BYTES per rank gets one PS partition
+    per rank, each aggregated by a different rank (not all of it by one), and every rank still gets
+    the reference's result."""
+    np = 3
+    big = 3 * SPREAD_PARTITION_BYTES // 4 + 5
+    configs = [{"compression": a, "strategy": "ps", "kwargs": ALGORITHMS[a], "steps": 2, "bucket_bytes": 0,
+                "big_numel": big} for a in ("terngrad", "onebit", "dgc")]
+    results = launch(tmp_path, np, configs)
+    check_against_reference(results, np)
+    for cfg_res in results[0]:
+        (b,) = [b for b in cfg_res["buckets"] if b["name"] == "big"]
+        assert len(b["bounds"]) == np and b["bounds"][-1][1] == big
+        assert sorted(cfg_res["owners"][f"big/p{i}"] for i in range(np)) == list(range(np))
 
 
 @pytest.mark.mpi

@@ -172,6 +172,33 @@ def test_buckets_fill_by_bytes_sent():
     assert layout(compression="powersgd") == [["0.weight"], [f"{i}.weight" for i in range(8, 0, -1)]]
 
 
+def test_ps_spreads_a_large_gradient_over_one_aggregator_per_rank():
+    """Without a plan, PS gives a bucket one partition per rank (each of at least
+    SPREAD_PARTITION_BYTES), so every rank aggregates a share of it; partition_bytes still caps
+    a partition's size, None still means one partition; the ring and allgather keep one."""
+    from hipress.sync import STRATEGIES
+    from hipress.sync.hierarchical import HierarchicalStrategy
+    from hipress.torch.optimizer import SPREAD_PARTITION_BYTES, _Bucket, bucket_bounds
+
+    def bucket(numel):
+        return _Bucket([("w", torch.nn.Parameter(torch.zeros(numel)))])
+
+    big = 8 * SPREAD_PARTITION_BYTES // 4  # 8 spread units of fp32
+    assert STRATEGIES["ps"]().spread(4) == 4
+    assert STRATEGIES["ring"]().spread(4) == STRATEGIES["allgather"]().spread(4) == 1
+    assert len(bucket_bounds(bucket(big), 64 << 20, False, spread=4)) == 4
+    assert bucket_bounds(bucket(big), 64 << 20, False, spread=4)[0] == (0, big // 4)
+    assert len(bucket_bounds(bucket(big), 64 << 20, False, spread=16)) == 8  # each keeps its minimum
+    assert len(bucket_bounds(bucket(big // 8 - 1), 64 << 20, False, spread=4)) == 1
+    assert len(bucket_bounds(bucket(big), 64 << 20, False, spread=1)) == 1
+    assert len(bucket_bounds(bucket(big), 2 * SPREAD_PARTITION_BYTES, False, spread=2)) == 4  # the cap
+    assert len(bucket_bounds(bucket(big), None, False, spread=4)) == 1
+    # local aggregation: PS runs over one rank per host, so it spreads over the hosts
+    local = mock.Mock(size=4)
+    assert HierarchicalStrategy(STRATEGIES["ps"](average=False), local, None, 16).spread(4) == 4
+    assert HierarchicalStrategy(STRATEGIES["ring"](average=False), local, None, 16).spread(4) == 1
+
+
 def test_transport_that_cannot_carry_cpu_payloads_is_refused(model):
     """A world transport on a CUDA device (NCCL) cannot move hipress's CPU payloads: the
     optimizer says so up front instead of failing inside the first step."""
