@@ -76,9 +76,10 @@ COMPRESSED_BUCKET_BYTES = 4 << 20
 BUCKET_BYTES = 1 << 20
 # A bucket of at least this many fp32 bytes per rank gets one partition per rank where the
 # strategy spreads partitions (PS: one aggregator each; bucket_bounds). One aggregator for a
-# large gradient receives N - 1 payloads and sends N - 1 while the other links idle
-# (docs/benchmarks.md, "One aggregator per rank for a large gradient").
-SPREAD_PARTITION_BYTES = 1 << 20
+# large gradient receives N - 1 payloads and sends N - 1 while the other links idle; smaller
+# buckets gain less than their extra partitions cost (docs/benchmarks.md, "One aggregator per
+# rank for a large gradient": VGG19-like PS 1.29x at 1 Gbit/s; at 10 Gbit/s 1.01x, 0.96x with 1 MiB).
+SPREAD_PARTITION_BYTES = 4 << 20
 
 
 def auto_bucket_bytes(compression, strategy: str = "auto", planned: bool = False,
@@ -2087,7 +2088,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     optimizer just before their first use in the next forward (forward pre-hooks on ``model``'s
     modules); synchronize() and state_dict() first apply what is pending. partition_bytes: gradients larger than this are
     split into partitions that pipeline independently (None: never); under PS without a plan, a bucket of at least
-    1 MiB per rank is also split into one partition per rank, so every rank aggregates a share of it.
+    4 MiB per rank is also split into one partition per rank, so every rank aggregates a share of it.
     local_aggregation: "auto" (default) reduces uncompressed among ranks of one host and
     compresses only across hosts, when there are several hosts with several ranks each;
     True/False force it on/off.
