@@ -156,7 +156,8 @@ VARIABLES: Sequence[Var] = (
        "threads of the CompLL kernels (<= 0: all hardware threads); read by the C++ pool "
        "(`csrc/compress/thread_pool.cc`) and checked when `hipress.compression` imports"),
     _V("HIPRESS_TIMELINE", _text, None,
-       "path of a Chrome trace of every engine task (one row per queue, plus gradient-ready events); "
+       "path of a Chrome trace of every engine task (one row per queue, plus gradient-ready events and "
+       "the coordinator's slots); "
        "`{rank}` in it is replaced by the rank (the launcher's, or `init()`'s)",
        shown_default="off"),
     _V("HIPRESS_PROFILE_DIR", _text, None, "where `plan=\"auto\"` caches its profiles",

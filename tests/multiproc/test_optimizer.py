@@ -1,6 +1,7 @@
 """DistributedOptimizer with real ranks (local processes over gloo; MPI where present)."""
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -192,6 +193,26 @@ def test_timeline_shows_overlap(tmp_path):
 
     compute = [e for e in sl if e["tid"] == 0 and e["name"].split(".")[0] in ("encode", "merge", "decode")]
     assert any(overlaps(c, m) for c in compute for m in comms), "communication never overlapped compression"
+
+
+def test_timeline_shows_the_coordinators_slots(tmp_path):
+    """With the coordinator, the timeline has a row of its slots: each one's wait for this rank's
+    payloads, then its exchange, naming the peers and the bytes moved."""
+    path = tmp_path / "tl.{rank}.json"
+    env = dict(os.environ, HIPRESS_TIMELINE=str(path))
+    cmd = [sys.executable, os.path.join(HERE, "timeline_worker.py"), "tbq", "coordinator"]
+    code, logs = run(cmd, 2, timeout=180, quiet=True, env=env)
+    assert code == 0, "\n".join(logs)[-4000:]
+    events = json.loads((tmp_path / "tl.0.json").read_text())
+    assert {"name": "thread_name", "ph": "M", "pid": 0, "tid": 4,
+            "args": {"name": "coordinator slots"}} in events
+    slots = [e for e in events if e["ph"] == "X" and e["tid"] == 4]
+    waits = {int(m[1]): e for e in slots if (m := re.fullmatch(r"slot (\d+): waits for payloads", e["name"]))}
+    moves = {int(m[1]): (e, int(m[2])) for e in slots
+             if (m := re.fullmatch(r"slot (\d+): to \[1?\] from \[1?\], (\d+) bytes", e["name"]))}
+    assert len(waits) + len(moves) == len(slots) and moves and set(moves) == set(waits)
+    assert all(e["ts"] >= waits[k]["ts"] + waits[k]["dur"] - 1 for k, (e, _) in moves.items())
+    assert sum(b for _, b in moves.values()) > 2 * (8 << 20) // 32  # > one step's TBQ payload: 2 bits of 8 MiB fp32
 
 
 def test_parameters_differing_across_ranks_are_rejected():

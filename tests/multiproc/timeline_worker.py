@@ -9,6 +9,7 @@ import hipress
 
 def main():
     compression = sys.argv[1]
+    coordinator = sys.argv[2:] == ["coordinator"]
     hipress.init()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -17,7 +18,8 @@ def main():
         layers += [nn.Linear(512, 512), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Linear(512, 10))
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                       named_parameters=model.named_parameters(), compression=compression)
+                                       named_parameters=model.named_parameters(), compression=compression,
+                                       coordinator=coordinator)
     for step in range(3):
         x = torch.randn(512, 512)
         opt.zero_grad()

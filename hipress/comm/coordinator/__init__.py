@@ -11,6 +11,7 @@ socket is opened and only ranks of this job take part.
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 from typing import List
 
@@ -30,12 +31,27 @@ def start(world_transport, **kw) -> Executor:
     data = world_transport.split(0, key=world_transport.rank)
     # The control rounds get their own duplicate and thread where the backend can run both at once.
     control = world_transport.split(0, key=world_transport.rank) if world_transport.concurrent_splits else None
-    ex = Executor(data, control, **kw)
+    ex = Executor(data, control, trace=_timeline(), **kw)
     with _lock:
         if not _executors:
             world.on_shutdown(shutdown_all)
         _executors.append(ex)
     return ex
+
+
+TIMELINE_ROW = 4  # the engine's timeline: 0 and 1 its queues, 2 backward, 3 dear
+
+
+def _timeline():
+    """Where HIPRESS_TIMELINE is on, a row of the slots this rank ran: each one's wait for its own
+    payloads and its exchange."""
+    from hipress.engine import get_engine
+
+    engine = get_engine()
+    if not engine.timeline_enabled:
+        return None
+    engine.timeline_row(TIMELINE_ROW, "coordinator slots")
+    return functools.partial(engine.timeline_slice, TIMELINE_ROW)
 
 
 def stop(ex: Executor, timeout: float = 30.0) -> None:

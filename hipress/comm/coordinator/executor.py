@@ -64,6 +64,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hipress._C import now_ns
 from hipress.comm.coordinator import protocol as P
 from hipress.comm.coordinator.planner import DependencyGate, SlotPlanner
 
@@ -232,10 +233,11 @@ class PostedExchange:
 
 class Executor:
     def __init__(self, transport, control=None, idle_max_s: Optional[float] = None,
-                 every_rank_declares: bool = False):
+                 every_rank_declares: bool = False, trace: Optional[Callable[[str, int, int], None]] = None):
         """``transport``: the data's private duplicate of the world transport; ``control``: a
         second one for the rounds, run on their own thread (None: one thread runs both);
         ``every_rank_declares``: every exchange spans all ranks (see the module docstring);
+        ``trace(name, start_ns, end_ns)``: where each slot's wait and exchange go (the timeline);
         ``idle_max_s``: the longest idle sleep (None: IDLE_MAX_S, or IDLE_MAX_S_EVERY_RANK)."""
         if transport.p2p_needs_all_ranks:
             raise ValueError(f"the coordinator pairs a few ranks per slot, and the {transport.name} transport's "
@@ -244,6 +246,7 @@ class Executor:
         self.ctl = control if control is not None else transport
         self.overlap = control is not None
         self.rank, self.n = transport.rank, transport.size
+        self._trace = trace
         if idle_max_s is None:
             idle_max_s = IDLE_MAX_S_EVERY_RANK if every_rank_declares else IDLE_MAX_S
         self.idle_max_s = idle_max_s
@@ -436,6 +439,7 @@ class Executor:
         of: the sender from its batch, the receiver from the sizes at the batch's head."""
         slot, sends, recvs = part
         items: Dict[int, List[Tuple[Optional[torch.Tensor], Optional[PostedExchange]]]] = {}
+        begun = now_ns() if self._trace else 0
         if sends:
             with self._cv:  # the payloads are posted once their tasks ran (local compute, earlier slots)
                 while not all((dst, k) in self._sends for dst, (keys, _) in sends.items() for k in keys):
@@ -447,6 +451,9 @@ class Executor:
                 items = {dst: [self._sends.pop((dst, k), (None, None)) for k in keys]
                          for dst, (keys, _) in sends.items()}
                 self._in_flight = [ex for its in items.values() for _, ex in its if ex is not None]
+        if self._trace:
+            ready = now_ns()
+            self._trace(f"slot {slot}: waits for payloads", begun, ready)
         bufs = {dst: self._batch(its) for dst, its in items.items()}
         t0 = time.perf_counter()
         heads = {src: torch.empty(expected, dtype=torch.uint8) for src, (_, expected) in recvs.items()}
@@ -476,6 +483,8 @@ class Executor:
             for _, ex in its:
                 if ex is not None:
                     self._progress(ex)
+        if self._trace:
+            self._trace(f"slot {slot}: to {sorted(sends)} from {sorted(recvs)}, {moved} bytes", ready, now_ns())
 
     @staticmethod
     def _batch(items) -> torch.Tensor:
