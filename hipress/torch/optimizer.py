@@ -440,14 +440,30 @@ def bucket_bounds(bucket: _Bucket, partition_bytes: Optional[int], split_tensors
     """The partitions of a bucket without a plan: as many as make each at most
     ``partition_bytes`` (None or 0: one, whatever ``spread``), and at least one per rank of the
     ``spread`` (Sync.spread: PS's aggregators) that keeps each of SPREAD_PARTITION_BYTES; cut at
-    its tensors' boundaries if ``split_tensors``. Functions of their own (with
+    whole rows (at_rows), and at its tensors' boundaries if ``split_tensors``. Functions of their own (with
     :func:`fusion_buckets`) because the convergence bench's reference simulator compresses the
     same partitions."""
     numel = bucket.numel
     k = max(1, math.ceil(4 * numel / partition_bytes), min(spread, 4 * numel // SPREAD_PARTITION_BYTES)) \
         if partition_bytes else 1
-    bounds = chunk_bounds(numel, max(1, min(k, numel)))
+    bounds = at_rows(chunk_bounds(numel, max(1, min(k, numel))), bucket.segments)
     return split_at(bounds, [off for off, _, _ in bucket.segments]) if split_tensors else bounds
+
+
+def at_rows(bounds: List[Tuple[int, int]], segments) -> List[Tuple[int, int]]:
+    """``bounds`` with every cut inside a tensor of two or more rows moved to its nearest row
+    boundary, so that a partition of one matrix is whole rows (partition_shape: onebit's per-row
+    scales); cuts that meet leave one partition fewer."""
+    cuts = []
+    for _, c in bounds[:-1]:
+        for off, numel, shape in segments:
+            if off < c < off + numel and shape is not None and len(shape) >= 2 and shape[0] >= 2:
+                row = numel // shape[0]
+                c = off + round((c - off) / row) * row
+                break
+        cuts.append(c)
+    edges = [bounds[0][0]] + sorted(set(cuts)) + [bounds[-1][1]]
+    return [(s, e) for s, e in zip(edges[:-1], edges[1:]) if e > s]
 
 
 def _resolve_named_parameters(optimizer, named_parameters) -> List[Tuple[str, torch.nn.Parameter]]:

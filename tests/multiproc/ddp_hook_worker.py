@@ -167,7 +167,7 @@ class _Boom:
     """Stands in for the hook's sync: its task fails, or (stall) never finishes."""
 
     def __init__(self, sync, stall):
-        self.ctx, self.stall = sync.ctx, stall
+        self.ctx, self.stall, self.spread = sync.ctx, stall, sync.spread
 
     def build(self, name, flat, bounds, **kw):
         if self.stall:

@@ -193,6 +193,12 @@ def test_ps_spreads_a_large_gradient_over_one_aggregator_per_rank():
     assert len(bucket_bounds(bucket(big), 64 << 20, False, spread=1)) == 1
     assert len(bucket_bounds(bucket(big), 2 * SPREAD_PARTITION_BYTES, False, spread=2)) == 4  # the cap
     assert len(bucket_bounds(bucket(big), None, False, spread=4)) == 1
+    # a matrix is cut at whole rows, so that onebit keeps one scale per row (partition_shape)
+    from hipress.sync.base import partition_shape
+    matrix = _Bucket([("m", torch.nn.Parameter(torch.zeros(6, 700_001)))])
+    parts = bucket_bounds(matrix, 64 << 20, False, spread=4)
+    assert len(parts) == 4 and parts[-1][1] == matrix.numel
+    assert all(partition_shape(matrix.segments, s, e) is not None for s, e in parts)
     # local aggregation: PS runs over one rank per host, so it spreads over the hosts
     local = mock.Mock(size=4)
     assert HierarchicalStrategy(STRATEGIES["ps"](average=False), local, None, 16).spread(4) == 4
