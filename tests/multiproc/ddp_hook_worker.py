@@ -109,6 +109,12 @@ def train_ddp(cfg, rank, model=None, opt=None, state=None, first=0, last=None):
 
 def train_optimizer(cfg, rank):
     model = make_model()
+    if cfg.get("wrapper") == "bf16":
+        # the wrapper rounds each rank's gradients to bf16 before the hook compresses them: the
+        # optimizer compresses the same values, or onebit's sign of an element near zero (after its
+        # error feedback) may differ, by 2 x its scale x lr
+        for p in model.parameters():
+            p.register_hook(lambda g: g.to(torch.bfloat16).to(g.dtype))
     passes = 2 if cfg.get("accumulate") else 1
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=cfg.get("momentum", 0),
                                                        weight_decay=cfg.get("weight_decay", 0.0)),
