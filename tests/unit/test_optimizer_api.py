@@ -177,6 +177,7 @@ def test_ps_spreads_a_large_gradient_over_one_aggregator_per_rank():
     SPREAD_PARTITION_BYTES), so every rank aggregates a share of it; partition_bytes still caps
     a partition's size, None still means one partition; the ring and allgather keep one."""
     from hipress.sync import STRATEGIES
+    from hipress.sync.base import partition_shape
     from hipress.sync.hierarchical import HierarchicalStrategy
     from hipress.torch.optimizer import SPREAD_PARTITION_BYTES, _Bucket, bucket_bounds
 
@@ -194,7 +195,6 @@ def test_ps_spreads_a_large_gradient_over_one_aggregator_per_rank():
     assert len(bucket_bounds(bucket(big), 2 * SPREAD_PARTITION_BYTES, False, spread=2)) == 4  # the cap
     assert len(bucket_bounds(bucket(big), None, False, spread=4)) == 1
     # a matrix is cut at whole rows, so that onebit keeps one scale per row (partition_shape)
-    from hipress.sync.base import partition_shape
     matrix = _Bucket([("m", torch.nn.Parameter(torch.zeros(6, 700_001)))])
     parts = bucket_bounds(matrix, 64 << 20, False, spread=4)
     assert len(parts) == 4 and parts[-1][1] == matrix.numel
