@@ -86,6 +86,15 @@ def known_frames(sent: Dict[int, Optional[int]], received: Dict[int, Optional[in
     return sent, received
 
 
+def row_length(numel: int, shape) -> int:
+    """A tensor's row: the elements after its first dimension; 0 where it has no rows (fewer than
+    two dimensions, or none in the first). Where partitions may cut (bucket_bounds' at_rows) and
+    what a partition of whole rows is (partition_shape) read it here."""
+    if shape is None or len(shape) < 2 or not shape[0]:
+        return 0
+    return numel // int(shape[0])
+
+
 def partition_shape(segments, s: int, e: int) -> Optional[Tuple[int, int]]:
     """The shape (rows, row length) of the partition [s, e) of a fused buffer when it is whole rows of
     one tensor of two or more dimensions (a row: the elements after the first dimension), else None.
@@ -93,10 +102,8 @@ def partition_shape(segments, s: int, e: int) -> Optional[Tuple[int, int]]:
     A compressor with per-row values (onebit) gets it through ``new_state(numel, shape)``."""
     for off, numel, shape in segments or ():
         if off <= s and e <= off + numel:
-            if shape is None or len(shape) < 2 or not shape[0] or e <= s:
-                return None
-            row = numel // int(shape[0])
-            if row and (s - off) % row == 0 and (e - s) % row == 0:
+            row = row_length(numel, shape)
+            if row and e > s and (s - off) % row == 0 and (e - s) % row == 0:
                 return ((e - s) // row, row)
             return None
     return None

@@ -55,6 +55,7 @@ from hipress.planner import Overrides, Plan, chunk_bounds, fastest_plan, make_pl
 from hipress.planner.online import profile_online
 from hipress.planner.profile import Profile
 from hipress.sync import STRATEGIES, StateStore, make_sync, resolve_strategy, use_local_aggregation
+from hipress.sync.base import row_length
 from hipress.torch import adasum, bucket_tuner, clipping, covap, dear, momentum, nonfinite, state_layout
 from hipress.torch.collectives import Adasum
 from hipress.torch.nonfinite import NonFiniteGradientError, NonFiniteGradientWarning  # noqa: F401 (re-exported)
@@ -457,8 +458,8 @@ def at_rows(bounds: List[Tuple[int, int]], segments) -> List[Tuple[int, int]]:
     cuts = []
     for _, c in bounds[:-1]:
         for off, numel, shape in segments:
-            if off < c < off + numel and shape is not None and len(shape) >= 2 and shape[0] >= 2:
-                row = numel // shape[0]
+            row = row_length(numel, shape) if off < c < off + numel else 0
+            if row and row < numel:  # two rows or more
                 c = off + round((c - off) / row) * row
                 break
         cuts.append(c)
