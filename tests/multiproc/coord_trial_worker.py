@@ -9,15 +9,15 @@ and the config's ``coordinator`` (True, False or "auto"), ``strategy`` and ``com
 step time of the mode in force, times (1 + rank / 4), so the slowest rank's objective is known
 in advance. ``plan_seconds`` ({"plain": s, "model": s}): plan="auto" beside it, its two
 candidates measured over 2 steps each with the same fake clock, which moves by the plan's time
-on top (TBQ forced on a.weight and b.weight in the model's plan). ``save_at``: after that step,
-a checkpoint (model and optimizer state_dict) is loaded
-into a fresh model and optimizer of the same options, which train the remaining steps. ``join``:
+on top (TBQ forced on a.weight and b.weight in the model's plan, one partition each, nothing as
+bf16). ``save_at``: after that step, a checkpoint (model and optimizer state_dict) is loaded into a
+fresh model and optimizer of the same options, which train the remaining steps. ``join``:
 join() tried at step 1 (its error recorded) and called by every rank after the last step.
 
 Recorded: the mode in force at each step, the parameters after each step, the trial's state at
 the end, whether the optimizer still holds coordinated exchanges and how many coordinator
-executors this config left running in this process, and the PS aggregators chosen (layout_state). Saves
-OUT_DIR/rank{r}.pt.
+executors this config left running in this process, the PS aggregators chosen (layout_state) and
+the model plan's entries. Saves OUT_DIR/rank{r}.pt.
 """
 import json
 import os
@@ -48,7 +48,11 @@ def batch(rank, step):
 
 
 def make(cfg, model, clock):
-    plan = (Overrides(force={"a.weight": True, "b.weight": True}, measure=2) if cfg.get("plan_seconds") else None)
+    # K and the bf16 choice pinned: the model would take them from the profile, which the configs after
+    # the first load from its cache, or measure anew where the link seems changed (a loaded machine),
+    # and a plan that differed from the reference's would change the bits compared
+    plan = (Overrides(force={"a.weight": True, "b.weight": True}, max_partitions=1, bf16=False, measure=2)
+            if cfg.get("plan_seconds") else None)
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(), compression=cfg["compression"],
                                        strategy=cfg["strategy"], coordinator=cfg["coordinator"], bucket_bytes=0,
@@ -96,6 +100,8 @@ def run(cfg, rank):
     trial = opt.coordinator_trial
     rec["trial"] = None if trial is None else {"seconds": dict(trial.seconds), "chosen": trial.chosen}
     rec["plan"] = None if opt.plan_trial is None else opt.plan_trial.chosen
+    model_plan = opt._hp_plans.get("model")
+    rec["model_plan"] = None if model_plan is None else [(e.name, e.compress, e.k, e.bf16) for e in model_plan]
     rec["coordinated"] = opt._hp_coordinated is not None
     rec["executors"] = len(coordinator._executors) - executors
     rec["aggregators"] = opt._hp_compressed.layout_state().get("aggregators", {})

@@ -106,6 +106,7 @@ def test_beside_plan_auto_the_kept_plan_is_the_off_measurement(results):
             # compressed buckets through the coordinator, uncompressed ones beside it: the bits of the
             # same job with the coordinator off, after every step
             ref = results[r][PLANNED + 3]
+            assert rec["model_plan"] == ref["model_plan"]
             for step in range(PLAN_STEPS):
                 for name, t in ref["params"][step].items():
                     assert torch.equal(rec["params"][step][name], t), f"{sec}: rank {r} step {step} {name}"
