@@ -143,6 +143,7 @@ class CppTarget:
             # starts at +0.0, so adding +0.0 for a dropped element changes nothing); user-defined
             # functions are pure, so evaluating the value of a dropped element is harmless.
             if r != "count" and ety == "float":  # reduce_chunks' sum below, vectorised: the same double
+                g.idioms.append(f"reduce({r}) of floats -> hp::sum_floats")
                 red = (f"hp::sum_floats({n}, [&]([[maybe_unused]] size_t i) -> float {{ return {val}; }}, "
                        f"[&]([[maybe_unused]] size_t i) -> bool {{ return {keep}; }})")
             else:
