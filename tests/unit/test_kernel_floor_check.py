@@ -82,7 +82,7 @@ def fake_bench(encode_gbs):
 
 @pytest.mark.parametrize("onebit_gbs, exit_code", [(10.0, None), (1.0, 1)])
 def test_cli_check_exit_status_and_json(monkeypatch, tmp_path, onebit_gbs, exit_code):
-    bench_size, calls = fake_bench({"onebit": onebit_gbs, "terngrad-2bit": 8.0, "powersgd-r4": 6.0})
+    bench_size, calls = fake_bench({**{label: 8.0 for label in K.FLOORS}, "onebit": onebit_gbs})  # every floor met but onebit's
     monkeypatch.setattr(K, "bench_size", bench_size)
     out = tmp_path / "k.json"
     argv = ["--sizes", "16,64", "--threads", "1", "--runs", "3", "--check", "--out", str(out)]
@@ -109,7 +109,7 @@ def test_cli_rejects_bad_runs_and_check_without_one_thread(monkeypatch, tmp_path
 
 
 def test_cli_only_floored_passes_the_floored_labels_and_rejects_unknown(monkeypatch, tmp_path):
-    bench_size, calls = fake_bench({"onebit": 10.0, "terngrad-2bit": 8.0, "powersgd-r4": 6.0})
+    bench_size, calls = fake_bench({label: 8.0 for label in K.FLOORS})
     monkeypatch.setattr(K, "bench_size", bench_size)
     K.main(["--sizes", "16", "--threads", "1", "--only", "floored", "--check", "--out", str(tmp_path / "k.json")])
     assert calls and all(c[1] == set(K.FLOORS) for c in calls)
