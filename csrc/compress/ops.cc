@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -927,12 +928,50 @@ void dequantize_table(const uint8_t* packed, size_t n, int bits, const float* ta
 }
 
 // ---- sort / filter ----------------------------------------------------------
+namespace {
+// The k-th largest (1 <= k <= n) of n magnitudes' bits, get(i) = |x_i|'s bits (sign cleared): as integers
+// they are ordered as the magnitudes (a NaN above inf), so a radix selection finds the k-th exactly, the
+// value std::nth_element with std::greater finds (without NaNs). Three histograms, of the top 11 bits,
+// the next 11 and the last 9: the first over all n, the others over the elements of the bin that holds
+// the k-th (copied out in a second pass). nth_element took 60% of DGC's encode at its warm-up's 25%
+// density (docs/compll_kernels.md).
+template <class Get>
+uint32_t kth_largest_bits(size_t n, size_t k, Get get) {
+  std::vector<uint32_t> hist(2048, 0);
+  for (size_t i = 0; i < n; ++i) ++hist[get(i) >> 20];
+  // the bin holding the k-th largest, and the k-th's rank among its bin's elements (1-based)
+  auto pick = [&](size_t bins, size_t& rank) {
+    for (size_t b = bins; b-- > 0;) {
+      if (rank <= hist[b]) return static_cast<uint32_t>(b);
+      rank -= hist[b];
+    }
+    return uint32_t{0};  // not reached: the bins hold n >= rank elements
+  };
+  size_t rank = k;
+  const uint32_t top = pick(2048, rank);
+  std::vector<uint32_t> bin;
+  bin.reserve(hist[top]);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t v = get(i);
+    if ((v >> 20) == top) bin.push_back(v);
+  }
+  std::fill(hist.begin(), hist.end(), 0);
+  for (uint32_t v : bin) ++hist[(v >> 9) & 0x7ff];
+  const uint32_t mid = pick(2048, rank);
+  std::fill(hist.begin(), hist.end(), 0);
+  for (uint32_t v : bin)
+    if (((v >> 9) & 0x7ff) == mid) ++hist[v & 0x1ff];
+  const uint32_t low = pick(512, rank);
+  return (top << 20) | (mid << 9) | low;
+}
+}  // namespace
+
 float kth_largest_abs(const float* in, size_t n, size_t k) {
   if (k == 0 || k > n) throw std::invalid_argument("kth_largest_abs: need 1 <= k <= n");
-  std::vector<float> a(n);
-  for (size_t i = 0; i < n; ++i) a[i] = std::fabs(in[i]);
-  std::nth_element(a.begin(), a.begin() + (k - 1), a.end(), std::greater<float>());
-  return a[k - 1];
+  const uint32_t bits = kth_largest_bits(n, k, [&](size_t i) { return float_bits(in[i]) & 0x7fffffffu; });
+  float t;
+  std::memcpy(&t, &bits, sizeof t);
+  return t;
 }
 
 namespace {
@@ -947,14 +986,23 @@ void scan_abs_ge(const float* in, size_t b, size_t e, float thr, F&& hit) {
     constexpr size_t kBlock = 4 * kVecFloats;
     const vint tb = vint{} + static_cast<int32_t>(float_bits(thr));
     for (; i + kBlock <= e; i += kBlock) {
+      vint lanes[kBlock / kVecFloats];
       vint any = {};
       for (size_t j = 0; j < kBlock; j += kVecFloats)
-        any |= (reinterpret_cast<vint>(vload(in + i + j)) & 0x7fffffff) >= tb;
+        any |= lanes[j / kVecFloats] = (reinterpret_cast<vint>(vload(in + i + j)) & 0x7fffffff) >= tb;
       bool some = false;
       for (size_t l = 0; l < kVecFloats; ++l) some |= any[l] != 0;
       if (!some) continue;
-      for (size_t j = i; j < i + kBlock; ++j)
-        if (std::fabs(in[j]) >= thr) hit(j);  // (> 0 as thr is)
+      // only the lanes that passed, lowest first (a per-element loop over the block mispredicted its
+      // branch at DGC's warm-up densities); each checked as a float too (a NaN's bits pass, it does not)
+      for (size_t j = 0; j < kBlock; j += kVecFloats) {
+        uint32_t mask = 0;
+        for (size_t l = 0; l < kVecFloats; ++l) mask |= static_cast<uint32_t>(lanes[j / kVecFloats][l] != 0) << l;
+        for (; mask; mask &= mask - 1) {
+          const size_t at = i + j + static_cast<size_t>(__builtin_ctz(mask));
+          if (std::fabs(in[at]) >= thr) hit(at);  // (> 0 as thr is)
+        }
+      }
     }
   }
   for (; i < e; ++i) {
@@ -996,26 +1044,31 @@ size_t filter_abs_ge(const float* in, size_t n, float thr, uint32_t* idx, float*
 }
 
 namespace {
+// One element of the top-k's final pass (ascending indices): taken if its magnitude a is above the k-th
+// largest t, or equal to it while equal ones are still wanted (the lowest indices win ties). Written
+// at out unconditionally and counted only if taken: no branch to mispredict where many are taken (at
+// DGC's 25% warm-up density a quarter are); the caller stops at out == k, so out < k here.
+inline void take_if_top(float a, float t, size_t& eq_left, uint32_t i, float v, uint32_t* idx, float* val,
+                        size_t& out) {
+  const bool above = a > t;
+  const bool take = above | ((a == t) & (eq_left > 0));
+  eq_left -= static_cast<size_t>(take & !above);
+  idx[out] = i;
+  val[out] = v;
+  out += take;
+}
 // From candidates (ascending indices, a superset of every element >= the k-th
 // largest magnitude), keep the exact top-k with lowest-index tie breaking.
 size_t select_topk_from(const float* in, const uint32_t* cidx, size_t ccount, size_t k, uint32_t* idx, float* val) {
   std::vector<float> mags(ccount);
   for (size_t j = 0; j < ccount; ++j) mags[j] = std::fabs(in[cidx[j]]);
-  std::vector<float> tmp(mags);
-  std::nth_element(tmp.begin(), tmp.begin() + (k - 1), tmp.end(), std::greater<float>());
-  const float t = tmp[k - 1];
+  const uint32_t tb = kth_largest_bits(ccount, k, [&](size_t j) { return float_bits(mags[j]); });
+  float t;
+  std::memcpy(&t, &tb, sizeof t);
   size_t gt = 0;
   for (size_t j = 0; j < ccount; ++j) gt += mags[j] > t;
   size_t eq_left = k - gt, out = 0;
-  for (size_t j = 0; j < ccount; ++j) {
-    bool take = mags[j] > t || (mags[j] == t && eq_left > 0);
-    if (mags[j] == t && eq_left > 0 && !(mags[j] > t)) --eq_left;
-    if (take) {
-      idx[out] = cidx[j];
-      val[out] = in[cidx[j]];
-      ++out;
-    }
-  }
+  for (size_t j = 0; j < ccount && out < k; ++j) take_if_top(mags[j], t, eq_left, cidx[j], in[cidx[j]], idx, val, out);
   return out;
 }
 }  // namespace
@@ -1044,25 +1097,19 @@ size_t topk_abs_exact(const float* in, size_t n, size_t k, uint32_t* idx, float*
     std::nth_element(sm.begin(), sm.begin() + (r - 1), sm.end(), std::greater<float>());
     float thr = sm[r - 1];
     size_t cap = 8 * k + 1024;
-    std::vector<uint32_t> cidx(cap);
-    std::vector<float> cval(cap);
-    size_t cnt = filter_abs_ge(in, n, thr, cidx.data(), cval.data(), cap);
-    if (cnt >= k && cnt <= cap) return select_topk_from(in, cidx.data(), cnt, k, idx, val);
+    // not zero-filled (a vector's would be: 16 MB at 6.25% of 4 Mi elements, more than the filter)
+    std::unique_ptr<uint32_t[]> cidx(new uint32_t[cap]);
+    std::unique_ptr<float[]> cval(new float[cap]);
+    size_t cnt = filter_abs_ge(in, n, thr, cidx.get(), cval.get(), cap);
+    if (cnt >= k && cnt <= cap) return select_topk_from(in, cidx.get(), cnt, k, idx, val);
   }
   // Fallback: exact threshold over everything.
   float t = kth_largest_abs(in, n, k);
   size_t gt = 0;
   for (size_t i = 0; i < n; ++i) gt += std::fabs(in[i]) > t;
   size_t eq_left = k - gt, out = 0;
-  for (size_t i = 0; i < n && out < k; ++i) {
-    float a = std::fabs(in[i]);
-    if (a > t || (a == t && eq_left > 0)) {
-      if (!(a > t)) --eq_left;
-      idx[out] = static_cast<uint32_t>(i);
-      val[out] = in[i];
-      ++out;
-    }
-  }
+  for (size_t i = 0; i < n && out < k; ++i)
+    take_if_top(std::fabs(in[i]), t, eq_left, static_cast<uint32_t>(i), in[i], idx, val, out);
   return out;
 }
 

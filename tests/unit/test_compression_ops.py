@@ -75,7 +75,9 @@ def test_reduce_minmax_and_sign_sums(n, threads):
     assert ns == pytest.approx(x[neg].astype(np.float64).sum(), rel=1e-12, abs=1e-9)
 
 
-@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 1), (5000, 5), (100000, 100), (100000, 1000), (4097, 4097)])
+# densities from 0.1% to DGC's warm-up's 25% (the radix selection's bins, the sampled filter's dense blocks)
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 1), (5000, 5), (100000, 100), (100000, 1000), (4097, 4097),
+                                 (200003, 3125), (100000, 6250), (100000, 25000)])
 @pytest.mark.parametrize("sample", [0, 2048])
 def test_topk_exact_with_ties(n, k, sample, threads):
     rng = np.random.default_rng(n + k)
@@ -89,6 +91,23 @@ def test_topk_exact_with_ties(n, k, sample, threads):
     assert got == k
     np.testing.assert_array_equal(idx, ridx)
     np.testing.assert_array_equal(val, rval)
+
+
+@pytest.mark.parametrize("n,sample", [(257, 0), (5000, 2048)])
+def test_topk_every_k(n, sample):
+    """Every k of one tensor (the exact path below 4096 elements, the sampled one above): the k-th
+    largest is somewhere the last of its radix bin, or the first, or shares it with its ties."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(np.float32)
+    x[rng.integers(0, n, n // 10)] = -1.25  # ties, across the sign
+    x[rng.integers(0, n, n // 10)] = 1.25
+    for k in range(1, (n if n < 4096 else n // 8) + 1):
+        idx = np.zeros(k, np.uint32)
+        val = np.zeros(k, np.float32)
+        assert _C.ops_topk_abs(ptr(x), n, k, ptr(idx), ptr(val), sample, 1, 0) == k
+        ridx, rval = ref.topk_abs_exact(x, k)
+        np.testing.assert_array_equal(idx, ridx, err_msg=f"k={k}")
+        np.testing.assert_array_equal(val, rval, err_msg=f"k={k}")
 
 
 def test_topk_constant_tensor_takes_lowest_indices():
