@@ -167,8 +167,9 @@ def test_training_matches_ddp(tmp_path, strategy):
 
 
 def test_timeline_shows_overlap(tmp_path):
-    """Encodes of later layers run while earlier layers are still in backward, and
-    communication overlaps compression (read from rank 0's Chrome trace)."""
+    """Encodes of later layers run while earlier layers are still in backward, and so does their
+    communication (read from rank 0's Chrome trace; the worker's first layer, the last gradient, comes
+    0.2 s late, so that holds under any load)."""
     path = tmp_path / "tl.{rank}.json"
     env = dict(os.environ, HIPRESS_TIMELINE=str(path))
     cmd = [sys.executable, os.path.join(HERE, "timeline_worker.py"), "tbq"]
@@ -187,12 +188,11 @@ def test_timeline_shows_overlap(tmp_path):
     first_grad = [grads[i]["ts"] for i in range(0, len(grads) - n_params + 1, n_params)]
     early = [e for e in encodes for a, b in zip(first_grad, ends_of_backward) if a <= e["ts"] < b]
     assert early, "no encode task started while backward was still running"
-
-    def overlaps(a, b):
-        return min(a["ts"] + a["dur"], b["ts"] + b["dur"]) > max(a["ts"], b["ts"])
-
-    compute = [e for e in sl if e["tid"] == 0 and e["name"].split(".")[0] in ("encode", "merge", "decode")]
-    assert any(overlaps(c, m) for c in compute for m in comms), "communication never overlapped compression"
+    # (whether an exchange overlaps an encode or decode depends on their durations: TBQ's encodes got
+    # 9x faster and under load one run saw none overlap; an exchange inside backward is the overlap
+    # that hides communication)
+    inside = [m for m in comms for a, b in zip(first_grad, ends_of_backward) if a <= m["ts"] < b]
+    assert inside, "no communication started while backward was still running"
 
 
 def test_timeline_shows_the_coordinators_slots(tmp_path):
