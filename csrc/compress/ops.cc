@@ -933,10 +933,10 @@ namespace {
 // they are ordered as the magnitudes (a NaN above inf), so a radix selection finds the k-th exactly, the
 // value std::nth_element with std::greater finds (without NaNs). Three histograms, of the top 11 bits,
 // the next 11 and the last 9: the first over all n, the others over the elements of the bin that holds
-// the k-th (copied out in a second pass). nth_element took 60% of DGC's encode at its warm-up's 25%
-// density (docs/compll_kernels.md).
+// the k-th (copied out in a second pass); returned as the float those bits are. nth_element took 60% of
+// DGC's encode at its warm-up's 25% density (docs/compll_kernels.md).
 template <class Get>
-uint32_t kth_largest_bits(size_t n, size_t k, Get get) {
+float kth_largest_magnitude(size_t n, size_t k, Get get) {
   std::vector<uint32_t> hist(2048, 0);
   for (size_t i = 0; i < n; ++i) ++hist[get(i) >> 20];
   // the bin holding the k-th largest, and the k-th's rank among its bin's elements (1-based)
@@ -962,16 +962,16 @@ uint32_t kth_largest_bits(size_t n, size_t k, Get get) {
   for (uint32_t v : bin)
     if (((v >> 9) & 0x7ff) == mid) ++hist[v & 0x1ff];
   const uint32_t low = pick(512, rank);
-  return (top << 20) | (mid << 9) | low;
+  const uint32_t bits = (top << 20) | (mid << 9) | low;
+  float t;
+  std::memcpy(&t, &bits, sizeof t);
+  return t;
 }
 }  // namespace
 
 float kth_largest_abs(const float* in, size_t n, size_t k) {
   if (k == 0 || k > n) throw std::invalid_argument("kth_largest_abs: need 1 <= k <= n");
-  const uint32_t bits = kth_largest_bits(n, k, [&](size_t i) { return float_bits(in[i]) & 0x7fffffffu; });
-  float t;
-  std::memcpy(&t, &bits, sizeof t);
-  return t;
+  return kth_largest_magnitude(n, k, [&](size_t i) { return float_bits(in[i]) & 0x7fffffffu; });
 }
 
 namespace {
@@ -1057,18 +1057,16 @@ inline void take_if_top(float a, float t, size_t& eq_left, uint32_t i, float v, 
   val[out] = v;
   out += take;
 }
-// From candidates (ascending indices, a superset of every element >= the k-th
+// From candidates (ascending indices cidx, their values cval: a superset of every element >= the k-th
 // largest magnitude), keep the exact top-k with lowest-index tie breaking.
-size_t select_topk_from(const float* in, const uint32_t* cidx, size_t ccount, size_t k, uint32_t* idx, float* val) {
+size_t select_topk_from(const uint32_t* cidx, const float* cval, size_t ccount, size_t k, uint32_t* idx, float* val) {
   std::vector<float> mags(ccount);
-  for (size_t j = 0; j < ccount; ++j) mags[j] = std::fabs(in[cidx[j]]);
-  const uint32_t tb = kth_largest_bits(ccount, k, [&](size_t j) { return float_bits(mags[j]); });
-  float t;
-  std::memcpy(&t, &tb, sizeof t);
+  for (size_t j = 0; j < ccount; ++j) mags[j] = std::fabs(cval[j]);
+  const float t = kth_largest_magnitude(ccount, k, [&](size_t j) { return float_bits(mags[j]); });
   size_t gt = 0;
   for (size_t j = 0; j < ccount; ++j) gt += mags[j] > t;
   size_t eq_left = k - gt, out = 0;
-  for (size_t j = 0; j < ccount && out < k; ++j) take_if_top(mags[j], t, eq_left, cidx[j], in[cidx[j]], idx, val, out);
+  for (size_t j = 0; j < ccount && out < k; ++j) take_if_top(mags[j], t, eq_left, cidx[j], cval[j], idx, val, out);
   return out;
 }
 }  // namespace
@@ -1101,7 +1099,7 @@ size_t topk_abs_exact(const float* in, size_t n, size_t k, uint32_t* idx, float*
     std::unique_ptr<uint32_t[]> cidx(new uint32_t[cap]);
     std::unique_ptr<float[]> cval(new float[cap]);
     size_t cnt = filter_abs_ge(in, n, thr, cidx.get(), cval.get(), cap);
-    if (cnt >= k && cnt <= cap) return select_topk_from(in, cidx.get(), cnt, k, idx, val);
+    if (cnt >= k && cnt <= cap) return select_topk_from(cidx.get(), cval.get(), cnt, k, idx, val);
   }
   // Fallback: exact threshold over everything.
   float t = kth_largest_abs(in, n, k);
