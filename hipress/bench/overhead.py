@@ -13,8 +13,10 @@ forward too; a system whose step leaves work in flight ends its block by waiting
 in opt.step: dear's ``synchronize()``, its last step's all-gathers and updates, and COVAP's local
 mode's parameter averages, ``hipress.comm.world.quiesce()``; without that, the next system's block
 would hide them), and every rank's CPU time per step, of the whole process (every thread)
-and of the training thread alone. Where the first system is DDP, a ``compute-only`` row runs its
-model under ``no_sync()`` (no communication at all): the limit every system is measured against.
+and of the training thread alone, and the other threads' CPU by what they run (the engine's compute
+and communication queues, the backend's threads, the rest: ``THREADS``). Where the first system is
+DDP, a ``compute-only`` row runs its model under ``no_sync()`` (no communication at all): the limit
+every system is measured against.
 Where ranks outnumber cores (this 2-core machine runs 4), a framework's own work costs throughput
 one for one, and CPU time shows it with far less noise than wall time.
 
@@ -36,12 +38,41 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_SYSTEMS = "ddp,ddp-fp16,hipress-ring-none,hipress-auto"
 COMPUTE_ONLY = "compute-only"  # the base DDP model under no_sync(): the limit with no communication
 PHASES = ("forward_s", "backward_s", "opt_step_s")  # wall time per step in each, mean over ranks
+# CPU time per step of the threads beside the training thread, mean over ranks, by what they run:
+# the engine's two queues (threads named in csrc/engine/engine.cc), the backend's own threads
+# (gloo's), and the rest (torch's, the coordinator's Python threads, ...). Linux (/proc) only.
+THREADS = ("engine_compute_cpu_s", "engine_comm_cpu_s", "backend_cpu_s", "other_cpu_s")
+
+
+def thread_cpu_ns(training_tid: int) -> list:
+    """CPU nanoseconds so far of this process's threads, summed per entry of THREADS (the training
+    thread, ``training_tid``, left out); zeros where /proc/self/task cannot be read. A thread that
+    ends within a block takes its time with it, so a block's figures may miss a little."""
+    out = [0] * len(THREADS)
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        if int(tid) == training_tid:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])  # time on a CPU, ns
+        except (OSError, ValueError, IndexError):  # ended since the listing
+            continue
+        i = {"hipress-compute": 0, "hipress-comm": 1}.get(name, 2 if "gloo" in name else 3)
+        out[i] += ns
+    return out
 
 
 def _hook_probe(opt, step) -> dict:
@@ -98,6 +129,7 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
     x, y = spec.batch(spec.batch_size, torch.Generator().manual_seed(1000 + rank))
     runs = {}
     phases = [0.0, 0.0, 0.0]  # this block's forward, backward and opt.step() wall seconds
+    training_tid = threading.get_native_id()
 
     def timed_step(net, opt, sync=None):
         t0 = time.perf_counter()
@@ -129,19 +161,21 @@ def worker(model_name: str, systems: list, blocks: int, steps: int, out: str) ->
         dist.barrier()
         phases[:] = [0.0, 0.0, 0.0]
         t, c, m = time.perf_counter(), time.process_time(), time.thread_time()
+        th = thread_cpu_ns(training_tid)
         for _ in range(n):
             runs[s]["step"]()
         if runs[s].get("drain") is not None:
             t3 = time.perf_counter()
             runs[s]["drain"]()
             phases[2] += time.perf_counter() - t3
-        mine = torch.tensor([time.perf_counter() - t, time.process_time() - c, time.thread_time() - m] + phases,
-                            dtype=torch.float64) / n
-        every = [torch.zeros(6, dtype=torch.float64) for _ in range(size)]
+        threads = [(b - a) / 1e9 for a, b in zip(th, thread_cpu_ns(training_tid))]
+        mine = torch.tensor([time.perf_counter() - t, time.process_time() - c, time.thread_time() - m] + phases
+                            + threads, dtype=torch.float64) / n
+        every = [torch.zeros(len(mine), dtype=torch.float64) for _ in range(size)]
         dist.all_gather(every, mine)
         return {"step_s": max(float(e[0]) for e in every), "cpu_s": sum(float(e[1]) for e in every) / size,
                 "main_cpu_s": sum(float(e[2]) for e in every) / size,
-                **{k: sum(float(e[3 + i]) for e in every) / size for i, k in enumerate(PHASES)}}
+                **{k: sum(float(e[3 + i]) for e in every) / size for i, k in enumerate(PHASES + THREADS)}}
 
     def warming(r, steps):
         """Whether a system still measures a choice: plan="auto"'s and coordinator="auto"'s trials, COVAP's
@@ -182,7 +216,7 @@ def summarize(res: dict, systems: list) -> list:
     rows = []
     for s in res.get("systems", systems):
         row = {"system": s}
-        for k in ("step_s", "cpu_s", "main_cpu_s") + PHASES:
+        for k in ("step_s", "cpu_s", "main_cpu_s") + PHASES + THREADS:
             row[k] = statistics.median(b[k] for b in res["blocks"][s])
         row.update(res["hook"].get(s, {}))
         rows.append(row)
@@ -195,13 +229,16 @@ def summarize(res: dict, systems: list) -> list:
 
 def table(rows: list, base: str) -> str:
     head = ["system", "step ms", f"x {base}", "forward / backward / opt.step ms", "cpu ms/step", f"cpu over {base} ms",
-            "training-thread cpu ms", "hook us/gradient", "hook ms/step"]
+            "training-thread cpu ms", "engine compute / comm, backend, other threads cpu ms", "hook us/gradient",
+            "hook ms/step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         hook = (f"{r['hook_us_per_gradient']:.1f}", f"{r['hook_ms_per_step']:.2f}") if "hook_ms_per_step" in r else ("", "")
         split = " / ".join(f"{1e3 * r[k]:.1f}" for k in PHASES) if PHASES[0] in r else ""
+        compute, comm, backend, other = (f"{1e3 * r[k]:.1f}" for k in THREADS)
+        threads = f"{compute} / {comm}, {backend}, {other}"
         lines.append(f"| {r['system']} | {1e3 * r['step_s']:.1f} | {r['x_base']:.3f} | {split} | {1e3 * r['cpu_s']:.1f} | "
-                     f"{r['cpu_over_base_ms']:+.1f} | {1e3 * r['main_cpu_s']:.1f} | {hook[0]} | {hook[1]} |")
+                     f"{r['cpu_over_base_ms']:+.1f} | {1e3 * r['main_cpu_s']:.1f} | {threads} | {hook[0]} | {hook[1]} |")
     return "\n".join(lines)
 
 
