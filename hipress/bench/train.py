@@ -30,7 +30,9 @@ group; hipress wraps it), each on a freshly built model with the same seed:
   <hipress system>-p<MiB>  any hipress system without a plan, with partition_bytes=<MiB> MiB (-p0: None, one
                            partition per bucket: PS's layout before it spread large buckets over its ranks)
   <hipress system>-coord   any hipress system above with coordinator=True (the global coordinator;
-                           uncompressed buckets go beside it, through the backend's allreduce)
+                           uncompressed buckets go beside it, through the backend's allreduce);
+                           -nocoord: coordinator=False (hipress-auto-nocoord: compression="auto" without
+                           coordinator="auto"'s trial)
   hipress-covap            hipress.DistributedOptimizer(compression="covap") (docs/covap.md: interval
                            "auto", profiled by COVAP's distributed profiler, sharding on)
   hipress-covap-bf16       the same with wire="bf16" (its parameter averages as bf16 differences)
@@ -90,11 +92,11 @@ def parse_system(name: str) -> dict:
     """'hipress-ps-onebit-plan' -> {'kind': 'hipress', 'strategy': 'ps', 'compression': 'onebit', 'plan': 'auto'};
     a hipress system's name may end in -tune (bucket_bytes="tune") or -b<MiB> (a fixed bucket_bytes):
     'hipress-dear-b4' -> {..., 'strategy': 'dear', 'compression': 'none', 'plan': None, 'bucket_bytes': 4194304};
-    then -p<MiB> (partition_bytes; -p0: None, one partition per bucket), then -coord (coordinator=True):
-    'hipress-auto-coord' -> {..., 'coordinator': True}."""
-    coordinated = re.fullmatch(r"(hipress-.+)-coord", name)
+    then -p<MiB> (partition_bytes; -p0: None, one partition per bucket), then -coord (coordinator=True)
+    or -nocoord (coordinator=False): 'hipress-auto-coord' -> {..., 'coordinator': True}."""
+    coordinated = re.fullmatch(r"(hipress-.+)-(no)?coord", name)
     if coordinated:
-        return {**parse_system(coordinated[1]), "coordinator": True}
+        return {**parse_system(coordinated[1]), "coordinator": not coordinated[2]}
     partitioned = re.fullmatch(r"(hipress-.+)-p(\d+(?:\.\d+)?)", name)
     if partitioned:
         cfg = parse_system(partitioned[1])
@@ -146,7 +148,7 @@ def parse_system(name: str) -> dict:
                      f"hipress-covap[-bf16], hipress-bf16, "
                      f"hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, "
                      f"hipress-acpsgd, hipress-auto, hipress-dear[-<{'|'.join(DEAR_ALGOS)}>], "
-                     f"overlap-limit[-<fraction>]; a hipress system may end in -tune, -b<MiB>, then -coord")
+                     f"overlap-limit[-<fraction>]; a hipress system may end in -tune, -b<MiB>, then -coord or -nocoord")
 
 
 COVAP_MAX_WARMUP = 30  # a bound on COVAP's warm-up (settling DDP's buckets, profiling)
@@ -352,8 +354,8 @@ def _setup(system: str, cfg: dict, model: torch.nn.Module, lr: float):
         kw["plan"] = cfg["plan"]
     # strategy "dear" updates in the model's forward pre-hooks, so it takes the model itself
     kw.update({"model": model} if cfg["strategy"] == "dear" else {"named_parameters": model.named_parameters()})
-    if cfg.get("coordinator"):
-        kw["coordinator"] = True
+    if "coordinator" in cfg:
+        kw["coordinator"] = cfg["coordinator"]
     kw.update(cfg.get("covap", {}))
     if "partition_bytes" in cfg:
         kw["partition_bytes"] = cfg["partition_bytes"]

@@ -1233,19 +1233,15 @@ class _HipressOptimizer:
             trial.mark()
 
     def _hp_coord_trial_step(self) -> None:
-        """coordinator="auto"'s step hook. Beside plan="auto" it waits for the plan's choice, which
-        is made with the coordinator off, and takes the window of the plan kept as its "off"
-        measurement, so only "on" is measured after it; the uncompressed plan leaves nothing for
+        """coordinator="auto"'s step hook. Beside plan="auto" it waits for the plan's choice (made
+        with the coordinator off), then measures "off" and "on" with the plan kept, each in a
+        window of its own (hipress/torch/plan_trial.py). The uncompressed plan leaves nothing for
         the coordinator to batch (off)."""
         trial, plans = self._hp_coord_trial, self._hp_trial
         if trial.done or (plans is not None and not plans.done):
             return
-        if plans is not None and not trial.seconds:  # the plan's trial has just kept a plan
-            if plans.chosen == "plain":
-                trial.settle("off")
-            else:
-                self._hp_use_coordinator(trial.measured_first(plans.seconds["model"]) == "on")
-                trial.mark()
+        if plans is not None and plans.chosen == "plain":
+            trial.settle("off")
             return
         self._hp_trial_step(trial, lambda name: self._hp_use_coordinator(name == "on"))
 
@@ -2166,7 +2162,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     coordinator: True batches compressed gradients' communication through the global coordinator
     (hipress.comm.coordinator; uncompressed buckets go beside it, through the backend's allreduce);
     "auto" measures it off, then on, for HIPRESS_COORDINATOR_TRIAL_STEPS steps each once training
-    starts (after plan="auto"'s choice, whose window is its "off") and keeps the faster
+    starts (after plan="auto"'s choice, with the plan kept) and keeps the faster
     (``opt.coordinator_trial``; hipress/torch/plan_trial.py); None reads HIPRESS_COORDINATOR, and
     where that is unset: "auto" with compression="auto", else off.
     nonfinite: what a NaN or Inf in some rank's gradient does (hipress.torch.nonfinite). Each

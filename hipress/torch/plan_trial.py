@@ -26,16 +26,19 @@ at a step's start, with nothing in flight; what one plan leaves in compressor st
 (hipress/torch/optimizer.py, ``_hp_use_plan``), so nothing is lost in the switch.
 
 coordinator="auto" measures the same way: ``"off"`` (the direct exchanges) first, then ``"on"``
-(every exchange through the global coordinator, started at that switch), and keeps the faster
-(a tie: "off", less work per step). Whether the coordinator pays depends on the job: without
+(every exchange through the global coordinator, started at that switch), and keeps "on" only
+where it is faster by more than ``CoordinatorTrial.ON_MARGIN`` (3%): "on" is more work per step,
+and windows of 10 steps differ by that much between two runs of the same mode. Whether the
+coordinator pays depends on the job: without
 tensor fusion it ran 2.5-4x faster than off on the emulated 4-host cluster, with fusion from
 0.98x to 1.16x (docs/benchmarks.md), which no rule of thumb sorts out. Its window starts after
 ``CoordinatorTrial.WARMUP`` steps: a step is declared ahead only once two steps in a row ran the
 same exchanges (hipress/comm/coordinator/ahead.py), so the third step under it is the first of
 its steady state. Both candidates run the same syncs over other exchanges, so the switch hands
 nothing over: compressor states stay where they are. Beside plan="auto" (coordinator="auto" is
-compression="auto"'s default) it starts once the plan is kept: that plan's window, run with the
-coordinator off, is its "off" (``measured_first``), and only "on" is measured after it.
+compression="auto"'s default) it starts once the plan is kept and measures both modes with it,
+"off" too: the plan's own window ran earlier, right after the plan's switch, and in one job it
+was 11% slower than the same plan and mode in paired blocks later (docs/coordinator.md).
 """
 from __future__ import annotations
 
@@ -95,26 +98,21 @@ class PlanTrial:
         if left:
             self.in_use = left[0]
         else:
-            self.in_use = min(self.CANDIDATES, key=lambda c: self.seconds[c])  # the first of equals
+            self.in_use = self._faster()
             self.done = True
             if self.verbose and rank == 0:
                 print(self.summary(), flush=True)
         self._window.start_now()  # the decision and the switch that follows are not a step's time
         return self.in_use if self.in_use != old else None
 
+    def _faster(self) -> str:
+        """The candidate to keep, both measured: the faster (the first of equals)."""
+        return min(self.CANDIDATES, key=lambda c: self.seconds[c])
+
     def mark(self) -> None:
         """The clock restarts now (after the switch, which is not a training step)."""
         if not self.done:
             self._window.mark()
-
-    def measured_first(self, seconds: float) -> str:
-        """At a step's start: the first candidate's objective as measured elsewhere (coordinator="auto"
-        after plan="auto": the plan kept ran its window with the coordinator off). The second is
-        measured from now; returns it, to switch to."""
-        self.seconds[self.CANDIDATES[0]] = seconds
-        self.in_use = self.CANDIDATES[1]
-        self._window.start_now()
-        return self.in_use
 
     def settle(self, name: str) -> None:
         """``name`` for good, unmeasured (a checkpoint of a job that ran it alone)."""
@@ -149,11 +147,20 @@ class PlanTrial:
 
 
 class CoordinatorTrial(PlanTrial):
-    """coordinator="auto"'s measured choice (the module docstring): "off", then "on"."""
+    """coordinator="auto"'s measured choice (the module docstring): "off", then "on"; "on" is kept
+    only where it is faster by more than ON_MARGIN."""
 
     CANDIDATES = ("off", "on")
     WARMUP = 2
     WHAT = "coordinator"
+    # "on" runs the coordinator's threads and control rounds beside the same exchanges, so it must
+    # beat "off" by more than a 10-step window's noise: on VGG19-like at 1 Gbit/s (PS) the two windows
+    # of one job put either ahead by up to 5%, while paired blocks had "on" 2-7% slower (0.93-0.98x).
+    # Where the coordinator pays (no tensor fusion) it ran 2.5-4x faster (docs/coordinator.md).
+    ON_MARGIN = 0.03
+
+    def _faster(self) -> str:
+        return "on" if self.seconds["on"] < (1 - self.ON_MARGIN) * self.seconds["off"] else "off"
 
     def _kept(self) -> str:
         return f"hipress: coordinator='auto' kept the coordinator {self.in_use}"

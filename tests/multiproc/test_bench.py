@@ -178,6 +178,7 @@ def test_parse_system_names():
     assert parse_system("hipress-dear-tbq-b4")["bucket_bytes"] == 4 << 20
     assert parse_system("hipress-auto-coord") == {"kind": "hipress", "strategy": "auto", "compression": "auto",
                                                   "plan": None, "coordinator": True}
+    assert parse_system("hipress-auto-nocoord")["coordinator"] is False
     assert parse_system("hipress-ring-auto")["strategy"] == "ring"
     assert parse_system("hipress-ps-onebit-b4-coord")["bucket_bytes"] == 4 << 20
     assert parse_system("hipress-ps-terngrad-p0-coord") == {"kind": "hipress", "strategy": "ps",
@@ -188,7 +189,8 @@ def test_parse_system_names():
     assert parse_system("overlap-limit-0.25") == {"kind": "overlap-limit", "fraction": 0.25}
     for name in ("hipress-ring-tbq-plan-tune", "hipress-covap-tune", "hipress-covap-bf16-b4", "hipress-dear-b0",
                  "ddp-tune", "hipress-ps-tbq-plan-p0", "hipress-covap-p0", "ddp-p0",
-                 "overlap-limit-0", "overlap-limit-x", "overlap-limit-tune", "ddp-coord", "hipress-coord-tune"):
+                 "overlap-limit-0", "overlap-limit-x", "overlap-limit-tune", "ddp-coord", "hipress-coord-tune",
+                 "ddp-nocoord"):
         with pytest.raises(ValueError):
             parse_system(name)
 

@@ -10,8 +10,8 @@ The trial measures 2 steps per candidate after 2 warm-up steps: "off" runs steps
     through both switches) and PS's aggregators give the parameters of the same job with the
     coordinator off throughout, bit for bit, after every step;
   * a checkpoint taken in the "on" window resumes there, with the same modes and bits after it;
-  * beside plan="auto" the coordinator is measured once the plan is kept, against the kept plan's
-    own window (coordinator off), and not at all where the plan kept compresses nothing.
+  * beside plan="auto" the coordinator is measured once the plan is kept, off and then on, each
+    in a window of its own, and not at all where the plan kept compresses nothing.
 """
 import pytest
 import torch
@@ -30,9 +30,9 @@ CONFIGS += [{"strategy": "ps", "compression": "tbq", "coordinator": "auto", "ste
 CONFIGS += [{"strategy": s, "compression": "tbq", "coordinator": False, "steps": STEPS} for s in ("ps", "ring")]
 REFERENCE = {"ps": len(CONFIGS) - 2, "ring": len(CONFIGS) - 1}
 # Beside plan="auto" (its candidates measured 1 + 2 steps each: "plain" steps 0-2, "model" 3-5, the
-# choice at step 6's start): the coordinator waits for the plan kept, takes the "model" window as
-# its "off" measurement and measures "on" from step 6 (2 + 2 steps), its choice at step 10's start.
-PLAN_STEPS, PLAN_CHOICE, PLAN_COORD_CHOICE = 12, 6, 10
+# choice at step 6's start): the coordinator waits for the plan kept, then measures "off" from step 6
+# and "on" from step 10 (2 + 2 steps each), its choice at step 14's start.
+PLAN_STEPS, PLAN_COORD_SWITCH, PLAN_COORD_CHOICE = 16, 10, 14
 MODEL_FASTER, PLAIN_FASTER = {"plain": 1.0, "model": 0.5}, {"plain": 0.5, "model": 1.0}
 PLANNED = len(CONFIGS)
 CONFIGS += [{"strategy": "ps", "compression": "tbq", "coordinator": c, "steps": PLAN_STEPS, "seconds": sec,
@@ -88,18 +88,18 @@ def test_resume_in_the_on_window(results):
         assert rec["trial"]["chosen"] == "off" and not rec["coordinated"]
 
 
-def test_beside_plan_auto_the_kept_plan_is_the_off_measurement(results):
+def test_beside_plan_auto_both_modes_are_measured_with_the_kept_plan(results):
     factor = 1 + (NP - 1) / 4  # the slowest rank's
     for i, cfg in enumerate(CONFIGS[PLANNED:PLANNED + 2]):
         sec = cfg["seconds"]
         kept = min(("off", "on"), key=lambda m: sec[m])
-        want = (["off"] * PLAN_CHOICE + ["on"] * (PLAN_COORD_CHOICE - PLAN_CHOICE)
+        want = (["off"] * PLAN_COORD_SWITCH + ["on"] * (PLAN_COORD_CHOICE - PLAN_COORD_SWITCH)
                 + [kept] * (PLAN_STEPS - PLAN_COORD_CHOICE))
         for r in range(NP):
             rec = results[r][PLANNED + i]
             assert rec["plan"] == "model"
             assert rec["modes"] == want, f"{sec}: rank {r}"
-            # "off": the model plan's window (plan trial, coordinator off); "on": its own
+            # both windows run the model plan
             assert rec["trial"]["seconds"] == {m: (t + MODEL_FASTER["model"]) * factor for m, t in sec.items()}
             assert rec["trial"]["chosen"] == kept
             assert rec["coordinated"] == (kept == "on") and rec["executors"] == int(kept == "on")

@@ -108,7 +108,10 @@ def test_settle_and_bad_arguments():
 
 @pytest.mark.parametrize("seconds,kept", [({"off": 2.0, "on": 1.0}, "on"),
                                           ({"off": 1.0, "on": 2.0}, "off"),
-                                          ({"off": 1.0, "on": 1.0}, "off")])  # a tie: less work per step
+                                          ({"off": 1.0, "on": 1.0}, "off"),  # a tie: less work per step
+                                          # "on" faster by 1.6%, within ON_MARGIN (3%); by 6.25%, beyond it
+                                          ({"off": 1.0, "on": 0.984375}, "off"),
+                                          ({"off": 1.0, "on": 0.9375}, "on")])
 def test_coordinator_trial_measures_off_then_on_after_two_warmup_steps(seconds, kept):
     clock = Clock()
     trial = CoordinatorTrial(2, clock, verbose=False)
@@ -125,18 +128,3 @@ def test_coordinator_trial_measures_off_then_on_after_two_warmup_steps(seconds, 
         CoordinatorTrial(2).load_state_dict(PlanTrial(2).state_dict())
     with pytest.raises(ValueError, match="coordinator trial measures at least 1 step"):
         CoordinatorTrial(0)
-
-
-@pytest.mark.parametrize("on,kept", [(0.5, "on"), (2.0, "off"), (1.0, "off")])  # a tie: off
-def test_first_candidate_measured_elsewhere(on, kept):
-    """coordinator="auto" after plan="auto": "off" is the kept plan's window; only "on" runs its own."""
-    clock = Clock()
-    trial = CoordinatorTrial(2, clock, verbose=False)
-    clock.t = 7.0
-    assert trial.measured_first(1.0) == "on" and trial.in_use == "on" and not trial.done  # at a step's start
-    clock.t += on  # that step
-    plans, switches = run(trial, clock, {"off": 1.0, "on": on}, 8)
-    # that step and the next are the 2 warm-up ones, then 2 measured
-    assert plans[:3] == ["on"] * 3 and plans[3:] == [kept] * 5
-    assert switches == ([] if kept == "on" else [3])
-    assert trial.done and trial.seconds == {"off": 1.0, "on": on}
