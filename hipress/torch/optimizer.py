@@ -2162,8 +2162,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     coordinator: True batches compressed gradients' communication through the global coordinator
     (hipress.comm.coordinator; uncompressed buckets go beside it, through the backend's allreduce);
     "auto" measures it off, then on, for HIPRESS_COORDINATOR_TRIAL_STEPS steps each once training
-    starts (after plan="auto"'s choice, with the plan kept) and keeps the faster
-    (``opt.coordinator_trial``; hipress/torch/plan_trial.py); None reads HIPRESS_COORDINATOR, and
+    starts (after plan="auto"'s choice, with the plan kept) and keeps the faster, "on" only where
+    it wins by more than 3% (``opt.coordinator_trial``; hipress/torch/plan_trial.py); None reads HIPRESS_COORDINATOR, and
     where that is unset: "auto" with compression="auto", else off.
     nonfinite: what a NaN or Inf in some rank's gradient does (hipress.torch.nonfinite). Each
     gradient is checked before clipping, momentum correction and compression (one sum per

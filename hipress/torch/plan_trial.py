@@ -28,10 +28,10 @@ at a step's start, with nothing in flight; what one plan leaves in compressor st
 coordinator="auto" measures the same way: ``"off"`` (the direct exchanges) first, then ``"on"``
 (every exchange through the global coordinator, started at that switch), and keeps "on" only
 where it is faster by more than ``CoordinatorTrial.ON_MARGIN`` (3%): "on" is more work per step,
-and windows of 10 steps differ by that much between two runs of the same mode. Whether the
-coordinator pays depends on the job: without
-tensor fusion it ran 2.5-4x faster than off on the emulated 4-host cluster, with fusion from
-0.98x to 1.16x (docs/benchmarks.md), which no rule of thumb sorts out. Its window starts after
+and the two 10-step windows of one plan and mode (off) in a job differed by 1.7% and 2.7% in two
+jobs. Whether the coordinator pays depends on the job: without tensor fusion it ran 2.5-4x
+faster than off on the emulated 4-host cluster, with fusion from 0.98x to 1.16x
+(docs/benchmarks.md), which no rule of thumb sorts out. Its window starts after
 ``CoordinatorTrial.WARMUP`` steps: a step is declared ahead only once two steps in a row ran the
 same exchanges (hipress/comm/coordinator/ahead.py), so the third step under it is the first of
 its steady state. Both candidates run the same syncs over other exchanges, so the switch hands
@@ -155,7 +155,7 @@ class CoordinatorTrial(PlanTrial):
     WHAT = "coordinator"
     # "on" runs the coordinator's threads and control rounds beside the same exchanges, so it must
     # beat "off" by more than a 10-step window's noise: on VGG19-like at 1 Gbit/s (PS) the two windows
-    # of one job put either ahead by up to 5%, while paired blocks had "on" 2-7% slower (0.93-0.98x).
+    # of one job put either ahead by up to 5%, while paired blocks had "on" slower (0.93-0.985x).
     # Where the coordinator pays (no tensor fusion) it ran 2.5-4x faster (docs/coordinator.md).
     ON_MARGIN = 0.03
 
