@@ -1057,17 +1057,24 @@ inline void take_if_top(float a, float t, size_t& eq_left, uint32_t i, float v, 
   val[out] = v;
   out += take;
 }
+// The top-k of n elements given the k-th largest magnitude t (mag(i), at(i): the element's index, val_of(i):
+// its value), in ascending order: every magnitude above t, then the lowest-index ones equal to it.
+template <class Mag, class At, class ValOf>
+size_t take_top(size_t n, size_t k, float t, Mag mag, At at, ValOf val_of, uint32_t* idx, float* val) {
+  size_t gt = 0;
+  for (size_t j = 0; j < n; ++j) gt += mag(j) > t;
+  size_t eq_left = k - gt, out = 0;
+  for (size_t j = 0; j < n && out < k; ++j) take_if_top(mag(j), t, eq_left, at(j), val_of(j), idx, val, out);
+  return out;
+}
 // From candidates (ascending indices cidx, their values cval: a superset of every element >= the k-th
 // largest magnitude), keep the exact top-k with lowest-index tie breaking.
 size_t select_topk_from(const uint32_t* cidx, const float* cval, size_t ccount, size_t k, uint32_t* idx, float* val) {
   std::vector<float> mags(ccount);
   for (size_t j = 0; j < ccount; ++j) mags[j] = std::fabs(cval[j]);
   const float t = kth_largest_magnitude(ccount, k, [&](size_t j) { return float_bits(mags[j]); });
-  size_t gt = 0;
-  for (size_t j = 0; j < ccount; ++j) gt += mags[j] > t;
-  size_t eq_left = k - gt, out = 0;
-  for (size_t j = 0; j < ccount && out < k; ++j) take_if_top(mags[j], t, eq_left, cidx[j], cval[j], idx, val, out);
-  return out;
+  return take_top(ccount, k, t, [&](size_t j) { return mags[j]; }, [&](size_t j) { return cidx[j]; },
+                  [&](size_t j) { return cval[j]; }, idx, val);
 }
 }  // namespace
 
@@ -1102,13 +1109,8 @@ size_t topk_abs_exact(const float* in, size_t n, size_t k, uint32_t* idx, float*
     if (cnt >= k && cnt <= cap) return select_topk_from(cidx.get(), cval.get(), cnt, k, idx, val);
   }
   // Fallback: exact threshold over everything.
-  float t = kth_largest_abs(in, n, k);
-  size_t gt = 0;
-  for (size_t i = 0; i < n; ++i) gt += std::fabs(in[i]) > t;
-  size_t eq_left = k - gt, out = 0;
-  for (size_t i = 0; i < n && out < k; ++i)
-    take_if_top(std::fabs(in[i]), t, eq_left, static_cast<uint32_t>(i), in[i], idx, val, out);
-  return out;
+  return take_top(n, k, kth_largest_abs(in, n, k), [&](size_t i) { return std::fabs(in[i]); },
+                  [](size_t i) { return static_cast<uint32_t>(i); }, [&](size_t i) { return in[i]; }, idx, val);
 }
 
 float sampled_threshold(const float* in, size_t n, double keep, size_t sample, RngKey key, uint64_t counter) {
