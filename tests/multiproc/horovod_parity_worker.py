@@ -3,6 +3,7 @@ through ``horovod.torch`` and through ``hipress`` (the Horovod transport underne
 the results: integers exactly, floats to 1e-6 (Horovod's ring may sum in another order), shapes,
 dtypes and gradients. Emits {"rank", "size", "compared": count, "diffs": [...]}.
 """
+import os
 import sys
 import traceback
 
@@ -15,6 +16,15 @@ import hipress as P
 
 DIFFS = []
 COUNT = [0]
+
+
+def started(what):
+    """The call about to be made, in this rank's progress file: a run that hangs (CI once saw
+    Horovod's background thread time out on every rank) then says which call each rank was in."""
+    where = os.environ.get("HIPRESS_TEST_RESULT_DIR")
+    if where:
+        with open(os.path.join(where, f"progress.{os.environ.get('HOROVOD_RANK', '?')}"), "a") as f:
+            f.write(what + "\n")
 
 
 def same(a, b, what):
@@ -43,6 +53,7 @@ def both(what, fn):
     """fn(module) through both; exceptions compared by type."""
     res = []
     for mod in (H, P):
+        started(f"{what} through {mod.__name__}")
         try:
             res.append(("ok", fn(mod)))
         except Exception as e:  # noqa: BLE001
@@ -61,6 +72,7 @@ def hipress_raises_as_horovod_would(what, fn):
     and then its background thread aborts every rank instead (operations.cc logs the same
     message), so only hipress is called and must raise that type."""
     COUNT[0] += 1
+    started(f"{what} through hipress")
     try:
         fn()
     except Exception as e:  # noqa: BLE001

@@ -59,7 +59,7 @@ def _run(cmds_envs):
 
 def _results(result_dir):
     res = {}
-    for name in sorted(os.listdir(result_dir)):
+    for name in sorted(n for n in os.listdir(result_dir) if n.endswith(".json")):
         with open(os.path.join(result_dir, name)) as f:
             d = json.load(f)
         res[d["rank"]] = d
@@ -138,6 +138,15 @@ def test_collectives_under_horovodrun(mode, n, tmp_path):
 PARITY_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_parity_worker.py")
 
 
+def _last_calls(result_dir):
+    """Each rank's last three calls started (horovod_parity_worker.started)."""
+    lines = []
+    for name in sorted(n for n in os.listdir(result_dir) if n.startswith("progress.")):
+        with open(os.path.join(result_dir, name)) as f:
+            lines.append(f"rank {name.split('.', 1)[1]} last calls: " + " | ".join(f.read().splitlines()[-3:]))
+    return "\n".join(lines) + "\n"
+
+
 @pytest.mark.skipif(_horovod_missing() is not None, reason=str(_horovod_missing()))
 @pytest.mark.timeout(300)
 def test_same_results_as_horovod(tmp_path):
@@ -147,7 +156,7 @@ def test_same_results_as_horovod(tmp_path):
     cmd = ["horovodrun", "--gloo", "-np", str(n), "-H", f"localhost:{n}", sys.executable, PARITY_WORKER]
     rcs, out = _run([(cmd, clean_env("30", HIPRESS_TEST_RESULT_DIR=tmp_path))])
     res = _results(tmp_path)
-    assert sorted(res) == list(range(n)), out[-6000:]
+    assert sorted(res) == list(range(n)), _last_calls(tmp_path) + out[-6000:]
     for r, d in res.items():
         assert d["diffs"] == [], "\n".join(d["diffs"])[:6000]
         assert d["compared"] >= 150, d["compared"]
