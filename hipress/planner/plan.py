@@ -37,9 +37,10 @@ class Overrides:
         (CostModel.plain16; hipress.sync.allreduce): None, as bf16 where the model says it is
         faster than fp32; True, always as bf16; False, always fp32 (bit for bit uncompressed).
     measure: where the optimizer made the plan from the model (plan="auto", an Overrides or a
-        dict, not a Plan) and it compresses something, the steps each of two candidates is
-        measured over while training, the faster kept: the plan with nothing compressed, then
-        this plan (hipress/torch/plan_trial.py). 0: this plan, unmeasured.
+        dict, not a Plan) and it compresses something, the steps each candidate is measured over
+        while training, the fastest kept: the plan with nothing compressed, this plan, and where
+        this plan leaves gradients uncompressed that no pin keeps so, the plan compressing them too
+        (hipress/torch/plan_trial.py). 0: this plan, unmeasured.
     """
 
     min_compress_bytes: int = 0

@@ -679,7 +679,7 @@ class _HipressOptimizer:
         # ring sums them (under the coordinator where the backend has no allreduce beside it)
         plain = getattr(self._hp_plain.strategy, "cross", self._hp_plain.strategy)
         self._hp_fusion_bytes = options.plain_fusion_bytes if plain.name == "allreduce" else 0
-        # the candidate plans by name ("model"; with a measured choice also "plain") and the trial
+        # the candidate plans by name ("model"; with a measured choice also "plain", maybe "all") and the trial
         # that measures them (hipress/torch/plan_trial.py), as made: each use fuses a copy
         self._hp_plans: Dict[str, Plan] = {}
         self._hp_trial: Optional[PlanTrial] = None
@@ -776,8 +776,9 @@ class _HipressOptimizer:
         Returns the candidate plans and the trial that chooses between them (plan_trial.py): with
         Overrides.measure, where the model's plan compresses something, there are more than one
         rank, and the compressor's state can be handed from plan to plan (error-feedback
-        residuals only), the model's plan and the one that compresses nothing; else the model's
-        plan alone and no trial."""
+        residuals only), the model's plan, the one that compresses nothing and, where the model's
+        plan leaves buckets uncompressed that no pin keeps so, the one that compresses them too;
+        else the model's plan alone and no trial."""
         if isinstance(plan, Plan):
             return {"model": plan}, None
         if isinstance(plan, dict):
@@ -815,7 +816,10 @@ class _HipressOptimizer:
                 or not any(e.compress for e in plans["model"])):
             return plans, None
         plans["plain"] = make_plan(sizes, model, dataclasses.replace(overrides, max_compress_bytes=0, force={}))
-        return plans, PlanTrial(overrides.measure)
+        left = {e.name: True for e in plans["model"] if not e.compress and e.reason == "model"}  # not pinned
+        if left:
+            plans["all"] = make_plan(sizes, model, dataclasses.replace(overrides, force={**overrides.force, **left}))
+        return plans, PlanTrial(overrides.measure, candidates=[c for c in PlanTrial.CANDIDATES if c in plans])
 
     def _hp_use_strategy(self, name: str) -> None:
         """Compressed buckets sync with strategy ``name`` from now on (strategy "auto" under a plan:

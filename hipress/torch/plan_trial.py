@@ -1,4 +1,4 @@
-"""Measured choices made while training: two candidates run a window of steps each and the faster
+"""Measured choices made while training: candidates run a window of steps each and the fastest
 is kept. ``PlanTrial``: plan="auto" (and compression="auto"), the cost model's plan against the
 plan that compresses nothing; ``CoordinatorTrial``: coordinator="auto", the global coordinator
 off against on (below).
@@ -14,8 +14,13 @@ runs ``Overrides.measure`` steps of each candidate and keeps the faster:
 * ``"plain"`` first: nothing compressed, every bucket as the model's uncompressed choice
   (fp32 or bf16 as ``Overrides.bf16`` says; a plan's ``force`` pins only the model's plan);
 * then ``"model"``: the cost model's plan;
-* then the one whose **slowest rank's** mean step time over its window was lower (a tie goes
-  to "plain": no compression error for nothing), for the rest of the job.
+* then, where the model's plan leaves buckets uncompressed that the user's pins allow to be
+  compressed, ``"all"``: those compressed too. The model prices a bucket alone; in a step, an
+  uncompressed bucket's allreduce runs in the same queue as the compressed buckets' exchanges,
+  and on VGG19-like at 1 Gbit/s (PS) the model's plan (21 small gradients as bf16) ran 2-6%
+  slower than compressing everything (docs/benchmarks.md);
+* then the one whose **slowest rank's** mean step time over its window was lowest (a tie goes
+  to the one measured first: "plain", no compression error for nothing), for the rest of the job.
 
 Each candidate's window starts after ``WARMUP`` step(s) (new buffers, compressor states);
 steps skipped for non-finite gradients are not counted (hipress/torch/step_window.py). Every
@@ -42,25 +47,29 @@ was 11% slower than the same plan and mode in paired blocks later (docs/coordina
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 from hipress.torch.step_window import StepWindow
 
 
 class PlanTrial:
     """The measured choice's state; see the module docstring. ``steps``: measured steps per
-    candidate (Overrides.measure); ``clock``: seconds as a float (tests script it)."""
+    candidate (Overrides.measure); ``candidates``: those measured, in order (a subsequence of
+    CANDIDATES, at least two); ``clock``: seconds as a float (tests script it)."""
 
-    CANDIDATES = ("plain", "model")  # in the order they are measured; a tie goes to the first
+    CANDIDATES = ("plain", "model", "all")  # in the order they are measured; a tie goes to the first
     WARMUP = 1  # steps after each switch that are not measured
     WHAT = "plan"  # in messages
+    KEPT = {"plain": "uncompressed", "model": "model", "all": "all-compressed"}  # in the summary
 
-    def __init__(self, steps: int, clock: Optional[Callable[[], float]] = None, verbose: bool = True):
+    def __init__(self, steps: int, clock: Optional[Callable[[], float]] = None, verbose: bool = True,
+                 candidates: Optional[Sequence[str]] = None):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"a {self.WHAT} trial measures at least 1 step per candidate, got {steps!r}")
+        self.candidates = self._check_candidates(self.CANDIDATES[:2] if candidates is None else candidates)
         self.steps = steps
         self.verbose = verbose
-        self.in_use = self.CANDIDATES[0]
+        self.in_use = self.candidates[0]
         self.seconds: Dict[str, float] = {}  # candidate -> the slowest rank's mean seconds per step
         self.done = False
         self._window = StepWindow(steps, self.WARMUP, clock)
@@ -94,7 +103,7 @@ class PlanTrial:
             return None
         self.seconds[self.in_use] = slowest(self._window.seconds) / self._window.measured
         old = self.in_use
-        left = [c for c in self.CANDIDATES if c not in self.seconds]
+        left = [c for c in self.candidates if c not in self.seconds]
         if left:
             self.in_use = left[0]
         else:
@@ -106,8 +115,16 @@ class PlanTrial:
         return self.in_use if self.in_use != old else None
 
     def _faster(self) -> str:
-        """The candidate to keep, both measured: the faster (the first of equals)."""
-        return min(self.CANDIDATES, key=lambda c: self.seconds[c])
+        """The candidate to keep, all measured: the fastest (the first of equals)."""
+        return min(self.candidates, key=lambda c: self.seconds[c])
+
+    def _check_candidates(self, names: Sequence[str]) -> tuple:
+        names = tuple(names)
+        if len(names) < 2 or len(set(names)) != len(names) or \
+                [c for c in self.CANDIDATES if c in names] != list(names):
+            raise ValueError(f"a {self.WHAT} trial measures two or more of {self.CANDIDATES}, in that order; "
+                             f"got {names}")
+        return names
 
     def mark(self) -> None:
         """The clock restarts now (after the switch, which is not a training step)."""
@@ -116,8 +133,8 @@ class PlanTrial:
 
     def settle(self, name: str) -> None:
         """``name`` for good, unmeasured (a checkpoint of a job that ran it alone)."""
-        if name not in self.CANDIDATES:
-            raise ValueError(f"no candidate {self.WHAT} {name!r}; the candidates are {self.CANDIDATES}")
+        if name not in self.candidates:
+            raise ValueError(f"no candidate {self.WHAT} {name!r}; the candidates are {self.candidates}")
         self.in_use, self.done = name, True
 
     def summary(self) -> str:
@@ -126,21 +143,26 @@ class PlanTrial:
         return head + (f" (ms per step, slowest rank, {self.steps} steps each: {measured})" if measured else "")
 
     def _kept(self) -> str:
-        return f"hipress: plan='auto' kept the {'model' if self.in_use == 'model' else 'uncompressed'} plan"
+        return f"hipress: plan='auto' kept the {self.KEPT[self.in_use]} plan"
 
     def state_dict(self) -> dict:
         window = self._window.state_dict()
         if self.done:
             window["open_s"] = None
         return {"version": 1, "steps": self.steps, "in_use": self.in_use, "seconds": dict(self.seconds),
-                "done": self.done, "window": window}
+                "done": self.done, "window": window, "candidates": list(self.candidates)}
 
     def load_state_dict(self, sd: dict) -> None:
+        """A saved trial goes on between the candidates it measured, where this optimizer has them
+        all (the plans it made); a state naming another is refused."""
         if sd.get("version") != 1:
             raise ValueError(f"{self.WHAT} trial state of version {sd.get('version')!r}; this hipress reads version 1")
-        if sd["in_use"] not in self.CANDIDATES or set(sd["seconds"]) - set(self.CANDIDATES):
-            raise ValueError(f"{self.WHAT} trial state names unknown {self.WHAT}s: {sd['in_use']!r}, "
-                             f"{sorted(sd['seconds'])}")
+        saved = tuple(sd.get("candidates", self.CANDIDATES[:2]))  # (states saved before "all" have none)
+        if set(saved) - set(self.candidates) or sd["in_use"] not in saved or set(sd["seconds"]) - set(saved):
+            raise ValueError(f"the {self.WHAT} trial state measures {saved} ({sd['in_use']!r} in use, measured "
+                             f"{sorted(sd['seconds'])}); this optimizer's trial measures {self.candidates}: "
+                             f"resume with the plan= and the pins it was saved with")
+        self.candidates = self._check_candidates(saved)
         self.in_use, self.done = sd["in_use"], bool(sd["done"])
         self.seconds = {c: float(s) for c, s in sd["seconds"].items()}
         self._window.load_state_dict(sd["window"])

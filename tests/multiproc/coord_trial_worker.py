@@ -48,10 +48,12 @@ def batch(rank, step):
 
 
 def make(cfg, model, clock):
-    # K and the bf16 choice pinned: the model would take them from the profile, which the configs after
-    # the first load from its cache, or measure anew where the link seems changed (a loaded machine),
-    # and a plan that differed from the reference's would change the bits compared
-    plan = (Overrides(force={"a.weight": True, "b.weight": True}, max_partitions=1, bf16=False, measure=2)
+    # K, the bf16 choice and what is left uncompressed pinned (min_compress_bytes: so the trial has two
+    # candidates, no "all"): the model would take them from the profile, which the configs after the
+    # first load from its cache, or measure anew where the link seems changed (a loaded machine), and
+    # a plan that differed from the reference's would change the bits compared
+    plan = (Overrides(force={"a.weight": True, "b.weight": True}, min_compress_bytes=1 << 20, max_partitions=1,
+                      bf16=False, measure=2)
             if cfg.get("plan_seconds") else None)
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(), compression=cfg["compression"],

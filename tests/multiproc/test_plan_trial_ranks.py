@@ -53,8 +53,16 @@ ACROSS = [{"strategy": "ring", "compression": "onebit", "steps": 5, "plan": PLAN
 # (compression pays), the resumed one a fast one (it does not); measured or not
 LINKS = {"saved": 1e-4, "resumed": 1e-12}
 PROFILED = [{"strategy": "ring", "compression": "onebit", "steps": STEPS, "plan": {"bf16": False, "measure": m},
-             "plan_seconds": FAST_MODEL, "kwargs": {"bucket_bytes": 0}, "save_at": 4, "links": LINKS} for m in (0, 2)]
-CONFIGS = EF + MOMENTUM + RESUME + PROFILED + ACROSS
+             "plan_seconds": dict(FAST_MODEL, all=0.75), "kwargs": {"bucket_bytes": 0}, "save_at": 4, "links": LINKS}
+            for m in (0, 2)]
+# the third candidate: over a link the profile says is fast the model compresses only the pinned
+# weight, so "all" (every unpinned bucket compressed too) is measured after it, and kept, fastest
+ALL_STEPS = 12
+ALL = [{"strategy": "ring", "compression": "onebit", "steps": ALL_STEPS,
+        "plan": {"force": {"a.weight": True}, "bf16": False, "measure": 2},
+        "plan_seconds": {"plain": 1.0, "model": 1.0, "all": 0.5}, "momentum": False,
+        "kwargs": {"grad_clip": None, "bucket_bytes": 0}, "links": {"saved": 1e-12}}]
+CONFIGS = EF + MOMENTUM + RESUME + PROFILED + ACROSS + ALL
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +192,7 @@ def test_strategy_auto_resumes_with_the_checkpoints_choice(tmp_path):
 
 
 def test_checkpoints_across_plan_options(results):
-    base = len(CONFIGS) - len(ACROSS)
+    base = len(EF) + len(MOMENTUM) + len(RESUME) + len(PROFILED)
     for r in range(NP):
         while_plain, in_model, unmeasured = (results[r][base + k]["loaded"][0] for k in range(3))
         # saved while the plan with nothing compressed ran: an optimizer without the choice cannot go on from it
@@ -194,3 +202,24 @@ def test_checkpoints_across_plan_options(results):
         # saved by a job that never measured: the measuring optimizer keeps the model's plan, settled
         assert unmeasured["error"] is None and unmeasured["trial"] == ("model", True)
         assert any(unmeasured["compressed"])
+
+
+def test_all_compressed_candidate_measured_third_and_kept_without_loss(results):
+    i = len(CONFIGS) - 1
+    cfg = CONFIGS[i]
+    want = ["plain"] * SWITCH + ["model"] * (CHOICE - SWITCH) + ["all"] * (ALL_STEPS - CHOICE)
+    for r in range(NP):
+        rec = results[r][i]
+        assert [rec["plan"][s] for s in range(ALL_STEPS)] == want, f"rank {r}"
+        assert rec["trial"]["chosen"] == "all"
+        assert rec["trial"]["seconds"] == {c: t * (1 + (NP - 1) / 4) for c, t in cfg["plan_seconds"].items()}
+    rec0 = results[0][i]
+    compressed = {b["name"] for b in rec0["buckets"] for k, st in rec0["state"]["compressor_state"].items()
+                  if k.startswith(b["name"] + "/") and "residual" in st["buffers"]}
+    assert len(compressed) > 1 and any("b.weight" in n for n in compressed), compressed  # not only the pinned one
+    held = {n: torch.zeros_like(t) for n, t in rec0["final"].items()}
+    for r in range(NP):
+        for name, t in residuals_by_parameter(results[r][i], results[r][i]["state"], NP).items():
+            held[name] += t
+    assert max(float(t.abs().max()) for t in held.values()) > 0.0  # residuals held: the check has teeth
+    check_conservation(results, NP, i, rec0["final"], ALL_STEPS, held, "all-compressed kept:")

@@ -41,6 +41,42 @@ def test_measures_both_and_keeps_the_faster(seconds, kept):
     assert "kept the" in trial.summary()
 
 
+@pytest.mark.parametrize("seconds,kept", [({"plain": 2.0, "model": 1.5, "all": 1.0}, "all"),
+                                          ({"plain": 2.0, "model": 1.0, "all": 1.5}, "model"),
+                                          ({"plain": 1.0, "model": 1.5, "all": 2.0}, "plain"),
+                                          ({"plain": 2.0, "model": 1.0, "all": 1.0}, "model")])  # a tie: the first
+def test_three_candidates_measured_in_order_and_the_fastest_kept(seconds, kept):
+    clock = Clock()
+    trial = PlanTrial(2, clock, verbose=False, candidates=("plain", "model", "all"))
+    plans, switches = run(trial, clock, seconds, 14)
+    # 1 step to start the clock, then 1 warm-up and 2 measured per candidate: switches at 3 and 6, the choice at 9
+    assert plans[:3] == ["plain"] * 3 and plans[3:6] == ["model"] * 3 and plans[6:9] == ["all"] * 3
+    assert plans[9:] == [kept] * 5 and switches == [3, 6] + ([] if kept == "all" else [9])
+    assert trial.done and trial.chosen == kept and trial.seconds == seconds
+    assert f"kept the {PlanTrial.KEPT[kept]} plan" in trial.summary()
+
+
+def test_candidates_checked_and_resumed_between_those_saved():
+    for bad in (("plain",), ("model", "plain"), ("plain", "model", "model"), ("plain", "fast")):
+        with pytest.raises(ValueError, match="two or more of"):
+            PlanTrial(2, candidates=bad)
+    clock = Clock()
+    three = PlanTrial(2, clock, verbose=False, candidates=("plain", "model", "all"))
+    run(three, clock, {"plain": 1.0, "model": 1.0, "all": 1.0}, 7)  # in "all"'s window
+    sd = three.state_dict()
+    assert sd["candidates"] == ["plain", "model", "all"] and sd["in_use"] == "all"
+    with pytest.raises(ValueError, match="trial state measures"):  # this optimizer has no "all" plan
+        PlanTrial(2).load_state_dict(sd)
+    # a state saved before "all" existed names no candidates: the trial goes on between plain and model
+    clock = Clock()
+    two = PlanTrial(2, clock, verbose=False)
+    run(two, clock, {"plain": 1.0, "model": 2.0}, 4)
+    old = {k: v for k, v in two.state_dict().items() if k != "candidates"}
+    resumed = PlanTrial(2, Clock(), verbose=False, candidates=("plain", "model", "all"))
+    resumed.load_state_dict(old)
+    assert resumed.candidates == ("plain", "model") and resumed.in_use == "model"
+
+
 def test_skipped_and_thrown_away_steps_are_not_measured():
     clock = Clock()
     trial = PlanTrial(2, clock, verbose=False)
@@ -87,7 +123,7 @@ def test_state_dict_round_trip_mid_window():
     assert a == b and resumed.seconds == trial.seconds == seconds
     with pytest.raises(ValueError, match="version"):
         resumed.load_state_dict(dict(sd, version=2))
-    with pytest.raises(ValueError, match="unknown plans"):
+    with pytest.raises(ValueError, match="trial state measures"):
         resumed.load_state_dict(dict(sd, in_use="fast"))
 
 
@@ -124,7 +160,7 @@ def test_coordinator_trial_measures_off_then_on_after_two_warmup_steps(seconds, 
     assert switches == ([4] if kept == "on" else [4, 8])
     assert trial.done and trial.chosen == kept and trial.seconds == seconds
     assert f"kept the coordinator {kept}" in trial.summary()
-    with pytest.raises(ValueError, match="unknown coordinators"):  # a plan trial's state is not its own
+    with pytest.raises(ValueError, match="trial state measures"):  # a plan trial's state is not its own
         CoordinatorTrial(2).load_state_dict(PlanTrial(2).state_dict())
     with pytest.raises(ValueError, match="coordinator trial measures at least 1 step"):
         CoordinatorTrial(0)
