@@ -1,6 +1,7 @@
 """Measured choices made while training: candidates run a window of steps each and the fastest
-is kept. ``PlanTrial``: plan="auto" (and compression="auto"), the cost model's plan against the
-plan that compresses nothing; ``CoordinatorTrial``: coordinator="auto", the global coordinator
+is kept (a later one only where it is clearly faster). ``PlanTrial``: plan="auto" (and
+compression="auto"), the cost model's plan against the plan that compresses nothing (and the one
+that compresses everything); ``CoordinatorTrial``: coordinator="auto", the global coordinator
 off against on (below).
 
 The cost model prices a bucket's compression by its encode and decode time alone, measured on
@@ -9,7 +10,7 @@ on the emulated 4-host cluster at 10 Gbit/s, VGG19-like's model plan (TernGrad o
 buckets) ran at 1.14x DDP where the same job with nothing compressed (every bucket as bf16
 through the backend's allreduce) ran at 1.27x (docs/benchmarks.md). No per-bucket model sees
 that cost, a whole step does. So where the model's plan compresses something, the optimizer
-runs ``Overrides.measure`` steps of each candidate and keeps the faster:
+runs ``Overrides.measure`` steps of each candidate, in this order, and keeps one:
 
 * ``"plain"`` first: nothing compressed, every bucket as the model's uncompressed choice
   (fp32 or bf16 as ``Overrides.bf16`` says; a plan's ``force`` pins only the model's plan);
@@ -19,8 +20,12 @@ runs ``Overrides.measure`` steps of each candidate and keeps the faster:
   uncompressed bucket's allreduce runs in the same queue as the compressed buckets' exchanges,
   and on VGG19-like at 1 Gbit/s (PS) the model's plan (21 small gradients as bf16) ran 2-6%
   slower than compressing everything (docs/benchmarks.md);
-* then the one whose **slowest rank's** mean step time over its window was lowest (a tie goes
-  to the one measured first: "plain", no compression error for nothing), for the rest of the job.
+* then, for the rest of the job, the first one unless a later one's **slowest rank's** mean step
+  time over its window was lower than the kept one's by more than ``MARGIN`` (3%), going down the
+  list: each later candidate compresses more, and compression error (or, below, the coordinator's
+  work) is not worth a gain within the windows' noise. Two 10-step windows of one configuration in
+  a job differed by 1.7% and 2.7%; on ResNet50-like at 10 Gbit/s "all" and "plain" measured 469.5
+  and 469.7 ms per step.
 
 Each candidate's window starts after ``WARMUP`` step(s) (new buffers, compressor states);
 steps skipped for non-finite gradients are not counted (hipress/torch/step_window.py). Every
@@ -32,9 +37,9 @@ at a step's start, with nothing in flight; what one plan leaves in compressor st
 
 coordinator="auto" measures the same way: ``"off"`` (the direct exchanges) first, then ``"on"``
 (every exchange through the global coordinator, started at that switch), and keeps "on" only
-where it is faster by more than ``CoordinatorTrial.ON_MARGIN`` (3%): "on" is more work per step,
-and the two 10-step windows of one plan and mode (off) in a job differed by 1.7% and 2.7% in two
-jobs. Whether the coordinator pays depends on the job: without tensor fusion it ran 2.5-4x
+where it is faster by more than ``MARGIN``: "on" is more work per step (on VGG19-like at 1 Gbit/s,
+PS, the two windows of one job put either mode ahead by up to 5%, while paired blocks had "on"
+slower, 0.93-0.985x). Whether the coordinator pays depends on the job: without tensor fusion it ran 2.5-4x
 faster than off on the emulated 4-host cluster, with fusion from 0.98x to 1.16x
 (docs/benchmarks.md), which no rule of thumb sorts out. Its window starts after
 ``CoordinatorTrial.WARMUP`` steps: a step is declared ahead only once two steps in a row ran the
@@ -59,6 +64,7 @@ class PlanTrial:
 
     CANDIDATES = ("plain", "model", "all")  # in the order they are measured; a tie goes to the first
     WARMUP = 1  # steps after each switch that are not measured
+    MARGIN = 0.03  # by how much a later candidate must be faster than the one kept before it
     WHAT = "plan"  # in messages
     KEPT = {"plain": "uncompressed", "model": "model", "all": "all-compressed"}  # in the summary
 
@@ -97,7 +103,7 @@ class PlanTrial:
         """Called on every rank at the start of every step. When the window of the candidate in
         use is full, ``slowest`` (this rank's seconds -> the maximum over ranks; a collective every
         rank calls at the same step) gives its objective, and the candidate to switch to is
-        returned (the next one to measure, or the faster once both are measured, if it is not the
+        returned (the next one to measure, or the one kept once all are measured, if it is not the
         one in use); else None."""
         if self.done or not self._window.tick(previous_skipped):
             return None
@@ -107,16 +113,21 @@ class PlanTrial:
         if left:
             self.in_use = left[0]
         else:
-            self.in_use = self._faster()
+            self.in_use = self._kept_candidate()
             self.done = True
             if self.verbose and rank == 0:
                 print(self.summary(), flush=True)
         self._window.start_now()  # the decision and the switch that follows are not a step's time
         return self.in_use if self.in_use != old else None
 
-    def _faster(self) -> str:
-        """The candidate to keep, all measured: the fastest (the first of equals)."""
-        return min(self.candidates, key=lambda c: self.seconds[c])
+    def _kept_candidate(self) -> str:
+        """The candidate to keep, all measured: the first, unless a later one is faster than the
+        one kept so far by more than MARGIN (the module docstring)."""
+        kept = self.candidates[0]
+        for c in self.candidates[1:]:
+            if self.seconds[c] < (1 - self.MARGIN) * self.seconds[kept]:
+                kept = c
+        return kept
 
     def _check_candidates(self, names: Sequence[str]) -> tuple:
         names = tuple(names)
@@ -170,19 +181,11 @@ class PlanTrial:
 
 class CoordinatorTrial(PlanTrial):
     """coordinator="auto"'s measured choice (the module docstring): "off", then "on"; "on" is kept
-    only where it is faster by more than ON_MARGIN."""
+    only where it is faster by more than MARGIN."""
 
     CANDIDATES = ("off", "on")
     WARMUP = 2
     WHAT = "coordinator"
-    # "on" runs the coordinator's threads and control rounds beside the same exchanges, so it must
-    # beat "off" by more than a 10-step window's noise: on VGG19-like at 1 Gbit/s (PS) the two windows
-    # of one job put either ahead by up to 5%, while paired blocks had "on" slower (0.93-0.985x).
-    # Where the coordinator pays (no tensor fusion) it ran 2.5-4x faster (docs/coordinator.md).
-    ON_MARGIN = 0.03
-
-    def _faster(self) -> str:
-        return "on" if self.seconds["on"] < (1 - self.ON_MARGIN) * self.seconds["off"] else "off"
 
     def _kept(self) -> str:
         return f"hipress: coordinator='auto' kept the coordinator {self.in_use}"
