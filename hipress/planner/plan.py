@@ -38,9 +38,10 @@ class Overrides:
         faster than fp32; True, always as bf16; False, always fp32 (bit for bit uncompressed).
     measure: where the optimizer made the plan from the model (plan="auto", an Overrides or a
         dict, not a Plan) and it compresses something, the steps each candidate is measured over
-        while training, the fastest kept: the plan with nothing compressed, this plan, and where
-        this plan leaves gradients uncompressed that no pin keeps so, the plan compressing them too
-        (hipress/torch/plan_trial.py). 0: this plan, unmeasured.
+        while training: the plan with nothing compressed, this plan, and where this plan leaves
+        gradients uncompressed that no pin keeps so, the plan compressing them too; a later one is
+        kept where it is faster by more than 3% (hipress/torch/plan_trial.py). 0: this plan,
+        unmeasured.
     """
 
     min_compress_bytes: int = 0

@@ -62,7 +62,7 @@ class PlanTrial:
     candidate (Overrides.measure); ``candidates``: those measured, in order (a subsequence of
     CANDIDATES, at least two); ``clock``: seconds as a float (tests script it)."""
 
-    CANDIDATES = ("plain", "model", "all")  # in the order they are measured; a tie goes to the first
+    CANDIDATES = ("plain", "model", "all")  # in the order they are measured
     WARMUP = 1  # steps after each switch that are not measured
     MARGIN = 0.03  # by how much a later candidate must be faster than the one kept before it
     WHAT = "plan"  # in messages
