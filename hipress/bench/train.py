@@ -426,9 +426,9 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
     # decides it from the same gathered profile, so all run the same number of steps)
     tune_max = (a.tune_trials * (a.tune_window + a.tune_warmup) + 2 * a.warmup + 2
                 if cfg.get("bucket_bytes") == "tune" else 0)  # a bound, for skipped steps
-    # plan="auto" measures its two candidate plans first, then coordinator="auto" its modes
-    # (hipress/torch/plan_trial.py): a bound, for skipped steps
-    trial_max = sum(2 * (t.steps + t.WARMUP + 1) for t in _trials(opt)) + a.warmup
+    # plan="auto" measures its candidate plans first, then coordinator="auto" its modes
+    # (hipress/torch/plan_trial.py): twice what they take, a bound for skipped steps
+    trial_max = sum(2 * len(t.candidates) * (t.steps + t.WARMUP + 1) for t in _trials(opt)) + a.warmup
     tune_t0 = time.perf_counter()
     while warm < a.warmup or (covap_owner is not None and not _covap_on(covap_owner) and warm < COVAP_MAX_WARMUP) \
             or (_tuning(opt) and warm < tune_max) or (_trying(opt) and warm < trial_max):
@@ -438,6 +438,9 @@ def run_system(system: str, spec: models.Spec, a, out: str, index: int, total: i
         warm += 1
         done += 1
         _progress(out, f"{tag} {done}/{nsteps}")
+    if _trying(opt):
+        print(f"hipress.bench.train: WARNING {system}: a measured choice is still measuring after {warm} warm-up "
+              f"steps; the timed steps include its windows", file=sys.stderr, flush=True)
     if cfg.get("bucket_bytes") == "tune":
         tuner = opt.bucket_tuner
         rec["bucket_tune"] = {"knobs": cfg["bucket_tune"], "range": [tuner.lo, tuner.hi], "done": tuner.done,
