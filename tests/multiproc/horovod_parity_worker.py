@@ -13,6 +13,7 @@ import torch
 from worker_common import emit
 
 import hipress as P
+from hipress import config
 
 DIFFS = []
 COUNT = [0]
@@ -21,9 +22,9 @@ COUNT = [0]
 def started(what):
     """The call about to be made, in this rank's progress file: a run that hangs (CI once saw
     Horovod's background thread time out on every rank) then says which call each rank was in."""
-    where = os.environ.get("HIPRESS_TEST_RESULT_DIR")
+    where = config.get("HIPRESS_TEST_RESULT_DIR")
     if where:
-        with open(os.path.join(where, f"progress.{os.environ.get('HOROVOD_RANK', '?')}"), "a") as f:
+        with open(os.path.join(where, f"progress.{H.rank()}"), "a") as f:
             f.write(what + "\n")
 
 
