@@ -15,7 +15,9 @@ choice is made at step 6's start. A scripted clock gives each candidate a known 
   * a checkpoint taken mid-trial resumes bit-identically, also where the resumed job's own profile
     (the link timed anew) would plan otherwise: it plans from the checkpoint's;
   * the same with the global coordinator, whose slots then carry compressed payloads of odd
-    byte counts beside plain ones (each must start aligned for the plain ones' float view).
+    byte counts beside plain ones (each must start aligned for the plain ones' float view);
+  * the third candidate, "all" (the model's plan with its unpinned uncompressed buckets compressed
+    too), measured after the model's and kept where fastest, with nothing lost.
 """
 import pytest
 import torch
