@@ -190,6 +190,12 @@ HIPRESS_BINDINGS(compress, m) {
     return ops::copy_finite(P<float>(out), P<const float>(in), n); }, Release());
   m.def("ops_copy_finite_bf16", [](uintptr_t out, uintptr_t in, size_t n) {
     return ops::copy_finite_bf16(P<uint16_t>(out), P<const float>(in), n); }, Release());
+  m.def("ops_bf16_difference", [](uintptr_t out, uintptr_t p, uintptr_t base, size_t n) {
+    ops::bf16_difference(P<uint16_t>(out), P<const float>(p), P<const uint16_t>(base), n); }, Release());
+  m.def("ops_bf16_average_delta", [](uintptr_t delta, uintptr_t ref, uintptr_t sum, uintptr_t base, uintptr_t sent,
+                                     float ranks, size_t n) {
+    ops::bf16_average_delta(P<float>(delta), P<uint16_t>(ref), P<const uint16_t>(sum), P<const uint16_t>(base),
+                            P<const uint16_t>(sent), ranks, n); }, Release());
   m.def("ops_axpby", [](uintptr_t y, float beta, uintptr_t x, float gamma, size_t n) {
     ops::axpby(P<float>(y), P<const float>(y), beta, P<const float>(x), gamma, n); }, Release());
   m.def("ops_momentum_update", [](uintptr_t u_out, uintptr_t u_in, float m, uintptr_t g, size_t n) {

@@ -260,6 +260,38 @@ bool copy_finite_bf16(uint16_t* out, const float* in, size_t n) {
   return finite;
 }
 
+namespace {
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>((u & kAbsBits) > kFirstNonFinite ? kBf16NaN : round_to_bf16_bits(u));
+}
+}  // namespace
+
+void bf16_difference(uint16_t* out, const float* p, const uint16_t* base, size_t n) {
+  parallel_range(n, kGrain, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) out[i] = float_to_bf16(p[i] - bf16_to_float(base[i]));
+  });
+}
+
+void bf16_average_delta(float* delta, uint16_t* ref, const uint16_t* sum, const uint16_t* base,
+                        const uint16_t* sent, float ranks, size_t n) {
+  parallel_range(n, kGrain, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) {
+      const float mean = bf16_to_float(sum[i]) / ranks;
+      ref[i] = float_to_bf16(bf16_to_float(base[i]) + mean);
+      delta[i] = mean - bf16_to_float(sent[i]);
+    }
+  });
+}
+
 // The product is rounded before the sum, as in torch's two passes (this file's fp-contract=off).
 void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t n) {
   parallel_range(n, kGrain, [&](size_t b, size_t e) {

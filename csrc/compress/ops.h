@@ -20,7 +20,8 @@
 //   decomp(G, o)    orthogonalize (Gram-Schmidt, PowerSGD)
 //   matmul(G0, G1)  matmul_nn, matmul_tn, matmul_nt
 //   (merge helpers) axpby, add, scatter_add, gather
-//   (fusion)        copy_finite, copy_finite_bf16 (a gradient into its bucket, checked for NaN/Inf on the way)
+//   (fusion)        copy_finite, copy_finite_bf16 (a gradient into its bucket, checked for NaN/Inf on the way),
+//                   bf16_difference, bf16_average_delta (COVAP's bf16 averages)
 #pragma once
 
 #include <cstddef>
@@ -58,6 +59,16 @@ bool copy_finite(float* out, const float* in, size_t n);
 // too large for bf16 (|x| >= 0x7f7f8000 as bits rounds to Inf). A gradient's copy into a bucket
 // that travels as bf16 is then also its cast, one pass where a copy and a cast were two.
 bool copy_finite_bf16(uint16_t* out, const float* in, size_t n);
+// COVAP's local mode with bf16 averages (hipress/torch/covap.py, Average), one pass each where torch
+// made three and seven: a unit's difference from its bf16 reference,
+// out[i] = bf16(p[i] - float(base[i])), torch's p.sub_(base.float()).to(torch.bfloat16) bit for bit;
+void bf16_difference(uint16_t* out, const float* p, const uint16_t* base, size_t n);
+// and, once the ranks' differences are summed (sum), mean = float(sum[i]) / ranks,
+// delta[i] = mean - float(sent[i]) and ref[i] = bf16(float(base[i]) + mean), torch's
+// sum.float().div_(ranks), base.float().add_(mean), mean.sub_(sent.float()), .to(torch.bfloat16)
+// bit for bit. (A NaN rounds to 0x7fc0 in both, as c10::BFloat16 rounds it.)
+void bf16_average_delta(float* delta, uint16_t* ref, const uint16_t* sum, const uint16_t* base,
+                        const uint16_t* sent, float ranks, size_t n);
 // SGD's momentum update (dampening 0) and its result as the gradient, in one pass:
 // u_out = m * u_in + g; g = u_out. Rounded as torch's u.mul_(m).add_(g) rounds it (the
 // product, then the sum; never fused), so the result is bit for bit SGD's. u_out may be u_in.

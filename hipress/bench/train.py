@@ -36,6 +36,8 @@ group; hipress wraps it), each on a freshly built model with the same seed:
   hipress-covap            hipress.DistributedOptimizer(compression="covap") (docs/covap.md: interval
                            "auto", profiled by COVAP's distributed profiler, sharding on)
   hipress-covap-bf16       the same with wire="bf16" (its parameter averages as bf16 differences)
+  hipress-covap[-bf16]-i<N>  either with a fixed interval of N steps (covap={"interval": N}: no profile;
+                           docs/covap.md, Accuracy: the local mode trains at 8 as uncompressed does)
   ddp-covap-hook           DDP + hipress.ddp.register(model, "covap") (the same, as a DDP comm hook)
   hipress-bf16             hipress.DistributedOptimizer(compression="auto", plan={"max_compress_bytes": 0,
                            "bf16": True}): nothing compressed, every bucket through the backend's
@@ -124,9 +126,14 @@ def parse_system(name: str) -> dict:
         if not 0 < fraction <= 4:
             raise ValueError(f"system {name!r}: the fraction of the gradient's bytes must be in (0, 4]")
         return {"kind": "overlap-limit", "fraction": fraction}
-    if name in ("hipress-covap", "hipress-covap-bf16"):
+    covap_system = re.fullmatch(r"hipress-covap(-bf16)?(?:-i(\d+))?", name)
+    if covap_system:
+        args = {**({"wire": "bf16"} if covap_system[1] else {}),
+                **({"interval": int(covap_system[2])} if covap_system[2] else {})}
+        if args.get("interval") == 0:
+            raise ValueError(f"system {name!r}: COVAP's interval must be at least 1")
         return {"kind": "hipress", "strategy": "auto", "compression": "covap", "plan": None,
-                **({"covap": {"wire": "bf16"}} if name.endswith("-bf16") else {})}
+                **({"covap": args} if args else {})}
     if name == "hipress-bf16":  # compression="auto" with its plan pinned: nothing compressed, all as bf16
         return {"kind": "hipress", "strategy": "ring", "compression": "auto", "plan": dict(BF16_PLAN)}
     parts = name.split("-")
@@ -145,7 +152,7 @@ def parse_system(name: str) -> dict:
         if len(parts) == 3 and parts[1] in STRATEGIES and parts[2] in ALGOS:
             return {"kind": "hipress", "strategy": parts[1], "compression": parts[2], "plan": plan}
     raise ValueError(f"unknown system {name!r}: ddp, ddp-fp16, ddp-powersgd, ddp-covap-hook, horovod, "
-                     f"hipress-covap[-bf16], hipress-bf16, "
+                     f"hipress-covap[-bf16][-i<N>], hipress-bf16, "
                      f"hipress-<{'|'.join(STRATEGIES)}>-<{'|'.join(ALGOS)}>[-plan], hipress-powersgd, "
                      f"hipress-acpsgd, hipress-auto, hipress-dear[-<{'|'.join(DEAR_ALGOS)}>], "
                      f"overlap-limit[-<fraction>]; a hipress system may end in -tune, -b<MiB>, then -coord or -nocoord")

@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hipress import _C
 from hipress.comm import world
 from hipress.planner.plan import chunk_bounds
 from hipress.sync.undo import UndoLog
@@ -145,12 +146,15 @@ class Average:
         if self.base is None:
             average = self.values
             self.values = average - self.sent
-        else:
-            mean = self.values.float().div_(self.n)
-            average = self.base.float().add_(mean)
-            self.values = mean.sub_(self.sent.float())
+        else:  # one native pass: mean = sum / n, average = base + mean, values = mean - sent
+            total, base, sent = (t.contiguous() for t in (self.values, self.base, self.sent))  # bf16, alike
+            delta = torch.empty(total.numel(), dtype=torch.float32)
+            average = torch.empty(total.numel(), dtype=torch.bfloat16)
+            _C.ops_bf16_average_delta(delta.data_ptr(), average.data_ptr(), total.data_ptr(), base.data_ptr(),
+                                      sent.data_ptr(), float(self.n), total.numel())
+            self.values = delta
         if self.refs is not None:
-            self.refs.values[self.key] = average.to(torch.bfloat16)
+            self.refs.values[self.key] = average if average.dtype == torch.bfloat16 else average.to(torch.bfloat16)
         self.sent = self.handle = self.base = None
         return self.values
 
@@ -222,7 +226,9 @@ def start_averages(bucket, units, build, build16=None, refs: Optional[References
             avg = Average(bucket.name, s, values, refs if build16 is not None else None, key)
             avg.handle = build(f"{bucket.name}/u{t}", avg.values, [(0, e - s)])
         else:
-            avg = Average(bucket.name, s, values.sub_(base.float()).to(torch.bfloat16), refs, key, base, n)
+            diff, base = torch.empty(e - s, dtype=torch.bfloat16), base.contiguous()
+            _C.ops_bf16_difference(diff.data_ptr(), values.data_ptr(), base.data_ptr(), e - s)  # values - base, as bf16
+            avg = Average(bucket.name, s, diff, refs, key, base, n)
             avg.handle = build16(f"{bucket.name}/u{t}", avg.values, [(0, e - s)])
         out.append(avg)
     return out

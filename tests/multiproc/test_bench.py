@@ -164,6 +164,8 @@ def test_parse_system_names():
     assert parse_system("hipress-covap")["compression"] == "covap"
     assert parse_system("hipress-covap-bf16") == {"kind": "hipress", "strategy": "auto", "compression": "covap",
                                                   "plan": None, "covap": {"wire": "bf16"}}
+    assert parse_system("hipress-covap-i8")["covap"] == {"interval": 8}
+    assert parse_system("hipress-covap-bf16-i16")["covap"] == {"wire": "bf16", "interval": 16}
     assert parse_system("ddp-covap-hook") == {"kind": "ddp", "hook": "covap"}
     assert parse_system("hipress-bf16") == {"kind": "hipress", "strategy": "ring", "compression": "auto",
                                             "plan": {"max_compress_bytes": 0, "bf16": True}}
@@ -190,7 +192,7 @@ def test_parse_system_names():
     for name in ("hipress-ring-tbq-plan-tune", "hipress-covap-tune", "hipress-covap-bf16-b4", "hipress-dear-b0",
                  "ddp-tune", "hipress-ps-tbq-plan-p0", "hipress-covap-p0", "ddp-p0",
                  "overlap-limit-0", "overlap-limit-x", "overlap-limit-tune", "ddp-coord", "hipress-coord-tune",
-                 "ddp-nocoord"):
+                 "ddp-nocoord", "hipress-covap-i0", "hipress-covap-i8-bf16", "hipress-covap-i8-b4"):
         with pytest.raises(ValueError):
             parse_system(name)
 

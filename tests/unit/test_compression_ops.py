@@ -328,6 +328,46 @@ def test_copy_finite_bf16_is_torchs_cast_and_finds_what_would_not_be_finite(n, t
             assert torch.equal(out[:n][rest].view(torch.int16), want.view(torch.int16))
 
 
+def _same_bf16(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit for bit, but any NaN for a NaN."""
+    nan = torch.isnan(want)
+    return torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("n", [0, 1, 33, 1000, 65536 + 17, 200003])
+def test_covap_bf16_ops_are_torchs_passes_bit_for_bit(n, threads):
+    """COVAP's bf16 averages (hipress/torch/covap.py): bf16_difference is p.sub_(base.float())
+    .to(bf16) and bf16_average_delta is sum.float().div_(ranks), base.float().add_(mean),
+    mean.sub_(sent.float()) and average.to(bf16), bit for bit: ties to even, values whose sum
+    overflows bf16 to Inf, and rank counts whose division is inexact (3, 5) as well as exact (4).
+    A NaN stays a NaN (its bits are torch's own choice: 0x7fc0 in its scalar cast, 0xffff in its
+    vectorized one)."""
+    g = torch.Generator().manual_seed(n)
+    p = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4)
+    base = (p + torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16)
+    if n > 8:
+        p[:4] = torch.tensor([float("nan"), float("inf"), 3.3895e38, -3.3895e38])  # NaN, Inf, bf16 overflow
+        p[4:8] = torch.tensor([0x3f808000, 0x3f818000, 0x00018000, 1], dtype=torch.int32).view(torch.float32)
+        base[4:8] = 0.0  # the differences are the tie cases and denormals themselves
+    diff = torch.full((n,), 7.0, dtype=torch.bfloat16)
+    _C.ops_bf16_difference(diff.data_ptr(), p.data_ptr(), base.data_ptr(), n)
+    assert _same_bf16(diff, p.clone().sub_(base.float()).to(torch.bfloat16))
+    sent = diff.clone()
+    total = (diff.float() * 3 + torch.randn(n, generator=g)).to(torch.bfloat16)
+    for ranks in (3, 4, 5):
+        delta = torch.empty(n, dtype=torch.float32)
+        average = torch.empty(n, dtype=torch.bfloat16)
+        _C.ops_bf16_average_delta(delta.data_ptr(), average.data_ptr(), total.data_ptr(), base.data_ptr(),
+                                  sent.data_ptr(), float(ranks), n)
+        mean = total.float().div_(ranks)
+        want_average = base.float().add_(mean).to(torch.bfloat16)
+        want_delta = mean.sub_(sent.float())
+        assert _same_bf16(average, want_average), ranks
+        nan = torch.isnan(want_delta)
+        assert torch.equal(torch.isnan(delta), nan), ranks
+        assert torch.equal(delta[~nan].view(torch.int32), want_delta[~nan].view(torch.int32)), ranks
+
+
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1000, 70001])
 def test_filter_abs_ge_matches_numpy(n, threads):
     """The indices and values of every |x| >= thr with |x| > 0, in order: the block test on the
