@@ -66,7 +66,7 @@ void bf16_difference(uint16_t* out, const float* p, const uint16_t* base, size_t
 // and, once the ranks' differences are summed (sum), mean = float(sum[i]) / ranks,
 // delta[i] = mean - float(sent[i]) and ref[i] = bf16(float(base[i]) + mean), torch's
 // sum.float().div_(ranks), base.float().add_(mean), mean.sub_(sent.float()), .to(torch.bfloat16)
-// bit for bit. (A NaN rounds to 0x7fc0 in both, as c10::BFloat16 rounds it.)
+// bit for bit. (A NaN becomes 0x7fc0, as torch's scalar cast makes it; its vectorized cast may set other NaN bits.)
 void bf16_average_delta(float* delta, uint16_t* ref, const uint16_t* sum, const uint16_t* base,
                         const uint16_t* sent, float ranks, size_t n);
 // SGD's momentum update (dampening 0) and its result as the gradient, in one pass:

@@ -37,7 +37,7 @@ group; hipress wraps it), each on a freshly built model with the same seed:
                            "auto", profiled by COVAP's distributed profiler, sharding on)
   hipress-covap-bf16       the same with wire="bf16" (its parameter averages as bf16 differences)
   hipress-covap[-bf16]-i<N>  either with a fixed interval of N steps (covap={"interval": N}: no profile;
-                           docs/covap.md, Accuracy: the local mode trains at 8 as uncompressed does)
+                           docs/covap.md: the local mode trained as uncompressed at 8, and at 16 with bf16)
   ddp-covap-hook           DDP + hipress.ddp.register(model, "covap") (the same, as a DDP comm hook)
   hipress-bf16             hipress.DistributedOptimizer(compression="auto", plan={"max_compress_bytes": 0,
                            "bf16": True}): nothing compressed, every bucket through the backend's
