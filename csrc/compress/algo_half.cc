@@ -31,12 +31,6 @@ inline float from_fp16(uint16_t b) {
   std::memcpy(&h, &b, 2);
   return static_cast<float>(h);
 }
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r);  // NaN: a select (vectorises)
-}
 
 // fp16 <-> fp32 of m values: F16C's conversions 8 at a time (GCC does not vectorise _Float16 casts
 // without AVX512-FP16), round to nearest even as the scalar cast; the scalar cast for the rest.
@@ -56,12 +50,6 @@ inline void f32_from_fp16(const uint16_t* in, size_t m, float* out) {
     _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + j))));
 #endif
   for (; j < m; ++j) out[j] = from_fp16(in[j]);
-}
-inline float from_bf16(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 constexpr size_t kTile = 1024;
@@ -90,7 +78,7 @@ class HalfCast final : public Compressor {
       for (size_t i = b; i < e; i += kTile) {
         const size_t m = std::min(kTile, e - i);
         if (BF) {
-          for (size_t j = 0; j < m; ++j) tmp[j] = to_bf16(in[i + j]);
+          for (size_t j = 0; j < m; ++j) tmp[j] = ops::float_to_bf16(in[i + j]);
         } else {
           fp16_from_f32(in + i, m, tmp);
         }
@@ -115,7 +103,7 @@ class HalfCast final : public Compressor {
         float* o = out + i;
         alignas(64) float v[kTile];
         if (BF) {
-          for (size_t j = 0; j < m; ++j) v[j] = from_bf16(tmp[j]);
+          for (size_t j = 0; j < m; ++j) v[j] = ops::bf16_to_float(tmp[j]);
         } else {
           f32_from_fp16(tmp, m, v);
         }

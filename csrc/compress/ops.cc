@@ -260,21 +260,6 @@ bool copy_finite_bf16(uint16_t* out, const float* in, size_t n) {
   return finite;
 }
 
-namespace {
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return static_cast<uint16_t>((u & kAbsBits) > kFirstNonFinite ? kBf16NaN : round_to_bf16_bits(u));
-}
-}  // namespace
-
 void bf16_difference(uint16_t* out, const float* p, const uint16_t* base, size_t n) {
   parallel_range(n, kGrain, [&](size_t b, size_t e) {
     for (size_t i = b; i < e; ++i) out[i] = float_to_bf16(p[i] - bf16_to_float(base[i]));

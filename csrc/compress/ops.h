@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "compress/rng.h"
 #include "compress/thread_pool.h"
@@ -59,6 +60,20 @@ bool copy_finite(float* out, const float* in, size_t n);
 // too large for bf16 (|x| >= 0x7f7f8000 as bits rounds to Inf). A gradient's copy into a bucket
 // that travels as bf16 is then also its cast, one pass where a copy and a cast were two.
 bool copy_finite_bf16(uint16_t* out, const float* in, size_t n);
+// bf16 <-> fp32 of one value (bf16 is fp32's top half): to bf16 rounds to nearest, ties to even, as
+// torch's scalar cast does, a NaN as 0x7fc0 (a select, so loops that call it vectorise).
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r);
+}
 // COVAP's local mode with bf16 averages (hipress/torch/covap.py, Average), one pass each where torch
 // made three and seven: a unit's difference from its bf16 reference,
 // out[i] = bf16(p[i] - float(base[i])), torch's p.sub_(base.float()).to(torch.bfloat16) bit for bit;

@@ -154,7 +154,7 @@ class Average:
                                       sent.data_ptr(), float(self.n), total.numel())
             self.values = delta
         if self.refs is not None:
-            self.refs.values[self.key] = average if average.dtype == torch.bfloat16 else average.to(torch.bfloat16)
+            self.refs.values[self.key] = average.to(torch.bfloat16)  # (the bf16 form's: itself)
         self.sent = self.handle = self.base = None
         return self.values
 
