@@ -246,6 +246,21 @@ def test_overhead_times_every_system_and_the_hook(tmp_path):
         overhead.main(["--np", "2", "--systems", "ddp,horovod"])
 
 
+def test_links_times_three_patterns_of_checked_messages(tmp_path):
+    """3 local ranks: incast, all-to-all at once and in matchings each timed; every rank checks each
+    message it received against its sender's bytes (a wrong peer or a lost message fails the ranks).
+    Two ranks share no link: refused."""
+    from hipress.bench import links
+
+    out = tmp_path / "links.json"
+    res = links.main(["--np", "3", "--mib", "0.25", "--repeats", "2", "--timeout", "240", "--json", str(out)])
+    assert [r["pattern"] for r in res["rows"]] == list(links.PATTERNS)
+    assert all(r["ms"] > 0 and "line_rate_ms" not in r for r in res["rows"])  # loopback: no line rate
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+    with pytest.raises(SystemExit, match="at least 3"):
+        links.main(["--np", "2"])
+
+
 def test_compare_quick_writes_json_markdown_png(tmp_path):
     pytest.importorskip("matplotlib")
     from hipress.bench import compare

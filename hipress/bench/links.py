@@ -1,0 +1,166 @@
+"""Do link conflicts cost on this cluster? Three send patterns of the same bytes, timed (issue 21).
+
+    python -m hipress.bench.links --np 4 --bandwidth 1gbit --latency 0.2ms [--mib 2] [--repeats 10]
+    python -m hipress.bench.links --np 4                 # local processes over loopback
+
+The coordinator (docs/coordinator.md) runs a step's messages in slots of non-conflicting links: in a
+slot every rank sends to at most one peer and hears from at most one, so no receiver's link is shared
+(no incast at a PS aggregator). That pays where sharing a link costs more than its bytes: switch
+buffers that drop under incast, TCP collapse. Without the coordinator a PS gather posts all of its
+messages at once. This bench times, over gloo point-to-point messages of ``--mib`` MiB each:
+
+  incast                   every other rank sends one message to rank 0, all at once
+  all-to-all at once       every rank sends one message to every other, all posted together
+                           (the direct exchange of a PS gather or broadcast)
+  all-to-all in matchings  the same messages in n - 1 slots: in slot s rank r sends to r + s and
+                           hears from r - s, a slot after the one before has finished on this rank
+                           (the coordinator's conflict-free slots)
+
+Each repetition starts at a barrier and ends when every rank is done (a second barrier): the time is
+the median over ``--repeats`` after two warm-up ones. Every received message is checked against what
+its sender wrote. With a bandwidth, each row also gives the line-rate time of its busiest link (bytes
+into the busiest rank / rate) and the ratio to it. Where matchings are no faster than all at once,
+the coordinator's slots have nothing to win on this cluster but its batching.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PATTERNS = ("incast", "all-to-all at once", "all-to-all in matchings")
+
+
+def _payload(src: int, dst: int, numel: int):
+    import torch
+
+    return torch.full((numel,), float(src * 1000 + dst), dtype=torch.float32)
+
+
+def worker(mib: float, repeats: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    numel = max(1, int(mib * 2 ** 20) // 4)
+    send = {p: _payload(rank, p, numel) for p in range(n) if p != rank}
+    recv = {p: torch.empty(numel) for p in range(n) if p != rank}
+
+    def incast():
+        works = [dist.irecv(recv[p], p) for p in recv] if rank == 0 else [dist.isend(send[0], 0)]
+        for w in works:
+            w.wait()
+        return list(recv) if rank == 0 else []
+
+    def at_once():
+        works = [dist.isend(t, p) for p, t in send.items()] + [dist.irecv(t, p) for p, t in recv.items()]
+        for w in works:
+            w.wait()
+        return list(recv)
+
+    def matchings():
+        for s in range(1, n):
+            dst, src = (rank + s) % n, (rank - s) % n
+            for w in (dist.isend(send[dst], dst), dist.irecv(recv[src], src)):
+                w.wait()
+        return list(recv)
+
+    times = {}
+    for name, run in zip(PATTERNS, (incast, at_once, matchings)):
+        spent = []
+        for i in range(repeats + 2):
+            for t in recv.values():
+                t.fill_(-1.0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            heard = run()
+            dist.barrier()
+            spent.append(time.perf_counter() - t0)
+            for p in heard:
+                if not torch.equal(recv[p], _payload(p, rank, numel)):
+                    raise RuntimeError(f"{name}: rank {rank} received wrong bytes from rank {p}")
+        times[name] = statistics.median(spent[2:])
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"np": n, "mib": mib, "repeats": repeats, "seconds": times}, f)
+    dist.destroy_process_group()
+
+
+def rate_bits(bandwidth: str) -> float:
+    """'1gbit' -> 1e9 (tc's units: kbit, mbit, gbit)."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for u, f in units.items():
+        if bandwidth.lower().endswith(u):
+            return float(bandwidth[:-len(u)]) * f
+    raise SystemExit(f"--bandwidth must end in kbit, mbit or gbit, got {bandwidth!r}")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--np", type=int, default=4)
+    p.add_argument("--bandwidth", default="none", help="tc rate per host (emulated cluster); 'none' = local processes")
+    p.add_argument("--latency", default="0.2ms")
+    p.add_argument("--mib", type=float, default=2.0, help="MiB per message")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--worker", nargs=3, metavar=("MIB", "REPEATS", "OUT"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(float(a.worker[0]), int(a.worker[1]), a.worker[2])
+        return {}
+    if a.np < 3:
+        raise SystemExit("--np must be at least 3: with two ranks no two messages share a link")
+    if a.mib <= 0 or a.repeats < 1:
+        raise SystemExit("--mib must be > 0 and --repeats >= 1")
+    line = None if a.bandwidth == "none" else rate_bits(a.bandwidth)
+    out = os.path.join("/tmp", f"hipress-links-{os.getpid()}.json")
+    env = {**os.environ,
+           "PYTHONPATH": REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    cmd = [sys.executable, "-m", "hipress.bench.links", "--worker", str(a.mib), str(a.repeats), out]
+    if line is None:
+        from hipress.launch import run
+        code, outputs = run(cmd, a.np, timeout=a.timeout, quiet=True, env=env)
+        emulated = False
+    else:
+        from hipress.bench.cluster import EmulatedCluster
+        with EmulatedCluster(a.np, bandwidth=a.bandwidth, latency=a.latency, quiet=True) as cluster:
+            code, outputs = cluster.run(cmd, timeout=a.timeout, env=env, cwd=REPO)
+            emulated = cluster.emulated
+    if code != 0:
+        raise SystemExit(f"the ranks failed (exit {code}):\n" + "\n".join(o[-3000:] for o in outputs))
+    with open(out) as f:
+        res = json.load(f)
+    os.unlink(out)
+    nbytes = int(a.mib * 2 ** 20) // 4 * 4
+    rows = []
+    for name in PATTERNS:
+        s = res["seconds"][name]
+        row = {"pattern": name, "ms": s * 1e3}
+        if line is not None and emulated:
+            # the bytes into the busiest rank (rank 0 in incast, every rank in the all-to-alls), which
+            # its one link carries whatever the order
+            ideal = (a.np - 1) * nbytes * 8 / line
+            row.update({"line_rate_ms": ideal * 1e3, "x_line_rate": s / ideal})
+        rows.append(row)
+    link = "local processes (loopback)" if line is None else \
+        f"{a.bandwidth}, {a.latency}" + ("" if emulated else " (NOT emulated: loopback)")
+    print(f"### links: {a.np} ranks, {link}; {a.mib:g} MiB per message, medians of {a.repeats}\n")
+    print("| pattern | ms | line rate of the busiest link, ms | x line rate |\n|---|---|---|---|")
+    for r in rows:
+        extra = f"{r['line_rate_ms']:.1f} | {r['x_line_rate']:.2f}" if "line_rate_ms" in r else " | "
+        print(f"| {r['pattern']} | {r['ms']:.1f} | {extra} |")
+    doc = {"config": vars(a), "emulated": emulated, "rows": rows}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
