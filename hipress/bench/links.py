@@ -10,8 +10,9 @@ buffers that drop under incast, TCP collapse. Without the coordinator a PS gathe
 messages at once. This bench times, over gloo point-to-point messages of ``--mib`` MiB each:
 
   incast                   every other rank sends one message to rank 0, all at once
-  all-to-all at once       every rank sends one message to every other, all posted together
-                           (the direct exchange of a PS gather or broadcast)
+  all-to-all at once       every rank sends one message to every other, all posted together, as
+                           hipress's transport posts a PS gather or broadcast without the coordinator
+                           (receives first, then the sends, staggered by rank: to r + 1, r + 2, ...)
   all-to-all in matchings  the same messages in n - 1 slots: in slot s rank r sends to r + s and
                            hears from r - s, a slot after the one before has finished on this rank
                            (the coordinator's conflict-free slots)
@@ -57,8 +58,9 @@ def worker(mib: float, repeats: int, out: str) -> None:
             w.wait()
         return list(recv) if rank == 0 else []
 
-    def at_once():
-        works = [dist.isend(t, p) for p, t in send.items()] + [dist.irecv(t, p) for p, t in recv.items()]
+    def at_once():  # as hipress's transport posts an all-to-all: receives first, sends staggered by rank
+        works = [dist.irecv(recv[(rank - k) % n], (rank - k) % n) for k in range(1, n)]
+        works += [dist.isend(send[(rank + k) % n], (rank + k) % n) for k in range(1, n)]
         for w in works:
             w.wait()
         return list(recv)
