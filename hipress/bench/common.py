@@ -1,4 +1,4 @@
-"""Shared plumbing for benchmarks: machine description and result files."""
+"""Shared plumbing for benchmarks: machine description, result files, launching a bench's ranks."""
 from __future__ import annotations
 
 import json
@@ -58,3 +58,33 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     for r in rows:
         lines.append("| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |")
     return "\n".join(lines)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_ranks(module: str, worker_args: list, np: int, bandwidth: str, latency: str, timeout: float):
+    """``python -m <module> --worker <worker_args> OUT`` as ``np`` ranks: local processes over
+    loopback (``bandwidth`` "none") or one per emulated host (hipress.bench.cluster). The ranks see
+    this environment (HIPRESS_TIMELINE, ...), with the repository on their path; one of them writes
+    its result to OUT as JSON. Returns (that result, whether the cluster was emulated); SystemExit
+    with the ranks' output where any failed."""
+    out = os.path.join("/tmp", f"hipress-{module.rsplit('.', 1)[-1]}-{os.getpid()}.json")
+    env = {**os.environ,
+           "PYTHONPATH": REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    cmd = [sys.executable, "-m", module, "--worker", *map(str, worker_args), out]
+    if bandwidth == "none":
+        from hipress.launch import run
+        code, outputs = run(cmd, np, timeout=timeout, quiet=True, env=env)
+        emulated = False
+    else:
+        from hipress.bench.cluster import EmulatedCluster
+        with EmulatedCluster(np, bandwidth=bandwidth, latency=latency, quiet=True) as cluster:
+            code, outputs = cluster.run(cmd, timeout=timeout, env=env, cwd=REPO)
+            emulated = cluster.emulated
+    if code != 0:
+        raise SystemExit(f"the ranks failed (exit {code}):\n" + "\n".join(o[-3000:] for o in outputs))
+    with open(out) as f:
+        res = json.load(f)
+    os.unlink(out)
+    return res, emulated

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hipress.bench.common import run_ranks
+
 PATTERNS = ("incast", "all-to-all at once", "all-to-all in matchings")
 
 
@@ -121,24 +120,7 @@ def main(argv=None) -> dict:
     if a.mib <= 0 or a.repeats < 1:
         raise SystemExit("--mib must be > 0 and --repeats >= 1")
     line = None if a.bandwidth == "none" else rate_bits(a.bandwidth)
-    out = os.path.join("/tmp", f"hipress-links-{os.getpid()}.json")
-    env = {**os.environ,
-           "PYTHONPATH": REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-    cmd = [sys.executable, "-m", "hipress.bench.links", "--worker", str(a.mib), str(a.repeats), out]
-    if line is None:
-        from hipress.launch import run
-        code, outputs = run(cmd, a.np, timeout=a.timeout, quiet=True, env=env)
-        emulated = False
-    else:
-        from hipress.bench.cluster import EmulatedCluster
-        with EmulatedCluster(a.np, bandwidth=a.bandwidth, latency=a.latency, quiet=True) as cluster:
-            code, outputs = cluster.run(cmd, timeout=a.timeout, env=env, cwd=REPO)
-            emulated = cluster.emulated
-    if code != 0:
-        raise SystemExit(f"the ranks failed (exit {code}):\n" + "\n".join(o[-3000:] for o in outputs))
-    with open(out) as f:
-        res = json.load(f)
-    os.unlink(out)
+    res, emulated = run_ranks("hipress.bench.links", [a.mib, a.repeats], a.np, a.bandwidth, a.latency, a.timeout)
     nbytes = int(a.mib * 2 ** 20) // 4 * 4
     rows = []
     for name in PATTERNS:

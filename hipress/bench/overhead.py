@@ -37,11 +37,11 @@ import functools
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hipress.bench.common import run_ranks
+
 DEFAULT_SYSTEMS = "ddp,ddp-fp16,hipress-ring-none,hipress-auto"
 COMPUTE_ONLY = "compute-only"  # the base DDP model under no_sync(): the limit with no communication
 PHASES = ("forward_s", "backward_s", "opt_step_s")  # wall time per step in each, mean over ranks
@@ -266,26 +266,8 @@ def main(argv=None) -> dict:
     _configs(systems)  # a bad name fails here, before any rank starts
     if a.blocks < 1 or a.steps < 1:
         raise SystemExit("--blocks and --steps must be >= 1")
-    out = os.path.join("/tmp", f"hipress-overhead-{os.getpid()}.json")
-    # the ranks see this environment (HIPRESS_TIMELINE, ...), as hipress.bench.compare's do
-    env = {**os.environ,
-           "PYTHONPATH": REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-    cmd = [sys.executable, "-m", "hipress.bench.overhead", "--worker", a.model, ",".join(systems), str(a.blocks),
-           str(a.steps), out]
-    if a.bandwidth == "none":
-        from hipress.launch import run
-        code, outputs = run(cmd, a.np, timeout=a.timeout, quiet=True, env=env)
-        emulated = False
-    else:
-        from hipress.bench.cluster import EmulatedCluster
-        with EmulatedCluster(a.np, bandwidth=a.bandwidth, latency=a.latency, quiet=True) as cluster:
-            code, outputs = cluster.run(cmd, timeout=a.timeout, env=env, cwd=REPO)
-            emulated = cluster.emulated
-    if code != 0:
-        raise SystemExit(f"the ranks failed (exit {code}):\n" + "\n".join(o[-3000:] for o in outputs))
-    with open(out) as f:
-        res = json.load(f)
-    os.unlink(out)
+    res, emulated = run_ranks("hipress.bench.overhead", [a.model, ",".join(systems), a.blocks, a.steps], a.np,
+                              a.bandwidth, a.latency, a.timeout)
     rows = summarize(res, systems)
     link = "local processes (loopback)" if a.bandwidth == "none" else \
         f"{a.bandwidth}, {a.latency}" + ("" if emulated else " (NOT emulated: loopback)")
