@@ -9,7 +9,9 @@ pair (the rank's uplink and its downlink), so every host sends and receives at m
 set rate. ``latency`` is the one-way host-to-host delay (a round trip adds 2x latency):
 ``netem`` on the downlink where the kernel has it, otherwise an NFQUEUE delay daemon
 (iptables rule + this file run with ``--delay-daemon``) that holds each packet arriving
-at a rank for ``latency`` before the kernel delivers it.
+at a rank for ``latency`` before the kernel delivers it. ``--switch-buffer`` makes the
+switch's ports shallow (the bytes a downlink queues before it drops), so that several
+senders into one host lose packets, as on a shallow-buffered switch.
 
 Each rank gets a torchrun-style environment where it looks like a separate host:
 RANK, WORLD_SIZE, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR=<rank 0's address>,
@@ -97,6 +99,20 @@ def parse_time(v: Union[str, Number, None]) -> float:
     if scale is None:
         raise ValueError(f"bad latency unit in {v!r}; use s/ms/us")
     return float(m.group(1)) * scale
+
+
+def parse_bytes(v: Union[str, Number, None]) -> Optional[int]:
+    """'256k', '1m', '65536' (bytes; k = 1024) -> bytes; None -> None."""
+    if v is None or isinstance(v, (int, float)):
+        return None if v is None else int(v)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmM]?)[bB]?\s*", v)
+    if not m:
+        raise ValueError(f"bad size {v!r} (e.g. 256k, 1m, 65536)")
+    return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()])
+
+
+# A GSO packet on the veth pairs is up to 64 KiB: a queue that cannot hold one drops every such packet.
+MIN_SWITCH_BUFFER = 64 << 10
 
 
 # ------------------------------------------------------------------ command helpers
@@ -195,14 +211,21 @@ class EmulatedCluster:
 
     bandwidth: per-host rate in each direction (uplink and downlink); None = unshaped.
     latency: one-way host-to-host delay; a round trip adds 2*latency. 0/None = none.
+    switch_buffer: bytes the switch's port queues for a host's downlink before it drops packets
+    (a shallow-buffered switch, where several senders into one host lose packets: TCP incast);
+    None = a deep queue (a bandwidth-delay product + 20 ms, at least 1 MiB). Needs a bandwidth.
     c.emulated is False when it fell back to local processes on loopback.
     c.delay_method is 'netem', 'nfqueue' or None (no latency emulated).
     """
 
     def __init__(self, np: int, bandwidth: Union[str, Number, None] = None, latency: Union[str, Number, None] = None,
-                 subnet: str = "10.77.0", quiet: bool = False):
+                 subnet: str = "10.77.0", quiet: bool = False, switch_buffer: Union[str, Number, None] = None):
         if np < 1 or np > 250:
             raise ValueError(f"np must be in 1..250, got {np}")
+        self.switch_buffer = parse_bytes(switch_buffer)
+        if self.switch_buffer is not None and self.switch_buffer < MIN_SWITCH_BUFFER:
+            raise ValueError(f"switch_buffer must be at least {MIN_SWITCH_BUFFER} bytes (one GSO packet), "
+                             f"got {self.switch_buffer}")
         if not re.fullmatch(r"\d+\.\d+\.\d+", subnet):
             raise ValueError(f"subnet is the first three octets of a private /24, e.g. 10.77.0 (got {subnet!r})")
         self.np = np
@@ -210,6 +233,8 @@ class EmulatedCluster:
         self.quiet = quiet
         self.bandwidth = parse_rate(bandwidth)
         self.latency = parse_time(latency)
+        if self.switch_buffer is not None and not self.bandwidth:
+            raise ValueError("switch_buffer needs a bandwidth: an unshaped link never queues")
         self.prefix = f"{PREFIX}{os.getpid()}-{next(_counter)}-"
         self.switch_ns = self.prefix + "sw"
         self.rank_ns = [f"{self.prefix}r{r}" for r in range(np)]
@@ -365,14 +390,16 @@ class EmulatedCluster:
         use_netem = lat > 0 and self.delay_method == "netem"
         for r, ns in enumerate(self.rank_ns):
             self._shape(ns, f"veth{r}", bw, 0.0, lat)                       # uplink
-            self._shape(self.switch_ns, f"port{r}", bw, lat if use_netem else 0.0, lat)  # downlink (+ netem delay)
+            self._shape(self.switch_ns, f"port{r}", bw, lat if use_netem else 0.0, lat,  # downlink (+ netem delay)
+                        self.switch_buffer)
         if self.delay_method == "nfqueue":
             self._stop_daemons()
             if lat > 0:
                 self._start_daemons(lat)
         self._set_bw, self._set_lat = bw, lat
 
-    def _shape(self, ns: str, dev: str, bw: Optional[float], netem_delay: float, lat: float) -> None:
+    def _shape(self, ns: str, dev: str, bw: Optional[float], netem_delay: float, lat: float,
+               queue: Optional[int] = None) -> None:
         _sh(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
         tbf_parent = ["root", "handle", "1:"]
         if netem_delay > 0:
@@ -383,7 +410,7 @@ class EmulatedCluster:
         if bw:
             rate_bytes = bw / 8
             burst = int(max(131072, rate_bytes * 0.001))            # >= one 64 KiB GSO packet, ~1 ms of tokens
-            limit = int(max(1 << 20, rate_bytes * (2 * lat + 0.02)))  # room for a BDP + 20 ms of queue
+            limit = queue or int(max(1 << 20, rate_bytes * (2 * lat + 0.02)))  # a BDP + 20 ms of queue
             _sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, *tbf_parent, "tbf", "rate", f"{int(bw)}bit",
                  "burst", str(burst), "limit", str(limit)])
 
@@ -770,6 +797,8 @@ def main(argv=None) -> int:
     ap.add_argument("--latency", default=None, help="one-way host-to-host delay, e.g. 0.2ms (RTT = 2x)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds before every rank is stopped (exit 124)")
     ap.add_argument("--subnet", default="10.77.0", help="first three octets of the private /24 used inside")
+    ap.add_argument("--switch-buffer", default=None,
+                    help="bytes a switch port queues for its host before dropping, e.g. 256k (default: deep)")
     ap.add_argument("--measure", action="store_true", help="print measured bandwidth/RTT between hosts 0 and 1 first")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs (after --)")
     a = ap.parse_args(argv)
@@ -777,9 +806,10 @@ def main(argv=None) -> int:
     if not cmd and not a.measure:
         ap.error("no command given (e.g. python -m hipress.bench.cluster --np 4 --bandwidth 1gbit -- python train.py)")
     try:
-        with EmulatedCluster(a.np, a.bandwidth, a.latency, subnet=a.subnet) as c:
+        with EmulatedCluster(a.np, a.bandwidth, a.latency, subnet=a.subnet, switch_buffer=a.switch_buffer) as c:
             where = (f"{a.np} namespaces {c.prefix}r*, {c.subnet}.1-{a.np}, bandwidth={a.bandwidth or 'unshaped'}, "
-                     f"latency={a.latency or 0} ({c.delay_method or 'none'})") if c.emulated else "fallback (loopback)"
+                     f"latency={a.latency or 0} ({c.delay_method or 'none'})"
+                     + (f", switch buffer {c.switch_buffer} bytes" if c.switch_buffer else "")) if c.emulated else "fallback (loopback)"
             print(f"[cluster] {where}", file=sys.stderr)
             if a.measure and a.np >= 2:
                 mbit = measure_bandwidth(c, 2.0)

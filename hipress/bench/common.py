@@ -7,6 +7,7 @@ import platform
 import subprocess
 import sys
 import time
+from typing import Optional
 
 
 def machine_info() -> dict:
@@ -63,9 +64,11 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_ranks(module: str, worker_args: list, np: int, bandwidth: str, latency: str, timeout: float):
+def run_ranks(module: str, worker_args: list, np: int, bandwidth: str, latency: str, timeout: float,
+              switch_buffer: Optional[str] = None):
     """``python -m <module> --worker <worker_args> OUT`` as ``np`` ranks: local processes over
-    loopback (``bandwidth`` "none") or one per emulated host (hipress.bench.cluster). The ranks see
+    loopback (``bandwidth`` "none") or one per emulated host (hipress.bench.cluster, with its
+    ``switch_buffer``). The ranks see
     this environment (HIPRESS_TIMELINE, ...), with the repository on their path; one of them writes
     its result to OUT as JSON. Returns (that result, whether the cluster was emulated); SystemExit
     with the ranks' output where any failed."""
@@ -74,12 +77,14 @@ def run_ranks(module: str, worker_args: list, np: int, bandwidth: str, latency: 
            "PYTHONPATH": REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
     cmd = [sys.executable, "-m", module, "--worker", *map(str, worker_args), out]
     if bandwidth == "none":
+        if switch_buffer is not None:
+            raise SystemExit("--switch-buffer needs a --bandwidth: local processes have no switch")
         from hipress.launch import run
         code, outputs = run(cmd, np, timeout=timeout, quiet=True, env=env)
         emulated = False
     else:
         from hipress.bench.cluster import EmulatedCluster
-        with EmulatedCluster(np, bandwidth=bandwidth, latency=latency, quiet=True) as cluster:
+        with EmulatedCluster(np, bandwidth=bandwidth, latency=latency, quiet=True, switch_buffer=switch_buffer) as cluster:
             code, outputs = cluster.run(cmd, timeout=timeout, env=env, cwd=REPO)
             emulated = cluster.emulated
     if code != 0:

@@ -30,6 +30,7 @@ import json
 import statistics
 import time
 
+from hipress.bench.cluster import parse_rate
 from hipress.bench.common import run_ranks
 
 PATTERNS = ("incast", "all-to-all at once", "all-to-all in matchings")
@@ -92,20 +93,13 @@ def worker(mib: float, repeats: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def rate_bits(bandwidth: str) -> float:
-    """'1gbit' -> 1e9 (tc's units: kbit, mbit, gbit)."""
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for u, f in units.items():
-        if bandwidth.lower().endswith(u):
-            return float(bandwidth[:-len(u)]) * f
-    raise SystemExit(f"--bandwidth must end in kbit, mbit or gbit, got {bandwidth!r}")
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--np", type=int, default=4)
     p.add_argument("--bandwidth", default="none", help="tc rate per host (emulated cluster); 'none' = local processes")
     p.add_argument("--latency", default="0.2ms")
+    p.add_argument("--switch-buffer", default=None,
+                   help="bytes a switch port queues before dropping (hipress.bench.cluster), e.g. 256k; default: deep")
     p.add_argument("--mib", type=float, default=2.0, help="MiB per message")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--timeout", type=float, default=600)
@@ -119,8 +113,9 @@ def main(argv=None) -> dict:
         raise SystemExit("--np must be at least 3: with two ranks no two messages share a link")
     if a.mib <= 0 or a.repeats < 1:
         raise SystemExit("--mib must be > 0 and --repeats >= 1")
-    line = None if a.bandwidth == "none" else rate_bits(a.bandwidth)
-    res, emulated = run_ranks("hipress.bench.links", [a.mib, a.repeats], a.np, a.bandwidth, a.latency, a.timeout)
+    line = None if a.bandwidth == "none" else parse_rate(a.bandwidth)
+    res, emulated = run_ranks("hipress.bench.links", [a.mib, a.repeats], a.np, a.bandwidth, a.latency, a.timeout,
+                              a.switch_buffer)
     nbytes = int(a.mib * 2 ** 20) // 4 * 4
     rows = []
     for name in PATTERNS:
@@ -133,7 +128,8 @@ def main(argv=None) -> dict:
             row.update({"line_rate_ms": ideal * 1e3, "x_line_rate": s / ideal})
         rows.append(row)
     link = "local processes (loopback)" if line is None else \
-        f"{a.bandwidth}, {a.latency}" + ("" if emulated else " (NOT emulated: loopback)")
+        f"{a.bandwidth}, {a.latency}" + (f", switch buffer {a.switch_buffer}" if a.switch_buffer else "") \
+        + ("" if emulated else " (NOT emulated: loopback)")
     print(f"### links: {a.np} ranks, {link}; {a.mib:g} MiB per message, medians of {a.repeats}\n")
     print("| pattern | ms | line rate of the busiest link, ms | x line rate |\n|---|---|---|---|")
     for r in rows:

@@ -249,6 +249,8 @@ def main(argv=None) -> dict:
     p.add_argument("--systems", default=DEFAULT_SYSTEMS, help="names of hipress.bench.compare; the first is the base")
     p.add_argument("--bandwidth", default="none", help="tc rate per host (emulated cluster); 'none' = local processes")
     p.add_argument("--latency", default="0.2ms")
+    p.add_argument("--switch-buffer", default=None,
+                   help="bytes a switch port queues before dropping (hipress.bench.cluster), e.g. 256k; default: deep")
     p.add_argument("--blocks", type=int, default=8, help="timed blocks of every system")
     p.add_argument("--steps", type=int, default=3, help="steps per block")
     p.add_argument("--timeout", type=float, default=900)
@@ -267,10 +269,11 @@ def main(argv=None) -> dict:
     if a.blocks < 1 or a.steps < 1:
         raise SystemExit("--blocks and --steps must be >= 1")
     res, emulated = run_ranks("hipress.bench.overhead", [a.model, ",".join(systems), a.blocks, a.steps], a.np,
-                              a.bandwidth, a.latency, a.timeout)
+                              a.bandwidth, a.latency, a.timeout, a.switch_buffer)
     rows = summarize(res, systems)
     link = "local processes (loopback)" if a.bandwidth == "none" else \
-        f"{a.bandwidth}, {a.latency}" + ("" if emulated else " (NOT emulated: loopback)")
+        f"{a.bandwidth}, {a.latency}" + (f", switch buffer {a.switch_buffer}" if a.switch_buffer else "") \
+        + ("" if emulated else " (NOT emulated: loopback)")
     print(f"### overhead: {a.model}, {a.np} ranks, {link}; medians of {a.blocks} blocks of {a.steps} steps "
           f"(load average {os.getloadavg()[0]:.1f})\n")
     print(table(rows, systems[0]))

@@ -249,7 +249,7 @@ def test_overhead_times_every_system_and_the_hook(tmp_path):
 def test_links_times_three_patterns_of_checked_messages(tmp_path):
     """3 local ranks: incast, all-to-all at once and in matchings each timed; every rank checks each
     message it received against its sender's bytes (a wrong peer or a lost message fails the ranks).
-    Two ranks share no link: refused."""
+    Two ranks share no link, and local processes no switch (--switch-buffer): refused."""
     from hipress.bench import links
 
     out = tmp_path / "links.json"
@@ -259,6 +259,8 @@ def test_links_times_three_patterns_of_checked_messages(tmp_path):
     assert json.loads(out.read_text())["rows"] == res["rows"]
     with pytest.raises(SystemExit, match="at least 3"):
         links.main(["--np", "2"])
+    with pytest.raises(SystemExit, match="needs a --bandwidth"):  # local processes have no switch
+        links.main(["--np", "3", "--switch-buffer", "256k"])
 
 
 def test_compare_quick_writes_json_markdown_png(tmp_path):

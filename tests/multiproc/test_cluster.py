@@ -203,6 +203,33 @@ def test_downlink_is_shaped(shaped):
     assert total <= 200 * 1.15, res
 
 
+def _tbf_queue_bytes(ns: str, dev: str) -> int:
+    """The bytes a link's tbf qdisc holds before it drops: tc reports the queue as the time its
+    bytes beyond the burst take at the rate ("lat", us)."""
+    out = subprocess.run(["tc", "-n", ns, "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True,
+                         check=True).stdout
+    tbf = next(q for q in json.loads(out) if q["kind"] == "tbf")["options"]
+    return round(tbf["burst"] + tbf["lat"] * 1e-6 * tbf["rate"])
+
+
+@needs_netns
+def test_switch_buffer_sets_the_downlinks_queue_only():
+    """switch_buffer: each switch port (a host's downlink) queues that many bytes; the hosts' own
+    uplinks keep the deep queue (1 MiB at 100 Mbit/s). Too small a buffer, or one without a
+    bandwidth, is refused before anything is made."""
+    before = snapshot()
+    with EmulatedCluster(np=2, bandwidth="100mbit", switch_buffer="256k", quiet=True) as c:
+        assert c.emulated, c.fallback_reason
+        for r in range(2):
+            assert abs(_tbf_queue_bytes(c.switch_ns, f"port{r}") - (256 << 10)) <= 256
+            assert abs(_tbf_queue_bytes(c.rank_ns[r], f"veth{r}") - (1 << 20)) <= 256
+    assert_clean(before, c)
+    with pytest.raises(ValueError, match="at least 65536"):
+        EmulatedCluster(np=2, bandwidth="100mbit", switch_buffer="16k")
+    with pytest.raises(ValueError, match="needs a bandwidth"):
+        EmulatedCluster(np=2, switch_buffer="256k")
+
+
 @needs_netns
 @pytest.mark.slow
 def test_downlink_shared_near_the_rate(shaped):
@@ -506,3 +533,7 @@ def test_units():
     assert cl.parse_rate(None) is None and cl.parse_time(None) == 0
     with pytest.raises(ValueError):
         cl.parse_rate("fast")
+    assert cl.parse_bytes("256k") == 256 << 10 and cl.parse_bytes("1m") == 1 << 20 and cl.parse_bytes("65536") == 65536
+    assert cl.parse_bytes(None) is None
+    with pytest.raises(ValueError):
+        cl.parse_bytes("deep")
