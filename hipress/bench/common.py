@@ -68,10 +68,9 @@ def run_ranks(module: str, worker_args: list, np: int, bandwidth: str, latency: 
               switch_buffer: Optional[str] = None):
     """``python -m <module> --worker <worker_args> OUT`` as ``np`` ranks: local processes over
     loopback (``bandwidth`` "none") or one per emulated host (hipress.bench.cluster, with its
-    ``switch_buffer``). The ranks see
-    this environment (HIPRESS_TIMELINE, ...), with the repository on their path; one of them writes
-    its result to OUT as JSON. Returns (that result, whether the cluster was emulated); SystemExit
-    with the ranks' output where any failed."""
+    ``switch_buffer``). The ranks see this environment (HIPRESS_TIMELINE, ...), with the repository
+    on their path; one of them writes its result to OUT as JSON. Returns (that result, whether the
+    cluster was emulated); SystemExit with the ranks' output where any failed."""
     out = os.path.join("/tmp", f"hipress-{module.rsplit('.', 1)[-1]}-{os.getpid()}.json")
     env = {**os.environ,
            "PYTHONPATH": REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
@@ -93,3 +92,11 @@ def run_ranks(module: str, worker_args: list, np: int, bandwidth: str, latency: 
         res = json.load(f)
     os.unlink(out)
     return res, emulated
+
+
+def describe_link(bandwidth: str, latency: str, switch_buffer: Optional[str], emulated: bool) -> str:
+    """How run_ranks' ranks were joined, for a bench's heading."""
+    if bandwidth == "none":
+        return "local processes (loopback)"
+    return f"{bandwidth}, {latency}" + (f", switch buffer {switch_buffer}" if switch_buffer else "") \
+        + ("" if emulated else " (NOT emulated: loopback)")

@@ -31,7 +31,7 @@ import statistics
 import time
 
 from hipress.bench.cluster import parse_rate
-from hipress.bench.common import run_ranks
+from hipress.bench.common import describe_link, run_ranks
 
 PATTERNS = ("incast", "all-to-all at once", "all-to-all in matchings")
 
@@ -75,7 +75,7 @@ def worker(mib: float, repeats: int, out: str) -> None:
     times = {}
     for name, run in zip(PATTERNS, (incast, at_once, matchings)):
         spent = []
-        for i in range(repeats + 2):
+        for _ in range(repeats + 2):
             for t in recv.values():
                 t.fill_(-1.0)
             dist.barrier()
@@ -127,9 +127,7 @@ def main(argv=None) -> dict:
             ideal = (a.np - 1) * nbytes * 8 / line
             row.update({"line_rate_ms": ideal * 1e3, "x_line_rate": s / ideal})
         rows.append(row)
-    link = "local processes (loopback)" if line is None else \
-        f"{a.bandwidth}, {a.latency}" + (f", switch buffer {a.switch_buffer}" if a.switch_buffer else "") \
-        + ("" if emulated else " (NOT emulated: loopback)")
+    link = describe_link(a.bandwidth, a.latency, a.switch_buffer, emulated)
     print(f"### links: {a.np} ranks, {link}; {a.mib:g} MiB per message, medians of {a.repeats}\n")
     print("| pattern | ms | line rate of the busiest link, ms | x line rate |\n|---|---|---|---|")
     for r in rows:

@@ -40,7 +40,7 @@ import statistics
 import threading
 import time
 
-from hipress.bench.common import run_ranks
+from hipress.bench.common import describe_link, run_ranks
 
 DEFAULT_SYSTEMS = "ddp,ddp-fp16,hipress-ring-none,hipress-auto"
 COMPUTE_ONLY = "compute-only"  # the base DDP model under no_sync(): the limit with no communication
@@ -271,9 +271,7 @@ def main(argv=None) -> dict:
     res, emulated = run_ranks("hipress.bench.overhead", [a.model, ",".join(systems), a.blocks, a.steps], a.np,
                               a.bandwidth, a.latency, a.timeout, a.switch_buffer)
     rows = summarize(res, systems)
-    link = "local processes (loopback)" if a.bandwidth == "none" else \
-        f"{a.bandwidth}, {a.latency}" + (f", switch buffer {a.switch_buffer}" if a.switch_buffer else "") \
-        + ("" if emulated else " (NOT emulated: loopback)")
+    link = describe_link(a.bandwidth, a.latency, a.switch_buffer, emulated)
     print(f"### overhead: {a.model}, {a.np} ranks, {link}; medians of {a.blocks} blocks of {a.steps} steps "
           f"(load average {os.getloadavg()[0]:.1f})\n")
     print(table(rows, systems[0]))
