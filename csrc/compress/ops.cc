@@ -170,11 +170,8 @@ void add(float* y, const float* x, size_t n) {
   });
 }
 
-// NaN and Inf are the floats whose exponent bits are all set: with the sign cleared, exactly those
-// compare >= 0x7f800000 as integers, so one max over the masked bits decides (vectorizes).
+// NaN and Inf: kAbsBits and kFirstNonFinite (ops.h).
 namespace {
-constexpr uint32_t kAbsBits = 0x7fffffffu, kFirstNonFinite = 0x7f800000u;
-
 // chunk(b, e) does the work on elements [b, e) and returns the largest sign-cleared bits it read;
 // whether every chunk stayed below the first NaN/Inf.
 template <class F>
@@ -220,18 +217,8 @@ bool copy_finite(float* out, const float* in, size_t n) {
   });
 }
 
-// bf16 rounding of fp32 bits: the top half after adding 0x7fff plus the kept half's lowest bit
-// (to nearest, ties to even). A NaN becomes 0x7fc0 (c10::BFloat16's): rounded, its bits could carry into
-// Inf or wrap around to zero (0xffffffff), and the optimizer finds a bad gradient in the bucket
-// by looking for NaN/Inf there.
+// bf16's rounding and NaN: round_to_bf16_bits, kBf16NaN (ops.h).
 constexpr uint32_t kFirstBf16Overflow = 0x7f7f8000u;  // the smallest |x| bits that round to Inf
-constexpr uint32_t kBf16NaN = 0x7fc0u;
-
-// That rounding, of one element's bits (uint32_t) or of a vector's (vuint): one formula for both loops.
-template <class Bits>
-inline Bits round_to_bf16_bits(Bits v) {
-  return (v + (((v >> 16) & 1u) + 0x7fffu)) >> 16;
-}
 
 bool copy_finite_bf16(uint16_t* out, const float* in, size_t n) {
   const bool finite = chunks_finite(n, [&](size_t i, size_t e) {

@@ -60,8 +60,20 @@ bool copy_finite(float* out, const float* in, size_t n);
 // too large for bf16 (|x| >= 0x7f7f8000 as bits rounds to Inf). A gradient's copy into a bucket
 // that travels as bf16 is then also its cast, one pass where a copy and a cast were two.
 bool copy_finite_bf16(uint16_t* out, const float* in, size_t n);
-// bf16 <-> fp32 of one value (bf16 is fp32's top half): to bf16 rounds to nearest, ties to even, as
-// torch's scalar cast does, a NaN as 0x7fc0 (a select, so loops that call it vectorise).
+// fp32 bits with the sign cleared: NaN and Inf (exponent bits all set) are exactly those that
+// compare >= kFirstNonFinite as integers, so one max over the masked bits decides (vectorises).
+constexpr uint32_t kAbsBits = 0x7fffffffu, kFirstNonFinite = 0x7f800000u;
+// bf16 rounding of fp32 bits: the top half after adding 0x7fff plus the kept half's lowest bit (to
+// nearest, ties to even), of one element's bits (uint32_t) or of a vector's: one formula for every
+// loop. A NaN becomes kBf16NaN (c10::BFloat16's) instead: rounded, its bits could carry into Inf or
+// wrap around to zero (0xffffffff), and the optimizer finds a bad gradient by its NaN/Inf.
+constexpr uint32_t kBf16NaN = 0x7fc0u;
+template <class Bits>
+inline Bits round_to_bf16_bits(Bits v) {
+  return (v + (((v >> 16) & 1u) + 0x7fffu)) >> 16;
+}
+// bf16 <-> fp32 of one value (bf16 is fp32's top half): to bf16 as round_to_bf16_bits, torch's scalar
+// cast bit for bit, a NaN as kBf16NaN (a select, so loops that call it vectorise).
 inline float bf16_to_float(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;
@@ -71,8 +83,7 @@ inline float bf16_to_float(uint16_t h) {
 inline uint16_t float_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
-  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r);
+  return static_cast<uint16_t>((u & kAbsBits) > kFirstNonFinite ? kBf16NaN : round_to_bf16_bits(u));
 }
 // COVAP's local mode with bf16 averages (hipress/torch/covap.py, Average), one pass each where torch
 // made three and seven: a unit's difference from its bf16 reference,
