@@ -89,7 +89,7 @@ def worker(mib: float, repeats: int, out: str) -> None:
         times[name] = statistics.median(spent[2:])
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"np": n, "mib": mib, "repeats": repeats, "seconds": times}, f)
+            json.dump({"np": n, "bytes": 4 * numel, "repeats": repeats, "seconds": times}, f)
     dist.destroy_process_group()
 
 
@@ -116,15 +116,14 @@ def main(argv=None) -> dict:
     line = None if a.bandwidth == "none" else parse_rate(a.bandwidth)
     res, emulated = run_ranks("hipress.bench.links", [a.mib, a.repeats], a.np, a.bandwidth, a.latency, a.timeout,
                               a.switch_buffer)
-    nbytes = int(a.mib * 2 ** 20) // 4 * 4
+    # the bytes into the busiest rank (rank 0 in incast, every rank in the all-to-alls), which its one
+    # link carries whatever the order, at the line rate
+    ideal = (a.np - 1) * res["bytes"] * 8 / line if line is not None and emulated else None
     rows = []
     for name in PATTERNS:
         s = res["seconds"][name]
         row = {"pattern": name, "ms": s * 1e3}
-        if line is not None and emulated:
-            # the bytes into the busiest rank (rank 0 in incast, every rank in the all-to-alls), which
-            # its one link carries whatever the order
-            ideal = (a.np - 1) * nbytes * 8 / line
+        if ideal is not None:
             row.update({"line_rate_ms": ideal * 1e3, "x_line_rate": s / ideal})
         rows.append(row)
     link = describe_link(a.bandwidth, a.latency, a.switch_buffer, emulated)
