@@ -4,6 +4,7 @@
     python -m hipress.bench.compare --preset issue7            # planner vs compress all / nothing (mixed model)
     python -m hipress.bench.compare --model vgg19 --bandwidth 1gbit,10gbit --np 4 [--systems ...] [--quick]
     python -m hipress.bench.compare --preset dear-bo   # bucket_bytes="tune" against a sweep of fixed sizes
+    python -m hipress.bench.compare --model bert --bandwidth 1gbit --switch-buffer 128k   # shallow switch ports (incast drops)
 
 For every bandwidth (the cluster is re-shaped with ``set_link`` between them), model
 and repeat, the systems run as ranks of ``hipress.bench.train`` inside
@@ -478,6 +479,8 @@ def main(argv=None) -> dict:
     p.add_argument("--model", help="comma list of vgg19,resnet50,bert,lstm,mixed (default vgg19)")
     p.add_argument("--bandwidth", help="comma list, tc units (default 1gbit,10gbit); 'none' = unshaped")
     p.add_argument("--latency", help="one-way host-to-host delay (default 0.2ms)")
+    p.add_argument("--switch-buffer", default=None,
+                   help="bytes a switch port queues before dropping (hipress.bench.cluster), e.g. 256k; default: deep")
     p.add_argument("--np", type=int)
     p.add_argument("--systems", help=f"comma list (default all): {','.join(ALL_SYSTEMS)}")
     p.add_argument("--warmup", type=int)
@@ -520,6 +523,8 @@ def main(argv=None) -> dict:
     for m in models_:
         _m.get(m)
     from hipress.bench.cluster import EmulatedCluster
+    if a.switch_buffer is not None and "none" in bandwidths:
+        raise SystemExit("--switch-buffer needs a bandwidth on every run: an unshaped link ('none') has no switch queue")
 
     horovod_ok = importlib.util.find_spec("horovod") is not None
     run_systems = [s for s in systems if s != "horovod" or horovod_ok]
@@ -539,7 +544,7 @@ def main(argv=None) -> dict:
     cluster_info = {}
     first = None if bandwidths[0] == "none" else bandwidths[0]
     partial = os.path.join(a.out_dir, "compare-partial.json")
-    with EmulatedCluster(np=a.np, bandwidth=first, latency=a.latency, quiet=True) as c:
+    with EmulatedCluster(np=a.np, bandwidth=first, latency=a.latency, quiet=True, switch_buffer=a.switch_buffer) as c:
         cluster_info = {"emulated": c.emulated, "delay_method": c.delay_method,
                         "fallback_reason": c.fallback_reason}
         if not c.emulated:
@@ -548,7 +553,8 @@ def main(argv=None) -> dict:
             c.set_link(bandwidth=None if bw == "none" else bw, latency=a.latency)
             # planner profiles are per link: keep them apart (the cache key has no bandwidth)
             env["HIPRESS_PROFILE_DIR"] = os.path.abspath(os.path.join(
-                a.out_dir, "profiles", f"np{a.np}-{bw}-{a.latency}-{'emu' if c.emulated else 'loopback'}"))
+                a.out_dir, "profiles", f"np{a.np}-{bw}-{a.latency}-{'emu' if c.emulated else 'loopback'}"
+                + (f"-switch{a.switch_buffer}" if a.switch_buffer else "")))
             for model in models_:
                 for rep in range(a.repeats):
                     for g in groups:
@@ -570,6 +576,7 @@ def main(argv=None) -> dict:
         rows = summarize(recs, bandwidths, systems)
         gl = goals(model, rows, bandwidths)
         md = [f"### {model}-like, {a.np} ranks, latency {a.latency}"
+              f"{f', switch buffer {a.switch_buffer}' if a.switch_buffer else ''}"
               f"{'' if cluster_info.get('emulated') else ' (NOT emulated: unshaped loopback)'}", "",
               table(rows), ""]
         for g in gl:

@@ -267,8 +267,8 @@ def test_compare_quick_writes_json_markdown_png(tmp_path):
     pytest.importorskip("matplotlib")
     from hipress.bench import compare
 
-    docs = compare.main(["--quick", "--np", "2", "--bandwidth", "1gbit", "--out-dir", str(tmp_path),
-                         "--no-progress", "--timeout", "240"])
+    docs = compare.main(["--quick", "--np", "2", "--bandwidth", "1gbit", "--switch-buffer", "256k",
+                         "--out-dir", str(tmp_path), "--no-progress", "--timeout", "240"])
     doc = json.loads((tmp_path / "compare-vgg19.json").read_text())
     assert docs["vgg19"]["rows"] == doc["rows"]
     systems = {r["system"]: r for r in doc["rows"]}
@@ -277,9 +277,13 @@ def test_compare_quick_writes_json_markdown_png(tmp_path):
         assert r["throughput"] > 0 and r["bandwidth"] == "1gbit", r
     assert systems["ddp"]["x_ddp"] == 1.0
     assert doc["config"]["np"] == 2 and doc["cluster"]["emulated"] in (True, False)
-    assert "| ddp |" in (tmp_path / "compare-vgg19.md").read_text()
+    assert doc["config"]["switch_buffer"] == "256k"
+    md = (tmp_path / "compare-vgg19.md").read_text()
+    assert "| ddp |" in md and "switch buffer 256k" in md
     for name in ("compare-vgg19-throughput.png", "compare-vgg19-breakdown.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="needs a bandwidth"):  # an unshaped link has no switch queue
+        compare.main(["--quick", "--bandwidth", "1gbit,none", "--switch-buffer", "256k", "--out-dir", str(tmp_path)])
 
 
 def test_convergence_tiny_digits_job(tmp_path):
