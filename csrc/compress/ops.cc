@@ -46,6 +46,24 @@ inline vfloat vload(const float* p) {
   return v;
 }
 inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+// A store that bypasses the caches (no read of the line first), for a result nothing reads again
+// soon: with it a pass over memory moves one stream less. p must be aligned to the vector's size;
+// stream_fence() must follow the loop before another thread reads the results.
+inline void vstore_stream(float* p, vfloat v) {
+#if defined(__AVX512F__)
+  _mm512_stream_ps(p, reinterpret_cast<__m512>(v));
+#elif defined(__AVX2__)
+  _mm256_stream_ps(p, reinterpret_cast<__m256>(v));
+#else
+  vstore(p, v);  // (immintrin.h is included for AVX2 and up only)
+#endif
+}
+inline bool valigned(const float* p) { return reinterpret_cast<uintptr_t>(p) % sizeof(vfloat) == 0; }
+inline void stream_fence() {
+#if defined(__AVX2__)
+  _mm_sfence();
+#endif
+}
 typedef int32_t vint __attribute__((vector_size(kVecFloats * sizeof(int32_t))));
 typedef uint32_t vuint __attribute__((vector_size(kVecFloats * sizeof(uint32_t))));
 // floor(x) on every lane with adds and selects only (the DSL prelude's hp::vfloor, checked there against
@@ -267,7 +285,18 @@ void bf16_average_delta(float* delta, uint16_t* ref, const uint16_t* sum, const 
 // The product is rounded before the sum, as in torch's two passes (this file's fp-contract=off).
 void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t n) {
   parallel_range(n, kGrain, [&](size_t b, size_t e) {
-    for (size_t i = b; i < e; ++i) {
+    size_t i = b;
+    if (valigned(u_out + i)) {  // the new velocity streamed past the caches: see momentum_update_finite
+      constexpr size_t V = kVecFloats;
+      const vfloat vm = m - vfloat{};
+      for (; i + V <= e; i += V) {
+        const vfloat v = vm * vload(u_in + i) + vload(g + i);  // rounded twice (fp-contract off), as below
+        vstore_stream(u_out + i, v);
+        vstore(g + i, v);
+      }
+      stream_fence();
+    }
+    for (; i < e; ++i) {
       float v = m * u_in[i];
       v += g[i];
       u_out[i] = v;
@@ -281,6 +310,19 @@ bool momentum_update_finite(float* u_out, const float* u_in, float m, float* g, 
     constexpr size_t V = kVecFloats;
     const vfloat vm = m - vfloat{};
     vuint t0 = {};
+    // The new velocity is read again only in the next step: streamed past the caches where aligned,
+    // so its lines are not read from memory before they are written (VGG19-like's 45 MB in training,
+    // 4 ranks on 2 cores: 20-24 ms of CPU per step and rank before, 10-16 after).
+    if (valigned(u_out + i)) {
+      for (; i + V <= e; i += V) {
+        const vfloat gv = vload(g + i);
+        t0 = vmax(t0, reinterpret_cast<vuint>(gv) & kAbsBits);
+        const vfloat v = vm * vload(u_in + i) + gv;  // rounded twice (fp-contract off), as below
+        vstore_stream(u_out + i, v);
+        vstore(g + i, v);
+      }
+      stream_fence();
+    }
     for (; i + V <= e; i += V) {
       const vfloat gv = vload(g + i);
       t0 = vmax(t0, reinterpret_cast<vuint>(gv) & kAbsBits);

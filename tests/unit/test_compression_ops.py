@@ -234,20 +234,33 @@ def test_axpby_rounding_matches_numpy():
     np.testing.assert_array_equal(y2, np.float32(0.9) * y + np.float32(0.3) * x)
 
 
-@pytest.mark.parametrize("in_place", [False, True])
+def _velocity_out(n, where, u):
+    """Where a momentum update writes its new velocity: a fresh (aligned) spare, ``u`` itself, or
+    a spare one float off alignment (the vector stores past the caches need an aligned one)."""
+    import torch
+    if where == "in_place":
+        return u.clone()
+    if where == "unaligned":
+        return torch.full((n + 1,), float("nan"))[1:]
+    return torch.full((n,), float("nan"))
+
+
+@pytest.mark.parametrize("where", ["spare", "in_place", "unaligned"])
 @pytest.mark.parametrize("n", [0, 1, 7, 65537, 200003])
-def test_momentum_update_is_sgds_two_passes_bit_for_bit(n, in_place, threads):
+def test_momentum_update_is_sgds_two_passes_bit_for_bit(n, where, threads):
     """u.mul_(m).add_(g) as torch's SGD computes it (the product rounded before the sum), and g
-    set to the result: the same bits, whether the velocity is updated in place or into a spare."""
+    set to the result: the same bits, whether the velocity is updated in place or into a spare,
+    aligned or not."""
     import torch
     gen = torch.Generator().manual_seed(n)
     u = torch.randn(n, generator=gen) * 10
     g = torch.randn(n, generator=gen) * 1e-3
     for m in (0.9, 0.99, 0.5, 1.0):
         want = u.clone().mul_(m).add_(g)
-        out = u.clone() if in_place else torch.full((n,), float("nan"))
+        out = _velocity_out(n, where, u)
         g2 = g.clone()
-        _C.ops_momentum_update(out.data_ptr(), out.data_ptr() if in_place else u.data_ptr(), m, g2.data_ptr(), n)
+        _C.ops_momentum_update(out.data_ptr(), out.data_ptr() if where == "in_place" else u.data_ptr(), m,
+                               g2.data_ptr(), n)
         assert torch.equal(out.view(torch.int32), want.view(torch.int32)), m
         assert torch.equal(g2.view(torch.int32), want.view(torch.int32)), m
     if n > 1000:  # it would differ from a fused multiply-add: the test can tell the two apart
@@ -255,8 +268,9 @@ def test_momentum_update_is_sgds_two_passes_bit_for_bit(n, in_place, threads):
         assert not torch.equal(fused, u.clone().mul_(0.9).add_(g))
 
 
+@pytest.mark.parametrize("where", ["spare", "unaligned"])
 @pytest.mark.parametrize("n", [0, 1, 7, 17, 65537, 200003])
-def test_momentum_update_finite_is_the_update_and_finds_every_nan_and_inf(n, threads):
+def test_momentum_update_finite_is_the_update_and_finds_every_nan_and_inf(n, where, threads):
     """Where g is finite: ops_momentum_update's bits (SGD's roundings) and True; a NaN or +-Inf
     anywhere in g (vector body, tail, a later chunk): False."""
     import torch
@@ -265,7 +279,7 @@ def test_momentum_update_finite_is_the_update_and_finds_every_nan_and_inf(n, thr
     g = torch.randn(n, generator=gen) * 1e-3
     for m in (0.9, 0.5):
         want = u.clone().mul_(m).add_(g)
-        out, g2 = torch.full((n,), float("nan")), g.clone()
+        out, g2 = _velocity_out(n, where, u), g.clone()
         assert _C.ops_momentum_update_finite(out.data_ptr(), u.data_ptr(), m, g2.data_ptr(), n) is True
         assert torch.equal(out.view(torch.int32), want.view(torch.int32)), m
         assert torch.equal(g2.view(torch.int32), want.view(torch.int32)), m
