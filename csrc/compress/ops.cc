@@ -282,21 +282,39 @@ void bf16_average_delta(float* delta, uint16_t* ref, const uint16_t* sum, const 
   });
 }
 
-// The product is rounded before the sum, as in torch's two passes (this file's fp-contract=off).
+// The vector body of both momentum updates, from i while a whole vector fits: u_out = g = m * u_in + g,
+// the product rounded before the sum as in torch's two passes (this file's fp-contract=off); with Track,
+// the largest |g| bits into t. The new velocity is read again only in the next step: it is streamed past
+// the caches where u_out is aligned, so its lines are not read from memory before they are written
+// (VGG19-like's 45 MB in training, 4 ranks on 2 cores: 20-24 ms of CPU per step and rank before, 10-16
+// after). Returns where the scalar tail starts.
+namespace {
+template <bool Track>
+size_t momentum_vectors(float* u_out, const float* u_in, float m, float* g, size_t i, size_t e, vuint& t) {
+  constexpr size_t V = kVecFloats;
+  const vfloat vm = m - vfloat{};
+  auto run = [&](auto store) {
+    for (; i + V <= e; i += V) {
+      const vfloat gv = vload(g + i);
+      if (Track) t = vmax(t, reinterpret_cast<vuint>(gv) & kAbsBits);
+      const vfloat v = vm * vload(u_in + i) + gv;
+      store(u_out + i, v);
+      vstore(g + i, v);
+    }
+  };
+  if (valigned(u_out + i)) {
+    run([](float* p, vfloat v) { vstore_stream(p, v); });
+    stream_fence();
+  }
+  run([](float* p, vfloat v) { vstore(p, v); });  // (nothing is left where the streamed loop ran)
+  return i;
+}
+}  // namespace
+
 void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t n) {
   parallel_range(n, kGrain, [&](size_t b, size_t e) {
-    size_t i = b;
-    if (valigned(u_out + i)) {  // the new velocity streamed past the caches: see momentum_update_finite
-      constexpr size_t V = kVecFloats;
-      const vfloat vm = m - vfloat{};
-      for (; i + V <= e; i += V) {
-        const vfloat v = vm * vload(u_in + i) + vload(g + i);  // rounded twice (fp-contract off), as below
-        vstore_stream(u_out + i, v);
-        vstore(g + i, v);
-      }
-      stream_fence();
-    }
-    for (; i < e; ++i) {
+    vuint unused = {};
+    for (size_t i = momentum_vectors<false>(u_out, u_in, m, g, b, e, unused); i < e; ++i) {
       float v = m * u_in[i];
       v += g[i];
       u_out[i] = v;
@@ -307,29 +325,8 @@ void momentum_update(float* u_out, const float* u_in, float m, float* g, size_t 
 
 bool momentum_update_finite(float* u_out, const float* u_in, float m, float* g, size_t n) {
   return chunks_finite(n, [&](size_t i, size_t e) {
-    constexpr size_t V = kVecFloats;
-    const vfloat vm = m - vfloat{};
     vuint t0 = {};
-    // The new velocity is read again only in the next step: streamed past the caches where aligned,
-    // so its lines are not read from memory before they are written (VGG19-like's 45 MB in training,
-    // 4 ranks on 2 cores: 20-24 ms of CPU per step and rank before, 10-16 after).
-    if (valigned(u_out + i)) {
-      for (; i + V <= e; i += V) {
-        const vfloat gv = vload(g + i);
-        t0 = vmax(t0, reinterpret_cast<vuint>(gv) & kAbsBits);
-        const vfloat v = vm * vload(u_in + i) + gv;  // rounded twice (fp-contract off), as below
-        vstore_stream(u_out + i, v);
-        vstore(g + i, v);
-      }
-      stream_fence();
-    }
-    for (; i + V <= e; i += V) {
-      const vfloat gv = vload(g + i);
-      t0 = vmax(t0, reinterpret_cast<vuint>(gv) & kAbsBits);
-      const vfloat v = vm * vload(u_in + i) + gv;  // rounded twice (fp-contract off), as below
-      vstore(u_out + i, v);
-      vstore(g + i, v);
-    }
+    i = momentum_vectors<true>(u_out, u_in, m, g, i, e, t0);
     uint32_t t = hmax(t0);
     for (; i < e; ++i) {
       uint32_t u;
