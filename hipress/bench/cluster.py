@@ -233,8 +233,7 @@ class EmulatedCluster:
         self.quiet = quiet
         self.bandwidth = parse_rate(bandwidth)
         self.latency = parse_time(latency)
-        if self.switch_buffer is not None and not self.bandwidth:
-            raise ValueError("switch_buffer needs a bandwidth: an unshaped link never queues")
+        self._check_shaping(self.bandwidth)
         self.prefix = f"{PREFIX}{os.getpid()}-{next(_counter)}-"
         self.switch_ns = self.prefix + "sw"
         self.rank_ns = [f"{self.prefix}r{r}" for r in range(np)]
@@ -372,6 +371,7 @@ class EmulatedCluster:
         Call between runs: packets in flight may be dropped while the qdiscs are replaced.
         """
         bw, lat = parse_rate(bandwidth), parse_time(latency)
+        self._check_shaping(bw)
         self.bandwidth, self.latency = bw, lat
         if not self._started:  # applied by start()
             return
@@ -397,6 +397,11 @@ class EmulatedCluster:
             if lat > 0:
                 self._start_daemons(lat)
         self._set_bw, self._set_lat = bw, lat
+
+    def _check_shaping(self, bw: Optional[float]) -> None:
+        """Refuses a link without a bandwidth under switch_buffer, at start or in set_link."""
+        if self.switch_buffer is not None and not bw:
+            raise ValueError("switch_buffer needs a bandwidth: an unshaped link never queues")
 
     def _shape(self, ns: str, dev: str, bw: Optional[float], netem_delay: float, lat: float,
                queue: Optional[int] = None) -> None:

@@ -216,13 +216,16 @@ def _tbf_queue_bytes(ns: str, dev: str) -> int:
 def test_switch_buffer_sets_the_downlinks_queue_only():
     """switch_buffer: each switch port (a host's downlink) queues that many bytes; the hosts' own
     uplinks keep the deep queue (1 MiB at 100 Mbit/s). Too small a buffer, or one without a
-    bandwidth, is refused before anything is made."""
+    bandwidth, is refused before anything is made, and so is a later set_link without one."""
     before = snapshot()
     with EmulatedCluster(np=2, bandwidth="100mbit", switch_buffer="256k", quiet=True) as c:
         assert c.emulated, c.fallback_reason
         for r in range(2):
             assert abs(_tbf_queue_bytes(c.switch_ns, f"port{r}") - (256 << 10)) <= 256
             assert abs(_tbf_queue_bytes(c.rank_ns[r], f"veth{r}") - (1 << 20)) <= 256
+        with pytest.raises(ValueError, match="needs a bandwidth"):  # nor re-shaped to none later
+            c.set_link(bandwidth=None)
+        assert abs(_tbf_queue_bytes(c.switch_ns, "port0") - (256 << 10)) <= 256  # left as it was
     assert_clean(before, c)
     with pytest.raises(ValueError, match="at least 65536"):
         EmulatedCluster(np=2, bandwidth="100mbit", switch_buffer="16k")
