@@ -296,6 +296,13 @@ class Compressor:
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_divided(self, payload: torch.Tensor, out: torch.Tensor, divisor: int) -> torch.Tensor:
+        """out = decode(payload) / divisor, element by element: the bits of decode followed by
+        ``out.div_(divisor)`` (a strategy's average of a sum). A compressor may do both in one
+        pass where that keeps those bits (NativeCompressor)."""
+        self.decode(payload, out)
+        return out.div_(divisor) if divisor != 1 else out
+
     def decode_add(self, payload: torch.Tensor, acc: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
         tmp = torch.empty(acc.numel(), dtype=torch.float32)
         self.decode(payload, tmp)

@@ -93,6 +93,9 @@ class ErrorFeedback(Compressor):
     def decode(self, payload, out):
         return self.inner.decode(payload, out)
 
+    def decode_divided(self, payload, out, divisor: int):
+        return self.inner.decode_divided(payload, out, divisor)
+
     def decode_add(self, payload, acc, alpha: float = 1.0):
         return self.inner.decode_add(payload, acc, alpha)
 

@@ -122,13 +122,17 @@ class PSStrategy(Strategy):
                 out.append(no_larger_than_dense(comp, payload, e - s))
             slot["bcast_out"] = frame(out)
 
+        # The average divides each partition as it is decoded (decode_divided: one pass where the
+        # compressor can) where the partitions cover the gradient; else after, all of it.
+        divide_parts = self.average and sum(e - s for _, s, e in parts) == flat.numel()
+
         def decode():
             for a in aggregators:
                 idx = [i for i, o in enumerate(owners) if o == a]
                 for i, payload in zip(idx, unframe(slot["bcast_in"].pop(a), len(idx))):
                     _, s, e = parts[i]
-                    decode_payload(comp, payload, flat[s:e])
-            if self.average:
+                    decode_payload(comp, payload, flat[s:e], divisor=n if divide_parts else 1)
+            if self.average and not divide_parts:
                 flat.div_(n)
 
         def sink(name):

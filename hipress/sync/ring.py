@@ -85,10 +85,16 @@ class RingStrategy(Strategy):
         owned = (r + 1) % n
         slot = {}
 
+        # Each chunk is averaged as it is decoded (decode_divided: one pass where the compressor
+        # can), but for a payload that is the owned chunk itself ('none' encodes without a copy):
+        # that one is divided once it is sent, by the first decode.
+        divisor = n if self.average else 1
+
         def encode_owned():
             p = encode_chunk(ctx, key, views, owned, n)
-            decode_payload(comp, p, views[owned])
-            slot[("fwd", 0)] = p
+            later = divisor != 1 and p.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            decode_payload(comp, p, views[owned], divisor=1 if later else divisor)
+            slot[("fwd", 0)], slot["divide owned"] = p, later
 
         prev = ctx.compute(f"encode.{key}.ag", encode_owned, list(deps))
         finals = [prev]
@@ -100,7 +106,9 @@ class RingStrategy(Strategy):
                 slot[("fwd", t + 1)] = slot[("dec", t)] = buf
 
             def decode(t=t, c=c_in):
-                decode_payload(comp, slot.pop(("dec", t)), views[c])
+                decode_payload(comp, slot.pop(("dec", t)), views[c], divisor=divisor)
+                if t == 0 and slot.pop("divide owned"):
+                    views[owned].div_(divisor)
 
             prev = ctx.exchange.sendrecv(f"sendrecv.{key}.ag{t}", lambda t=t: slot.pop(("fwd", t)), nxt,
                                          received, prv, [prev],
@@ -108,12 +116,7 @@ class RingStrategy(Strategy):
                                          sizes=known_sizes(site, views[(c_in + 1) % n].numel(), views[c_in].numel()))
             finals.append(ctx.compute(f"decode.{key}.ag{t}", decode, [prev], nbytes=4 * x.numel() // n))
 
-        def finish():
-            slot.clear()
-            if self.average:
-                x.div_(n)
-
-        return ctx.compute(f"average.{key}", finish, finals)
+        return ctx.compute(f"done.{key}", slot.clear, finals)
 
 
 def site_compressor(comp, contributions: int):

@@ -692,3 +692,51 @@ def test_encoded_bytes_is_what_every_encode_returns(name):
     fixed = {"bf16", "efsignsgd", "fp16", "natural", "none", "onebit", "qsgd", "signsgd", "signum", "sketch", "tbq",
              "terngrad", "terngrad_grace", "u8bit"}
     assert known == (18 if name in fixed else 0)  # the quantizers say it; sparsifiers and adaptive formats never
+
+
+def _bits(t):
+    return t.view(torch.int32).clone()
+
+
+@pytest.mark.parametrize("name", [n for n in C.available() if not C.get(n).lowrank])
+@pytest.mark.parametrize("scale", [0.05, 1e-37], ids=["normal", "subnormal"])
+def test_decode_divided_is_decode_then_div(name, scale, monkeypatch):
+    """decode_divided (a strategy's average folded into its decode) keeps the bits, signed zeros
+    and subnormal results included, of decode followed by div_; a power of two takes the native
+    one-pass form (the base class's decode-then-divide is not called), another divisor divides."""
+    from hipress.sync.base import decode_payload
+
+    c = C.get(name)
+    g = grad(65537, 5) * scale / 0.05
+    g[:7] = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3e-39, -3e-39, 0.0])
+    payload = c.encode(g, c.new_state(g.numel()))
+    base = C.Compressor.decode_divided
+    for divisor in range(1, 9):
+        want = c.decode(payload, torch.empty(g.numel())).div_(divisor)
+        native = divisor & (divisor - 1) == 0 and isinstance(getattr(c, "inner", c), C.NativeCompressor)
+
+        def fallback(self, *a, native=native):
+            assert not native, "a power of two should decode and divide in one native pass"
+            return base(self, *a)
+
+        monkeypatch.setattr(C.Compressor, "decode_divided", fallback)
+        got = c.decode_divided(payload, torch.full((g.numel(),), 7.0), divisor)
+        monkeypatch.setattr(C.Compressor, "decode_divided", base)
+        assert torch.equal(_bits(got), _bits(want)), (name, divisor)
+        via = decode_payload(c, payload, torch.full((g.numel(),), 7.0), divisor=divisor)
+        assert torch.equal(_bits(via), _bits(want)), (name, divisor)
+
+
+def test_decode_payload_divides_a_dense_fallback_and_refuses_a_divided_add():
+    """A sparsifier's payload sent as its fp32 values (no_larger_than_dense) is divided as a
+    decoded one would be; a divisor with add= is refused (it would divide the sum's other terms)."""
+    from hipress.sync.base import decode_payload, no_larger_than_dense
+
+    c = C.get("dgc", ratio=0.9)
+    g = grad(1000, 2)
+    payload = no_larger_than_dense(c, c.encode(g), g.numel())
+    assert payload.numel() == 4 * g.numel()  # the dense form
+    want = c.decode(c.encode(g), torch.empty(1000)).div_(3)
+    assert torch.equal(_bits(decode_payload(c, payload, torch.empty(1000), divisor=3)), _bits(want))
+    with pytest.raises(ValueError, match="divisor"):
+        decode_payload(c, payload, torch.zeros(1000), add=True, divisor=2)
