@@ -138,16 +138,15 @@ def fp32_view(payload: torch.Tensor) -> torch.Tensor:
 
 def decode_payload(comp: Compressor, payload: torch.Tensor, out: torch.Tensor, add: bool = False,
                    divisor: int = 1) -> torch.Tensor:
-    """comp.decode (``add``: decode_add; ``divisor``: decode_divided, out = decode / divisor) of a
-    payload that :func:`no_larger_than_dense` may have turned into fp32 values."""
+    """comp.decode_divided (out = decode / divisor; a divisor of 1 is decode itself) or, with
+    ``add``, comp.decode_add, of a payload that :func:`no_larger_than_dense` may have turned into
+    fp32 values."""
     if add and divisor != 1:
         raise ValueError("decode_payload: a divisor divides a decoded payload, not a sum it is added to")
     if payload.numel() == 4 * out.numel() and _sparsifier(comp):
         values = fp32_view(payload).view_as(out)
         return out.add_(values) if add else torch.div(values, divisor, out=out)
-    if add:
-        return comp.decode_add(payload, out)
-    return comp.decode(payload, out) if divisor == 1 else comp.decode_divided(payload, out, divisor)
+    return comp.decode_add(payload, out) if add else comp.decode_divided(payload, out, divisor)
 
 
 def frame_bound(bounds: Sequence[Optional[int]]) -> Optional[int]:
