@@ -110,8 +110,10 @@ def auto_bucket_bytes(compression, strategy: str = "auto", planned: bool = False
 
 # Bytes before the per-parameter ones in a row of the per-step agreement (_hp_agree).
 _AGREE_HEADER = 4
-# The per-step agreement's name, as a task and among the step's handles.
+# The per-step agreement's name, as a task and among the step's handles; the last step's, where
+# it is waited for a step late (COVAP's local mode: _hp_agrees_late).
 _AGREEMENT = "step agreement"
+_LAST_AGREEMENT = "last step's agreement"
 # Wrapped optimizers of this process, in wrapping order (the same on every rank): names join()'s store keys.
 _wrapped = itertools.count()
 # Bytes per rank of the configuration record compared at wrap time (_hp_check_same_configuration).
@@ -655,6 +657,8 @@ class _HipressOptimizer:
             self._hp_momentum.undo_log.enabled = self._hp_guard
         self._hp_bad: set = set()  # ids of parameters whose gradient was not finite here this step
         self._hp_skip_step = False
+        # COVAP's local mode: the last step's agreement (its handle and table), waited for in this step
+        self._hp_late_agreement: Optional[Tuple[Handle, torch.Tensor]] = None
         # the per-step agreement's own channel where the backend has one (_hp_agree)
         self._hp_control = world.control_transport() if self._hp_guard else None
         self.last_nonfinite: Dict[str, List[int]] = {}
@@ -736,7 +740,8 @@ class _HipressOptimizer:
         self._hp_failure: Optional[str] = None  # a failed sync's error, until reset()
         self._hp_joined = False  # in join()
         self._hp_steps = 0  # synchronizations finished (successful or skipped): the same count on every rank
-        self._hp_skipped = 0  # steps not taken for non-finite gradients (every rank alike): the tuner skips them
+        self._hp_skipped = 0  # steps not taken for non-finite gradients (every rank alike but in COVAP's local
+        # mode, _hp_skip_locally): the tuner skips them
         self._hp_skipped_seen = 0
         # residuals handed back (a rebuild, a plan switch, COVAP's new units, a checkpoint of another
         # layout), per parameter id, added to the next step's gradients (_hp_take); once added they
@@ -1464,7 +1469,11 @@ class _HipressOptimizer:
         on every rank (so a GradScaler finds inf) and the next ``step()`` does not run the
         wrapped optimizer; ``last_nonfinite`` maps each such parameter to the ranks that
         saw it (empty when none). ``nonfinite="raise"``: the same, but it raises
-        :class:`NonFiniteGradientError` on every rank instead of warning.
+        :class:`NonFiniteGradientError` on every rank instead of warning. In COVAP's local mode
+        with "skip", each rank's model is its own replica between averages, so only the rank(s)
+        that saw the NaN or Inf skip their step (warn, NaN those gradients, no wrapped step;
+        ``last_nonfinite`` names this rank); the others step on, and the averages and COVAP's
+        schedule go on alike on every rank. There the ranks do not meet at every step's end.
 
         A failed synchronization (a peer that died, stalled past ``HIPRESS_TIMEOUT_S`` or sent a
         bad payload) raises RuntimeError naming the gradient and the peer(s); the optimizer then
@@ -1531,11 +1540,19 @@ class _HipressOptimizer:
         # Every gradient is taken, so the flags are final: the agreement runs now, beside the
         # step's last syncs, not after them.
         table, errors = None, []
+        late = self._hp_agrees_late()
         if self._hp_guard:
             try:
-                table = self._hp_agree(self._hp_bad)
+                table = self._hp_agree(self._hp_bad, queued=late)
             except TransportError as e:  # on the control channel: a peer that died or stalled
                 errors.append(f"the step's agreement (non-finite gradients, trainable set) failed: {e}")
+        last, self._hp_late_agreement = self._hp_late_agreement, None
+        if last is not None:
+            self._hp_handles[_LAST_AGREEMENT] = last[0]
+        if late and not self._hp_joined:  # waited for in the next step (a rank in join() waits now:
+            # its loop's steps must not end before every rank's has begun)
+            self._hp_late_agreement, table = (self._hp_handles.pop(_AGREEMENT), table), None
+        bad = self._hp_bad
         if self._hp_dear is None:  # the step's exchanges are all submitted (dear's all-gathers: next forward)
             self._hp_exchanges.step_submitted()
         # the last step's parameter averages (COVAP's local mode) are due now
@@ -1561,13 +1578,29 @@ class _HipressOptimizer:
         if not self._hp_guard:  # nothing is undone: the step is kept
             self._hp_carry_committed()
             return False
-        self._hp_check_same_trainable(table)
+        if last is not None:
+            self._hp_check_same_trainable(last[1])
+        if table is not None:
+            self._hp_check_same_trainable(table)
+        if late:
+            self._hp_skip_locally(bad)
+            return False
         skipped = self._hp_decide_nonfinite(table[:, _AGREE_HEADER:])
         if skipped:  # this step's averages are dropped with it (their syncs still run out)
             self._hp_averaged = []
         return skipped
 
-    def _hp_agree(self, bad: set) -> torch.Tensor:
+    def _hp_agrees_late(self) -> bool:
+        """COVAP's local mode with nonfinite="skip": each rank's parameters move on its own gradients
+        between averages, so a rank with a non-finite gradient skips its step alone
+        (_hp_skip_locally) and the ranks need not meet at every step's end: the step's agreement
+        is waited for in the next step, with the averages this step starts, and a rank runs on
+        while a slower one finishes its backward. (It decides nothing there: COVAP fixes the
+        trainable set at wrap, _hp_refresh_trainable. It orders join()'s steps, whose rank waits
+        for it at once.)"""
+        return self._hp_nonfinite == "skip" and self._hp_gradients_stay_local() and self._hp_transport.size > 1
+
+    def _hp_agree(self, bad: set, queued: bool = False) -> torch.Tensor:
         """Every rank's row: [4 bytes of the trainable set's digest, one byte per parameter (not
         finite here this step)], gathered into the returned table (ranks x row) by one allgather of
         a few bytes per step (not with nonfinite="off"). Its size is fixed by the parameters, which
@@ -1576,7 +1609,8 @@ class _HipressOptimizer:
         Where the backend has a control channel (world.control_transport()), this thread runs it
         there at once, while the comm queue's thread still moves the step's last buckets: it adds
         nothing to the step's tail. Elsewhere it is queued on the comm queue behind those buckets
-        (its handle among theirs: the table is complete once they are all done)."""
+        (its handle among theirs: the table is complete once they are all done); there always
+        with ``queued`` (its handle is waited for later: _hp_agrees_late)."""
         mine = torch.zeros(_AGREE_HEADER + len(self._hp_named), dtype=torch.uint8)
         mine[:_AGREE_HEADER] = torch.tensor(list(zlib.crc32(bytes(self._hp_trainable)).to_bytes(4, "little")),
                                             dtype=torch.uint8)
@@ -1586,7 +1620,7 @@ class _HipressOptimizer:
         if n == 1:
             return mine.view(1, -1)
         table = torch.empty(n * mine.numel(), dtype=torch.uint8)
-        if self._hp_control is not None:
+        if self._hp_control is not None and not queued:
             self._hp_control.allgather(mine, table, sizes_agreed=True)
         else:
             self._hp_handles[_AGREEMENT] = self._hp_exchanges.world.gather_rows(_AGREEMENT, mine, table)
@@ -1666,6 +1700,27 @@ class _HipressOptimizer:
                       stacklevel=4)
         self._hp_skip_step = self._hp_synchronized = True
         return True
+
+    def _hp_skip_locally(self, bad: set) -> None:
+        """COVAP's local mode (_hp_agrees_late): this rank's non-finite gradients skip this rank's
+        step only. Nothing of hipress's is undone: the filter's schedule and the averages started
+        in this step (of the parameters before it, finite) are every rank's, and go on as on the
+        other ranks."""
+        self._hp_commit()
+        where = {name: [self._hp_transport.rank] for name, p in self._hp_named if id(p) in bad}
+        self.last_nonfinite = where
+        if not where:
+            return
+        self._hp_skipped += 1
+        for name, p in self._hp_named:
+            if id(p) in bad and p.grad is not None:
+                p.grad.fill_(float("nan"))
+        if self._hp_joined:
+            return
+        warnings.warn(nonfinite.describe(where, "step skipped on this rank (COVAP's local mode: the other ranks step "
+                                                "on, each on its own gradients, as between averages)"),
+                      NonFiniteGradientWarning, stacklevel=4)
+        self._hp_skip_step = True
 
     def _hp_carry_committed(self) -> None:
         """The step that added the carry to its gradients is kept: the carry is in its sums now."""
@@ -1778,12 +1833,14 @@ class _HipressOptimizer:
         # a no-op on each queue runs once whatever is running there now has finished
         fences = [engine.submit("reset.fence", lambda: None, queue=q) for q in ("comm", "compute")]
         end = time.monotonic() + deadline
-        for h in [*fences, *(h for h in self._hp_handles.values() if h is not None)]:
+        late = [self._hp_late_agreement[0]] if self._hp_late_agreement is not None else []
+        for h in [*fences, *late, *(h for h in self._hp_handles.values() if h is not None)]:
             if not h.wait(max(0.0, end - time.monotonic())):
                 raise RuntimeError(f"hipress reset(): task '{h.name}' still runs after {deadline:g} s "
                                    f"(HIPRESS_TIMEOUT_S); {self._hp_waiting_for()}")
         self._hp_handles.clear()
         self._hp_averaging, self._hp_averaged = [], []
+        self._hp_late_agreement = None
         self._hp_layout_check = "open"
         self._hp_counts.clear()
         self._hp_taken.clear()

@@ -3,9 +3,9 @@ hook's tests: one replica of the model per rank, each stepping its own momentum 
 gradient. At each step the parameters of the units selected then are averaged across the
 replicas as they are at its backward, and in the next step, before the optimizer's step, each
 replica adds average - what it sent to them. The first ``whole_steps`` steps average the
-gradients instead (DDP's buckets settling before the filter starts). A step in ``skipped`` is
-not taken (a non-finite gradient): no optimizer step, no averages started, the filter does not
-advance; the last step's averages are applied all the same.
+gradients instead (DDP's buckets settling before the filter starts). A (rank, step) in
+``skipped_on`` is that rank's step not taken (a non-finite gradient there): its optimizer does
+not step; the averages and the filter go on as on every other rank.
 ``wire="bf16"``: a unit's first average is of its parameters
 in fp32; later ones sum each replica's bf16 difference from the unit's reference (its last
 average in bf16), as gloo sums bf16 (each add in fp32, rounded to bf16), and the average is
@@ -15,11 +15,13 @@ import torch
 from hipress.torch import covap
 
 
-def local_replicas(make_model, batch, buckets, interval, whole_steps, steps, ranks=2, skipped=(), wire="fp32",
+def local_replicas(make_model, batch, buckets, interval, whole_steps, steps, ranks=2, skipped_on=(), wire="fp32",
                    settle=False):
     """``buckets``: [(name, [parameter names])] in the filter's order. Returns every replica's
     final parameters and the filter; with ``settle``, the last step's averages applied too (as
-    synchronize() does before it averages every parameter)."""
+    synchronize() does before it averages every parameter). ``skipped_on``: (rank, step) pairs
+    where that rank's optimizer does not step (a non-finite gradient there: the averages and the
+    schedule go on)."""
     models = [make_model() for _ in range(ranks)]
     named = [dict(m.named_parameters()) for m in models]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
@@ -53,29 +55,28 @@ def local_replicas(make_model, batch, buckets, interval, whole_steps, steps, ran
                     nd[n].grad = avg.clone()
         else:
             started = []
-            if step not in skipped:
-                for name, _ in buckets:
-                    for _, (s, e) in filt.selected_units(name):
-                        ref = refs.get((name, s, e)) if wire == "bf16" else None
-                        if ref is None:
-                            sent = [flat(r, name)[s:e].clone() for r in range(ranks)]
-                            avg = sum(sent) / ranks
-                            started.append((name, s, e, avg, [avg - x for x in sent]))
-                        else:
-                            diffs = [(flat(r, name)[s:e] - ref.float()).to(torch.bfloat16) for r in range(ranks)]
-                            total = diffs[0]
-                            for d in diffs[1:]:
-                                total = (total.float() + d.float()).to(torch.bfloat16)
-                            mean = total.float() / ranks
-                            started.append((name, s, e, ref.float() + mean, [mean - d.float() for d in diffs]))
-                filt.advance()
+            for name, _ in buckets:
+                for _, (s, e) in filt.selected_units(name):
+                    ref = refs.get((name, s, e)) if wire == "bf16" else None
+                    if ref is None:
+                        sent = [flat(r, name)[s:e].clone() for r in range(ranks)]
+                        avg = sum(sent) / ranks
+                        started.append((name, s, e, avg, [avg - x for x in sent]))
+                    else:
+                        diffs = [(flat(r, name)[s:e] - ref.float()).to(torch.bfloat16) for r in range(ranks)]
+                        total = diffs[0]
+                        for d in diffs[1:]:
+                            total = (total.float() + d.float()).to(torch.bfloat16)
+                        mean = total.float() / ranks
+                        started.append((name, s, e, ref.float() + mean, [mean - d.float() for d in diffs]))
+            filt.advance()
             for name, s, e, avg, moves in due:
                 for r in range(ranks):
                     add(r, name, s, moves[r])
                 refs[(name, s, e)] = avg.to(torch.bfloat16)
             due = started
-        if step not in skipped:
-            for o in opts:
+        for r, o in enumerate(opts):
+            if (r, step) not in skipped_on:
                 o.step()
     for name, s, e, avg, moves in due if settle else ():
         for r in range(ranks):

@@ -5,14 +5,16 @@
 Run A: compression="covap" with a fixed interval 2 (and sharding: bucket_bytes=0 makes each
 parameter a bucket, the large weight splits) for STEPS steps, in each mode (mode "local" with
 wire="bf16"); the final parameters go to OUT_DIR/fixed-{mode}-rank{r}.pt, and in mode "local"
-those after synchronize() to OUT_DIR/synced-rank{r}.pt. Then mode "local" with a NaN on rank 1 at step 1: each step's
-parameters and filter step go to OUT_DIR/nonfinite-local-rank{r}.pt. Run B (one fused bucket,
+those after synchronize() to OUT_DIR/synced-rank{r}.pt. Then mode "local" with a NaN on rank 1 at step 1
+(and rank 1's step 3 begun only after rank 0's has ended): each step's parameters, filter step,
+last_nonfinite and warnings go to OUT_DIR/nonfinite-local-rank{r}.pt. Run B (one fused bucket,
 mode "paper"): interval "auto" with 2 profiled steps; its profile and the steps it took go to
 OUT_DIR/auto-rank{r}.pt. Run C (mode "paper", onebit inside, a bucket per parameter): the syncs
 started at each gradient, then re-profiled to another interval; OUT_DIR/reprofile-rank{r}.pt.
 """
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -56,21 +58,33 @@ def main(out):
             torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/synced-rank{rank}.pt")
 
     # mode "local", rank 1's loss (so every gradient) NaN at step 1, a step where units are
-    # averaged: the step is skipped on both ranks, the averages not written
+    # averaged: rank 1 skips its step alone. At step 3 rank 1 begins its backward only once rank 0
+    # has finished its step 3 (a file of rank 0's; a wait of at most 30 s): the ranks need not meet
+    # at a step's end
     model = make_model()
     opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters(), compression="covap",
                                        interval=2, bucket_bytes=0)
-    snaps = []
-    for step in range(3):
+    snaps, passed = [], f"{out}/rank0-finished-step3"
+    for step in range(4):
         x, y = batch(rank, step)
         opt.zero_grad(set_to_none=True)
+        waited = None
+        if step == 3 and rank == 1:
+            end = time.monotonic() + 30
+            while not os.path.exists(passed) and time.monotonic() < end:
+                time.sleep(0.01)
+            waited = os.path.exists(passed)
         ((model(x) - y) ** 2).mean().mul(float("nan") if step == 1 and rank == 1 else 1.0).backward()
-        with warnings.catch_warnings(record=True):
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.step()
+        if step == 3 and rank == 0:
+            open(passed, "w").close()
         snaps.append({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                      "filter_step": opt._hp_covap.filter.step, "skipped": bool(opt.last_nonfinite)})
+                      "filter_step": opt._hp_covap.filter.step, "last_nonfinite": opt.last_nonfinite,
+                      "warnings": [str(w.message) for w in caught if w.category is hipress.NonFiniteGradientWarning],
+                      "waited_for_rank0": waited})
     torch.save(snaps, f"{out}/nonfinite-local-rank{rank}.pt")
     opt.synchronize()  # its last averages done before the next optimizer's profiler uses the transport
 
@@ -125,6 +139,7 @@ def main(out):
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
                f"{out}/reprofile-rank{rank}.pt")
     covap.make_profile = measured
+
     hipress.shutdown()
 
 

@@ -108,26 +108,41 @@ def test_local_mode_equals_local_replicas(out):
         torch.testing.assert_close(synced[0][n], (settled[0][n] + settled[1][n]) / NP, rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_local_mode_skipped_step_writes_no_average(out):
-    """A rank's NaN at a step where units are averaged: every rank skips the step, its
-    parameters stay as they were (the step before averaged ranks that were still equal, so its
-    averages add nothing) and the filter does not advance, so the next step averages the same
-    units; the step's averages are dropped (the replica with that step skipped)."""
+def test_local_mode_skips_a_nonfinite_step_on_its_rank_only(out):
+    """A rank's NaN at a step where units are averaged, in the local mode (each rank's model its
+    own replica between averages): that rank alone skips its step (warns, names itself; its
+    parameters stay as they were: the step before averaged ranks that were still equal, so its
+    averages add nothing), the other steps on, and the filter and the averages go on alike on
+    both (the replicas with rank 1's step 1 left out)."""
     snaps = [torch.load(out / f"nonfinite-local-rank{r}.pt") for r in range(NP)]
     for r in range(NP):
-        before, bad, after = snaps[r]
-        assert not before["skipped"] and bad["skipped"] and not after["skipped"], f"rank {r}"
-        assert [s["filter_step"] for s in snaps[r]] == [1, 1, 2], f"rank {r}"
-        for n in before["params"]:
-            assert torch.equal(bad["params"][n], before["params"][n]), f"rank {r} {n}: the skipped step moved it"
-    # the steps around it were local: the ranks differ after them, each its replica's
-    assert any(not torch.equal(snaps[0][2]["params"][n], snaps[1][2]["params"][n]) for n in snaps[0][2]["params"])
+        assert [s["filter_step"] for s in snaps[r]] == [1, 2, 3, 4], f"rank {r}"
+    before, bad = snaps[1][0]["params"], snaps[1][1]["params"]
+    assert [s["last_nonfinite"] for s in snaps[1]] == [{}, {n: [1] for n in before}, {}, {}]  # every gradient NaN
+    assert [s["last_nonfinite"] for s in snaps[0]] == [{}, {}, {}, {}]
+    assert [len(s["warnings"]) for s in snaps[1]] == [0, 1, 0, 0] and "skipped on this rank" in snaps[1][1]["warnings"][0]
+    assert all(not s["warnings"] for s in snaps[0])
+    for n in before:
+        assert torch.equal(bad[n], before[n]), f"rank 1 {n}: the skipped step moved it"
+    assert any(not torch.equal(snaps[0][1]["params"][n], snaps[0][0]["params"][n]) for n in before), \
+        "rank 0 did not step"
     buckets = [(b.name, [n for n, _ in b.params]) for b in fusion_buckets(list(W.make_model().named_parameters()),
                                                                          NoneCompressor(), 0)]
-    want, _ = local_replicas(W.make_model, W.batch, buckets, 2, 0, 3, skipped={1})
+    want, _ = local_replicas(W.make_model, W.batch, buckets, 2, 0, 3, skipped_on={(1, 1)})
     for r in range(NP):
         for n in want[r]:
             torch.testing.assert_close(snaps[r][2]["params"][n], want[r][n], rtol=1e-5, atol=1e-6, msg=f"rank {r} {n}")
+    # the teeth: without the skip the replicas end elsewhere
+    plain, _ = local_replicas(W.make_model, W.batch, buckets, 2, 0, 3)
+    assert any(not torch.allclose(plain[1][n], want[1][n]) for n in want[1])
+
+
+def test_local_mode_ranks_do_not_meet_at_each_step_end(out):
+    """Rank 1 began its step 3's backward only once rank 0 had finished its step 3 (within 30 s):
+    where each step's end waited for every rank's (the agreement on non-finite gradients), rank 0
+    could not have finished it first."""
+    snaps = [torch.load(out / f"nonfinite-local-rank{r}.pt") for r in range(NP)]
+    assert snaps[1][3]["waited_for_rank0"] is True
 
 
 def test_profiled_steps_send_once_the_last_gradient_is_ready(out):
