@@ -1413,8 +1413,14 @@ class _HipressOptimizer:
         return covap.start_averages(bucket, units, by(sync), by(sync16), self._hp_covap.refs, self._hp_transport.size)
 
     def _hp_wait_averages(self) -> List["covap.Average"]:
-        """The last step's parameter averages (COVAP's local mode), each done."""
-        covap.wait_averages(self._hp_averaged, config.get("HIPRESS_TIMEOUT_S"), self._hp_waiting_for)
+        """The last step's parameter averages (COVAP's local mode), each done, and the agreement
+        queued behind them (_hp_agrees_late): nothing of this optimizer's left in flight."""
+        timeout = config.get("HIPRESS_TIMEOUT_S")
+        covap.wait_averages(self._hp_averaged, timeout, self._hp_waiting_for)
+        late = self._hp_late_agreement
+        if late is not None and not late[0].wait(timeout):
+            raise TimeoutError(f"hipress: the last step's agreement not done within {timeout:g} s "
+                               f"(HIPRESS_TIMEOUT_S); {self._hp_waiting_for()}")
         return self._hp_averaged
 
     def _hp_apply_averages(self, averages: List["covap.Average"]) -> None:
