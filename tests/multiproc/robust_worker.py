@@ -6,7 +6,9 @@ Scenarios (each rank writes OUT_DIR/rank{r}.pt):
   config   every rank wraps several configurations; rank 1 (and rank 2, with 3 ranks) differs in
            one field of each; records the ValueError text of each wrap.
   join     rank r trains STEPS[r] steps (ARG: the steps per rank, comma-separated), then calls
-           opt.join(); records every rank's batches, the final parameters and join()'s result.
+           opt.join(); records every rank's batches, the final parameters and join()'s result
+           (COMPRESSION=covap: COVAP's local mode, the parameters after synchronize(); JOIN_DELAY_S:
+           the ranks with the most steps wait that long before their join()).
   freeze   momentum SGD with TBQ: the first layer is frozen after step 1 and unfrozen after
            step 3; records the parameters at freeze time, before unfreezing, and at the end.
   freeze_one_rank  compression none, three buckets: rank 1 alone freezes the first layer
@@ -100,14 +102,20 @@ def main(scenario, out_dir, arg):
     elif scenario == "join":
         steps = [int(s) for s in arg.split(",")]
         model = make_model()
+        covap_local = os.environ.get("COMPRESSION") == "covap"  # its local mode, at interval 2
         opt = hipress.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                            named_parameters=model.named_parameters(), strategy=os.environ["STRATEGY"],
-                                           nonfinite=os.environ["NONFINITE"])
+                                           nonfinite=os.environ["NONFINITE"],
+                                           **({"compression": "covap", "interval": 2} if covap_local else {}))
         for t in range(steps[rank]):
             train_step(model, opt, batch(rank, t))
+        if steps[rank] == max(steps):  # the others' zero steps run ahead meanwhile (JOIN_DELAY_S)
+            time.sleep(float(os.environ.get("JOIN_DELAY_S", "0")))
         last = opt.join()
         # the optimizer goes on afterwards: one more step on every rank
         train_step(model, opt, batch(rank, 99))
+        if covap_local:
+            opt.synchronize()  # every parameter averaged: the same model on every rank
         save({"last": last, "final": params(model)})
 
     elif scenario == "freeze":

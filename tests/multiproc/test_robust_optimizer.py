@@ -92,6 +92,19 @@ def test_join_uneven_inputs(tmp_path, np, steps, strategy, nonfinite):
                                        msg=lambda m: f"rank {r} {k}: {m}")
 
 
+def test_join_uneven_inputs_covap_local_mode(tmp_path):
+    """COVAP's local mode waits for each step's agreement a step late, but a rank in join() waits
+    for it at once: its zero steps end only once every rank's step has begun, so every rank
+    finds the last joiner's final step in time (no mismatched collective, no hang), even where
+    the last joiner calls join() a second after its last step."""
+    res = launch(tmp_path, "join", 2, "2,5", env={"STRATEGY": "ring", "NONFINITE": "skip", "COMPRESSION": "covap",
+                                                  "JOIN_DELAY_S": "1"})
+    assert res[0]["last"] == res[1]["last"] == 1
+    for k, v in res[0]["final"].items():
+        assert torch.equal(v, res[1]["final"][k]), f"{k}: the ranks differ after synchronize()"
+        assert torch.isfinite(v).all(), k
+
+
 @pytest.mark.parametrize("strategy", ["ring", "ps"])
 def test_requires_grad_changes_after_wrapping(tmp_path, strategy):
     res = launch(tmp_path, "freeze", 2, env={"STRATEGY": strategy})
