@@ -657,8 +657,8 @@ class _HipressOptimizer:
             self._hp_momentum.undo_log.enabled = self._hp_guard
         self._hp_bad: set = set()  # ids of parameters whose gradient was not finite here this step
         self._hp_skip_step = False
-        # COVAP's local mode: the last step's agreement (its handle and table), waited for in this step
-        self._hp_late_agreement: Optional[Tuple[Handle, torch.Tensor]] = None
+        # COVAP's local mode: the last step's agreement, waited for in this step (_hp_agrees_late)
+        self._hp_late_agreement: Optional[Handle] = None
         # the per-step agreement's own channel where the backend has one (_hp_agree)
         self._hp_control = world.control_transport() if self._hp_guard else None
         self.last_nonfinite: Dict[str, List[int]] = {}
@@ -1418,7 +1418,7 @@ class _HipressOptimizer:
         timeout = config.get("HIPRESS_TIMEOUT_S")
         covap.wait_averages(self._hp_averaged, timeout, self._hp_waiting_for)
         late = self._hp_late_agreement
-        if late is not None and not late[0].wait(timeout):
+        if late is not None and not late.wait(timeout):
             raise TimeoutError(f"hipress: the last step's agreement not done within {timeout:g} s "
                                f"(HIPRESS_TIMEOUT_S); {self._hp_waiting_for()}")
         return self._hp_averaged
@@ -1552,12 +1552,11 @@ class _HipressOptimizer:
                 table = self._hp_agree(self._hp_bad, queued=late)
             except TransportError as e:  # on the control channel: a peer that died or stalled
                 errors.append(f"the step's agreement (non-finite gradients, trainable set) failed: {e}")
-        last, self._hp_late_agreement = self._hp_late_agreement, None
-        if last is not None:
-            self._hp_handles[_LAST_AGREEMENT] = last[0]
+        if self._hp_late_agreement is not None:
+            self._hp_handles[_LAST_AGREEMENT], self._hp_late_agreement = self._hp_late_agreement, None
         if late and not self._hp_joined:  # waited for in the next step (a rank in join() waits now:
             # its loop's steps must not end before every rank's has begun)
-            self._hp_late_agreement, table = (self._hp_handles.pop(_AGREEMENT), table), None
+            self._hp_late_agreement, table = self._hp_handles.pop(_AGREEMENT), None
         bad = self._hp_bad
         if self._hp_dear is None:  # the step's exchanges are all submitted (dear's all-gathers: next forward)
             self._hp_exchanges.step_submitted()
@@ -1584,8 +1583,6 @@ class _HipressOptimizer:
         if not self._hp_guard:  # nothing is undone: the step is kept
             self._hp_carry_committed()
             return False
-        if last is not None:
-            self._hp_check_same_trainable(last[1])
         if table is not None:
             self._hp_check_same_trainable(table)
         if late:
@@ -1601,7 +1598,7 @@ class _HipressOptimizer:
         between averages, so a rank with a non-finite gradient skips its step alone
         (_hp_skip_locally) and the ranks need not meet at every step's end: the step's agreement
         is waited for in the next step, with the averages this step starts, and a rank runs on
-        while a slower one finishes its backward. (It decides nothing there: COVAP fixes the
+        while a slower one finishes its backward. (Its table is not read there: COVAP fixes the
         trainable set at wrap, _hp_refresh_trainable. It orders join()'s steps, whose rank waits
         for it at once.)"""
         return self._hp_nonfinite == "skip" and self._hp_gradients_stay_local() and self._hp_transport.size > 1
@@ -1839,8 +1836,9 @@ class _HipressOptimizer:
         # a no-op on each queue runs once whatever is running there now has finished
         fences = [engine.submit("reset.fence", lambda: None, queue=q) for q in ("comm", "compute")]
         end = time.monotonic() + deadline
-        late = [self._hp_late_agreement[0]] if self._hp_late_agreement is not None else []
-        for h in [*fences, *late, *(h for h in self._hp_handles.values() if h is not None)]:
+        for h in [*fences, self._hp_late_agreement, *self._hp_handles.values()]:
+            if h is None:
+                continue
             if not h.wait(max(0.0, end - time.monotonic())):
                 raise RuntimeError(f"hipress reset(): task '{h.name}' still runs after {deadline:g} s "
                                    f"(HIPRESS_TIMEOUT_S); {self._hp_waiting_for()}")
