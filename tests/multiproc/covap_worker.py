@@ -139,7 +139,6 @@ def main(out):
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
                f"{out}/reprofile-rank{rank}.pt")
     covap.make_profile = measured
-
     hipress.shutdown()
 
 
