@@ -29,6 +29,11 @@ already taken this step's gradients in. So, per step:
    raises :class:`NonFiniteGradientError` ("raise"). Otherwise the copies are simply kept
    for the next step.
 The step is then exactly as if its batch had not been taken, on every rank.
+
+COVAP's local mode with "skip" is the exception (docs/covap.md, "Non-finite gradients"): each
+rank's model is its own replica between averages, so only the rank that saw the NaN or Inf skips
+its step, nothing is restored (COVAP's schedule and averages are every rank's and go on), and the
+step's agreement is waited for a step later, so the ranks do not meet at every step's end.
 """
 from __future__ import annotations
 
@@ -51,7 +56,8 @@ class NonFiniteGradientError(RuntimeError):
 
 
 class NonFiniteGradientWarning(RuntimeWarning):
-    """Warned on every rank when a step is skipped (``nonfinite="skip"``)."""
+    """Warned on every rank when a step is skipped (``nonfinite="skip"``); in COVAP's local mode
+    on the rank that skips it."""
 
 
 def resolve(mode) -> str:
@@ -74,8 +80,8 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def describe(where: Dict[str, List[int]], step_action: str) -> str:
+def describe(where: Dict[str, List[int]], step_action: str, restored: bool = True) -> str:
     shown = [f"'{n}' (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})" for n, r in list(where.items())[:10]]
     more = f" and {len(where) - 10} more" if len(where) > 10 else ""
-    return (f"hipress: non-finite (NaN/Inf) gradient of {', '.join(shown)}{more}; {step_action}; "
-            f"compressor and momentum state restored on every rank")
+    return (f"hipress: non-finite (NaN/Inf) gradient of {', '.join(shown)}{more}; {step_action}"
+            + ("; compressor and momentum state restored on every rank" if restored else ""))

@@ -1721,7 +1721,7 @@ class _HipressOptimizer:
         if self._hp_joined:
             return
         warnings.warn(nonfinite.describe(where, "step skipped on this rank (COVAP's local mode: the other ranks step "
-                                                "on, each on its own gradients, as between averages)"),
+                                                "on, each on its own gradients, as between averages)", restored=False),
                       NonFiniteGradientWarning, stacklevel=4)
         self._hp_skip_step = True
 

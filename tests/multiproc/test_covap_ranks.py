@@ -121,6 +121,7 @@ def test_local_mode_skips_a_nonfinite_step_on_its_rank_only(out):
     assert [s["last_nonfinite"] for s in snaps[1]] == [{}, {n: [1] for n in before}, {}, {}]  # every gradient NaN
     assert [s["last_nonfinite"] for s in snaps[0]] == [{}, {}, {}, {}]
     assert [len(s["warnings"]) for s in snaps[1]] == [0, 1, 0, 0] and "skipped on this rank" in snaps[1][1]["warnings"][0]
+    assert "restored" not in snaps[1][1]["warnings"][0]  # nothing is: the schedule and averages are every rank's
     assert all(not s["warnings"] for s in snaps[0])
     for n in before:
         assert torch.equal(bad[n], before[n]), f"rank 1 {n}: the skipped step moved it"
