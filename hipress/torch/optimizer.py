@@ -1710,13 +1710,13 @@ class _HipressOptimizer:
         in this step (of the parameters before it, finite) are every rank's, and go on as on the
         other ranks."""
         self._hp_commit()
-        where = {name: [self._hp_transport.rank] for name, p in self._hp_named if id(p) in bad}
-        self.last_nonfinite = where
-        if not where:
+        hit = [(name, p) for name, p in self._hp_named if id(p) in bad]
+        where = self.last_nonfinite = {name: [self._hp_transport.rank] for name, _ in hit}
+        if not hit:
             return
         self._hp_skipped += 1
-        for name, p in self._hp_named:
-            if id(p) in bad and p.grad is not None:
+        for _, p in hit:
+            if p.grad is not None:
                 p.grad.fill_(float("nan"))
         if self._hp_joined:
             return
