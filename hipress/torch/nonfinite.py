@@ -69,9 +69,9 @@ def resolve(mode) -> str:
 def all_finite(t: torch.Tensor) -> bool:
     """Whether every element of ``t`` is finite. A NaN or Inf element makes any sum of the
     elements NaN or Inf, so a finite sum proves every element finite (one pass over memory,
-    no allocation: as fast as a copy; 64 MiB fp32 on this 2-core host: 8 ms, against 91 ms for
-    ``isfinite(t).all()``). A non-finite sum may also be an overflow of finite elements;
-    then the exact elementwise check decides."""
+    no allocation: faster than a copy; 64 MiB fp32 on this 2-core host: 2.4 ms against 5.0 for a
+    copy and 46 ms for ``isfinite(t).all()``, ``python -m hipress.bench.nonfinite``). A non-finite
+    sum may also be an overflow of finite elements; then the exact elementwise check decides."""
     if t.numel() == 0 or not t.is_floating_point():
         return True
     s = t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
