@@ -7,8 +7,9 @@ six algorithms x every strategy they accept, and through DDP's comm hook under "
 other registered algorithm (GRACE's family) under strategy "auto", the one a user gets by
 default, with its defaults or, for the four whose defaults cannot train at this run's
 learning rate, the settings in TUNED (docs/grace.md); those in BY_SEED_MEAN by the mean of
-three seeds. Slow (``-m slow``): those
-others under every strategy, and 4 ranks, strategy "auto", within 1 point for all. Each run
+three seeds. Slow (``-m slow``), each judged by the mean of the three seeds: those
+others under every strategy, and 4 ranks, strategy "auto", no more than 1 point under
+uncompressed for all. Each run
 starts and stops its own ranks (hipress.launch, with a timeout).
 
 Where an algorithm is known not to reach the margin yet, the case is marked xfail(strict):
@@ -45,30 +46,40 @@ def strategies_of(algo):
 TUNED = {"signsgd": {"scale": 0.05}, "signum": {"scale": 0.05}, "randomk": {"ratio": 0.5},
          "powersgd_grace": {"rank": 2}}
 
-# (algorithm, strategy) -> why it is known to miss the margin (docs/convergence.md, "Open")
-_ONEBIT = ("one bit with a mean-|x| scale cannot carry a re-encoded sum (auto uses allgather; onebit with "
-           "its norm-preserving scale passes at 2 ranks: docs/convergence.md, cause 10)")
+# (algorithm, strategy) -> why it is known to miss the margin (docs/convergence.md, "Open"). The
+# slow tests' figures are means over SEEDS (42/1/2) on the AVX-512 VM of 2026-12-06, beside
+# uncompressed 98.1 (2 ranks) and 96.6 (4 ranks).
 _SIGN = ("a re-encoded sum of signs is the sign of the sum: a majority vote that drops the magnitude "
          "(auto uses allgather; docs/grace.md)")
-KNOWN_2 = {("efsignsgd", "ps"): _ONEBIT, ("efsignsgd", "ring"): "95.3 against 98.3, one image short: " + _ONEBIT,
-           **{(a, s): _SIGN for a in ("signsgd", "signum") for s in ("ring", "ps")}}
-KNOWN_4 = {"efsignsgd": "-3.0 points (one mean-|x| scale per tensor, as onebit before causes 10 and 12)",
-           # GRACE's sparsifiers at seed 42 (docs/grace.md)
-           "randomk": "about 88% at ratio 0.5: stale bursts of memory (docs/grace.md)",
-           "powersgd_grace": "89.9% at rank 2: no warm start of Q (docs/grace.md)",
-           "adaq": "85.5%: per-sign means at 1% density", "dgc_grace": "90.6%: 1% density in 110 steps",
-           "topk": "93.9%: 1% density in 110 steps",
-           "inceptionn": "93.9% vs 95.6% at seed 42: below 2^-10 sent as 0, no memory (mean of 3 seeds: -0.4)",
-           "terngrad_grace": "-2.0 points: the paper's 2.5 sigma clipping (clip=0: +0.1 over 3 seeds)"}
+KNOWN_2 = {("efsignsgd", "ring"): "94.3 (-3.8): one bit with a mean-|x| scale cannot carry a re-encoded sum (auto "
+                                  "uses allgather; onebit with its norm-preserving scale passes: docs/convergence.md, "
+                                  "cause 10)",
+           ("adaq", "ps"): "88.8 (-9.3): the aggregator re-encodes the sum at AdaQ's 1% density (docs/convergence.md, "
+                           "cause 4; auto uses allgather, 97.8)",
+           ("signsgd", "ring"): "86.4 (-11.7): " + _SIGN, ("signsgd", "ps"): "85.4 (-12.7): " + _SIGN,
+           ("signum", "ps"): "85.3 (-12.8): " + _SIGN}
+KNOWN_4 = {"efsignsgd": "94.5 (-2.1): one mean-|x| scale per tensor, as onebit before causes 10 and 12",
+           # GRACE's sparsifiers and PowerSGD (docs/grace.md)
+           "randomk": "87.1 (-9.5) at ratio 0.5: stale bursts of memory (docs/grace.md)",
+           "powersgd_grace": "91.6 (-5.1) at rank 2: no warm start of Q (docs/grace.md)",
+           "adaq": "91.1 (-5.5): per-sign means at 1% density", "dgc_grace": "94.8 (-1.8): 1% density in 110 steps",
+           "topk": "94.7 (-1.9): 1% density in 110 steps"}
 
 
-def _accuracies(tmp_dir, np, strategy, algos, ddp=False, kwargs=TUNED):
+def _accuracies(tmp_dir, np, strategy, algos, ddp=False, kwargs=TUNED, seeds=None):
+    """{algo: (final test accuracy, the strategy it ran)}, "none" included, from one bench launch;
+    with ``seeds``, one launch per seed and each algorithm's mean over them (a failed or diverged
+    run counts as NaN, which fails every margin)."""
     from hipress.bench import convergence
 
     args = ["--task", "digits", "--np", str(np), "--strategy", strategy, "--algos", ",".join(["none"] + algos),
             "--out-dir", str(tmp_dir), "--no-plots", "--timeout", "600", "--no-reference"] \
-        + [f"--kwargs={a}={json.dumps(kwargs[a])}" for a in algos if a in kwargs] + (["--ddp"] if ddp else [])
+        + [f"--kwargs={a}={json.dumps(kwargs[a])}" for a in algos if a in kwargs] + (["--ddp"] if ddp else []) \
+        + (["--seeds", ",".join(map(str, seeds))] if seeds else [])
     doc = convergence.main(args)
+    if seeds:
+        return {r["algorithm"]: (r["mean test_accuracy"], f"{strategy}, mean of seeds {seeds}")
+                for r in doc["rows"] if r["side"] == "hipress"}
     out = {}
     for algo, r in doc["runs"].items():
         assert "error" not in r, f"{algo}: {r.get('error')}\n{r.get('output_tail')}"
@@ -112,13 +123,15 @@ DDP_LAUNCHES = _launches([("auto", sorted(CORE & set(ALGOS)))], ddp=True)
 _done = {}  # launch -> {algo: accuracy} with "none", or the error it ended with
 
 
-def _ranks(np, tmp_path_factory, launches, algo, strategy):
-    """(accuracy of algo, uncompressed accuracy of the same launch) at np ranks."""
+def _ranks(np, tmp_path_factory, launches, algo, strategy, seeds=None):
+    """(accuracy of algo, uncompressed accuracy of the same launch) at np ranks; with ``seeds``,
+    both as means over them."""
     launch = next(l for l in launches if algo in l[1] and strategy in (l[0], "lowrank"))
-    key = (np, launch)
+    key = (np, launch, seeds)
     if key not in _done:
         try:
-            got = _accuracies(tmp_path_factory.mktemp(launch[0]), np, launch[0], list(launch[1]), ddp=launch[2])
+            got = _accuracies(tmp_path_factory.mktemp(launch[0]), np, launch[0], list(launch[1]), ddp=launch[2],
+                              seeds=seeds)
             _done[key] = {a: acc for a, (acc, _) in got.items()}
         except Exception as e:  # every case of this launch reports it; none relaunches it
             _done[key] = e
@@ -172,9 +185,12 @@ def test_ddp_hook_two_ranks_within_3_points(tmp_path_factory, algo):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("algo,strategy", [_case(a, s) for a, s in OTHER_CASES])
 def test_two_ranks_every_strategy_within_3_points(tmp_path_factory, algo, strategy):
-    _within_3(_two_rank(tmp_path_factory, SLOW_LAUNCHES, algo, strategy), algo, strategy)
+    """Judged by the mean over SEEDS: at seed 42 alone adaq on ring and PS missed by 0.03 and 1.4
+    points on this AVX-512 machine, and signum on ring passed, and both moved with the seed."""
+    _within_3(_ranks(2, tmp_path_factory, SLOW_LAUNCHES, algo, strategy, SEEDS), algo, f"{strategy}, mean of seeds {SEEDS}")
 
 
 @pytest.mark.parametrize("ddp,wire,interval", [(False, "fp32", 4), (True, "fp32", 4), (False, "bf16", 4),
@@ -219,5 +235,9 @@ FOUR_RANK_LAUNCHES = _launches([("auto", ALGOS)])
 @pytest.mark.parametrize("algo", [pytest.param(a, marks=pytest.mark.xfail(reason=KNOWN_4[a], strict=True))
                                   if a in KNOWN_4 else a for a in ALGOS])
 def test_four_ranks_auto_within_1_point(tmp_path_factory, algo):
-    acc, base = _ranks(4, tmp_path_factory, FOUR_RANK_LAUNCHES, algo, "auto")
-    assert abs(acc - base) <= 1.0, f"{algo}: {acc:.1f}% vs uncompressed {base:.1f}%"
+    """At least uncompressed - 1 point, by the mean over SEEDS. At seed 42 alone DGC, onebit and
+    threshold ended 3 test images (1.01 points) under uncompressed on this AVX-512 machine, TBQ 5,
+    and their means over the three seeds were 0.11-0.56 under (docs/convergence.md). Above
+    uncompressed is not a miss (the check was two-sided before: onebit at seed 2 was 1.01 above)."""
+    acc, base = _ranks(4, tmp_path_factory, FOUR_RANK_LAUNCHES, algo, "auto", SEEDS)
+    assert acc >= base - 1.0, f"{algo}: {acc:.2f}% vs uncompressed {base:.2f}% (means of seeds {SEEDS})"
