@@ -12,7 +12,7 @@ One rank's NaN is known to the others only in ``synchronize()``, after their own
 already taken this step's gradients in. So, per step:
 
 1. each rank checks every parameter's final gradient *before* clipping, momentum correction
-   and compression (:func:`all_finite`: one ``sum`` over the gradient, as fast as a copy;
+   and compression (:func:`all_finite`: one ``sum`` over the gradient, faster than a copy;
    ``isfinite().all()`` only when the sum is not finite). A non-finite gradient is replaced
    by zeros, so nothing non-finite is ever encoded, sent, or decoded by a peer (a NaN scale
    in a payload header would fail the peer's decode and stall the collectives), and every
